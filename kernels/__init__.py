@@ -1,0 +1,1 @@
+"""Hand-written Triton kernels, each with a plain-PyTorch reference."""
