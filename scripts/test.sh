@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run every test: notebooks clean and in sync with the library, the notebooks'
+# own tests (nbdev-test; cells flagged `cuda` run only with `--flags cuda` on a GPU), and pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+. .venv/bin/activate
+export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
+echo "== notebooks carry no outputs"
+nbdev-clean
+git diff --exit-code -- nbs || { echo "notebooks are not clean: run nbdev-clean and commit"; exit 1; }
+echo "== nbdev-export leaves no diff"
+nbdev-export
+[ -z "$(git status --porcelain -- cvllm_lab)" ] || { git status --porcelain -- cvllm_lab; echo "library out of sync with notebooks: run nbdev-export and commit"; exit 1; }
+echo "== nbdev-test"
+time nbdev-test --n-workers 2 ${NBDEV_FLAGS:+--flags "$NBDEV_FLAGS"}
+echo "== pytest"
+time python -m pytest -q tests "$@"
