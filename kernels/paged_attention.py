@@ -1,4 +1,4 @@
-"""Paged attention over a block-table KV cache: plain-PyTorch references (the contract every kernel meets).
+"""Paged attention over a block-table KV cache: Triton kernels and their plain-PyTorch references.
 
 Layout (one layer):
 - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`; token slot `s` lives at
@@ -7,11 +7,40 @@ Layout (one layer):
   `query_start_loc[b]:query_start_loc[b+1]`, which are its *last* `q_len` positions out of `seq_lens[b]`
   (so cached-prefix tokens, chunked prefill and decode are the same case). Attention is causal.
 - `block_tables[b, i]` is the physical block holding the sequence's tokens `i*block_size ... (i+1)*block_size-1`.
+
+Kernels (one entry point, `paged_attention`, picks between two launches of the same kernel):
+
+| batch                          | grid                                      | one program                                  |
+|--------------------------------|-------------------------------------------|----------------------------------------------|
+| prefill / mixed                | `(num_tokens // BLOCK_Q + num_seqs, Hkv)` | BLOCK_Q query tokens x G heads, all its keys |
+| decode (`max_query_len` <= 8)  | `(num_seqs, Hkv, num_splits)`             | a sequence's queries x G heads, 1/num_splits of the keys |
+
+The G = num_heads / num_kv_heads query heads sharing a KV head are packed into the rows of one tile, so each
+K/V tile is read once per KV head. Keys are visited tile by tile through the block table with the
+flash-attention recurrence, in fp32 and in log2 units (`s = q.k * scale * log2(e)`):
+
+    m' = max(m, max_j s_j),   a = 2^(m - m'),   l' = a l + sum_j 2^(s_j - m'),   acc' = a acc + sum_j 2^(s_j - m') v_j
+
+and `out = acc / l`. Decode splits a sequence's keys over `num_splits` programs (flash-decoding); each writes
+its `(m, l, acc)` and a merge kernel computes `out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`,
+`M = max_s m_s`. Grids depend only on `num_tokens`, `num_seqs` and static settings (the split count comes
+from the `max_seq_len` bound); per-sequence lengths are read on the device, so launches can be captured in
+CUDA graphs.
 """
+import functools
+import math
+import os
+
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ['reshape_and_cache_ref', 'paged_attention_ref']
+__all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'paged_attention', 'paged_attention_ref']
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------------------------------------------
 
 def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping):
     "Write `key`/`value` `[T, Hkv, D]` into the caches at `slot_mapping` `[T]` (slots < 0 are skipped)."
@@ -22,40 +51,333 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping):
     v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
 
 
+def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window):
+    """Masked attention of a padded batch in fp32: `q` `[B, H, M, D]`, `k`/`v` `[B, Hkv, L, D]`,
+    `qpos` `[B, M]` absolute query positions, `kv_len` `[B]`. Returns `[B, H, M, D]` fp32."""
+    B, H, M, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = H // Hkv
+    kpos = torch.arange(L, device=q.device)
+    mask = (kpos <= qpos[..., None]) & (kpos < kv_len[:, None, None])  # [B, M, L]
+    if sliding_window is not None: mask &= kpos > qpos[..., None] - sliding_window
+    mask |= ~mask.any(-1, keepdim=True)  # padded query rows: attend anywhere, result is dropped
+    # GQA without copying K/V: the G heads sharing a KV head become G*M rows of that head
+    qg = q.float().reshape(B, Hkv, G * M, D)
+    mg = mask[:, None, None].expand(B, 1, G, M, L).reshape(B, 1, G * M, L)
+    o = torch.nn.functional.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=mg, scale=scale)
+    return o.reshape(B, H, M, D)
+
+
+def _gather_kv(cache, block_tables, n):
+    "Dense `[B, Hkv, n, D]` view of the first `n` tokens of each sequence."
+    bs = cache.shape[1]
+    nblk = (n + bs - 1) // bs
+    g = cache[block_tables[:, :nblk].long()]  # [B, nblk, bs, Hkv, D]
+    return g.reshape(g.shape[0], nblk * bs, *cache.shape[2:])[:, :n].transpose(1, 2)
+
+
+REF_SCORE_BUDGET = 1 << 26  # fp32 scores per query chunk of the reference's prefill path (256 MiB)
+
+
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                         sliding_window: int | None = None, max_query_len: int | None = None,
                         max_seq_len: int | None = None):
-    "Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]`."
+    """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]`.
+    Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
+    chunks that keep the score matrix small. Rows past `query_start_loc[-1]` are zero. `max_query_len` and
+    `max_seq_len` are accepted for parity with `paged_attention` and not needed here."""
     T, H, D = q.shape
-    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    qsl = query_start_loc.tolist()
-    sl = seq_lens.tolist()
-    B = len(sl)
+    qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
+    B, dev = len(sl), q.device
+    out = q.new_zeros(T, H, D)
     q_lens = [qsl[b + 1] - qsl[b] for b in range(B)]
-    mq = max_query_len or max(q_lens)
-    mk = max_seq_len or max(sl)
-    nblk = (mk + bs - 1) // bs
-    dev = q.device
-    # gather K/V for every sequence, padded to `mk` tokens: [B, nblk*bs, Hkv, D] -> [B, Hkv, mk, D]
-    bt = block_tables[:, :nblk].long()
-    k = k_cache[bt].reshape(B, nblk * bs, Hkv, D)[:, :mk].transpose(1, 2)
-    v = v_cache[bt].reshape(B, nblk * bs, Hkv, D)[:, :mk].transpose(1, 2)
-    # scatter queries into a padded [B, H, mq, D] batch
-    rows = torch.cat([torch.arange(n, device=dev) for n in q_lens])
-    bidx = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(q_lens, device=dev))
-    qp = q.new_zeros(B, mq, H, D)
-    qp[bidx, rows] = q
-    qp = qp.transpose(1, 2)
-    # absolute position of each padded query row, and the causal (+ window, + length) mask
-    sl_t, ql_t = torch.tensor(sl, device=dev), torch.tensor(q_lens, device=dev)
-    qpos = (sl_t - ql_t)[:, None] + torch.arange(mq, device=dev)[None]  # [B, mq]
-    kpos = torch.arange(mk, device=dev)
-    mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < sl_t[:, None, None])
-    if sliding_window is not None: mask &= kpos[None, None] > qpos[:, :, None] - sliding_window
-    mask |= ~mask.any(-1, keepdim=True)  # padded query rows: attend anywhere, result is dropped
-    if Hkv != H:
-        k = k.repeat_interleave(H // Hkv, dim=1)
-        v = v.repeat_interleave(H // Hkv, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qp.float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale)
-    return out.transpose(1, 2)[bidx, rows].to(q.dtype)
+    dec = [b for b in range(B) if q_lens[b] == 1 and sl[b] > 0]
+    if dec:
+        idx = torch.tensor(dec, device=dev)
+        lens = seq_lens[idx].long()
+        L = max(sl[b] for b in dec)
+        rows = query_start_loc[idx].long()
+        k, v = _gather_kv(k_cache, block_tables[idx], L), _gather_kv(v_cache, block_tables[idx], L)
+        o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window)
+        out[rows] = o[:, :, 0].to(q.dtype)
+    for b in range(B):
+        n = q_lens[b]
+        if n <= 1 or sl[b] == 0: continue
+        ctx = sl[b] - n
+        chunk = max(1, REF_SCORE_BUDGET // (H * sl[b]))
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            L = ctx + e  # keys visible to the chunk's last query
+            k, v = _gather_kv(k_cache, block_tables[b:b + 1], L), _gather_kv(v_cache, block_tables[b:b + 1], L)
+            qpos = torch.arange(ctx + s, ctx + e, device=dev)[None]
+            qc = q[qsl[b] + s:qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
+            o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window)
+            out[qsl[b] + s:qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                              stride_kt, stride_kh, stride_vt, stride_vh,
+                              stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+                              num_kv_heads, head_dim,
+                              BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_kv_heads) & (d < head_dim)
+        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d,
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    "Triton `reshape_and_cache_ref`: scatter `key`/`value` `[T, Hkv, D]` to their slots (slots < 0 skipped)."
+    T, Hkv, D = key.shape
+    if T == 0: return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _reshape_and_cache_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        Hkv, D, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4 if Hkv * D >= 1024 else 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged_attention
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        qsl_ptr, seq_lens_ptr, block_tables_ptr,
+        qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
+        num_seqs, head_dim,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+        stride_bt, stride_pt, stride_ph,
+        QUERIES_PER_KV: tl.constexpr,  # G = num_heads // num_kv_heads
+        G_P: tl.constexpr,  # G rounded up to a power of 2
+        BLOCK_Q: tl.constexpr,  # query tokens per tile
+        BLOCK_M: tl.constexpr,  # rows per tile, >= BLOCK_Q * G_P (row r = token r // G_P, head r % G_P)
+        HEAD_DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+        WINDOW: tl.constexpr,  # sliding window (0: off)
+        DIRECT: tl.constexpr,  # program 0-axis index == sequence index (every q_len <= BLOCK_Q)
+        SPLIT: tl.constexpr,  # write unnormalized partials for _merge_splits_kernel instead of the output
+        PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr):  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # --- which sequence and which of its query tiles this program owns ---------------------------------------
+    if DIRECT:
+        seq = tile
+        q_tile = 0
+    else:
+        # Sequence b's tiles start at global tile qsl[b] // BLOCK_Q + b: monotone in b, and leaves room for
+        # ceil(q_len / BLOCK_Q) tiles, so the grid num_tokens // BLOCK_Q + num_seqs is enough (a few idle).
+        # Binary search for the last sequence whose first tile is <= `tile`.
+        lo = tile * 0
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
+                lo = mid
+            else:
+                hi = mid
+        seq = lo
+        q_tile = tile - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx_len = seq_len - q_len  # tokens before the first query (cached prefix / earlier chunks)
+
+        offs_m = tl.arange(0, BLOCK_M)
+        q_idx = q_tile * BLOCK_Q + offs_m // G_P  # query index within the sequence
+        g = offs_m % G_P
+        row_ok = (offs_m < BLOCK_Q * G_P) & (q_idx < q_len) & (g < QUERIES_PER_KV)
+        head = kvh * QUERIES_PER_KV + g
+        q_pos = ctx_len + q_idx  # absolute position of the row's query
+        token = (q_start + q_idx).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        d_ok = offs_d < head_dim
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+
+        # --- key range: causal end of the tile's last query, sliding-window start of its first ---------------
+        kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+        kv_start = 0
+        if WINDOW > 0:
+            kv_start = tl.maximum(ctx_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
+        kv_start = (kv_start // TILE_N) * TILE_N
+        # this program's share, in whole tiles (split == 0 of 1 takes everything)
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), num_splits)
+        lo_n = kv_start + split * tiles_per_split * TILE_N
+        hi_n = tl.minimum(lo_n + tiles_per_split * TILE_N, kv_end)
+
+        # --- online softmax: m = running row max, l = running sum of exp2(s - m), acc = sum exp2(s - m) v ------
+        m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(lo_n, hi_n, TILE_N):
+            offs_n = start + tl.arange(0, TILE_N)
+            n_ok = offs_n < hi_n
+            # each key's physical block through the block table (a tile may span several pages)
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            page_off = offs_n % PAGE
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None]
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(visible, s, float('-inf'))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)  # fully masked row so far: avoid inf - inf
+            alpha = tl.math.exp2(m_i - m_safe)  # rescale of the old sums to the new max
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None]
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            p = p.to(v.dtype)  # P @ V runs in the cache dtype, accumulating in fp32
+            if DOT_F32:
+                p = p.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+
+        if SPLIT:
+            # partial results of this split; _merge_splits_kernel rescales them to a common max
+            ph = token * stride_pt + head * stride_ph + split
+            tl.store(part_m_ptr + ph, m_i, mask=row_ok)
+            tl.store(part_l_ptr + ph, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + ph[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, head_dim,
+                         stride_ot, stride_oh, stride_pt, stride_ph,
+                         SPLITS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits have m_s = -inf)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    s_ok = offs_s < num_splits
+    base = t * stride_pt + h * stride_ph + offs_s
+    m = tl.load(part_m_ptr + base, mask=s_ok, other=float('-inf'))
+    l = tl.load(part_l_ptr + base, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float('-inf'), 0.0, m_max))
+    l_tot = tl.sum(w * l, 0)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=256, max_splits=32):
+    "Enough KV splits for about two waves of programs, each split covering at least `min_keys_per_split` keys."
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else 8
+    want = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_seq_len, min_keys_per_split), max_splits))
+
+
+_INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+DECODE_MAX_QUERY_LEN = 8  # batches whose longest query is at most this many tokens take the split-KV path
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                    sliding_window: int | None = None, max_query_len: int | None = None,
+                    max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None):
+    """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16.
+
+    `max_query_len` / `max_seq_len` are upper bounds read on the host (computed from the tensors, with a
+    device sync, when None): they pick the decode path and the number of KV splits, so pass static values
+    when capturing CUDA graphs. `num_kv_splits` overrides the split count of the decode path."""
+    T, H, D = q.shape
+    _, page, Hkv, _ = k_cache.shape
+    B = seq_lens.shape[0]
+    assert H % Hkv == 0, (H, Hkv)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None: out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0 or B == 0: return out
+    if max_query_len is None: max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None: max_seq_len = int(seq_lens.max())
+
+    G = H // Hkv
+    G_P = triton.next_power_of_2(G)
+    D_P = max(16, triton.next_power_of_2(D))
+    fp32 = q.dtype == torch.float32
+    dot_f32 = _INTERPRET and q.dtype == torch.bfloat16
+    precision = 'ieee' if fp32 or dot_f32 else 'tf32'  # 'tf32' is ignored for 16-bit inputs
+    qk_scale = scale * math.log2(math.e)
+    decode = max_query_len <= DECODE_MAX_QUERY_LEN
+    if decode:
+        block_q = triton.next_power_of_2(max(1, max_query_len))
+        block_m = max(16, block_q * G_P)
+        splits = num_kv_splits or _default_num_splits(q, B, Hkv, max_seq_len)
+        grid = (B, Hkv, splits)
+        tile_n = 32 if fp32 or D_P > 128 else 64
+        warps, stages = 4, (2 if fp32 else 3)
+    else:
+        block_m = max(16, 64 if fp32 or D_P > 128 else 128, G_P)
+        block_q = block_m // G_P
+        splits = 1
+        grid = (T // block_q + B, Hkv, 1)
+        tile_n = 32 if fp32 or D_P > 128 else 64
+        warps, stages = (4 if block_m <= 64 else 8), 2
+    split = splits > 1
+    if split:
+        part_m = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(T, H, splits, D_P, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        query_start_loc, seq_lens, block_tables, qk_scale, B, D,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), H * splits, splits,
+        QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
+        TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
+        num_warps=warps, num_stages=stages)
+    if split:
+        _merge_splits_kernel[(T, H)](
+            out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,
+            SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2)
+    return out

@@ -1,0 +1,37 @@
+"""Gated MLP activation `silu(x[..., :I]) * x[..., I:]`: Triton kernel and plain-PyTorch reference."""
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ['silu_and_mul', 'silu_and_mul_ref']
+
+
+def silu_and_mul_ref(x):
+    "`x` `[..., 2I]` -> `silu(gate) * up` `[..., I]`, computed in fp32."
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_inter
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_inter + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x, out=None):
+    "Triton `silu_and_mul_ref` over the last dim of `x` (any leading shape)."
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    if x2.stride(-1) != 1: x2 = x2.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
+    o2 = out.view(-1, n)
+    if x2.shape[0] == 0: return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, o2, x2.stride(0), o2.stride(0), n,
+                                                               BLOCK=block, num_warps=4)
+    return out

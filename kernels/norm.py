@@ -1,0 +1,79 @@
+"""RMSNorm and fused residual-add + RMSNorm: Triton kernels and plain-PyTorch references.
+
+`rms_norm(x) = x / sqrt(mean(x^2) + eps) * weight`, one program per row, computed in fp32 and written in the
+input dtype. The fused variant first forms `new_residual = x + residual` (rounded to the residual dtype, as an
+unfused model would store it) and normalizes that.
+"""
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ['rms_norm', 'rms_norm_ref', 'fused_add_rms_norm', 'fused_add_rms_norm_ref']
+
+
+def rms_norm_ref(x, weight, eps: float = 1e-6):
+    "RMSNorm over the last dim in fp32; output in `x.dtype`."
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
+    "Returns `(rms_norm(x + residual), x + residual)`."
+    new_residual = (x.float() + residual.float()).to(residual.dtype)
+    return rms_norm_ref(new_residual, weight, eps).to(x.dtype), new_residual
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t):
+    "2-D `[rows, hidden]` view (copies only if the last dim is strided)."
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x, residual, weight, eps, out, res_out):
+    n = x.shape[-1]
+    block = triton.next_power_of_2(n)
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    o2, ro2 = out.view(-1, n), (res_out.view(-1, n) if res_out is not None else out.view(-1, n))
+    if x2.shape[0] == 0: return
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0),
+                                     ro2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                     num_warps=min(16, max(1, block // 256)))
+
+
+def rms_norm(x, weight, eps: float = 1e-6, out=None):
+    "Triton `rms_norm_ref` over the last dim of `x` (any leading shape)."
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, inplace: bool = False):
+    """Triton `fused_add_rms_norm_ref`: returns `(normed, new_residual)`. With `inplace`, `normed` is
+    written into `x` and `new_residual` into `residual`."""
+    if inplace:
+        assert x.is_contiguous() and residual.is_contiguous()
+        out, res_out = x, residual
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        res_out = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+    _launch(x, residual, weight, eps, out, res_out)
+    return out, res_out
