@@ -1,0 +1,68 @@
+"The docs site: nbdev directives honoured (hidden cells gone, directive lines stripped), README as home, a page per module."
+from __future__ import annotations
+import json, re, shutil, subprocess, sys
+from pathlib import Path
+import pytest
+
+pytest.importorskip('mkdocs'); pytest.importorskip('mkdocs_jupyter'); pytest.importorskip('material')
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'tools'))
+import build_docs
+
+
+def nb(*cells):
+    return {'cells': [{'cell_type': t, 'metadata': {}, 'source': s, **({'outputs': [], 'execution_count': None} if t == 'code' else {})}
+                      for t, s in cells], 'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
+
+
+DEMO = nb(('markdown', '# Demo module\n> Summary line of the demo.'),
+          ('code', '#| default_exp serving.demo'),
+          ('code', '#| hide\nSECRET_SETUP_VALUE = 42'),
+          ('code', '#|hide\nANOTHER_HIDDEN_THING = 1'),
+          ('code', '#| export\ndef visible_api_function(x):\n    "Return x."\n    return x'),
+          ('markdown', 'Some prose that explains the design.'),
+          ('code', '#| eval: false\nvisible_api_function(3)'))
+
+
+def test_clean_notebook():
+    cleaned, module, title = build_docs.clean_notebook(DEMO)
+    assert (module, title) == ('serving.demo', 'Demo module')
+    text = json.dumps(cleaned)
+    assert 'SECRET_SETUP_VALUE' not in text and 'ANOTHER_HIDDEN_THING' not in text and '#|' not in text
+    assert [c['source'] for c in cleaned['cells'] if c['cell_type'] == 'code'] == [
+        'def visible_api_function(x):\n    "Return x."\n    return x', 'visible_api_function(3)']
+
+
+def test_build_site(tmp_path):
+    nbs = tmp_path / 'nbs'; nbs.mkdir()
+    (nbs / '90_demo.ipynb').write_text(json.dumps(DEMO))
+    shutil.copy(ROOT / 'nbs' / '77_api_server.ipynb', nbs)
+    (nbs / '95_notes.ipynb').write_text(json.dumps(nb(('markdown', '# Loose notes'), ('code', '1 + 1'))))
+    readme = tmp_path / 'README.md'; readme.write_text('# cvllm_lab\n\nThe README is the HOME_PAGE_MARKER.\n')
+    site = tmp_path / 'site'
+    yml = build_docs.build(nbs, readme, tmp_path / 'build', site)
+    nav = json.loads(yml.read_text())['nav']
+    assert nav[0] == {'Home': 'index.md'}
+    assert nav[1]['API'] == [{'cvllm_lab.serving': [{'api_server — OpenAI-compatible API server': '77_api_server.ipynb'},
+                                                    {'demo — Demo module': '90_demo.ipynb'}]}]
+    assert nav[2] == {'Notebooks': [{'Loose notes': '95_notes.ipynb'}]}
+    home = (site / 'index.html').read_text()
+    assert 'HOME_PAGE_MARKER' in home and '90_demo.html' in home and '77_api_server.html' in home
+    demo = (site / '90_demo.html').read_text()
+    assert 'visible_api_function' in demo and 'Some prose that explains the design' in demo
+    assert 'SECRET_SETUP_VALUE' not in demo and 'ANOTHER_HIDDEN_THING' not in demo
+    assert not re.search(r'#\s*\|\s*(export|default_exp|hide|eval)', demo)
+    api = (site / '77_api_server.html').read_text()
+    assert 'build_app' in api and 'class OpenAIServing' in api
+    assert 'def check_error' not in api                      # defined in a `#| hide` cell of that notebook
+    assert not re.search(r'#\s*\|\s*(export|default_exp|hide)', api)
+
+
+def test_make_docs(tmp_path):
+    "The whole site, as `make docs` builds it: a page per notebook."
+    site = tmp_path / 'site'
+    subprocess.run(['make', '-s', 'docs', f'SITE_DIR={site}', f'PYTHON={sys.executable}'], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    pages = {p.stem for p in site.glob('*.html')}
+    assert {p.stem for p in (ROOT / 'nbs').glob('*.ipynb')} <= pages and 'index' in pages
+    assert 'def check_error' not in (site / '77_api_server.html').read_text()
