@@ -1,0 +1,185 @@
+"""Triton kernels for `y = x @ W.T` with block-wise FP8 weights, and their PyTorch reference.
+
+`W` is stored as Qwen3-FP8 / DeepSeek-V3 checkpoints store it: `weight` `float8_e4m3fn [N, K]` and
+`weight_scale_inv` `fp32 [ceil(N/128), ceil(K/128)]`, one scale per 128 x 128 block, `W = weight * scale`
+(the name is the checkpoints'; the value multiplies). Activations stay in bf16/fp16 (W8A16): the kernels convert
+FP8 to fp32 in registers (`cvt` e4m3x2 -> f16x2 -> f32), so no activation quantization error is added.
+
+| kernel | used for | what it does |
+|---|---|---|
+| `_fp8_gemv_kernel` | M = 1 (decode) | `[TPI, BN, 128]` weight tiles; all BN rows of a program share one 128-row block, so the block scale is applied to the 128 `x` values (not to the weights); fp32 register accumulator reduced once after the K loop |
+| `_fp8_mm_kernel` | 1 < M <= `MM_MAX_M` | per K-block: `tl.dot(x, W_block.T)` in the activation dtype, then `acc += dot * scale[n]` |
+| dequantize + cuBLAS | prefill | `W` in bf16 once, then `torch.matmul` |
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_lab.quant.fp8 import BLOCK, dequantize_fp8_block
+
+__all__ = ['fp8_matmul', 'fp8_gemv', 'fp8_mm', 'fp8_matmul_ref']
+_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, TPS, KB,
+                     BN: tl.constexpr, TPI: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                     ATOMIC: tl.constexpr):
+    "out[n] (+)= sum_k x[k] W[n, k]; program axis 0: BN rows (inside one 128-row block), axis 1: TPS K-blocks."
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    ru = tl.arange(0, TPI)
+    rk = tl.arange(0, 128)
+    nmask = rn < N
+    rn_c = tl.minimum(rn, N - 1)
+    wp = w_ptr + rn_c.to(tl.int64)[None, :, None] * K + (ru[:, None, None] * 128 + rk[None, None, :])  # [TPI, BN, 128]
+    xp = x_ptr + ru[:, None] * 128 + rk[None, :]                                                      # [TPI, 128]
+    sp = s_ptr + (pid_n * BN // 128) * KB + ru                                                        # [TPI]
+    acc = tl.zeros([TPI, BN, 128], dtype=tl.float32)
+    t0 = pid_k * TPS
+    for t in range(t0, t0 + TPS, TPI):
+        kk = (t + ru[:, None]) * 128 + rk[None, :]
+        if EVEN_K:
+            w = tl.load(wp + t * 128, eviction_policy='evict_first')
+            xv = tl.load(xp + t * 128, eviction_policy='evict_last')
+        else:
+            w = tl.load(wp + t * 128, mask=(kk < K)[:, None, :], other=0.0, eviction_policy='evict_first')
+            xv = tl.load(xp + t * 128, mask=kk < K, other=0.0, eviction_policy='evict_last')
+        xs = xv.to(tl.float32) * tl.load(sp + t)[:, None]
+        acc += w.to(tl.float32) * xs[:, None, :]
+    y = tl.sum(tl.sum(acc, 2), 0)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + rn, y, mask=nmask)
+    else:
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om, TPS, KB,
+                   BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, ATOMIC: tl.constexpr,
+                   PREC: tl.constexpr):
+    "out[BM, BN] (+)= sum over the program's K-blocks of (x_blk @ W_blk.T) * scale[n-block, k-block]."
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, 128)
+    rn_c = tl.minimum(rn, N - 1)
+    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    wp = w_ptr + rn_c.to(tl.int64)[None, :] * K + rk[:, None]          # [128, BN] = W_blk.T
+    sp = s_ptr + (rn_c // 128) * KB                                      # [BN]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    t0 = pid_k * TPS
+    for t in range(t0, t0 + TPS):
+        if EVEN_K:
+            xt = tl.load(xp + t * 128)
+            w = tl.load(wp + t * 128)
+        else:
+            km = (t * 128 + rk) < K
+            xt = tl.load(xp + t * 128, mask=km[None, :], other=0.0)
+            w = tl.load(wp + t * 128, mask=km[:, None], other=0.0)
+        d = tl.dot(xt, w.to(xt.dtype), input_precision=PREC)
+        acc += d * tl.load(sp + t)[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if ATOMIC:
+        tl.atomic_add(optr, acc, mask=mask)
+    else:
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(weight, scale, N, K):
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous float8_e4m3fn [{N}, {K}], got {weight.dtype} {tuple(weight.shape)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (nb, kb):
+        raise ValueError(f"weight_scale_inv must be float32 [{nb}, {kb}], got {scale.dtype} {tuple(scale.shape)}")
+    return nb, kb
+
+
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 1
+
+
+def _split(tiles, want, multiple):
+    for s in range(max(1, min(want, tiles)), 0, -1):
+        if tiles % s == 0 and (tiles // s) % multiple == 0: return s
+    return 1
+
+
+GEMV_BN, GEMV_TPI, GEMV_WARPS = 16, 2, 4
+
+
+def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warps=None, split_k=None):
+    "`x` `[1, K]` @ W.T -> `[1, N]` with the FP8 GEMV kernel."
+    assert x.shape == (1, K), x.shape
+    _, kb = _check(weight, scale, N, K)
+    x = x.contiguous()
+    bn = bn or (8 if _INTERPRET else GEMV_BN)
+    assert BLOCK % bn == 0, bn
+    tpi = tpi or (1 if _INTERPRET else GEMV_TPI)
+    while kb % tpi: tpi //= 2
+    num_warps = num_warps or GEMV_WARPS
+    progs = triton.cdiv(N, bn)
+    if split_k is None:
+        sms = _num_sms(x.device)
+        split_k = 1 if progs >= sms else _split(kb, triton.cdiv(2 * sms, progs), tpi)
+    elif kb % split_k or (kb // split_k) % tpi:
+        raise ValueError(f"split_k={split_k} must divide the {kb} K-blocks into multiples of tpi={tpi}")
+    out_dtype = out_dtype or x.dtype
+    atomic = split_k > 1
+    out = torch.zeros(1, N, dtype=torch.float32, device=x.device) if atomic else torch.empty(1, N, dtype=out_dtype, device=x.device)
+    _fp8_gemv_kernel[(progs, split_k)](x, weight, scale, out, N, K, kb // split_k, kb, BN=bn, TPI=tpi,
+                                       EVEN_K=K % BLOCK == 0, EVEN_N=N % bn == 0, ATOMIC=atomic, num_warps=num_warps)
+    return out.to(out_dtype) if atomic else out
+
+
+def fp8_mm(x, weight, scale, N, K, out_dtype=None, bm=None, bn=None, num_warps=None, split_k=None):
+    "`x` `[M, K]` @ W.T -> `[M, N]`: per 128-block `tl.dot` in the activation dtype, scaled into an fp32 accumulator."
+    M = x.shape[0]
+    assert x.ndim == 2 and x.shape[1] == K, x.shape
+    _, kb = _check(weight, scale, N, K)
+    x = x.contiguous()
+    bm = bm or (16 if M <= 16 or _INTERPRET else 32 if M <= 32 else 64)
+    bn = bn or (32 if _INTERPRET else 64)
+    num_warps = num_warps or 4
+    progs = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split_k is None:
+        sms = _num_sms(x.device)
+        split_k = 1 if progs >= sms else _split(kb, triton.cdiv(2 * sms, progs), 1)
+    elif kb % split_k:
+        raise ValueError(f"split_k={split_k} must divide the {kb} K-blocks")
+    out_dtype = out_dtype or x.dtype
+    atomic = split_k > 1
+    out = torch.zeros(M, N, dtype=torch.float32, device=x.device) if atomic else torch.empty(M, N, dtype=out_dtype, device=x.device)
+    prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
+    _fp8_mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split_k)](
+        x, weight, scale, out, M, N, K, x.stride(0), out.stride(0), kb // split_k, kb,
+        BM=bm, BN=bn, EVEN_K=K % BLOCK == 0, ATOMIC=atomic, PREC=prec, num_warps=num_warps)
+    return out.to(out_dtype) if atomic else out
+
+
+MM_MAX_M = 128
+
+
+def fp8_matmul(x, weight, scale, N, K):
+    "`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by M."
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M == 0: return x.new_empty(*lead, N)
+    if M == 1: y = fp8_gemv(x2, weight, scale, N, K)
+    elif M <= MM_MAX_M: y = fp8_mm(x2, weight, scale, N, K)
+    else:
+        wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        y = (x2.to(wdt) @ dequantize_fp8_block(weight, scale, wdt).T).to(x.dtype)
+    return y.reshape(*lead, N)
+
+
+def fp8_matmul_ref(x, weight, scale, N, K):
+    "Reference: dequantize in fp32, fp32 matmul, cast to x's dtype."
+    return (x.float() @ dequantize_fp8_block(weight, scale).T).to(x.dtype)

@@ -1,0 +1,172 @@
+"""W4A16 (packed 4/8-bit) and block-FP8 matmul kernels against their dequantize + fp32 matmul references.
+
+CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes. CUDA (`-m cuda`): the Llama-3-8B shapes, the
+layers (`W4A16Linear`, packed `GGUFLinear`, `FP8Linear`) and `quantize_model` on the GPU.
+`python tests/bench_quant.py` times them (M=1 GEMV sweep, batched, prefill) on a GPU.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before triton is imported
+
+from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm
+from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
+from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
+from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
+from cvllm_lab.quant.gguf import GGUFLinear, PACKED_TYPES, dequantize, quantize, random_blocks
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+interp = pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='CPU tests run the Triton interpreter')
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _packed(N, K, bits, group, sym, seed, device='cpu'):
+    g = torch.Generator().manual_seed(seed)
+    m = W4A16Linear.from_float(torch.randn(N, K, generator=g) * 0.05, group, bits, sym).to(device)
+    return (m.qweight, m.scales, m.offsets, bits, m.group, N, K)
+
+
+CONFIGS = [(4, 128, True), (4, 128, False), (4, 64, False), (4, 32, True), (4, -1, True), (8, 32, True), (8, 128, False)]
+IDS = [f'{b}bit-g{g}-{"sym" if s else "asym"}' for b, g, s in CONFIGS]
+
+
+# ------------------------------------------------------------------------------------------- CPU (interpreter)
+
+@interp
+@pytest.mark.parametrize('bits,group,sym', CONFIGS, ids=IDS)
+def test_w4a16_cpu(bits, group, sym):
+    for N, K in ((64, 256), (40, 200)):                       # the second: N % BN != 0, K % 128 != 0 (padded)
+        args = _packed(N, K, bits, group, sym, N + K)
+        assert torch.equal(w4a16_dequantize(*args, dtype=torch.float32), dequantize_packed_ref(*args))
+        for M in (1, 3, 17):
+            x = torch.randn(M, K)
+            y = w4a16_matmul(x, *args)                          # M=1: GEMV, else the fused tl.dot kernel
+            assert y.shape == (M, N) and _rel(y, w4a16_matmul_ref(x, *args)) < 1e-5, (N, K, M)
+    args = _packed(32, 512, bits, group, sym, 7)
+    x = torch.randn(1, 512)
+    ref = w4a16_matmul_ref(x, *args)
+    for tpi, split in ((1, 4), (2, 2), (4, 1)):               # split-K (fp32 atomics), tiles per iteration
+        for variant in ('2d', '3d'):
+            assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant), ref) < 1e-5, (tpi, split, variant)
+    x = torch.randn(5, 512).half()
+    assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
+
+
+@interp
+def test_w4a16_prefill_shapes_and_errors_cpu():
+    args = _packed(24, 256, 4, 128, True, 1)
+    x = torch.randn(2, 70, 256)                                 # M=140 > MM_MAX_M: dequantize kernel + matmul
+    y = w4a16_matmul(x, *args)
+    assert y.shape == (2, 70, 24) and _rel(y, w4a16_matmul_ref(x.reshape(-1, 256), *args).reshape(2, 70, 24)) < 1e-5
+    assert w4a16_matmul(torch.randn(0, 256), *args).shape == (0, 24)
+    with pytest.raises(ValueError): w4a16_matmul(torch.randn(1, 256), args[0][:, :-1], *args[1:5], 23, 256)
+    with pytest.raises(ValueError): w4a16_gemv(torch.randn(1, 256), *args, split_k=3)
+
+
+@interp
+@pytest.mark.parametrize('t', PACKED_TYPES, ids=[t.name.lower() for t in PACKED_TYPES])
+def test_gguf_packed_cpu(t):
+    "GGUF q4_0/q4_1/q4_k/q8_0 repacked to the W4A16 layout (group 32): the kernels match GGUF dequantization."
+    g = torch.Generator().manual_seed(3)
+    raw = random_blocks(t, 32, 512, generator=g)
+    m = GGUFLinear.from_gguf(raw, t, (32, 512)).pack()
+    p = m.packed
+    for M in (1, 4):
+        x = torch.randn(M, 512, generator=g)
+        ref = x @ dequantize(raw, t).T
+        y = w4a16_matmul(x, p.qweight, p.scales, p.offsets, p.bits, p.group, 32, 512)
+        assert _rel(y, ref) < (2e-3 if t.name == 'Q4_K' else 1e-5), (t.name, M, _rel(y, ref))
+
+
+def _fp8(N, K, seed, device='cpu'):
+    g = torch.Generator().manual_seed(seed)
+    w, s = quantize_fp8_block(torch.randn(N, K, generator=g) * 0.05)
+    return w.to(device), s.to(device)
+
+
+@interp
+def test_fp8_cpu():
+    for N, K in ((64, 256), (40, 200), (136, 384)):
+        w, s = _fp8(N, K, N)
+        for M in (1, 3, 17):
+            x = torch.randn(M, K)
+            y = fp8_matmul(x, w, s, N, K)
+            assert y.shape == (M, N) and _rel(y, fp8_matmul_ref(x, w, s, N, K)) < 1e-5, (N, K, M)
+    w, s = _fp8(32, 512, 1)
+    x = torch.randn(1, 512)
+    ref = fp8_matmul_ref(x, w, s, 32, 512)
+    for tpi, split in ((1, 4), (2, 2), (4, 1)):
+        assert _rel(fp8_gemv(x, w, s, 32, 512, tpi=tpi, split_k=split), ref) < 1e-5
+    x = torch.randn(5, 512).half()
+    assert _rel(fp8_mm(x, w, s, 32, 512, split_k=2), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
+    x = torch.randn(140, 512)                                    # prefill path
+    assert _rel(fp8_matmul(x, w, s, 32, 512), fp8_matmul_ref(x, w, s, 32, 512)) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------- CUDA
+
+SHAPES = [(4096, 14336), (14336, 4096), (6144, 4096), (576, 576)]
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize('bits,group,sym', [(4, 128, True), (4, 32, False), (8, 32, True)], ids=['4-g128-sym', '4-g32-asym', '8-g32'])
+def test_w4a16_cuda(bits, group, sym):
+    for N, K in SHAPES:
+        args = _packed(N, K, bits, group, sym, N, 'cuda')
+        w = dequantize_packed_ref(*args)
+        assert torch.equal(w4a16_dequantize(*args, dtype=torch.float32), w)
+        for M in (1, 3, 16, 100, 300):
+            x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
+            ref = x.float() @ w.T
+            y = w4a16_matmul(x, *args)
+            assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
+        x = torch.randn(1, K, device='cuda')
+        assert _rel(w4a16_matmul(x, *args), x @ w.T) < 1e-5          # fp32 in: no bf16 rounding at all
+        for variant, bn, tpi, nw in (('2d', 64, 4, 4), ('2d', 32, 2, 2), ('3d', 32, 8, 8), ('3d', 16, 4, 4)):
+            for sk in (1, 2):                                          # both GEMV variants, with and without split-K
+                if (K + 127) // 128 % (sk * tpi): continue
+                y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant)
+                assert _rel(y, x @ w.T) < 1e-5, (N, K, variant, bn, tpi, sk)
+
+
+@cuda
+@pytest.mark.cuda
+def test_fp8_cuda():
+    for N, K in SHAPES:
+        w, s = _fp8(N, K, N, 'cuda')
+        wd = fp8_matmul_ref(torch.eye(K, device='cuda'), w, s, N, K).T
+        for M in (1, 3, 16, 300):
+            x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
+            y = fp8_matmul(x, w, s, N, K)
+            assert _rel(y, x.float() @ wd.T) < 1e-2, (N, K, M)
+
+
+@cuda
+@pytest.mark.cuda
+def test_layers_and_quantize_model_cuda():
+    "The quantized layers on CUDA agree with their CPU paths; quantize_model packs GGUF types on CUDA."
+    from cvllm_lab.layers.basic import Linear
+    from cvllm_lab.quant.apply import quantize_model, quantize_linear
+    lin = Linear(1024, [512, 256, 256], bias=True)
+    torch.nn.init.normal_(lin.weight, std=0.02); torch.nn.init.normal_(lin.bias)
+    x = torch.randn(3, 1024)
+    for method in ('marlin', 'fp8', 'q4k', 'q8_0', 'q4_0', 'q6k', 'q2k'):
+        q = quantize_linear(lin, method)
+        ref = q(x)
+        qc = quantize_linear(lin.cuda(), method, pack=True)
+        lin.cpu()
+        for M in (1, 3):
+            y = qc(x[:M].cuda().bfloat16()).float().cpu()
+            assert _rel(y, ref[:M]) < 2e-2, (method, M, _rel(y, ref[:M]))
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({'proj': Linear(512, 256)})]).cuda()
+    quantize_model(model, 'q4k', progress=False)
+    assert model.model.layers[0]['proj'].packed is not None
