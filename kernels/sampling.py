@@ -300,6 +300,9 @@ def _launch_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, thr
     res = torch.empty(B, dtype=torch.float32 if thresholds_only else torch.int64, device=logits.device)
     if B == 0: return res
     block = min(2048, triton.next_power_of_2(V))
+    # the kernel indexes per-row tensors by row: make them dense (an `expand`ed view has stride 0; no copy otherwise)
+    temperature, top_k, top_p, min_p = (t.contiguous() for t in (temperature, top_k, top_p, min_p))
+    seeds, offsets = (None if t is None else t.contiguous() for t in (seeds, offsets))
     dummy = res if seeds is None else seeds
     _sample_kernel[(B,)](logits, res, res, temperature, top_k, top_p, min_p,
                          dummy, dummy if offsets is None else offsets, V, logits.stride(0),
