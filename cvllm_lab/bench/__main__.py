@@ -7,11 +7,13 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/bench_main.html.md"""
 # %% auto #0
 __all__ = ['CONF_DIR', 'main']
 
-# %% ../../nbs/62_bench_main.ipynb #ef245e5b
+# %% ../../nbs/62_bench_main.ipynb #3541f02e
 from pathlib import Path
 import hydra
+import pandas as pd
 from omegaconf import OmegaConf, DictConfig
 from .sweep import run_sweep
+from .plot import plot_sweep
 
 import cvllm_lab
 CONF_DIR = Path(cvllm_lab.__file__).resolve().parents[1] / 'conf'   # the repo's conf/
@@ -24,6 +26,10 @@ def main(cfg: DictConfig):
     cols = [k for k in ('shape', 'quant', 'batch_size', 'prompt_len', 'output_len', 'prefill_tok_s', 'decode_tok_s',
                         'ms_per_step', 'bw_fraction', 'roofline_tok_s', 'error') if k in df]
     print(df[cols].to_string(index=False))
+    if c.get('plot', True) and c.get('sweep') and len(df) and (df.error.fillna('') == '').any():
+        out = Path(c['out'])   # all rows of this sweep in the CSV (it is appended to), plotted beside it
+        rows = pd.read_csv(out)
+        print('plot:', plot_sweep(rows[rows.sweep == df.sweep.iloc[0]], CONF_DIR.parent / 'results' / 'reference', out.with_suffix('.png')))
 
-# %% ../../nbs/62_bench_main.ipynb #8b991882
+# %% ../../nbs/62_bench_main.ipynb #a775b83e
 if __name__ == '__main__': main()
