@@ -26,6 +26,13 @@ its `(m, l, acc)` and a merge kernel computes `out = sum_s 2^(m_s - M) acc_s / s
 `M = max_s m_s`. Grids depend only on `num_tokens`, `num_seqs` and static settings (the split count comes
 from the `max_seq_len` bound); per-sequence lengths are read on the device, so launches can be captured in
 CUDA graphs.
+
+FP8 KV cache (`kv_cache_dtype='fp8'`): the caches are `float8_e4m3fn` and every (token, KV head) row carries its
+own fp32 scale in `k_scale` / `v_scale` `[num_blocks, block_size, num_kv_heads]` (contiguous), so slot `s`,
+head `h` has its scale at `s * num_kv_heads + h`. A write quantizes each row with `scale = max|x| / 448`,
+`x8 = clamp(x / scale, -448, 448)` (round to nearest even); a read dequantizes `x8 * scale` in fp32. The
+attention kernel folds the key scales into the fp32 scores, `s_j = (q . k8_j) * ks_j` (the same sum, one
+multiply per score), and dequantizes each V tile in fp32 before `P @ V`, which runs in q's dtype.
 """
 import functools
 import math
@@ -35,20 +42,44 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'paged_attention', 'paged_attention_ref']
+__all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'paged_attention', 'paged_attention_ref', 'quantize_kv_ref',
+           'FP8_MAX', 'FP8_DTYPE']
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+SCALE_MIN = 1e-12  # floor of max|x| for a row's scale (an all-zero row must not divide by 0)
+_FP8_MAX, _SCALE_MIN = tl.constexpr(FP8_MAX), tl.constexpr(SCALE_MIN)  # the same, readable inside kernels
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # References
 # ---------------------------------------------------------------------------------------------------------------
 
-def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping):
-    "Write `key`/`value` `[T, Hkv, D]` into the caches at `slot_mapping` `[T]` (slots < 0 are skipped)."
-    nb, bs = k_cache.shape[:2]
+def quantize_kv_ref(x):
+    "FP8 rows with one scale each: `x` `[T, Hkv, D]` -> (`float8_e4m3fn` `[T, Hkv, D]`, fp32 scales `[T, Hkv]`)."
+    x = x.float()
+    scale = x.abs().amax(-1).clamp_min(SCALE_MIN) / FP8_MAX
+    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _write_rows(cache, slots, rows):
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == FP8_DTYPE:  # CPU has no fp8 index_copy_: copy the bytes
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows.to(flat.dtype))
+
+
+def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Write `key`/`value` `[T, Hkv, D]` into the caches at `slot_mapping` `[T]` (slots < 0 are skipped). FP8
+    caches: each row is quantized with its own scale, written to `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    for x, cache, sc in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        x = x[keep]
+        if cache.dtype == FP8_DTYPE:
+            x, s = quantize_kv_ref(x)
+            sc.view(-1, sc.shape[-1]).index_copy_(0, slots, s)
+        _write_rows(cache, slots, x)
 
 
 def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window):
@@ -68,11 +99,13 @@ def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window):
     return o.reshape(B, H, M, D)
 
 
-def _gather_kv(cache, block_tables, n):
-    "Dense `[B, Hkv, n, D]` view of the first `n` tokens of each sequence."
+def _gather_kv(cache, block_tables, n, scale=None):
+    "Dense `[B, Hkv, n, D]` view of the first `n` tokens of each sequence (FP8: dequantized to fp32 with `scale`)."
     bs = cache.shape[1]
     nblk = (n + bs - 1) // bs
-    g = cache[block_tables[:, :nblk].long()]  # [B, nblk, bs, Hkv, D]
+    idx = block_tables[:, :nblk].long()
+    g = cache[idx]  # [B, nblk, bs, Hkv, D]
+    if scale is not None: g = g.float() * scale[idx][..., None]
     return g.reshape(g.shape[0], nblk * bs, *cache.shape[2:])[:, :n].transpose(1, 2)
 
 
@@ -81,11 +114,13 @@ REF_SCORE_BUDGET = 1 << 26  # fp32 scores per query chunk of the reference's pre
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                         sliding_window: int | None = None, max_query_len: int | None = None,
-                        max_seq_len: int | None = None):
+                        max_seq_len: int | None = None, k_scale=None, v_scale=None):
     """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]`.
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
     chunks that keep the score matrix small. Rows past `query_start_loc[-1]` are zero. `max_query_len` and
-    `max_seq_len` are accepted for parity with `paged_attention` and not needed here."""
+    `max_seq_len` are accepted for parity with `paged_attention` and not needed here. FP8 caches are read
+    through their per-row scales `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`."""
+    if k_cache.dtype == FP8_DTYPE: assert k_scale is not None and v_scale is not None, "an FP8 cache needs its scales"
     T, H, D = q.shape
     qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
     B, dev = len(sl), q.device
@@ -97,7 +132,8 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         lens = seq_lens[idx].long()
         L = max(sl[b] for b in dec)
         rows = query_start_loc[idx].long()
-        k, v = _gather_kv(k_cache, block_tables[idx], L), _gather_kv(v_cache, block_tables[idx], L)
+        k = _gather_kv(k_cache, block_tables[idx], L, k_scale)
+        v = _gather_kv(v_cache, block_tables[idx], L, v_scale)
         o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window)
         out[rows] = o[:, :, 0].to(q.dtype)
     for b in range(B):
@@ -108,7 +144,8 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             L = ctx + e  # keys visible to the chunk's last query
-            k, v = _gather_kv(k_cache, block_tables[b:b + 1], L), _gather_kv(v_cache, block_tables[b:b + 1], L)
+            k = _gather_kv(k_cache, block_tables[b:b + 1], L, k_scale)
+            v = _gather_kv(v_cache, block_tables[b:b + 1], L, v_scale)
             qpos = torch.arange(ctx + s, ctx + e, device=dev)[None]
             qc = q[qsl[b] + s:qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
             o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window)
@@ -121,11 +158,38 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _round_to_e4m3(x):
+    # x fp32 in [-448, 448] -> the nearest e4m3 value (ties to even), still fp32, so that the cast that follows is
+    # exact: the interpreter's fp32 -> fp8 cast drops the carry when rounding up to a power of two (127.9 -> 64).
+    # e4m3 keeps 3 mantissa bits: ulp = 2^(E - 3) for |x| in [2^E, 2^(E+1)), and 2^-9 below 2^-6 (subnormals)
+    e = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased fp32 exponent of x, >= that of 2^-6
+    ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)  # 2^(E - 3)
+    inv_ulp = ((257 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - E): multiplying by it is exact
+    y = x * inv_ulp  # |y| <= 16
+    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds y to an integer, ties to even
+    return y * ulp
+
+
+@triton.jit
+def _store_row(x, cache_ptr, scale_ptr, slot, h, d, mask, num_kv_heads, FP8: tl.constexpr):
+    # x [BLOCK_H, BLOCK_D]; FP8: one scale per head row, max|x| / 448, stored beside the cache
+    if FP8:
+        x = x.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _SCALE_MIN), _FP8_MAX)  # [BLOCK_H]; IEEE division
+        tl.store(scale_ptr + slot * num_kv_heads + h, scale[:, None], mask=h < num_kv_heads)
+        x = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX))
+        tl.store(cache_ptr, x.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(cache_ptr, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
                               num_kv_heads, head_dim,
-                              BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                              FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -134,26 +198,36 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < head_dim)
-        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        _store_row(k, k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d, k_scale_ptr, slot, h, d,
+                   mask, num_kv_heads, FP8)
+        _store_row(v, v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d, v_scale_ptr, slot, h, d,
+                   mask, num_kv_heads, FP8)
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+def _check_scales(k_cache, k_scale, v_scale):
+    "True for an FP8 cache (whose scales must be contiguous fp32 `[num_blocks, block_size, Hkv]`)."
+    if k_cache.dtype != FP8_DTYPE: return False
+    for sc in (k_scale, v_scale):
+        assert sc is not None and sc.dtype == torch.float32 and sc.is_contiguous() and sc.shape == k_cache.shape[:3], \
+            "an FP8 cache needs contiguous fp32 scales [num_blocks, block_size, num_kv_heads]"
+    return True
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     "Triton `reshape_and_cache_ref`: scatter `key`/`value` `[T, Hkv, D]` to their slots (slots < 0 skipped)."
     T, Hkv, D = key.shape
     if T == 0: return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    fp8 = _check_scales(k_cache, k_scale, v_scale)
     _reshape_and_cache_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale if fp8 else key, v_scale if fp8 else value,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         Hkv, D, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4 if Hkv * D >= 1024 else 1)
+        BLOCK_D=triton.next_power_of_2(D), FP8=fp8, num_warps=4 if Hkv * D >= 1024 else 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,8 +238,9 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         qsl_ptr, seq_lens_ptr, block_tables_ptr,
+        k_scale_ptr, v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
         qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
-        num_seqs, head_dim,
+        num_seqs, head_dim, num_kv_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
         stride_bt, stride_pt, stride_ph,
@@ -178,7 +253,8 @@ def _paged_attention_kernel(
         DIRECT: tl.constexpr,  # program 0-axis index == sequence index (every q_len <= BLOCK_Q)
         SPLIT: tl.constexpr,  # write unnormalized partials for _merge_splits_kernel instead of the output
         PRECISION: tl.constexpr,
-        DOT_F32: tl.constexpr):  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
+        DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
+        FP8_KV: tl.constexpr):  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -248,9 +324,15 @@ def _paged_attention_kernel(
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None]
                         + offs_d[None, :], mask=kv_mask, other=0.0)
+            if FP8_KV:
+                k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+                scale_idx = (blk * PAGE + page_off) * num_kv_heads + kvh
+                k_scale = tl.load(k_scale_ptr + scale_idx, mask=n_ok, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            if FP8_KV:
+                s = s * k_scale[None, :]  # q . (k8 * ks) = (q . k8) * ks
             visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
@@ -262,7 +344,10 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None]
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            p = p.to(v.dtype)  # P @ V runs in the cache dtype, accumulating in fp32
+            if FP8_KV:  # dequantize the tile in fp32 (folding vs into p could underflow fp16 probabilities)
+                v_scale = tl.load(v_scale_ptr + scale_idx, mask=n_ok, other=0.0)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            p = p.to(v.dtype)  # P @ V runs in the cache dtype (FP8: q's dtype), accumulating in fp32
             if DOT_F32:
                 p = p.to(tl.float32)
                 v = v.to(tl.float32)
@@ -321,8 +406,10 @@ DECODE_MAX_QUERY_LEN = 8  # batches whose longest query is at most this many tok
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                     sliding_window: int | None = None, max_query_len: int | None = None,
-                    max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None):
-    """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16.
+                    max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None,
+                    k_scale=None, v_scale=None):
+    """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
+    queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
 
     `max_query_len` / `max_seq_len` are upper bounds read on the host (computed from the tensors, with a
     device sync, when None): they pick the decode path and the number of KV splits, so pass static values
@@ -332,6 +419,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     B = seq_lens.shape[0]
     assert H % Hkv == 0, (H, Hkv)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    fp8 = _check_scales(k_cache, k_scale, v_scale)
     if out is None: out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0 or B == 0: return out
     if max_query_len is None: max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -368,14 +456,14 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         part_m = part_l = part_acc = out  # unused
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables, qk_scale, B, D,
+        query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q, qk_scale, B, D, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), H * splits, splits,
         QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
         TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
-        num_warps=warps, num_stages=stages)
+        FP8_KV=fp8, num_warps=warps, num_stages=stages)
     if split:
         _merge_splits_kernel[(T, H)](
             out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,

@@ -3,6 +3,10 @@
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes; the reference itself against a naive
 per-token loop. CUDA (`-m cuda`): real sizes (32 q heads, 8 KV heads, D=128, bf16, contexts up to 8k, batch
 64) and a CUDA-graph replay. `python tests/test_kernels_attention.py bench` times decode on a GPU.
+
+FP8 KV cache (float8_e4m3fn rows, one fp32 scale per token and KV head): the write kernel equals the reference
+bit for bit; attention over an FP8 cache is checked tightly against the fp32 reference on the dequantized cache
+(the dtype's usual tolerance) and loosely against attention over the unquantized K/V (FP8_LOOSE below).
 """
 import os
 import pathlib
@@ -171,6 +175,134 @@ def test_strided_q_and_out_buffer():
     assert (buf[:, 0] == 0).all() and (buf[:, 5] == 0).all()
 
 
+# ------------------------------------------------------------------------------------------------ FP8 KV cache
+
+FP8 = torch.float8_e4m3fn
+# FP8 vs unquantized K/V (N(0,1) data): e4m3 keeps 3 mantissa bits, so each cached value is off by up to 2^-4
+# relative (rms ~2^-4/sqrt(3) = 3.6%); through the scores and the weighted sum of V the outputs differ by ~3%
+# in relative L2 norm (measured here: 2.4% to 3.9%, largest element error 0.03 to 0.09). Bounds: 6%, 0.2.
+FP8_LOOSE = dict(rel_l2=0.06, max_abs=0.2)
+
+
+def to_fp8(cache):
+    "Quantize a `[num_blocks, block_size, Hkv, D]` cache by rows: (fp8 cache, fp32 scales `[num_blocks, block_size, Hkv]`)."
+    c8, sc = pa.quantize_kv_ref(cache.reshape(-1, *cache.shape[2:]))
+    return c8.view(cache.shape), sc.view(cache.shape[:3])
+
+
+def fp8_args(args):
+    "A batch from `make_batch` with its caches quantized: (args with fp8 caches, k_scale, v_scale)."
+    q, kc, vc, qsl, sl, bt = args
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    return [q, k8, v8, qsl, sl, bt], ks, vs
+
+
+def assert_fp8_loose(out, exact):
+    out, exact = out.float(), exact.float()
+    rel = ((out - exact).norm() / exact.norm()).item()
+    err = (out - exact).abs().max().item()
+    assert rel < FP8_LOOSE['rel_l2'] and err < FP8_LOOSE['max_abs'], (rel, err)
+
+
+def fp8_ulps(a, b):
+    "Per element, how many e4m3 steps apart two fp8 tensors are."
+    ia, ib = (t.view(torch.uint8).int() for t in (a, b))
+    signed = lambda i: torch.where(i >= 128, -(i - 128), i)  # sign-magnitude -> monotone integers
+    return (signed(ia) - signed(ib)).abs()
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_fp8(dtype):
+    "Per-(token, head) scale max|x|/448, values rounded to nearest e4m3; Triton = reference; zero and huge rows."
+    torch.manual_seed(20)
+    nb, bs, Hkv, D, T = 6, 16, 3, 40, 24
+    kv = (torch.randn(2, T, Hkv, D, device=DEV) * torch.logspace(-3, 3, T, device=DEV)[:, None, None]).to(dtype)
+    kv[0, 2] = 0  # an all-zero row: no NaN
+    kv[1, 5, 0, :3] = torch.tensor([3e4, 1e-6, -2e-4])  # huge values and ones that round to 0 in one row
+    kv[0, 7, 1] = torch.logspace(0, -6, D) * (-1) ** torch.arange(D)  # down to e4m3's subnormals (2^-9..2^-6 x scale)
+    key, value = kv
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[[4, 9]] = -1
+    caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=FP8) for _ in range(4)]
+    scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)]
+    reshape_and_cache(key, value, caches[0], caches[1], slots, scales[0], scales[1])
+    reshape_and_cache_ref(key, value, caches[2], caches[3], slots, scales[2], scales[3])
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        ulps = fp8_ulps(got, want)
+        if pa._INTERPRET: assert ulps.max() == 0  # the same IEEE fp32 arithmetic: bit-exact
+        else: assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-3  # same arithmetic on a GPU; 1 step allowed
+    for got, want in ((scales[0], scales[2]), (scales[1], scales[3])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    keep = slots >= 0
+    for x, c, sc in ((key, caches[2], scales[2]), (value, caches[3], scales[3])):
+        x = x[keep].float()
+        rows = c.view(-1, Hkv, D)[slots[keep]].float()
+        s = sc.view(-1, Hkv)[slots[keep]]
+        torch.testing.assert_close(s, (x.abs().amax(-1).clamp_min(pa.SCALE_MIN) / 448), rtol=1e-6, atol=0)
+        assert rows.abs().amax(-1)[x.abs().amax(-1) > 0].eq(448).all()  # each row's max lands on e4m3's max
+        # nearest e4m3 value: half a step, 2^-4 relative (normals) or 2^-10 * scale (subnormals below 2^-6)
+        err = (rows * s[..., None] - x).abs()
+        assert (err <= torch.maximum(x.abs() * 2 ** -4, s[..., None] * 2 ** -10) * (1 + 1e-6)).all()
+    assert not any(torch.isnan(c.float()).any() for c in caches)
+
+
+def test_fp8_reference_is_attention_over_dequantized_cache():
+    "The reference reads FP8 as cache * scale in fp32; it then agrees with the naive fp64 loop."
+    torch.manual_seed(21)
+    args, ks, vs = fp8_args(make_batch([1, 9, 5, 1], [20, 0, 13, 30], 4, 2, 16, 4, torch.float32, device='cpu'))
+    q, k8, v8, qsl, sl, bt = args
+    deq = [q, k8.float() * ks[..., None], v8.float() * vs[..., None], qsl, sl, bt]
+    ref = paged_attention_ref(*args, scale=0.25, k_scale=ks, v_scale=vs)
+    assert torch.equal(ref, paged_attention_ref(*deq, scale=0.25))
+    assert (ref.double() - naive_attention(*deq, scale=0.25)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('H,Hkv,D,bs', [(4, 1, 64, 16), (6, 2, 32, 16)])
+def test_fp8_mixed_batch(dtype, H, Hkv, D, bs):
+    "Varlen prefill, chunked prefill over a cached prefix and decodes over an FP8 cache, GQA."
+    torch.manual_seed(22)
+    exact = make_batch([37, 1, 20, 1, 70], [0, 45, 33, 3, 17], H, Hkv, D, bs, dtype)
+    args, ks, vs = fp8_args(exact)
+    out = paged_attention(*args, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+    assert_close(out, paged_attention_ref(*args, scale=D ** -0.5, k_scale=ks, v_scale=vs), dtype)
+    assert_fp8_loose(out, paged_attention_ref(*exact, scale=D ** -0.5))
+
+
+@pytest.mark.parametrize('splits', [1, 3])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_fp8_decode_split_kv(splits, dtype):
+    "Split-KV decode over an FP8 cache (G = 4 query heads per KV head) and the merge of the splits."
+    torch.manual_seed(23)
+    exact = make_batch([1] * 4, [0, 130, 300, 64], 8, 2, 64, 16, dtype)
+    args, ks, vs = fp8_args(exact)
+    out = paged_attention(*args, scale=0.125, num_kv_splits=splits, max_seq_len=512, k_scale=ks, v_scale=vs)
+    assert_close(out, paged_attention_ref(*args, scale=0.125, k_scale=ks, v_scale=vs), dtype)
+    assert_fp8_loose(out, paged_attention_ref(*exact, scale=0.125))
+
+
+def test_fp8_write_then_attend():
+    "As a layer runs: a chunked prefill then a decode step write K/V through `reshape_and_cache` and attend."
+    torch.manual_seed(24)
+    H, Hkv, D, bs, nb = 4, 2, 32, 8, 12
+    k8, v8 = torch.zeros(2, nb, bs, Hkv, D, device=DEV, dtype=FP8)
+    ks, vs = torch.zeros(2, nb, bs, Hkv, device=DEV)
+    kx, vx = torch.zeros(2, nb, bs, Hkv, D, device=DEV)  # the same K/V kept unquantized
+    table = torch.tensor([[5, 2, 9, 0, 11]], dtype=torch.int32, device=DEV)
+    L = 30
+    q, k, v = torch.randn(L, H, D, device=DEV), torch.randn(L, Hkv, D, device=DEV), torch.randn(L, Hkv, D, device=DEV)
+    for s, e in ((0, 19), (19, 29), (29, 30)):  # two prefill chunks, then one decode token
+        slots = (table[0, torch.arange(s, e, device=DEV) // bs].long() * bs + torch.arange(s, e, device=DEV) % bs)
+        reshape_and_cache(k[s:e], v[s:e], k8, v8, slots, ks, vs)
+        reshape_and_cache_ref(k[s:e], v[s:e], kx, vx, slots)
+        meta = (torch.tensor([0, e - s], dtype=torch.int32, device=DEV), torch.tensor([e], dtype=torch.int32, device=DEV),
+                table)
+        out = paged_attention(q[s:e], k8, v8, *meta, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+        want = paged_attention_ref(q[s:e], k8, v8, *meta, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+        assert_close(out, want, torch.float32)
+        assert_fp8_loose(out, paged_attention_ref(q[s:e], kx, vx, *meta, scale=D ** -0.5))
+
+
 # ------------------------------------------------------------------------------------------------ CUDA, real sizes
 
 @cuda
@@ -222,6 +354,43 @@ def test_cuda_graph_decode_replay():
         g.replay()
         torch.cuda.synchronize()
         assert_close(out, paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5), torch.bfloat16)
+
+
+@cuda
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_cuda_fp8_real_sizes(dtype):
+    "FP8 cache at the 8B shape: decode of 64 sequences up to 8k, two long ones (many splits), a mixed prefill batch."
+    torch.manual_seed(13)
+    for q_lens, ctx in (([1] * 64, torch.randint(1, 8192, (64,)).tolist()), ([1, 1], [8000, 3000]),
+                        ([4096, 1, 512, 1, 2000, 1], [0, 7000, 6000, 100, 0, 1])):
+        exact = make_batch(q_lens, ctx, 32, 8, 128, 16, dtype)
+        args, ks, vs = fp8_args(exact)
+        out = paged_attention(*args, scale=128 ** -0.5, k_scale=ks, v_scale=vs)
+        assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5, k_scale=ks, v_scale=vs), dtype)
+        assert_fp8_loose(out, paged_attention_ref(*exact, scale=128 ** -0.5))
+
+
+@cuda
+def test_cuda_graph_fp8_decode_replay():
+    "FP8 decode captured once: the scales are device tensors, so replays with new lengths read the right ones."
+    torch.manual_seed(14)
+    B, H, Hkv, D, bs, max_len = 8, 32, 8, 128, 16, 4096
+    args, ks, vs = fp8_args(make_batch([1] * B, [max_len - 1] * B, H, Hkv, D, bs, torch.bfloat16))
+    q, kc, vc, qsl, sl, bt = args
+    run = lambda: paged_attention(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, max_query_len=1, max_seq_len=max_len,
+                                  k_scale=ks, v_scale=vs)
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    for _ in range(3):
+        sl.copy_(torch.randint(1, max_len + 1, (B,), dtype=torch.int32))
+        ks.mul_(torch.rand_like(ks) + 0.5)  # new scales in place: the graph reads them, never a host copy
+        g.replay()
+        torch.cuda.synchronize()
+        want = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+        assert_close(out, want, torch.bfloat16)
 
 
 def _median_us(f, reps):

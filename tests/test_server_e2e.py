@@ -274,9 +274,21 @@ def test_api_key_and_refused_flags():
         assert ok.completions.create(model=ok.models.list().data[0].id, prompt='hi', max_tokens=2).choices[0].text is not None
         assert httpx.get(s.url + '/health').status_code == 200
     for flags, word in ((['--tensor-parallel-size', '2'], 'tensor parallel'), (['--isq', 'q9k'], 'unknown quantization'),
-                        (['--fp8-kvcache'], 'fp8'), (['--quantization', 'int3'], 'quantiz')):
+                        (['--quantization', 'int3'], 'quantiz')):
         p = subprocess.run([sys.executable, '-m', 'cvllm_lab.serve', *flags], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and word in p.stderr.lower(), (flags, p.returncode, p.stderr[-500:])
+
+
+def test_fp8_kvcache_serving():
+    "`--fp8-kvcache` (candle-vllm) serves from an FP8 KV cache; greedy text equals the offline API's with kv_cache_dtype='fp8'."
+    from cvllm_lab import LLM, SamplingParams
+    prompt, n = 'The capital of France is', 12
+    with ServerProcess('--fp8-kvcache', '--max-model-len', '256', '--mem', '16') as s:
+        c = openai.OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=120)
+        got = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+    want = LLM(kv_cache_dtype='fp8', max_model_len=256, progress=False).generate(
+        [prompt], SamplingParams(max_tokens=n, temperature=0))[0].outputs[0].text
+    assert got == want and len(got) > 0, (got, want)
 
 
 def test_quantized_serving():
