@@ -21,26 +21,39 @@ and the cross-thread reduction happens once, after the K loop.
 
 | kernel | used for | what it does |
 |---|---|---|
-| `_gemv_kernel` / `_gemv3_kernel` | M = 1 (decode) | `TPI` word tiles `[C, BN]` loaded per iteration (as separate loads, or one `[C, TPI, BN]` load), fp32 register accumulator, split-K over programs with fp32 atomics only when N gives too few programs |
-| `_mm_kernel` | 1 < M <= `MM_MAX_M` | per field: dequantize `[C, BN]` to the activation dtype, `tl.dot` with `x[:, C]`, fp32 accumulator |
+| `_gemv_kernel` / `_gemv3_kernel` | M = 1 (decode) | `TPI` word tiles `[C, BN]` per iteration (as separate loads, or one `[C, TPI, BN]` load), optional register prefetch of the next iteration's words (`PF`), fp32 register accumulator, split-K over programs |
+| `_mm_kernel` | 1 < M <= `MM_MAX_M` | per field one `tl.dot` of `x[:, C]` with the exact `f` in x's dtype; scales applied to the `[BM, BN]` group sums (`PERGROUP`; per weight in fp32 for 8-bit bf16 and 4-bit groups < 128); one program per (N-block, K-split, 64 rows) |
 | `_dequant_kernel` + cuBLAS | M > `MM_MAX_M` (prefill) | writes W once in bf16/fp16, then `torch.matmul` |
 
-Measured once on an H200 (Triton 3.6, bf16 x, CUDA-graph replay over rotating weight copies so weights come
-from HBM; % of 4.2 TB/s for the packed bytes incl. scales; `results/h200_quant_kernels.csv`):
+Split-K without extra launches (`_store_out`): the programs of one output tile add their fp32 partial sums into a
+per-device workspace (`split_k_workspace`) and count themselves on an int32 counter; the last one writes the tile
+in the output dtype and sets workspace and counter back to zero. Before, split-K meant `torch.zeros` + fp32
+atomics + a cast kernel (three launches), so it only paid off for the smallest N; now 2-14 splits pay everywhere.
 
-| N x K (M=1) | bf16 cuBLAS | W4A16 g128, best config | q4_k packed (g32) | q8_0 packed | FP8 (fp8_matmul) |
+Measured on an H200 (Triton 3.6, bf16 x, CUDA-graph replay over rotating weight copies so weights come from HBM;
+% of 4.2 TB/s for the packed bytes incl. scales; defaults below; `results/h200_quant_kernels.csv` holds the sweeps):
+
+| N x K | bf16 cuBLAS | W4A16 g128 M=1, before -> now | W4A16 g128 M=16, before -> now | M=64 now | q4_k packed M=1 |
 |---|---|---|---|---|---|
-| 6144 x 4096 (qkv) | 17.0 us | 11.4 us (28%) | 23.8 us | 19.4 us | 12.9 us (47%) |
-| 4096 x 4096 (o) | 13.6 us | 9.4 us (23%) | 12.8 us | 12.6 us | 12.1 us |
-| 28672 x 4096 (gate_up) | 58.5 us | 34.8 us (43%) | 50.6 us | 48.4 us | 37.9 us (74%) |
-| 4096 x 14336 (down) | 32.9 us | 20.6 us (36%) | 38.5 us | 32.1 us | 37.8 us |
+| 6144 x 4096 (qkv) | 16.9 us | 11.4 (28%) -> 9.8 us (33%) | 23.6 (14%) -> 17.6 us (18%) | 33.0 us | 23.8 -> 11.9 us |
+| 4096 x 4096 (o) | 13.5 us | 9.4 (23%) -> 7.8 us (27%) | 15.2 (14%) -> 12.4 us (17%) | 21.6 us | 12.8 -> 9.1 us |
+| 28672 x 4096 (gate_up) | 59.0 us | 34.8 (43%) -> 31.5 us (47%) | 65.0 (23%) -> 55.9 us (27%) | 102.7 us | 50.6 -> 41.3 us |
+| 4096 x 14336 (down) | 33.0 us | 20.6 (36%) -> 18.0 us (41%) | 35.9 (21%) -> 27.9 us (27%) | 50.4 us | 38.5 -> 22.5 us |
+| layer (4 matmuls) | 122 us | 76.2 -> 67.0 us | 139.7 -> 113.7 us | 207.7 us | 125.8 -> 84.8 us |
 
-So the GEMV is issue-bound, not memory-bound: ~5 instructions per weight in the SASS (shift, LOP3, FFMA per
-weight, plus x loads/conversions and scale application), and the latency of one load batch per iteration is
-only hidden with many programs per SM (split-K helped every small-N shape). Next steps: fewer instructions per
-weight (two nibbles per LOP3 via f16x2 magic numbers + HFMA2 into fp32 pairs, as Marlin does in CUDA), software
-pipelining of the weight loads, and a batched (M = 2..16) kernel that reuses the dequantized tile across rows
-without tensor cores (the `tl.dot` path reaches only 14-23% at M=16).
+Llama-3-8B decode estimate from these (32 layers + the bf16 LM head, 249 us at M=1): W4A16 418 tok/s at batch 1,
+4,110 at batch 16, 9,230 at batch 64 (bf16: 240 / 3,800 / 14,250).
+
+Diagnosis. The FP8 GEMV reads twice the bytes per weight and reaches 52-84% (`fp8_matmul`), the 4-bit GEMV 27-47%
+on the same shapes at about the same microseconds: it is issue-bound, not memory-bound. Per 4-bit weight the SASS
+has a shift, a LOP3 and an FFMA, plus x loads/conversions shared by only 4 weights and the per-group scale
+updates (4-5 instructions; the FP8 GEMV has 2.5 per weight and half as many weights per byte), and issue and memory
+time add up instead of overlapping. Split-K (more programs in flight) and register prefetch bought 10-15%; no
+config moved further (see the sweeps). The `tl.dot` path at M = 16..64 is limited by the per-field layout
+conversions of the dequantized `[C, BN]` tiles and of the x tiles into tensor-core operands (M = 64 is ~2x
+slower than M = 16, for the same weight bytes). Next steps: two nibbles per LOP3 via f16x2 magic numbers + packed
+math (inline PTX), and a `[BK, BN]` tile dequantized once per 128-K step for `tl.dot` (x permuted to the word
+order, so fields need no cross-thread moves).
 """
 import os
 
@@ -50,7 +63,7 @@ import triton.language as tl
 
 from cvllm_lab.quant.w4a16 import TILE_K, check_layout, dequantize_packed_ref
 
-__all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_dequantize', 'w4a16_matmul_ref']
+__all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 _ONE = 0x3F800000  # 1.0f
 
@@ -69,6 +82,25 @@ def _field_f(words, J: tl.constexpr, BITS: tl.constexpr, ONE):
     else:
         v = (words >> (-SH)) & MASK
     return (v | ONE).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
+    """Write the fp32 tile `y` to `optr`; with SPLIT > 1 programs per output tile, add it into the fp32 workspace at
+    `wsp` instead, and the last of the SPLIT programs (counter at `cnt_ptr`) moves the sum to `optr` and leaves the
+    workspace and the counter at zero for the next call (no memset, no cast kernel)."""
+    if SPLIT == 1:
+        tl.store(optr, y.to(optr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(wsp, y, mask=mask, sem='relaxed')
+        tl.debug_barrier()                                  # all of this program's adds before its release below
+        n = tl.atomic_add(cnt_ptr, 1, sem='acq_rel')
+        if n == SPLIT - 1:
+            tot = tl.load(wsp, mask=mask, other=0.0, cache_modifier='.cg')
+            tl.debug_barrier()                              # every thread has read before any thread zeroes
+            tl.store(wsp, tl.zeros_like(y), mask=mask)
+            tl.store(optr, tot.to(optr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr, 0)
 
 
 @triton.jit
@@ -110,10 +142,10 @@ def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, N, K, TPS, ONE,
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC: tl.constexpr):
-    "out[n] (+)= sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1."
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
+    "out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1."
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     C: tl.constexpr = 4 * BITS
     pid_n = tl.program_id(0)
@@ -124,14 +156,34 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, N, K, TPS, ONE,
     nmask = rn < N
     acc = tl.zeros([C, BN], dtype=tl.float32)
     t0 = pid_k * TPS
+    if PF:   # register double buffer: the next iteration's words are loaded before this one's math
+        n0 = tl.load(wp + t0 * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        if TPI > 1:
+            n1 = tl.load(wp + (t0 + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        if TPI > 2:
+            n2 = tl.load(wp + (t0 + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            n3 = tl.load(wp + (t0 + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
     for t in range(t0, t0 + TPS, TPI):
         # TPI tiles per iteration, all loads first: more bytes in flight per thread
-        w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        if TPI > 1:
-            w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        if TPI > 2:
-            w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        if PF:
+            tn = tl.minimum(t + TPI, t0 + TPS - TPI)   # the last iteration re-reads its own tiles (L2 hit)
+            w0 = n0
+            n0 = tl.load(wp + tn * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            if TPI > 1:
+                w1 = n1
+                n1 = tl.load(wp + (tn + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            if TPI > 2:
+                w2 = n2
+                w3 = n3
+                n2 = tl.load(wp + (tn + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+                n3 = tl.load(wp + (tn + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        else:
+            w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            if TPI > 1:
+                w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            if TPI > 2:
+                w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+                w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
         acc = _gemv_tile(acc, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N)
         if TPI > 1:
             acc = _gemv_tile(acc, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 1) * 128, K, ONE,
@@ -142,16 +194,13 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, N, K, TPS, ONE,
             acc = _gemv_tile(acc, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 3) * 128, K, ONE,
                              BITS, G, EVEN_K, EVEN_N)
     y = tl.sum(acc, 0)
-    if ATOMIC:
-        tl.atomic_add(out_ptr + rn, y, mask=nmask)
-    else:
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
 
 @triton.jit
-def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, N, K, TPS, ONE,
+def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC: tl.constexpr):
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
     "The GEMV with one `[C, TPI, BN]` load per iteration (TPI K-tiles as a tensor axis; the default for groups >= 64)."
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128
@@ -168,8 +217,17 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, N, K, TPS, ONE,
     nmask = rn < N
     acc = tl.zeros([C, TPI, BN], dtype=tl.float32)
     t0 = pid_k * TPS
+    if PF:   # register double buffer: the next iteration's words are loaded before this one's math
+        nxt = tl.load(wp + t0 * C * N, mask=nmask[None, None, :], other=0, eviction_policy='evict_first')
     for t in range(t0, t0 + TPS, TPI):
-        words = tl.load(wp + t * C * N, mask=nmask[None, None, :], other=0, eviction_policy='evict_first')
+        if PF:
+            words = nxt
+            tn = tl.minimum(t + TPI, t0 + TPS - TPI)   # the last iteration re-reads its own tiles (L2 hit)
+            nxt = tl.load(wp + tn * C * N, mask=nmask[None, None, :], other=0, eviction_policy='evict_first')
+        elif EVEN_N:
+            words = tl.load(wp + t * C * N, eviction_policy='evict_first')
+        else:
+            words = tl.load(wp + t * C * N, mask=nmask[None, None, :], other=0, eviction_policy='evict_first')
         xb = xp + t * 128
         for gi in tl.static_range(NG):
             for jj in tl.static_range(JPG):
@@ -186,42 +244,47 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, N, K, TPS, ONE,
                     tf += p
                     xs += xj
             sp = ((t + ru) * 128 + gi * GW) // G * N   # scale row of each of the TPI tiles
-            s = tl.load(s_ptr + sp[:, None] + rn[None, :], mask=nmask[None, :], other=0.0).to(tl.float32) * (1 << BITS)
-            o = tl.load(o_ptr + sp[:, None] + rn[None, :], mask=nmask[None, :], other=0.0).to(tl.float32) - s
+            if EVEN_N:
+                s = tl.load(s_ptr + sp[:, None] + rn[None, :]).to(tl.float32) * (1 << BITS)
+                o = tl.load(o_ptr + sp[:, None] + rn[None, :]).to(tl.float32) - s
+            else:
+                s = tl.load(s_ptr + sp[:, None] + rn[None, :], mask=nmask[None, :], other=0.0).to(tl.float32) * (1 << BITS)
+                o = tl.load(o_ptr + sp[:, None] + rn[None, :], mask=nmask[None, :], other=0.0).to(tl.float32) - s
             acc += tf * s[None, :, :]
             acc += xs[:, :, None] * o[None, :, :]
     y = tl.sum(tl.sum(acc, 1), 0)
-    if ATOMIC:
-        tl.atomic_add(out_ptr + rn, y, mask=nmask)
-    else:
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
 
 @triton.jit
-def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
+def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr):
-    "out[BM, BN] (+)= x[BM, K-range] @ W[BN, K-range].T with one tl.dot per bit field (K=C each)."
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+               PERGROUP: tl.constexpr):
+    """out[BM, BN] = x[BM, K] @ W[BN, K].T, one tl.dot per bit field (K = C each); program axes: N-block, K-split,
+    M-block. PERGROUP: the dot takes the exact `f = 1 + q / 2**BITS` in x's dtype and the scales are applied to the
+    [BM, BN] group sums (`S * dot + B * sum(x)`: 2 ops per weight less); else W is dequantized in fp32 and rounded."""
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128
     JPG: tl.constexpr = GW // C
     NG: tl.constexpr = 128 // GW
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rc = tl.arange(0, C)
     nmask = rn < N
+    mmask = rm < M
     xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_xm + rc[None, :]
     wp = qw_ptr + rc[:, None] * N + rn[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     t0 = pid_k * TPS
     for t in range(t0, t0 + TPS):
         if EVEN_N:
-            words = tl.load(wp + t * C * N)
+            words = tl.load(wp + t * C * N, eviction_policy='evict_first')
         else:
-            words = tl.load(wp + t * C * N, mask=nmask[None, :], other=0)
+            words = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
         kb = t * 128
         for gi in tl.static_range(NG):
             go = (kb + gi * GW) // G
@@ -231,19 +294,28 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, M, N, K, stride_xm, stride_
             else:
                 s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) * (1 << BITS)
                 o = tl.load(o_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) - s
+            if PERGROUP:
+                d = tl.zeros([BM, BN], dtype=tl.float32)
+                xs = tl.zeros([BM, C], dtype=tl.float32)
             for jj in tl.static_range(JPG):
-                w = _field_f(words, gi * JPG + jj, BITS, ONE) * s[None, :] + o[None, :]
                 if EVEN_K:
-                    xt = tl.load(xp + kb + (gi * JPG + jj) * C)
+                    xt = tl.load(xp + kb + (gi * JPG + jj) * C, mask=mmask[:, None], other=0.0)
                 else:
-                    xt = tl.load(xp + kb + (gi * JPG + jj) * C, mask=(kb + (gi * JPG + jj) * C + rc)[None, :] < K, other=0.0)
-                acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=PREC)
-    mask = (rm < M)[:, None] & nmask[None, :]
+                    xt = tl.load(xp + kb + (gi * JPG + jj) * C,
+                                 mask=mmask[:, None] & ((kb + (gi * JPG + jj) * C + rc)[None, :] < K), other=0.0)
+                f = _field_f(words, gi * JPG + jj, BITS, ONE)
+                if PERGROUP:
+                    d = tl.dot(xt, f.to(xt.dtype), d, input_precision=PREC)
+                    xs += xt.to(tl.float32)
+                else:
+                    w = f * s[None, :] + o[None, :]
+                    acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=PREC)
+            if PERGROUP:
+                acc += d * s[None, :]
+                acc += tl.sum(xs, 1)[:, None] * o[None, :]
+    mask = mmask[:, None] & nmask[None, :]
     optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(optr, acc, mask=mask)
-    else:
-        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
 
 
 @triton.jit
@@ -276,82 +348,132 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 1
 
 
-def _divisors_split(tiles, want, multiple):
+def _pick_split(tiles, want, multiple=1):
     "Largest split s <= want with tiles % s == 0 and (tiles // s) % multiple == 0."
     for s in range(max(1, min(want, tiles)), 0, -1):
         if tiles % s == 0 and (tiles // s) % multiple == 0: return s
     return 1
 
 
-# GEMV defaults from the H200 sweep (tests/bench_quant.py, Triton 3.6): the 3-D variant with 32 columns, 8 K-tiles
-# and 8 warps per program was best or within 5% on the four Llama-3-8B shapes; for groups < 64 (GGUF q4_0/q4_1/q4_k/
-# q8_0 repacks) the 2-D variant with 64 columns. Split-K only when N leaves SMs idle and each split keeps >= MIN_TILES.
-GEMV_VARIANT, GEMV_BN, GEMV_TPI, GEMV_WARPS = '3d', 32, 8, 8
-GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=4, num_warps=4)
-MIN_TILES = {'3d': 48, '2d': 16}
+_WS, _WS_ALL = {}, []
+
+
+def split_k_workspace(device, numel, ncounters):
+    """The fp32 workspace and int32 counters of the split-K kernels (`_store_out`), one pair per device. They start
+    at zero and every kernel leaves them at zero. Grown on demand; old buffers are kept alive because CUDA graphs
+    captured earlier hold their addresses."""
+    key = str(device)
+    ws = _WS.get(key)
+    if ws is None or ws[0].numel() < numel or ws[1].numel() < ncounters:
+        ws = (torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device),
+              torch.zeros(max(ncounters, 1 << 16), dtype=torch.int32, device=device))
+        _WS_ALL.append(ws)
+        _WS[key] = ws
+    return ws
+
+
+# Defaults from the H200 sweeps (tests/bench_quant.py, results/h200_quant_kernels.csv). GEMV: per (N, K, bits) for
+# groups >= 64, else the generic config; `split` fixes split-K, else `target` = programs wanted in multiples of the SM
+# count (split-K fills up to it); `pf`: register prefetch of the next iteration's words.
+GEMV_DEFAULT = dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, target=7, pf=True)
+GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, target=7, pf=False)
+GEMV_CONFIGS = {
+    (6144, 4096, 4): dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, split=8, pf=False),
+    (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=8, pf=True),
+    (28672, 4096, 4): dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, split=2, pf=True),
+    (4096, 14336, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=14, pf=True),
+}
+# Batched (1 < M <= MM_MAX_M): by the M bucket (16, 32, 64, 128), per (N, K, bits, bucket) where measured.
+MM_DEFAULT = {16: dict(bn=256, num_warps=4, num_stages=3, target=2), 32: dict(bn=256, num_warps=4, num_stages=3, target=2),
+              64: dict(bn=128, num_warps=4, num_stages=3, target=2), 128: dict(bn=128, num_warps=4, num_stages=3, target=1)}
+# 4-bit groups < 128 (GGUF q4_0/q4_1/q4_k repacks, g32/g64): per-weight dequantization (PERGROUP off) and the
+# configuration of the previous `_mm_kernel` (block N 64, 4 warps; split-K up to 2 programs per SM). Not re-measured:
+# the last H200 run had them on the g128 path (PERGROUP, block N 256), 195.6 us per q4_k layer at M=16 against
+# 157.8 us for the previous kernel, so this restores the previous kernel's settings (expected <= 157.8 us).
+MM_SMALL_GROUP = dict(bn=64, num_warps=4, num_stages=3, target=2)
+MM_CONFIGS = {
+    (6144, 4096, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=4),
+    (4096, 4096, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
+    (28672, 4096, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=1),
+    (4096, 14336, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
+}
+
+
+def _split_for(cfg, tiles, progs, multiple, device):
+    if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0: return cfg['split']
+    return _pick_split(tiles, triton.cdiv(int(cfg.get('target', 2) * _num_sms(device)), progs), multiple)
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None):
-    "`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`)."
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None):
+    """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
+    'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
+    and meet in the self-zeroing workspace."""
     assert x.shape == (1, K), x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
+    if variant == 'dot':
+        return w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn=bn, num_warps=num_warps,
+                        split_k=split_k, num_stages=num_stages)
     x = x.contiguous()
     tiles = Kp // TILE_K
-    small = G < 64 and variant is None and not _INTERPRET
-    variant = variant or (GEMV_SMALL_GROUP['variant'] if small else GEMV_VARIANT)
-    bn = bn or (16 if _INTERPRET else GEMV_SMALL_GROUP['bn'] if small else GEMV_BN)
-    tpi = tpi or (2 if _INTERPRET else GEMV_SMALL_GROUP['tpi'] if small else GEMV_TPI)
-    num_warps = num_warps or (GEMV_SMALL_GROUP['num_warps'] if small else GEMV_WARPS)
+    cfg = GEMV_SMALL_GROUP if G < 64 else GEMV_CONFIGS.get((N, K, bits), GEMV_DEFAULT)
+    default = variant is None and bn is None and tpi is None
+    if variant is None: variant = cfg['variant']
+    bn = bn or (16 if _INTERPRET else cfg['bn'])
+    tpi = tpi or (2 if _INTERPRET else cfg['tpi'])
+    num_warps = num_warps or cfg['num_warps']
+    num_stages = num_stages or cfg['num_stages']
+    prefetch = cfg['pf'] if prefetch is None else prefetch
     if variant == '2d': tpi = min(tpi, 4)
     while tiles % tpi: tpi //= 2
     progs = triton.cdiv(N, bn)
-    if split_k is None:  # split K (fp32 atomics + zero fill + cast) only when N leaves SMs idle and K is long
-        sms = _num_sms(x.device)
-        split_k = 1
-        if progs < sms:
-            for s_ in range(min(triton.cdiv(2 * sms, progs), tiles), 1, -1):
-                if tiles % s_ == 0 and (tiles // s_) % tpi == 0 and tiles // s_ >= MIN_TILES[variant]:
-                    split_k = s_; break
+    if split_k is None:
+        split_k = _split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
     elif tiles % split_k or (tiles // split_k) % tpi:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
-    out_dtype = out_dtype or x.dtype
-    atomic = split_k > 1
-    out = torch.zeros(1, N, dtype=torch.float32, device=x.device) if atomic else torch.empty(1, N, dtype=out_dtype, device=x.device)
+    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
+    ws, cnt = split_k_workspace(x.device, N, progs)
     kernel = _gemv3_kernel if variant == '3d' else _gemv_kernel
-    kernel[(progs, split_k)](x, qweight, scales, offsets, out, N, K, tiles // split_k, _ONE,
+    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
-                             ATOMIC=atomic, num_warps=num_warps)
-    return out.to(out_dtype) if atomic else out
+                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def _m_bucket(M):
+    return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
 def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             split_k=None, num_stages=None):
-    "`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel."
+             split_k=None, num_stages=None, target=None):
+    """`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel: one program per (N-block, K-split,
+    M-block of up to 64 rows), so each weight tile is read once per 64 rows."""
     M = x.shape[0]
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     x = x.contiguous()
     tiles = Kp // TILE_K
-    bm = bm or (16 if M <= 16 or _INTERPRET else 32 if M <= 32 else 64)
-    bn = bn or (32 if _INTERPRET else 64 if M <= 32 else 128)
-    num_warps = num_warps or 4
-    progs = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    b = _m_bucket(M)
+    small = bits == 4 and G < TILE_K
+    cfg = MM_SMALL_GROUP if small else MM_CONFIGS.get((N, K, bits, b), MM_DEFAULT[b])
+    default = bn is None and bm is None and target is None
+    bm = bm or (16 if _INTERPRET else min(b, 64))
+    bn = bn or (32 if _INTERPRET else cfg['bn'])
+    num_warps = num_warps or cfg['num_warps']
+    num_stages = num_stages or cfg['num_stages']
+    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     if split_k is None:
-        sms = _num_sms(x.device)
-        split_k = 1 if progs >= sms else _divisors_split(tiles, triton.cdiv(2 * sms, progs), 1)
+        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
     elif tiles % split_k:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
-    out_dtype = out_dtype or x.dtype
-    atomic = split_k > 1
-    out = torch.zeros(M, N, dtype=torch.float32, device=x.device) if atomic else torch.empty(M, N, dtype=out_dtype, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
-    kw = dict(num_stages=num_stages) if num_stages else {}
-    _mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split_k)](
-        x, qweight, scales, offsets, out, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
-        BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, ATOMIC=atomic, PREC=prec,
-        num_warps=num_warps, **kw)
-    return out.to(out_dtype) if atomic else out
+    _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
+        x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
+        BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
+        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 def w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=torch.float16, bn=None):

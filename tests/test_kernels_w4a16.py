@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before triton is imported
 
-from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm
+from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, _WS
 from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
 from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
@@ -24,6 +24,11 @@ interp = pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='C
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _ws_clean():
+    "Split-K kernels must leave their workspace and counters at zero."
+    return all(not ws.any() and not cnt.any() for ws, cnt in _WS.values())
 
 
 def _packed(N, K, bits, group, sym, seed, device='cpu'):
@@ -51,11 +56,16 @@ def test_w4a16_cpu(bits, group, sym):
     args = _packed(32, 512, bits, group, sym, 7)
     x = torch.randn(1, 512)
     ref = w4a16_matmul_ref(x, *args)
-    for tpi, split in ((1, 4), (2, 2), (4, 1)):               # split-K (fp32 atomics), tiles per iteration
-        for variant in ('2d', '3d'):
+    for tpi, split in ((1, 4), (2, 2), (4, 1), (1, 1), (1, 2)):  # split-K (self-zeroing workspace), tiles per iteration
+        for variant in ('2d', '3d', 'dot'):
             assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant), ref) < 1e-5, (tpi, split, variant)
-    x = torch.randn(5, 512).half()
-    assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
+            if variant != 'dot':                                # register prefetch of the next iteration's words
+                assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=True), ref) < 1e-5
+    for M in (5, 17):                                           # 17: two M-blocks, each with its own counters
+        x = torch.randn(M, 512).half()
+        assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
+        assert _rel(w4a16_mm(x, *args, split_k=4, bn=16), w4a16_matmul_ref(x.float(), *args)) < 2e-3
+    assert _ws_clean()
 
 
 @interp
@@ -103,8 +113,11 @@ def test_fp8_cpu():
     ref = fp8_matmul_ref(x, w, s, 32, 512)
     for tpi, split in ((1, 4), (2, 2), (4, 1)):
         assert _rel(fp8_gemv(x, w, s, 32, 512, tpi=tpi, split_k=split), ref) < 1e-5
-    x = torch.randn(5, 512).half()
-    assert _rel(fp8_mm(x, w, s, 32, 512, split_k=2), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
+    for M in (5, 17):
+        x = torch.randn(M, 512).half()
+        assert _rel(fp8_mm(x, w, s, 32, 512, split_k=2), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
+        assert _rel(fp8_mm(x, w, s, 32, 512, split_k=4, bn=16), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
+    assert _ws_clean()
     x = torch.randn(140, 512)                                    # prefill path
     assert _rel(fp8_matmul(x, w, s, 32, 512), fp8_matmul_ref(x, w, s, 32, 512)) < 1e-5
 
@@ -116,36 +129,50 @@ SHAPES = [(4096, 14336), (14336, 4096), (6144, 4096), (576, 576)]
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize('N,K', SHAPES)
 @pytest.mark.parametrize('bits,group,sym', [(4, 128, True), (4, 32, False), (8, 32, True)], ids=['4-g128-sym', '4-g32-asym', '8-g32'])
-def test_w4a16_cuda(bits, group, sym):
-    for N, K in SHAPES:
-        args = _packed(N, K, bits, group, sym, N, 'cuda')
-        w = dequantize_packed_ref(*args)
-        assert torch.equal(w4a16_dequantize(*args, dtype=torch.float32), w)
-        for M in (1, 3, 16, 100, 300):
-            x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
-            ref = x.float() @ w.T
-            y = w4a16_matmul(x, *args)
-            assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
-        x = torch.randn(1, K, device='cuda')
-        assert _rel(w4a16_matmul(x, *args), x @ w.T) < 1e-5          # fp32 in: no bf16 rounding at all
-        for variant, bn, tpi, nw in (('2d', 64, 4, 4), ('2d', 32, 2, 2), ('3d', 32, 8, 8), ('3d', 16, 4, 4)):
-            for sk in (1, 2):                                          # both GEMV variants, with and without split-K
-                if (K + 127) // 128 % (sk * tpi): continue
-                y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant)
-                assert _rel(y, x @ w.T) < 1e-5, (N, K, variant, bn, tpi, sk)
+def test_w4a16_cuda(bits, group, sym, N, K):
+    args = _packed(N, K, bits, group, sym, N, 'cuda')
+    w = dequantize_packed_ref(*args)
+    assert torch.equal(w4a16_dequantize(*args, dtype=torch.float32), w)
+    tiles = (K + 127) // 128
+    for M in (1, 3, 16, 33, 100, 300):
+        x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
+        ref = x.float() @ w.T
+        y = w4a16_matmul(x, *args)                                 # the defaults of each path
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
+        if M == 16 and tiles % 4 == 0:                             # batched kernel with split-K
+            assert _rel(w4a16_mm(x, *args, split_k=4, bn=64), ref) < 1e-2, (N, K, M)
+    x = torch.randn(1, K, device='cuda')
+    assert _rel(w4a16_matmul(x, *args), x @ w.T) < 1e-5              # fp32 in: no bf16 rounding at all
+    if group == 128 or N == 576:
+        for variant, bn, tpi, nw, sk, pf in (('2d', 64, 4, 4, 2, 1), ('3d', 32, 4, 4, 1, 1), ('3d', 16, 2, 2, 4, 0), ('dot', 64, 1, 4, 2, 0)):
+            if tiles % (sk * tpi): continue                        # the GEMV variants with split-K and prefetch
+            y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant, prefetch=pf)
+            assert _rel(y, x @ w.T) < 1e-5, (N, K, variant, bn, tpi, sk)
+    assert _ws_clean()
 
 
 @cuda
 @pytest.mark.cuda
-def test_fp8_cuda():
-    for N, K in SHAPES:
+@pytest.mark.parametrize('N,K', SHAPES)
+def test_fp8_cuda(N, K):
+    if True:
         w, s = _fp8(N, K, N, 'cuda')
         wd = fp8_matmul_ref(torch.eye(K, device='cuda'), w, s, N, K).T
-        for M in (1, 3, 16, 300):
+        for M in (1, 3, 16, 64, 300):
             x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
             y = fp8_matmul(x, w, s, N, K)
             assert _rel(y, x.float() @ wd.T) < 1e-2, (N, K, M)
+        kb = (K + 127) // 128
+        x = torch.randn(1, K, device='cuda')
+        for bn, tpi, sk in ((16, 2, 1), (32, 1, 4), (8, 4, 2)):
+            if kb % (sk * tpi) == 0:
+                assert _rel(fp8_gemv(x, w, s, N, K, bn=bn, tpi=tpi, split_k=sk), x @ wd.T) < 1e-5, (N, K, bn, tpi, sk)
+        x = torch.randn(16, K, device='cuda', dtype=torch.bfloat16)
+        for sk in (2, 4):
+            if kb % sk == 0: assert _rel(fp8_mm(x, w, s, N, K, split_k=sk), x.float() @ wd.T) < 1e-2, (N, K, sk)
+    assert _ws_clean()
 
 
 @cuda
