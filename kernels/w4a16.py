@@ -53,7 +53,10 @@ config moved further (see the sweeps). The `tl.dot` path at M = 16..64 is limite
 conversions of the dequantized `[C, BN]` tiles and of the x tiles into tensor-core operands (M = 64 is ~2x
 slower than M = 16, for the same weight bytes). Next steps: two nibbles per LOP3 via f16x2 magic numbers + packed
 math (inline PTX), and a `[BK, BN]` tile dequantized once per 128-K step for `tl.dot` (x permuted to the word
-order, so fields need no cross-thread moves).
+order, so fields need no cross-thread moves). That last one was built and measured (commit 02a8421, `_mmt_kernel`:
+the `[16, 8, BN]` fields reshaped or the words loaded 8x as `[128, BN]`, nibbles to bf16 by `q | 0x4300` = 128 + q,
+x gathered in the tile's row order): slower everywhere on the H200, W4A16 g128 per layer 161 us at M=16 (against
+113.7) and 441 us at M=64 (207.7), 124 us at M=1; so it was not kept.
 """
 import os
 
@@ -63,7 +66,7 @@ import triton.language as tl
 
 from cvllm_lab.quant.w4a16 import TILE_K, check_layout, dequantize_packed_ref
 
-__all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_mmt', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
+__all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 _ONE = 0x3F800000  # 1.0f
 
@@ -319,83 +322,6 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
 
 
 @triton.jit
-def _mmt_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS,
-                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                SPLIT: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr, EXPAND: tl.constexpr):
-    """4-bit `out[BM, BN] = x[BM, K] @ W[BN, K].T` with one `tl.dot` of K = 128 per K-tile (`_mm_kernel` does 8 of
-    K = 16). The tile's 8 fields become one `[128, BN]` operand whose row `r` is `k = (r % 8) * 16 + r // 8` of the
-    tile; x is loaded in that same order (a gather along K), so no field moves between threads. Nibble to float:
-    `q | MAGIC` as a 16-bit pattern is exactly `BASE + q` in x's dtype (bf16 `0x4300` = 128, fp16 `0x6400` = 1024).
-    Groups of 128 or more: `S * dot + B * sum(x)` per tile (`S` = scale, `B` = offset - BASE * scale); smaller
-    groups dequantize per weight in fp32. EXPAND: load each word 8 times as a `[128, BN]` tile (no reshape) instead
-    of a `[16, 8, BN]` tile reshaped to `[128, BN]`."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rr = tl.arange(0, 128)
-    kperm = (rr % 8) * 16 + rr // 8                       # tile row -> k within the tile
-    nmask = rn < N
-    mmask = rm < M
-    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_xm + kperm[None, :]
-    if EXPAND:
-        wp = qw_ptr + (rr // 8)[:, None] * N + rn[None, :]        # [128, BN]: word c = r // 8, field j = r % 8
-        sh = ((rr % 8) * 4)[:, None]
-    else:
-        rc = tl.arange(0, 16)
-        rj = tl.arange(0, 8)
-        wp = qw_ptr + rc[:, None] * N + rn[None, :]               # [16, BN]
-        sh = (rj * 4)[None, :, None]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    t0 = pid_k * TPS
-    for t in range(t0, t0 + TPS):
-        kb = t * 128
-        if EVEN_N:
-            words = tl.load(wp + t * 16 * N, eviction_policy='evict_first')
-        else:
-            words = tl.load(wp + t * 16 * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        if EXPAND:
-            q = (words >> sh) & 0xF
-        else:
-            q = (words[:, None, :] >> sh) & 0xF                   # [16, 8, BN]
-        if EVEN_K:
-            xt = tl.load(xp + kb, mask=mmask[:, None], other=0.0)
-        else:
-            xt = tl.load(xp + kb, mask=mmask[:, None] & ((kb + kperm) < K)[None, :], other=0.0)
-        if G >= 128:
-            f = (q | MAGIC).to(tl.int16).to(xt.dtype, bitcast=True)
-            if not EXPAND:
-                f = tl.reshape(f, [128, BN])
-            go = kb // G
-            if EVEN_N:
-                s = tl.load(s_ptr + go * N + rn).to(tl.float32)
-                o = tl.load(o_ptr + go * N + rn).to(tl.float32) - s * BASE
-            else:
-                s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) - s * BASE
-            d = tl.dot(xt, f)
-            acc += d * s[None, :]
-            acc += tl.sum(xt.to(tl.float32), 1)[:, None] * o[None, :]
-        else:
-            if EXPAND:
-                go = (kb + (rr % 8) * 16) // G                        # [128] scale row per tile row
-                s = tl.load(s_ptr + go[:, None] * N + rn[None, :], mask=nmask[None, :], other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + go[:, None] * N + rn[None, :], mask=nmask[None, :], other=0.0).to(tl.float32)
-                w = q.to(tl.float32) * s + o
-            else:
-                go = (kb + rj * 16) // G                              # [8] scale row per field
-                sp = go[None, :, None] * N + rn[None, None, :]
-                s = tl.load(s_ptr + sp, mask=nmask[None, None, :], other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + sp, mask=nmask[None, None, :], other=0.0).to(tl.float32)
-                w = tl.reshape(q.to(tl.float32) * s + o, [128, BN])
-            acc = tl.dot(xt, w.to(xt.dtype), acc)
-    mask = mmask[:, None] & nmask[None, :]
-    optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    _store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
-
-
-@triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE,
                     BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
     "out[n, k] = W[n, k] (row-major [N, K]) for one K-tile (axis 0) and BN columns (axis 1)."
@@ -475,11 +401,6 @@ MM_CONFIGS = {
     (4096, 14336, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
 }
 
-# The K=128-per-dot kernel (`w4a16_mmt`), by M bucket; not yet the default of `w4a16_matmul` (see MMT_MAX_M).
-MMT_DEFAULT = {16: dict(bn=128, num_warps=4, num_stages=3, target=2), 32: dict(bn=128, num_warps=4, num_stages=3, target=2),
-               64: dict(bn=128, num_warps=4, num_stages=3, target=2), 128: dict(bn=128, num_warps=8, num_stages=3, target=1)}
-MMT_CONFIGS = {}
-
 
 def _split_for(cfg, tiles, progs, multiple, device):
     if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0: return cfg['split']
@@ -555,42 +476,6 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
         BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
         PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-
-
-def w4a16_mmt(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-              split_k=None, num_stages=None, target=None, expand=None):
-    """4-bit `x` `[M, K]` (bf16/fp16) @ W.T -> `[M, N]` with `_mmt_kernel`: one K=128 `tl.dot` per K-tile, x gathered
-    in the tile's row order. Same grid as `w4a16_mm`: (N-blocks, K-splits, M-blocks)."""
-    M = x.shape[0]
-    assert x.ndim == 2 and x.shape[1] == K, x.shape
-    if bits != 4 or x.dtype not in _MAGIC: raise ValueError("w4a16_mmt takes 4-bit weights and bf16/fp16 x")
-    Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
-    x = x.contiguous()
-    tiles = Kp // TILE_K
-    b = _m_bucket(M)
-    cfg = MMT_CONFIGS.get((N, K, b), MMT_DEFAULT[b])
-    default = bn is None and bm is None and target is None
-    bm = bm or (16 if _INTERPRET else min(b, 64))
-    bn = bn or (32 if _INTERPRET else cfg['bn'])
-    num_warps = num_warps or cfg['num_warps']
-    num_stages = num_stages or cfg['num_stages']
-    expand = cfg.get('expand', False) if expand is None else expand
-    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split_k is None:
-        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
-    elif tiles % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
-    magic, base = _MAGIC[x.dtype]
-    _mmt_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
-        x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k,
-        G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, MAGIC=magic, BASE=base,
-        EXPAND=bool(expand), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

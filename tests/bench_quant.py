@@ -8,8 +8,7 @@ config is also checked against the dequantize + fp32 matmul reference (rows that
 1. config sweeps (`--sweep` picks parts, comma separated; default all, `none` for none) on the Llama-3-8B shapes:
    `w1` W4A16 g128 M=1 (GEMV variants 2d/3d and the tensor-core kernel, block N, K-tiles per iteration, warps,
    split-K), `pf1` the GEMV with and without register prefetch, `w16` / `w16b` / `w64` / `w64b` W4A16 M=16 / 64 (tl.dot
-   kernel), `mmt1` / `mmt16` / `mmt64` / `q4kmmt16` the K=128-per-dot kernel (W4A16 g128 M=1 / 16 / 64, q4_k M=16), `f1` / `f16`
-   FP8 M=1 / 16, `q4k` the packed q4_k (group 32) GEMV with and without prefetch. All configs are compiled first by parallel worker processes (Triton's disk cache), then timed.
+   kernel), `f1` / `f16` FP8 M=1 / 16, `q4k` the packed q4_k (group 32) GEMV with and without prefetch. All configs are compiled first by parallel worker processes (Triton's disk cache), then timed.
 2. the formats with their default configs at M = 1, 16, 64: bf16 (cuBLAS), W4A16 g128, q4_k / q8_0 / q4_0 packed,
    FP8, q4_k / q6_k raw GGUF bytes; prefill (M = 2048),
 3. an estimate of Llama-3-8B decode tok/s from the per-layer times (32 layers x 4 matmuls + the bf16 LM head).
@@ -101,7 +100,7 @@ def sweep_jobs(parts, sms):
                     jobs.append(dict(part='gemv_sweep', fmt='w4a16', op='gemv', N=N, K=K, M=1, bits=4, group=128,
                                      cfg=f'dot-bn{bn}-w{nw}-sk{sk}-ns{ns}',
                                      kw=dict(variant='dot', bn=bn, num_warps=nw, split_k=sk, num_stages=ns)))
-        for mode in [m for m in ('pf1', 'q4k') if m in parts]:
+        for mode in [m for m in ('pf1', 'q4k') if m in parts and (m == 'pf1' or name in ('down', 'gate_up'))]:
             # register prefetch (pf) on and off around the call-1 winners
             group, fmt, part = (128, 'w4a16', 'gemv_sweep') if mode == 'pf1' else (32, 'q4k:packed', 'gemv_sweep_q4k')
             for var, bn, tpi, nw in [('3d', 16, 4, 4), ('3d', 32, 4, 4), ('3d', 64, 8, 8), ('2d', 64, 4, 4), ('2d', 32, 4, 4),
@@ -136,16 +135,6 @@ def sweep_jobs(parts, sms):
                     jobs.append(dict(part='mm_sweep', fmt='w4a16', op='mm', N=N, K=K, M=M, bits=4, group=128,
                                      cfg=f'dot-bn{bn}-w{nw}-sk{sk}-ns{ns}',
                                      kw=dict(bn=bn, num_warps=nw, split_k=sk, num_stages=ns)))
-        for M, part, fmt, group in ((1, 'mmt1', 'w4a16', 128), (16, 'mmt16', 'w4a16', 128), (64, 'mmt64', 'w4a16', 128), (16, 'q4kmmt16', 'q4k:packed', 32)):
-            # the K=128-per-dot kernel (`w4a16_mmt`): block N, warps, stages, expanded word loads, split-K
-            if part not in parts: continue
-            for bn, nw, ns, ex in [(64, 4, 3, 0), (128, 4, 3, 0), (128, 8, 3, 0), (64, 4, 3, 1), (128, 4, 3, 1), (256, 8, 3, 0),
-                                   (128, 4, 4, 0)]:
-                if small: bn = 16
-                for sk in _splits(tiles, -(-N // bn) * -(-M // 64), 1, (1, 2, 4), sms):
-                    jobs.append(dict(part='mmt_sweep', fmt=fmt, op='mmt', N=N, K=K, M=M, bits=4, group=group,
-                                     cfg=f'mmt-bn{bn}-w{nw}-sk{sk}-ns{ns}' + ('-ex' if ex else ''),
-                                     kw=dict(bn=bn, num_warps=nw, split_k=sk, num_stages=ns, expand=bool(ex))))
         if 'f1' in parts:
             for bn, tpi, nw, ns in [(16, 2, 4, 1), (16, 4, 4, 1), (32, 2, 8, 1), (32, 4, 8, 1), (8, 4, 4, 1), (16, 2, 4, 3),
                                     (64, 2, 8, 1)]:
@@ -182,7 +171,6 @@ def call(job, args):
     N, K, op, kw = job['N'], job['K'], job['op'], job['kw']
     if op == 'gemv': return KW.w4a16_gemv(*args, N, K, **kw)
     if op == 'mm': return KW.w4a16_mm(*args, N, K, **kw)
-    if op == 'mmt': return KW.w4a16_mmt(*args, N, K, **kw)
     if op == 'fp8gemv': return KF.fp8_gemv(*args, N, K, **kw)
     if op == 'fp8mm': return KF.fp8_mm(*args, N, K, **kw)
     raise ValueError(op)
