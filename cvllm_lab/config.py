@@ -61,6 +61,7 @@ class EngineConfig:
     attention_backend: str = 'auto'          # 'torch' | 'triton'
     kv_cache_dtype: str = 'auto'             # 'auto' (model dtype) | 'fp8' / 'fp8_e4m3' (float8_e4m3fn + scales)
     enforce_eager: bool = False
+    async_scheduling: bool | None = None     # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -71,6 +72,7 @@ class EngineConfig:
         if self.device == 'auto':   # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
             self.device = os.environ.get('CVLLM_LAB_DEVICE') or ('cuda' if torch.cuda.is_available() else 'cpu')
         if self.attention_backend == 'auto': self.attention_backend = 'triton' if self.device.startswith('cuda') else 'torch'
+        if self.async_scheduling is None: self.async_scheduling = self.device.startswith('cuda')
         if self.max_model_len is None: self.max_model_len = max_position_embeddings or 4096
         elif max_position_embeddings and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "

@@ -57,3 +57,28 @@ def test_batching_invariance_fp32():
     alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert together == alone
+
+
+def test_async_scheduling_matches_sync():
+    "Steps launched ahead (CUDA graphs, ids fed device to device) give exactly the synchronous loop's tokens."
+    from cvllm_lab import LLM, SamplingParams
+    _, d = _model('llama')
+    llm = LLM(str(d), progress=False, device='cuda', dtype='float32', skip_tokenizer_init=True, kv_cache_memory=256 << 20,
+              max_num_seqs=16)
+    assert llm.engine.cfg.async_scheduling   # the CUDA default
+    g = torch.Generator().manual_seed(3)
+    prompts = [{'prompt_token_ids': torch.randint(0, V, (int(n),), generator=g).tolist()} for n in (5, 60, 300, 17, 900, 2, 33)]
+    stop_ids = prompts[0]['prompt_token_ids'][:3]
+    sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=25, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=64, stop_token_ids=stop_ids, n=2),
+           SamplingParams(temperature=0, max_tokens=31, min_tokens=5, ignore_eos=True)]
+    runs = {}
+    for mode in (False, True):
+        llm.engine.cfg.async_scheduling = mode
+        ahead = llm.engine.num_steps_ahead
+        outs = llm.generate(prompts * len(sps), [sp for sp in sps for _ in prompts], use_tqdm=False)
+        runs[mode] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+        assert (llm.engine.num_steps_ahead > ahead) == mode
+    assert runs[True] == runs[False]
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -15,6 +15,7 @@ from .request import Request, RequestStatus
 from .block_manager import KVCacheManager
 from .scheduler import Scheduler
 from .model_runner import ModelRunner
+from ..layers.sampler import Sampler
 from ..weights.loader import resolve_model_source, load_hf_config
 from ..tokenizer import load_tokenizer, eos_token_ids, IncrementalDetokenizer
 
@@ -74,6 +75,8 @@ class LLMEngine:
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)
         self.final_only = False     # True: step() returns only finished requests (the offline API; saves host time)
         self._ids = itertools.count()
+        self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
+        self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
 
     # ---- requests in ----
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -134,17 +137,28 @@ class LLMEngine:
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
                 self.detok.pop(r.request_id, None)
             self.prompts.pop(rid, None)
+        self._drop_stale_pending()
 
     def has_unfinished_requests(self) -> bool: return bool(self.parents)
     def get_num_unfinished_requests(self) -> int: return len(self.parents)
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        "Schedule, run and sample one batch; outputs of every request that changed."
-        so = self.scheduler.schedule()
-        if so.is_empty: return []
-        res = self.runner.execute_model(so)
-        self.scheduler.update_from_output(so)
+        "Schedule, run and sample one batch (with async scheduling, launch the next one first); outputs of every request that changed."
+        if self._pending is not None: (so, handle), self._pending = self._pending, None
+        else:
+            so = self.scheduler.schedule()
+            if so.is_empty: return []
+            handle = self.runner.launch(so) if self.cfg.async_scheduling else None
+        try:
+            res = self.runner.execute_model(so) if handle is None else None
+            self.scheduler.update_from_output(so)
+            if handle is not None:
+                self._schedule_ahead(so, handle)
+                res = handle.result()
+        except BaseException:
+            self._pending = None
+            raise
         touched = {}
         for r in so.scheduled:
             if r.is_finished: continue
@@ -152,8 +166,33 @@ class LLMEngine:
             if r.request_id in res.sampled:
                 self._append_token(r, res.sampled[r.request_id], res.logprobs.get(r.request_id))
                 touched[r.parent_id] = True
+        self._drop_stale_pending()
         if self.final_only: return [self._output(p) for p in touched if all(r.is_finished for r in self.parents[p])]
         return [self._output(pid) for pid in touched]
+
+    def _schedule_ahead(self, so, handle):
+        "Async scheduling: launch the next decode step now, fed with this step's tokens on the device, when it is certain."
+        sched, live = self.scheduler, [r for r in so.scheduled if not r.is_finished]
+        if handle.tokens is None or sched.waiting or not live or live != sched.running: return
+        if len(handle.reqs) != len(so.scheduled) or any(a is not b for a, b in zip(handle.reqs, so.scheduled)): return
+        bs, need = self.cfg.block_size, 0
+        for r in live:
+            sp = r.sampling_params
+            if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
+            if not Sampler.host_free(r, ahead=1): return
+            need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
+        if need > self.kv.num_free_blocks: return
+        for r in live: r.append_placeholder()
+        nxt = sched.schedule()
+        assert nxt.scheduled == live and not nxt.preempted and nxt.total_num_scheduled_tokens == len(live), nxt
+        rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
+        tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
+        self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
+        self.num_steps_ahead += 1
+
+    def _drop_stale_pending(self):
+        "Forget a step launched ahead whose requests have all finished (its results would be dropped anyway)."
+        if self._pending is not None and all(r.is_finished for r in self._pending[0].scheduled): self._pending = None
 
     def _decode_lps(self, lps: list[dict]) -> list[dict]:
         if self.tokenizer is None: return lps
@@ -163,7 +202,8 @@ class LLMEngine:
 
     def _append_token(self, r: Request, tok: int, lp):
         sp = r.sampling_params
-        r.append_output_token(tok)
+        if r.has_placeholder: r.resolve_placeholder(tok)
+        else: r.append_output_token(tok)
         self.counters['generation_tokens'] += 1
         if lp is not None:
             r.logprobs.append(self._decode_lps([lp])[0]); r.cumulative_logprob += lp[tok].logprob

@@ -17,7 +17,7 @@ from ..layers.sampler import Sampler, topk_logprobs
 from ..weights.loader import load_model, ModelSource
 
 # %% auto #0
-__all__ = ['CPU_KV_CACHE_BYTES', 'ModelRunnerOutput', 'ModelRunner']
+__all__ = ['CPU_KV_CACHE_BYTES', 'ModelRunnerOutput', 'StepHandle', 'ModelRunner']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -28,6 +28,24 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+
+@dataclass
+class StepHandle:
+    """A launched step. `tokens`: the sampled ids still on the device (row i is `reqs[i]`), with a pinned host copy
+    on its way (`host`, done at `event`), when no request needs host-side sampling; else `output` is ready."""
+    reqs: list[Request]
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        "The step's output (waits for the device-to-host copy of the token ids: the step's only sync)."
+        if self.output is None:
+            if self.event is not None: self.event.synchronize()
+            ids = (self.tokens if self.host is None else self.host)[:len(self.reqs)].tolist()
+            self.output = ModelRunnerOutput({r.request_id: t for r, t in zip(self.reqs, ids)})
+        return self.output
 
 class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
@@ -41,6 +59,9 @@ class ModelRunner:
         if progress: print(f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens "
                            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc})")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tok_host, self.tok_i = [], 0     # two pinned buffers for the sampled ids (at most two steps in flight)
+        if self.device.type == 'cuda':
+            self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
         if self.device.type == 'cuda' and not cfg.enforce_eager and cfg.attention_backend == 'triton':
             self.capture_cudagraphs(progress)
 
@@ -131,7 +152,7 @@ class ModelRunner:
             pool = g.pool(); self.graphs[bs] = g
         torch.cuda.synchronize()
 
-    def _run_graph(self, ids, pos, slots, seq_lens, bt) -> torch.Tensor:
+    def _run_graph(self, ids, pos, slots, seq_lens, bt, prev_tokens=None) -> torch.Tensor:
         "Replay the smallest bucket that holds the batch; hidden states of its real rows."
         B = len(ids)
         bs = next(s for s in sorted(self.graphs) if s >= B)
@@ -142,6 +163,7 @@ class ModelRunner:
         self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
         self.g_bt[:B, :w].copy_(self.g_bt_staging[:B, :w], non_blocking=True)
         self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
+        if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
         self.graphs[bs].replay()
         return self.g_hidden[bs][:B]
 
@@ -188,15 +210,28 @@ class ModelRunner:
         return host, sample_rows, sample_reqs, plp
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        "Run one scheduled step and sample the requests that are caught up."
+    def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
+        """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
+        sampling (log-probs, logits processors, penalties, min_tokens), nothing waits for the device: the handle
+        holds the token ids on the device. `prev_tokens` (async scheduling): the input ids of a decode step, still
+        on the device, overriding the host's (placeholders)."""
         h, sample_rows, sample_reqs, plp = self.prepare_inputs(so)
+        if prev_tokens is not None and (h['max_query_len'] != 1 or len(prev_tokens) != len(h['ids'])):
+            raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
         if self.graphs and h['max_query_len'] == 1 and not plp and len(so.scheduled) <= max(self.graphs):
-            hidden = self._run_graph(h['ids'], h['pos'], h['slots'], h['seq_lens'], h['bt'])
+            hidden = self._run_graph(h['ids'], h['pos'], h['slots'], h['seq_lens'], h['bt'], prev_tokens)
         else:
             t = lambda k: torch.as_tensor(h[k]).to(self.device)
             ctx = ForwardContext(t('slots'), t('qsl'), t('seq_lens'), t('bt'), h['max_query_len'], h['max_seq_len'])
-            with set_forward_context(ctx): hidden = self.model(t('ids'), t('pos'))
+            ids = t('ids') if prev_tokens is None else prev_tokens.to(torch.long)
+            with set_forward_context(ctx): hidden = self.model(ids, t('pos'))
+        if not plp and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
+            tokens = self.sampler.sample_tokens(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+            if not self.tok_host: return StepHandle(sample_reqs, tokens)
+            host = self.tok_host[self.tok_i]; self.tok_i ^= 1
+            host[:len(sample_reqs)].copy_(tokens, non_blocking=True)
+            ev = torch.cuda.Event(); ev.record()
+            return StepHandle(sample_reqs, tokens, host, ev)
         out = ModelRunnerOutput()
         for r, rows, targets in plp:
             lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
@@ -206,4 +241,8 @@ class ModelRunner:
             s = self.sampler(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
             for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
                 out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp
-        return out
+        return StepHandle(sample_reqs, output=out)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        "Run one scheduled step, sample, and wait for the tokens."
+        return self.launch(so).result()

@@ -12,7 +12,7 @@ import torch
 from ..sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['RequestStatus', 'hash_block', 'Request']
+__all__ = ['PLACEHOLDER', 'RequestStatus', 'hash_block', 'Request']
 
 # %% ../../nbs/02_request.ipynb #4dd38862
 class RequestStatus(enum.IntEnum):
@@ -32,6 +32,8 @@ class RequestStatus(enum.IntEnum):
         return {3: 'stop', 4: 'length', 5: 'abort'}.get(int(self))
 
 # %% ../../nbs/02_request.ipynb #0f9272e5
+PLACEHOLDER = -1   # a token id sampled on the GPU but not yet copied to the host (async scheduling)
+
 def hash_block(parent: bytes | None, token_ids) -> bytes:
     "Chained hash of one full block: sha256(parent hash + the block's token ids)."
     return hashlib.sha256((parent or b'') + array('q', token_ids).tobytes()).digest()
@@ -64,6 +66,7 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.first_token_time: float | None = None
+        self.has_placeholder = False
         self._update_block_hashes()
 
     @property
@@ -84,9 +87,24 @@ class Request:
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
 
+    def append_placeholder(self):
+        "Async scheduling: count the token being sampled on the GPU now, so the next step can be scheduled before it is known."
+        assert not self.has_placeholder, "one token in flight at a time"
+        self.has_placeholder = True
+        self.output_token_ids.append(PLACEHOLDER); self.all_token_ids.append(PLACEHOLDER)
+
+    def resolve_placeholder(self, token_id: int):
+        "Put the sampled token in the placeholder's place (the last token) and hash what it completes."
+        assert self.has_placeholder and self.all_token_ids[-1] == PLACEHOLDER
+        self.has_placeholder = False
+        self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
+        if self.first_token_time is None: self.first_token_time = time.time()
+        self._update_block_hashes()
+
     def _update_block_hashes(self):
+        "Hash the full blocks not hashed yet; a block holding the placeholder waits until it is resolved."
         bs = self.block_size
-        for i in range(len(self.block_hashes), self.num_tokens // bs):
+        for i in range(len(self.block_hashes), (self.num_tokens - self.has_placeholder) // bs):
             parent = self.block_hashes[-1] if i else None
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
 

@@ -82,12 +82,24 @@ def row_argmax(logits: torch.Tensor, slices: int = 64, force: bool = False) -> t
 # %% ../../nbs/23_sampler.ipynb #86465114
 def _plain_greedy(r: Request) -> bool:
     "Greedy with nothing that changes the logits before the argmax."
-    sp = r.sampling_params
-    return (sp.greedy and sp.logprobs is None and not sp.logits_processors and sp.repetition_penalty == 1
-            and not sp.frequency_penalty and not sp.presence_penalty and r.num_output_tokens >= sp.min_tokens)
+    return r.sampling_params.greedy and Sampler.host_free(r)
 
 class Sampler(nn.Module):
     "Turns one logits row per request into a token (and its log-probs when asked)."
+    @staticmethod
+    def host_free(r: Request, ahead: int = 0) -> bool:
+        """True when sampling (`ahead` tokens from now) needs nothing from the host but the settings: no log-probs,
+        logits processors, penalties, or min_tokens ban."""
+        sp = r.sampling_params
+        return (sp.logprobs is None and not sp.logits_processors and sp.repetition_penalty == 1
+                and not sp.frequency_penalty and not sp.presence_penalty and r.num_output_tokens + ahead >= sp.min_tokens)
+
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        "The token ids of `host_free` requests, left on the device (no sync); the same draws as `forward`."
+        assert all(self.host_free(r) for r in reqs)
+        if all(r.sampling_params.greedy for r in reqs): return row_argmax(logits)
+        return (self.sample_on_gpu if logits.is_cuda else self.sample_on_cpu)(logits.float(), reqs)
+
     def forward(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         B, dev = logits.shape[0], logits.device
         if all(_plain_greedy(r) for r in reqs):    # the common decode case: one argmax, one device->host copy
