@@ -158,7 +158,7 @@ class ModelRunner:
         bs = next(s for s in sorted(self.graphs) if s >= B)
         st, w = self.g_staging_np, bt.shape[1]
         st[0, :B] = ids; st[1, :B] = pos; st[2, :B] = slots; st[3, :B] = seq_lens
-        st[2, B:bs] = -1; st[3, B:bs] = 1                       # padding rows: write nothing, attend to 1 slot
+        st[0, B:bs] = 0; st[2, B:bs] = -1; st[3, B:bs] = 1      # padding rows: token 0, write nothing, attend to 1 slot
         self.g_bt_staging_np[:B, :w] = bt
         self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
         self.g_bt[:B, :w].copy_(self.g_bt_staging[:B, :w], non_blocking=True)
