@@ -42,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'paged_attention', 'paged_attention_ref', 'quantize_kv_ref',
+from .rotary import _rotate_heads, apply_rotary_ref
+
+__all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'paged_attention', 'paged_attention_ref', 'quantize_kv_ref',
            'FP8_MAX', 'FP8_DTYPE']
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -228,6 +230,92 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         Hkv, D, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
         BLOCK_D=triton.next_power_of_2(D), FP8=fp8, num_warps=4 if Hkv * D >= 1024 else 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rotary_and_cache: the rotary embedding fused with the cache write (one launch per layer instead of two)
+# ---------------------------------------------------------------------------------------------------------------
+
+def rotary_and_cache_ref(q, key, value, positions, cos_sin_cache, head_dim, is_neox, k_cache, v_cache, slot_mapping,
+                         k_scale=None, v_scale=None):
+    "Reference: `apply_rotary_ref` on q and k, then `reshape_and_cache_ref` of the rotated k and v; returns rotated q."
+    qr, kr = apply_rotary_ref(q, key, positions, cos_sin_cache, head_dim, is_neox)
+    reshape_and_cache_ref(kr.view(key.shape), value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return qr
+
+
+@triton.jit
+def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                             k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                             stride_c, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+                             n_q_heads, num_kv_heads, head_dim,
+                             HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr, FP8: tl.constexpr):
+    """One token: rotate its q heads in place (pairs, as `_rotary_kernel`), and write its rotated k and its v to
+    the cache slot. k is not written back: each k element is rotated from itself and its pair partner in
+    registers (`y_d = x_d cos - x_p sin` for the first of a pair, `x_d cos + x_p sin` for the second)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < HALF
+    cos = tl.load(cs_ptr + pos * stride_c + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_c + HALF + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+    if IS_NEOX:
+        i1 = r
+        i2 = r + HALF
+    else:
+        i1 = 2 * r
+        i2 = 2 * r + 1
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_kv_heads) & (d < head_dim)
+        rot = d < 2 * HALF
+        if IS_NEOX:
+            first = d < HALF
+            j = tl.where(first, d, d - HALF)             # index into cos / sin
+            p = tl.where(first, d + HALF, d - HALF)      # pair partner
+        else:
+            first = (d % 2) == 0
+            j = d // 2
+            p = tl.where(first, d + 1, d - 1)
+        kb = key_ptr + t * stride_kt + h * stride_kh
+        x = tl.load(kb + d, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(kb + p, mask=mask & rot, other=0.0).to(tl.float32)
+        c = tl.load(cs_ptr + pos * stride_c + j, mask=rot, other=1.0).to(tl.float32)
+        sn = tl.load(cs_ptr + pos * stride_c + HALF + j, mask=rot, other=0.0).to(tl.float32)
+        y = tl.where(rot, x * c + tl.where(first, -xp, xp) * sn, x)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        _store_row(y, k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d, k_scale_ptr, slot, h, d,
+                   mask, num_kv_heads, FP8)
+        _store_row(v, v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d, v_scale_ptr, slot, h, d,
+                   mask, num_kv_heads, FP8)
+
+
+def rotary_and_cache(q, key, value, positions, cos_sin_cache, head_dim, is_neox, k_cache, v_cache, slot_mapping,
+                     k_scale=None, v_scale=None):
+    """Triton `rotary_and_cache_ref`: `q` `[T, H, D]` rotated in place (returned), the rotated `key` and `value`
+    `[T, Hkv, D]` scattered to their slots (slots < 0 skipped; `key` itself is left as it was)."""
+    T, H, D = q.shape
+    Hkv = key.shape[1]
+    rot_dim = cos_sin_cache.shape[-1]
+    assert rot_dim <= head_dim == D and rot_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
+    if T == 0: return q
+    fp8 = _check_scales(k_cache, k_scale, v_scale)
+    _rotary_and_cache_kernel[(T,)](
+        q, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else key, v_scale if fp8 else value,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H, Hkv, D, HALF=rot_dim // 2, BLOCK_R=triton.next_power_of_2(rot_dim // 2), BLOCK_HQ=triton.next_power_of_2(H),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
+        IS_NEOX=is_neox, FP8=fp8, num_warps=4 if H * D >= 2048 else 1)
+    return q
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -106,6 +106,42 @@ def test_reshape_and_cache(dtype):
     torch.testing.assert_close(v_cache.float(), v_ref.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 0, atol=0)
 
 
+# ------------------------------------------------------------------------------------------------ rotary_and_cache
+
+@pytest.mark.parametrize('is_neox,rot_dim', [(True, 64), (False, 64), (True, 32), (False, 48)])
+@pytest.mark.parametrize('kv', ['auto', 'fp8'])
+def test_rotary_and_cache(is_neox, rot_dim, kv):
+    "The rotary embedding fused with the cache write equals apply_rotary_ref + reshape_and_cache_ref (partial rotary, GPT-J pairs, FP8)."
+    torch.manual_seed(rot_dim + is_neox)
+    nb, bs, H, Hkv, D, T, dtype = 6, 16, 4, 2, 64, 20, torch.float32
+    qkv = torch.randn(T, H + 2 * Hkv, D, device=DEV, dtype=dtype)
+    q, key, value = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]      # strided views, as the model's split gives
+    pos = torch.randint(0, 500, (T,), device=DEV)
+    inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
+    f = torch.arange(512, device=DEV).float()[:, None] * inv
+    cs = torch.cat([f.cos(), f.sin()], -1)
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[[2, 9]] = -1
+    cdt = FP8 if kv == 'fp8' else dtype
+    caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=cdt) for _ in range(4)]
+    scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)] if kv == 'fp8' else [None] * 4
+    key0 = key.clone()
+    qr = pa.rotary_and_cache_ref(q.clone(), key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3])
+    got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1])
+    assert got.data_ptr() == q.data_ptr() and torch.equal(key, key0)     # q in place, k untouched
+    torch.testing.assert_close(q, qr, rtol=1e-5, atol=1e-5)
+    if kv == 'fp8':
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): assert fp8_ulps(a, b).max() <= 1
+        for a, b in ((scales[0], scales[2]), (scales[1], scales[3])): torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    else:
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    keep = slots >= 0
+    if kv == 'auto':   # the rotated key really is in the cache (not the raw one), the tail dims unrotated
+        rows = caches[0].view(-1, Hkv, D)[slots[keep]]
+        assert not torch.allclose(rows[..., :rot_dim], key[keep][..., :rot_dim])
+        torch.testing.assert_close(rows[..., rot_dim:], key[keep][..., rot_dim:])
+
+
 # ------------------------------------------------------------------------------------------------ reference itself
 
 @pytest.mark.parametrize('window', [None, 7])

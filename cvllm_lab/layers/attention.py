@@ -36,15 +36,23 @@ class Attention(nn.Module):
         self.backend = name
         self._cache_fn, self._attn_fn = get_attention_backend(name)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, positions=None, rotary=None):
+        """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
+        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two)."""
         ctx = get_forward_context()
         T = q.shape[0]
+        if rotary is not None and self.backend != 'triton':
+            q, k = rotary(positions, q, k); rotary = None
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kc, vc = self.kv_cache[0], self.kv_cache[1]
         ks, vs = (None, None) if self.kv_scale is None else (self.kv_scale[0], self.kv_scale[1])
-        self._cache_fn(k, v, kc, vc, ctx.slot_mapping, ks, vs)
+        if rotary is None: self._cache_fn(k, v, kc, vc, ctx.slot_mapping, ks, vs)
+        else:
+            from cvllm_lab.kernels.paged_attention import rotary_and_cache
+            rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
+                             ctx.slot_mapping, ks, vs)
         o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, self.scale,
                           sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
                           max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs)

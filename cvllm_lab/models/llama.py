@@ -39,8 +39,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))   # rotary inside (fused on triton)
 
 class LlamaMLP(nn.Module):
     "SwiGLU MLP with one merged gate/up matmul."
