@@ -56,7 +56,10 @@ math (inline PTX), and a `[BK, BN]` tile dequantized once per 128-K step for `tl
 order, so fields need no cross-thread moves). That last one was built and measured (commit 02a8421, `_mmt_kernel`:
 the `[16, 8, BN]` fields reshaped or the words loaded 8x as `[128, BN]`, nibbles to bf16 by `q | 0x4300` = 128 + q,
 x gathered in the tile's row order): slower everywhere on the H200, W4A16 g128 per layer 161 us at M=16 (against
-113.7) and 441 us at M=64 (207.7), 124 us at M=1; so it was not kept.
+113.7) and 441 us at M=64 (207.7), 124 us at M=1; so it was not kept. Fusing the MLP's `silu(gate) * up` into the
+down projection's x loads (commit 1c255ed) saved a launch per layer but cost more: every program recomputes the
+activation of its x slice (replicated across the threads of a column), and Llama-3-8B decode on the H200 went from
+330.7 to 310.3 tok/s (W4A16, batch 1) and 3,535 to 3,155 (batch 16); it was reverted.
 """
 import os
 
@@ -88,21 +91,6 @@ def _field_f(words, J: tl.constexpr, BITS: tl.constexpr, ONE):
 
 
 @triton.jit
-def _load_x(ptr, K, mask, EVEN: tl.constexpr, ACT: tl.constexpr, policy: tl.constexpr):
-    """x at `ptr` in fp32 (`mask` unless EVEN); with ACT, `ptr` points into a merged gate/up row (`[gate | up]`,
-    each K long) and x is `silu(gate) * up`: the MLP's activation fused into the down projection's x loads."""
-    if EVEN:
-        x = tl.load(ptr, eviction_policy=policy).to(tl.float32)
-        if ACT:
-            x = x * tl.sigmoid(x) * tl.load(ptr + K, eviction_policy=policy).to(tl.float32)
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
-        if ACT:
-            x = x * tl.sigmoid(x) * tl.load(ptr + K, mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
     """Write the fp32 tile `y` to `optr`; with SPLIT > 1 programs per output tile, add it into the fp32 workspace at
     `wsp` instead, and the last of the SPLIT programs (counter at `cnt_ptr`) moves the sum to `optr` and leaves the
@@ -123,7 +111,7 @@ def _store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
-               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr):
+               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     "acc[C, BN] += the products of one K-tile: `words` [C, BN], x at `xb` (+ field offsets), scale rows from `sp`."
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
@@ -138,7 +126,11 @@ def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
             s = tl.load(s_ptr + row + rn, mask=nmask, other=0.0).to(tl.float32) * (1 << BITS)
             o = tl.load(o_ptr + row + rn, mask=nmask, other=0.0).to(tl.float32) - s
         for jj in tl.static_range(JPG):
-            xj = _load_x(xb + (gi * JPG + jj) * C, K, (kb + (gi * JPG + jj) * C + rc) < K, EVEN_K, ACT, 'evict_last')
+            if EVEN_K:
+                xj = tl.load(xb + (gi * JPG + jj) * C, eviction_policy='evict_last').to(tl.float32)
+            else:
+                xj = tl.load(xb + (gi * JPG + jj) * C, mask=(kb + (gi * JPG + jj) * C + rc) < K, other=0.0,
+                             eviction_policy='evict_last').to(tl.float32)
             f = _field_f(words, gi * JPG + jj, BITS, ONE)
             if JPG <= 2:   # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
                 acc += (f * s[None, :] + o[None, :]) * xj[:, None]
@@ -158,7 +150,7 @@ def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr, ACT: tl.constexpr):
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
     "out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1."
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     C: tl.constexpr = 4 * BITS
@@ -198,15 +190,15 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
             if TPI > 2:
                 w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
                 w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        acc = _gemv_tile(acc, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, ACT)
+        acc = _gemv_tile(acc, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N)
         if TPI > 1:
             acc = _gemv_tile(acc, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 1) * 128, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N, ACT)
+                             BITS, G, EVEN_K, EVEN_N)
         if TPI > 2:
             acc = _gemv_tile(acc, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 2) * 128, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N, ACT)
+                             BITS, G, EVEN_K, EVEN_N)
             acc = _gemv_tile(acc, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 3) * 128, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N, ACT)
+                             BITS, G, EVEN_K, EVEN_N)
     y = tl.sum(acc, 0)
     _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
@@ -214,7 +206,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
 @triton.jit
 def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr, ACT: tl.constexpr):
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
     "The GEMV with one `[C, TPI, BN]` load per iteration (TPI K-tiles as a tensor axis; the default for groups >= 64)."
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128
@@ -245,8 +237,11 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
         xb = xp + t * 128
         for gi in tl.static_range(NG):
             for jj in tl.static_range(JPG):
-                xj = _load_x(xb + (gi * JPG + jj) * C, K, (t * 128 + (gi * JPG + jj) * C + rc[:, None] + ru[None, :] * 128) < K,
-                             EVEN_K, ACT, 'evict_last')
+                if EVEN_K:
+                    xj = tl.load(xb + (gi * JPG + jj) * C, eviction_policy='evict_last').to(tl.float32)
+                else:
+                    xj = tl.load(xb + (gi * JPG + jj) * C, mask=(t * 128 + (gi * JPG + jj) * C + rc[:, None] + ru[None, :] * 128) < K,
+                                 other=0.0, eviction_policy='evict_last').to(tl.float32)
                 p = _field_f(words, gi * JPG + jj, BITS, ONE) * xj[:, :, None]
                 if jj == 0:
                     tf = p
@@ -271,7 +266,7 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
 def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-               PERGROUP: tl.constexpr, ACT: tl.constexpr):
+               PERGROUP: tl.constexpr):
     """out[BM, BN] = x[BM, K] @ W[BN, K].T, one tl.dot per bit field (K = C each); program axes: N-block, K-split,
     M-block. PERGROUP: the dot takes the exact `f = 1 + q / 2**BITS` in x's dtype and the scales are applied to the
     [BM, BN] group sums (`S * dot + B * sum(x)`: 2 ops per weight less); else W is dequantized in fp32 and rounded."""
@@ -310,13 +305,10 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                 xs = tl.zeros([BM, C], dtype=tl.float32)
             for jj in tl.static_range(JPG):
                 if EVEN_K:
-                    xm = mmask[:, None]
+                    xt = tl.load(xp + kb + (gi * JPG + jj) * C, mask=mmask[:, None], other=0.0)
                 else:
-                    xm = mmask[:, None] & ((kb + (gi * JPG + jj) * C + rc)[None, :] < K)
-                if ACT:
-                    xt = _load_x(xp + kb + (gi * JPG + jj) * C, K, xm, False, ACT, '').to(x_ptr.dtype.element_ty)
-                else:
-                    xt = tl.load(xp + kb + (gi * JPG + jj) * C, mask=xm, other=0.0)
+                    xt = tl.load(xp + kb + (gi * JPG + jj) * C,
+                                 mask=mmask[:, None] & ((kb + (gi * JPG + jj) * C + rc)[None, :] < K), other=0.0)
                 f = _field_f(words, gi * JPG + jj, BITS, ONE)
                 if PERGROUP:
                     d = tl.dot(xt, f.to(xt.dtype), d, input_precision=PREC)
@@ -425,15 +417,15 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, act=False):
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
-    and meet in the self-zeroing workspace. `act`: x is a merged gate/up row `[1, 2K]`, multiplied as `silu(gate) * up`."""
-    assert x.shape == (1, 2 * K if act else K), x.shape
+    and meet in the self-zeroing workspace."""
+    assert x.shape == (1, K), x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     if variant == 'dot':
         return w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn=bn, num_warps=num_warps,
-                        split_k=split_k, num_stages=num_stages, act=act)
+                        split_k=split_k, num_stages=num_stages)
     x = x.contiguous()
     tiles = Kp // TILE_K
     cfg = GEMV_SMALL_CONFIGS.get((N, K, bits), GEMV_SMALL_GROUP) if G < 64 else GEMV_CONFIGS.get((N, K, bits), GEMV_DEFAULT)
@@ -456,7 +448,7 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     kernel = _gemv3_kernel if variant == '3d' else _gemv_kernel
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
-                             SPLIT=split_k, PF=bool(prefetch), ACT=bool(act), num_warps=num_warps, num_stages=num_stages)
+                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -465,11 +457,11 @@ def _m_bucket(M):
 
 
 def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             split_k=None, num_stages=None, target=None, act=False):
+             split_k=None, num_stages=None, target=None):
     """`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel: one program per (N-block, K-split,
-    M-block of up to 64 rows), so each weight tile is read once per 64 rows. `act`: x is `[M, 2K]` gate/up rows."""
+    M-block of up to 64 rows), so each weight tile is read once per 64 rows."""
     M = x.shape[0]
-    assert x.ndim == 2 and x.shape[1] == (2 * K if act else K), x.shape
+    assert x.ndim == 2 and x.shape[1] == K, x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     x = x.contiguous()
     tiles = Kp // TILE_K
@@ -492,8 +484,7 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
         BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
-        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), ACT=bool(act), num_warps=num_warps,
-        num_stages=num_stages)
+        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -510,19 +501,14 @@ def w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=torch.fl
 MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
 
-def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=False):
-    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M. `act`: x is
-    `[..., 2K]` merged gate/up rows and the product is `silu(gate) * up` @ W.T (fused into the x loads up to
-    `MM_MAX_M` rows; above, a separate activation kernel)."""
+def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K):
+    "`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M."
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, 2 * K if act else K)
+    x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0: return x.new_empty(*lead, N)
-    if act and M > MM_MAX_M:
-        from cvllm_lab.kernels.activation import silu_and_mul
-        x2, act = silu_and_mul(x2), False
-    if M == 1: y = w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act)
-    elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K, act=act)
+    if M == 1: y = w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K)
+    elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
         y = (x2.to(wdt) @ w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=wdt).T).to(x.dtype)
@@ -531,9 +517,7 @@ def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=False):
 
 # --------------------------------------------------------------------------------------------- reference
 
-def w4a16_matmul_ref(x, qweight, scales, offsets, bits, group, N, K, act=False):
-    "Reference: dequantize in PyTorch, fp32 matmul (of `silu(gate) * up` when `act`), cast to x's dtype."
+def w4a16_matmul_ref(x, qweight, scales, offsets, bits, group, N, K):
+    "Reference: dequantize in PyTorch, fp32 matmul, cast to x's dtype."
     w = dequantize_packed_ref(qweight, scales, offsets, bits, group, N, K)
-    xf = x.float()
-    if act: xf = torch.nn.functional.silu(xf[..., :K]) * xf[..., K:]
-    return (xf @ w.T).to(x.dtype)
+    return (x.float() @ w.T).to(x.dtype)

@@ -72,8 +72,4 @@ class Linear(nn.Module):
 
     def forward(self, x): return F.linear(x, self.weight, self.bias)
 
-    def forward_silu_and_mul(self, x):
-        "`self(silu(x[..., :d]) * x[..., d:])` for merged gate/up rows `x`; quantized layers fuse the activation into their kernel."
-        return self(SiluAndMul()(x))
-
     def extra_repr(self): return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 import torch
 from torch import nn
-from ..layers.basic import RMSNorm, Linear
+from ..layers.basic import RMSNorm, SiluAndMul, Linear
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
 
@@ -46,8 +46,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
+        self.act = SiluAndMul()
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-    def forward(self, x): return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))   # act fused where the layer can
+    def forward(self, x): return self.down_proj(self.act(self.gate_up_proj(x)))
 
 class LlamaDecoderLayer(nn.Module):
     "Pre-norm block: `h, residual -> attention -> MLP`, residual adds fused into the norms."

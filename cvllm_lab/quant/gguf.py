@@ -462,10 +462,6 @@ class GGUFLinear(QuantLinear):
         if self.packed is not None: return self.packed.dequantize(dtype)
         return dequantize(self.qweight, self.qtype, (self.output_size, self.input_size), dtype=dtype)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None: return self._add_bias(self.packed.forward_silu_and_mul(x))
-        return super().forward_silu_and_mul(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None: return self._add_bias(self.packed(x))
         if x.is_cuda:

@@ -193,14 +193,6 @@ class W4A16Linear(QuantLinear):
                                                self.output_size, self.input_size))
         return super().forward(x)
 
-    def forward_silu_and_mul(self, x):
-        "On CUDA, `silu(gate) * up` is computed in the kernel's x loads (one launch, no activation tensor)."
-        if x.is_cuda:
-            from cvllm_lab.kernels.w4a16 import w4a16_matmul
-            return self._add_bias(w4a16_matmul(x, self.qweight, self.scales, self.offsets, self.bits, self.group,
-                                               self.output_size, self.input_size, act=True))
-        return super().forward_silu_and_mul(x)
-
     def extra_repr(self):
         return f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, bias={self.bias is not None}"
 
