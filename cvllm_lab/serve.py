@@ -56,7 +56,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--d', dest='device_ids', help="candle-vllm: device ids, e.g. 0 (one device only)")
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--max-logprobs', type=int, default=20)
-    g.add_argument('--enforce-eager', action='store_true', help="accepted; the engine has no graph capture to turn off")
+    g.add_argument('--enforce-eager', action='store_true', help="no CUDA graphs: every decode step runs eagerly")
+    g.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next decode step before reading this one's tokens (default: on for CUDA)")
     g.add_argument('--threads', type=int, help="PyTorch intra-op threads on CPU (1 is often fastest on a busy small box)")
     g = p.add_argument_group('server')
     g.add_argument('--host', default='0.0.0.0')
@@ -139,6 +141,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
                         prefill_chunk_size=args.prefill_chunk_size, enable_prefix_caching=args.enable_prefix_caching,
                         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_fraction=args.gpu_memory_fraction,
                         kv_cache_memory=args.mem << 20 if args.mem else None, enforce_eager=args.enforce_eager,
+                        async_scheduling=args.async_scheduling,
                         max_logprobs=args.max_logprobs, hf_overrides=overrides, quantization=quant, kv_cache_dtype=kv_dtype)
     scfg = ServerConfig(served_model_names=list(args.served_model_name or []), api_key=args.api_key, tool_parser=args.tool_parser,
                         reasoning_parser=None if args.reasoning_parser == 'none' else args.reasoning_parser,
