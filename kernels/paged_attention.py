@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rotary import _rotate_heads, apply_rotary_ref
+from .rotary import _rotary_pairs, _rotate_heads, apply_rotary_ref
 
 __all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'paged_attention', 'paged_attention_ref', 'quantize_kv_ref',
            'FP8_MAX', 'FP8_DTYPE']
@@ -186,6 +186,19 @@ def _store_row(x, cache_ptr, scale_ptr, slot, h, d, mask, num_kv_heads, FP8: tl.
 
 
 @triton.jit
+def _store_kv(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, h, d, mask,
+              stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_kv_heads,
+              BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    "Write one token's K and V rows `[BLOCK_H, BLOCK_D]` to cache slot `slot` (>= 0)."
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    _store_row(k, k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d, k_scale_ptr, slot, h, d,
+               mask, num_kv_heads, FP8)
+    _store_row(v, v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d, v_scale_ptr, slot, h, d,
+               mask, num_kv_heads, FP8)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
@@ -195,17 +208,13 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < head_dim)
         k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
         v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-        _store_row(k, k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d, k_scale_ptr, slot, h, d,
-                   mask, num_kv_heads, FP8)
-        _store_row(v, v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d, v_scale_ptr, slot, h, d,
-                   mask, num_kv_heads, FP8)
+        _store_kv(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, h, d, mask,
+                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_kv_heads, BLOCK_SIZE, FP8)
 
 
 def _check_scales(k_cache, k_scale, v_scale):
@@ -256,21 +265,10 @@ def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache
     registers (`y_d = x_d cos - x_p sin` for the first of a pair, `x_d cos + x_p sin` for the second)."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < HALF
-    cos = tl.load(cs_ptr + pos * stride_c + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + pos * stride_c + HALF + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-    if IS_NEOX:
-        i1 = r
-        i2 = r + HALF
-    else:
-        i1 = 2 * r
-        i2 = 2 * r + 1
+    i1, i2, r_ok, cos, sin = _rotary_pairs(cs_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < head_dim)
@@ -290,10 +288,8 @@ def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache
         sn = tl.load(cs_ptr + pos * stride_c + HALF + j, mask=rot, other=0.0).to(tl.float32)
         y = tl.where(rot, x * c + tl.where(first, -xp, xp) * sn, x)
         v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-        _store_row(y, k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d, k_scale_ptr, slot, h, d,
-                   mask, num_kv_heads, FP8)
-        _store_row(v, v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d, v_scale_ptr, slot, h, d,
-                   mask, num_kv_heads, FP8)
+        _store_kv(y, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, h, d, mask,
+                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_kv_heads, BLOCK_SIZE, FP8)
 
 
 def rotary_and_cache(q, key, value, positions, cos_sin_cache, head_dim, is_neox, k_cache, v_cache, slot_mapping,

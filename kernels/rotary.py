@@ -53,21 +53,28 @@ def _rotate_heads(x_ptr, stride_h, n_heads, i1, i2, r_ok, cos, sin, BLOCK_H: tl.
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rotary_pairs(cs_row_ptr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX: tl.constexpr):
+    "The rotated pairs' indices `(i1, i2)`, their mask, and `cos`, `sin` `[1, BLOCK_R]` of one position's cache row."
     r = tl.arange(0, BLOCK_R)
     r_ok = r < HALF
-    cos = tl.load(cache_ptr + pos * stride_c + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+    cos = tl.load(cs_row_ptr + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_row_ptr + HALF + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
     if IS_NEOX:
         i1 = r
         i2 = r + HALF
     else:
         i1 = 2 * r
         i2 = 2 * r + 1
+    return i1, i2, r_ok, cos, sin
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                   n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                   BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i1, i2, r_ok, cos, sin = _rotary_pairs(cache_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
     if HAS_K:
         _rotate_heads(k_ptr + t * stride_kt, stride_kh, n_k_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HK)

@@ -173,8 +173,7 @@ class LLMEngine:
     def _schedule_ahead(self, so, handle):
         "Async scheduling: launch the next decode step now, fed with this step's tokens on the device, when it is certain."
         sched, live = self.scheduler, [r for r in so.scheduled if not r.is_finished]
-        if handle.tokens is None or sched.waiting or not live or live != sched.running: return
-        if len(handle.reqs) != len(so.scheduled) or any(a is not b for a, b in zip(handle.reqs, so.scheduled)): return
+        if handle.tokens is None or sched.waiting or not live or live != sched.running or handle.reqs != so.scheduled: return
         bs, need = self.cfg.block_size, 0
         for r in live:
             sp = r.sampling_params
