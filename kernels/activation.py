@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+
 __all__ = ['silu_and_mul', 'silu_and_mul_ref']
 
 
@@ -13,10 +15,12 @@ def silu_and_mul_ref(x):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_inter
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_inter + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
@@ -33,5 +37,5 @@ def silu_and_mul(x, out=None):
     if x2.shape[0] == 0: return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, o2, x2.stride(0), o2.stride(0), n,
-                                                               BLOCK=block, num_warps=4)
+                                                               BLOCK=block, num_warps=4, **pdl_kw(x2.device))
     return out

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from cvllm_lab.quant.fp8 import BLOCK, dequantize_fp8_block
 from cvllm_lab.kernels.w4a16 import _split_for, _store_out, split_k_workspace
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['fp8_matmul', 'fp8_gemv', 'fp8_mm', 'fp8_matmul_ref']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
@@ -41,7 +42,7 @@ _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, KB,
                      BN: tl.constexpr, TPI: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                     SPLIT: tl.constexpr):
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
     "out[n] = sum_k x[k] W[n, k]; program axis 0: BN rows (inside one 128-row block), axis 1: TPS K-blocks."
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -55,6 +56,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
     sp = s_ptr + (pid_n * BN // 128) * KB + ru                                                        # [TPI]
     acc = tl.zeros([TPI, BN, 128], dtype=tl.float32)
     t0 = pid_k * TPS
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     for t in range(t0, t0 + TPS, TPI):
         kk = (t + ru[:, None]) * 128 + rk[None, :]
         if EVEN_K:
@@ -72,7 +75,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
 @triton.jit
 def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, KB,
                    BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, PDL: tl.constexpr):
     "out[BM, BN] = sum over the program's K-blocks of (x_blk @ W_blk.T) * scale[n-block, k-block]; axes N, K-split, M."
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -86,6 +89,8 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, strid
     sp = s_ptr + (rn_c // 128) * KB                                      # [BN]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     t0 = pid_k * TPS
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     for t in range(t0, t0 + TPS):
         if EVEN_K:
             xt = tl.load(xp + t * 128, mask=(rm < M)[:, None], other=0.0)
@@ -146,7 +151,7 @@ def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warp
     ws, cnt = split_k_workspace(x.device, N, progs)
     _fp8_gemv_kernel[(progs, split_k)](x, weight, scale, out, ws, cnt, N, K, kb // split_k, kb, BN=bn, TPI=tpi,
                                        EVEN_K=K % BLOCK == 0, EVEN_N=N % bn == 0, SPLIT=split_k,
-                                       num_warps=num_warps, num_stages=num_stages)
+                                       num_warps=num_warps, num_stages=num_stages, **pdl_kw(x.device))
     return out
 
 
@@ -174,7 +179,8 @@ def fp8_mm(x, weight, scale, N, K, out_dtype=None, bm=None, bn=None, num_warps=N
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _fp8_mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, weight, scale, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), kb // split_k, kb,
-        BM=bm, BN=bn, EVEN_K=K % BLOCK == 0, SPLIT=split_k, PREC=prec, num_warps=num_warps, num_stages=num_stages)
+        BM=bm, BN=bn, EVEN_K=K % BLOCK == 0, SPLIT=split_k, PREC=prec, num_warps=num_warps, num_stages=num_stages,
+        **pdl_kw(x.device))
     return out
 
 

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+
 __all__ = ['rms_norm', 'rms_norm_ref', 'fused_add_rms_norm', 'fused_add_rms_norm_ref']
 
 
@@ -26,10 +28,13 @@ def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    pdl_launch(PDL)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # a weight: safe before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -37,7 +42,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -55,7 +59,7 @@ def _launch(x, residual, weight, eps, out, res_out):
     o2, ro2 = out.view(-1, n), (res_out.view(-1, n) if res_out is not None else out.view(-1, n))
     if x2.shape[0] == 0: return
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0),
-                                     ro2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                     ro2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_kw(x2.device),
                                      num_warps=min(16, max(1, block // 256)))
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .rotary import _rotary_pairs, _rotate_heads, apply_rotary_ref
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'paged_attention', 'paged_attention_ref', 'quantize_kv_ref',
            'FP8_MAX', 'FP8_DTYPE']
@@ -259,11 +260,14 @@ def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache
                              stride_c, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
                              n_q_heads, num_kv_heads, head_dim,
                              HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr, FP8: tl.constexpr):
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr, FP8: tl.constexpr,
+                             PDL: tl.constexpr):
     """One token: rotate its q heads in place (pairs, as `_rotary_kernel`), and write its rotated k and its v to
     the cache slot. k is not written back: each k element is rotated from itself and its pair partner in
     registers (`y_d = x_d cos - x_p sin` for the first of a pair, `x_d cos + x_p sin` for the second)."""
     t = tl.program_id(0).to(tl.int64)
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i1, i2, r_ok, cos, sin = _rotary_pairs(cs_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
@@ -310,7 +314,7 @@ def rotary_and_cache(q, key, value, positions, cos_sin_cache, head_dim, is_neox,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H, Hkv, D, HALF=rot_dim // 2, BLOCK_R=triton.next_power_of_2(rot_dim // 2), BLOCK_HQ=triton.next_power_of_2(H),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
-        IS_NEOX=is_neox, FP8=fp8, num_warps=4 if H * D >= 2048 else 1)
+        IS_NEOX=is_neox, FP8=fp8, num_warps=4 if H * D >= 2048 else 1, **pdl_kw(q.device))
     return q
 
 
@@ -338,7 +342,10 @@ def _paged_attention_kernel(
         SPLIT: tl.constexpr,  # write unnormalized partials for _merge_splits_kernel instead of the output
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
-        FP8_KV: tl.constexpr):  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
+        FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
+        PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -453,10 +460,12 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, head_dim,
                          stride_ot, stride_oh, stride_pt, stride_ph,
-                         SPLITS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+                         SPLITS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, PDL: tl.constexpr):
     # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits have m_s = -inf)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     offs_s = tl.arange(0, SPLITS_P)
     s_ok = offs_s < num_splits
     base = t * stride_pt + h * stride_ph + offs_s
@@ -547,9 +556,10 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         block_tables.stride(0), H * splits, splits,
         QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
         TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
-        FP8_KV=fp8, num_warps=warps, num_stages=stages)
+        FP8_KV=fp8, num_warps=warps, num_stages=stages, **pdl_kw(q.device))
     if split:
         _merge_splits_kernel[(T, H)](
             out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,
-            SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2)
+            SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2,
+            **pdl_kw(q.device))
     return out

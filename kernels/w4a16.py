@@ -69,6 +69,8 @@ import triton.language as tl
 
 from cvllm_lab.quant.w4a16 import TILE_K, check_layout, dequantize_packed_ref
 
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+
 __all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 _ONE = 0x3F800000  # 1.0f
@@ -150,7 +152,8 @@ def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
+                 PDL: tl.constexpr):
     "out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1."
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     C: tl.constexpr = 4 * BITS
@@ -169,6 +172,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
         if TPI > 2:
             n2 = tl.load(wp + (t0 + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
             n3 = tl.load(wp + (t0 + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    pdl_launch(PDL)
+    pdl_wait(PDL)   # the prefetched words are weights; x and the outputs come after the wait
     for t in range(t0, t0 + TPS, TPI):
         # TPI tiles per iteration, all loads first: more bytes in flight per thread
         if PF:
@@ -206,7 +211,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
 @triton.jit
 def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
+                  PDL: tl.constexpr):
     "The GEMV with one `[C, TPI, BN]` load per iteration (TPI K-tiles as a tensor axis; the default for groups >= 64)."
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128
@@ -225,6 +231,8 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
     t0 = pid_k * TPS
     if PF:   # register double buffer: the next iteration's words are loaded before this one's math
         nxt = tl.load(wp + t0 * C * N, mask=nmask[None, None, :], other=0, eviction_policy='evict_first')
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     for t in range(t0, t0 + TPS, TPI):
         if PF:
             words = nxt
@@ -266,7 +274,7 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
 def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-               PERGROUP: tl.constexpr):
+               PERGROUP: tl.constexpr, PDL: tl.constexpr):
     """out[BM, BN] = x[BM, K] @ W[BN, K].T, one tl.dot per bit field (K = C each); program axes: N-block, K-split,
     M-block. PERGROUP: the dot takes the exact `f = 1 + q / 2**BITS` in x's dtype and the scales are applied to the
     [BM, BN] group sums (`S * dot + B * sum(x)`: 2 ops per weight less); else W is dequantized in fp32 and rounded."""
@@ -286,6 +294,8 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     wp = qw_ptr + rc[:, None] * N + rn[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     t0 = pid_k * TPS
+    pdl_launch(PDL)
+    pdl_wait(PDL)
     for t in range(t0, t0 + TPS):
         if EVEN_N:
             words = tl.load(wp + t * C * N, eviction_policy='evict_first')
@@ -448,7 +458,8 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     kernel = _gemv3_kernel if variant == '3d' else _gemv_kernel
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
-                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages)
+                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+                             **pdl_kw(x.device))
     return out
 
 
@@ -484,7 +495,8 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
         BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
-        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
+        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages,
+        **pdl_kw(x.device))
     return out
 
 
