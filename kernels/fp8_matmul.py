@@ -40,6 +40,26 @@ _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 
 
 @triton.jit
+def _fp8_weights(wp, t, ru, rk, K, EVEN_K: tl.constexpr):
+    "The `[TPI, BN, 128]` weight tiles of K-blocks t .. t + TPI - 1."
+    if EVEN_K:
+        return tl.load(wp + t * 128, eviction_policy='evict_first')
+    kk = (t + ru[:, None]) * 128 + rk[None, :]
+    return tl.load(wp + t * 128, mask=(kk < K)[:, None, :], other=0.0, eviction_policy='evict_first')
+
+
+@triton.jit
+def _fp8_iter(acc, w, xp, sp, t, ru, rk, K, EVEN_K: tl.constexpr):
+    "acc += w * (x * block scale) for K-blocks t .. t + TPI - 1."
+    if EVEN_K:
+        xv = tl.load(xp + t * 128, eviction_policy='evict_last')
+    else:
+        xv = tl.load(xp + t * 128, mask=((t + ru[:, None]) * 128 + rk[None, :]) < K, other=0.0, eviction_policy='evict_last')
+    xs = xv.to(tl.float32) * tl.load(sp + t)[:, None]
+    return acc + w.to(tl.float32) * xs[:, None, :]
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, KB,
                      BN: tl.constexpr, TPI: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr):
@@ -56,18 +76,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
     sp = s_ptr + (pid_n * BN // 128) * KB + ru                                                        # [TPI]
     acc = tl.zeros([TPI, BN, 128], dtype=tl.float32)
     t0 = pid_k * TPS
+    ts = t0
+    if PDL:   # the first iteration's weights before waiting for the previous kernel
+        w = _fp8_weights(wp, t0, ru, rk, K, EVEN_K)
     pdl_launch(PDL)
     pdl_wait(PDL)
-    for t in range(t0, t0 + TPS, TPI):
-        kk = (t + ru[:, None]) * 128 + rk[None, :]
-        if EVEN_K:
-            w = tl.load(wp + t * 128, eviction_policy='evict_first')
-            xv = tl.load(xp + t * 128, eviction_policy='evict_last')
-        else:
-            w = tl.load(wp + t * 128, mask=(kk < K)[:, None, :], other=0.0, eviction_policy='evict_first')
-            xv = tl.load(xp + t * 128, mask=kk < K, other=0.0, eviction_policy='evict_last')
-        xs = xv.to(tl.float32) * tl.load(sp + t)[:, None]
-        acc += w.to(tl.float32) * xs[:, None, :]
+    if PDL:
+        acc = _fp8_iter(acc, w, xp, sp, t0, ru, rk, K, EVEN_K)
+        ts = t0 + TPI
+    for t in range(ts, t0 + TPS, TPI):
+        acc = _fp8_iter(acc, _fp8_weights(wp, t, ru, rk, K, EVEN_K), xp, sp, t, ru, rk, K, EVEN_K)
     y = tl.sum(tl.sum(acc, 2), 0)
     _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
@@ -75,7 +93,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
 @triton.jit
 def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, KB,
                    BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                   PREC: tl.constexpr, PDL: tl.constexpr):
+                   PREC: tl.constexpr):
     "out[BM, BN] = sum over the program's K-blocks of (x_blk @ W_blk.T) * scale[n-block, k-block]; axes N, K-split, M."
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -89,8 +107,6 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, strid
     sp = s_ptr + (rn_c // 128) * KB                                      # [BN]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     t0 = pid_k * TPS
-    pdl_launch(PDL)
-    pdl_wait(PDL)
     for t in range(t0, t0 + TPS):
         if EVEN_K:
             xt = tl.load(xp + t * 128, mask=(rm < M)[:, None], other=0.0)
@@ -129,8 +145,10 @@ MM_DEFAULT = {16: dict(bn=64, num_warps=4, num_stages=3, target=4), 32: dict(bn=
 MM_CONFIGS = {}
 
 
-def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warps=None, split_k=None, num_stages=None):
-    "`x` `[1, K]` @ W.T -> `[1, N]` with the FP8 GEMV kernel (`split_k` programs per row block meet in the workspace)."
+def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warps=None, split_k=None, num_stages=None,
+             pdl=None):
+    """`x` `[1, K]` @ W.T -> `[1, N]` with the FP8 GEMV kernel (`split_k` programs per row block meet in the
+    workspace; `pdl`: programmatic dependent launch, default `pdl_on`)."""
     assert x.shape == (1, K), x.shape
     _, kb = _check(weight, scale, N, K)
     x = x.contiguous()
@@ -151,7 +169,7 @@ def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warp
     ws, cnt = split_k_workspace(x.device, N, progs)
     _fp8_gemv_kernel[(progs, split_k)](x, weight, scale, out, ws, cnt, N, K, kb // split_k, kb, BN=bn, TPI=tpi,
                                        EVEN_K=K % BLOCK == 0, EVEN_N=N % bn == 0, SPLIT=split_k,
-                                       num_warps=num_warps, num_stages=num_stages, **pdl_kw(x.device))
+                                       num_warps=num_warps, num_stages=num_stages, **pdl_kw(x.device, pdl))
     return out
 
 
@@ -179,8 +197,7 @@ def fp8_mm(x, weight, scale, N, K, out_dtype=None, bm=None, bn=None, num_warps=N
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _fp8_mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, weight, scale, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), kb // split_k, kb,
-        BM=bm, BN=bn, EVEN_K=K % BLOCK == 0, SPLIT=split_k, PREC=prec, num_warps=num_warps, num_stages=num_stages,
-        **pdl_kw(x.device))
+        BM=bm, BN=bn, EVEN_K=K % BLOCK == 0, SPLIT=split_k, PREC=prec, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -9,7 +9,9 @@ read before the wait: the quantized GEMVs issue their first weight loads there. 
 kernel's launch latency and ramp behind the tail of the previous one (about 290 kernels per Llama-3-8B decode
 step). A kernel launched without the attribute (cuBLAS, PyTorch ops) is ordered as usual.
 
-Off under the Triton interpreter, before sm_90, and with the environment variable `CVLLM_PDL=0`.
+Off under the Triton interpreter, before sm_90, and with the environment variable `CVLLM_PDL=0`. Launchers take
+`pdl=True` to force the kernels' PDL code paths (the interpreter then skips only the two instructions), so the CPU
+tests cover them too.
 """
 import functools
 import os
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 __all__ = ['pdl_kw', 'pdl_on', 'pdl_wait', 'pdl_launch']
+_INTERPRET = tl.constexpr(os.environ.get('TRITON_INTERPRET', '0') == '1')
 
 
 @functools.lru_cache(None)
@@ -33,20 +36,21 @@ def pdl_on(device) -> bool:
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_kw(device) -> dict:
-    "Launch keywords: the kernel's `PDL` constexpr and, when on, Triton's `launch_pdl`."
-    return dict(PDL=True, launch_pdl=True) if pdl_on(device) else dict(PDL=False)
+def pdl_kw(device, pdl=None) -> dict:
+    "Launch keywords: the kernel's `PDL` constexpr (`pdl`, default `pdl_on`) and, on a GPU, Triton's `launch_pdl`."
+    on = pdl_on(device) if pdl is None else bool(pdl)
+    return dict(PDL=on, launch_pdl=True) if on and device.type == 'cuda' and not _INTERPRET else dict(PDL=on)
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     "Wait for the previous kernel in the stream (no-op without PDL)."
-    if PDL:
+    if PDL and not _INTERPRET:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
 def pdl_launch(PDL: tl.constexpr):
     "Allow the next kernel in the stream to be scheduled (no-op without PDL)."
-    if PDL:
+    if PDL and not _INTERPRET:
         tl.extra.cuda.gdc_launch_dependents()

@@ -150,11 +150,45 @@ def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
 
 
 @triton.jit
+def _gemv_words(wp, t, N, nmask, C: tl.constexpr, TPI: tl.constexpr):
+    "The word tiles `[C, BN]` of K-tiles t .. t + TPI - 1 (unused ones repeat the first)."
+    w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if TPI > 1:
+        w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    if TPI > 2:
+        w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _gemv_iter(acc, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
+               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr):
+    "acc += the products of K-tiles t .. t + TPI - 1."
+    acc = _gemv_tile(acc, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N)
+    if TPI > 1:
+        acc = _gemv_tile(acc, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 1) * 128, K, ONE,
+                         BITS, G, EVEN_K, EVEN_N)
+    if TPI > 2:
+        acc = _gemv_tile(acc, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 2) * 128, K, ONE,
+                         BITS, G, EVEN_K, EVEN_N)
+        acc = _gemv_tile(acc, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 3) * 128, K, ONE,
+                         BITS, G, EVEN_K, EVEN_N)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
                  PDL: tl.constexpr):
-    "out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1."
+    """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1.
+    TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the next iteration's
+    words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits). With PDL the
+    first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     C: tl.constexpr = 4 * BITS
     pid_n = tl.program_id(0)
@@ -165,45 +199,24 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     nmask = rn < N
     acc = tl.zeros([C, BN], dtype=tl.float32)
     t0 = pid_k * TPS
-    if PF:   # register double buffer: the next iteration's words are loaded before this one's math
-        n0 = tl.load(wp + t0 * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        if TPI > 1:
-            n1 = tl.load(wp + (t0 + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        if TPI > 2:
-            n2 = tl.load(wp + (t0 + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            n3 = tl.load(wp + (t0 + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    ts = t0
+    if PF or PDL:
+        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, C, TPI)
     pdl_launch(PDL)
-    pdl_wait(PDL)   # the prefetched words are weights; x and the outputs come after the wait
-    for t in range(t0, t0 + TPS, TPI):
-        # TPI tiles per iteration, all loads first: more bytes in flight per thread
+    pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
+    if PDL:
+        if not PF:   # peel the first iteration: its words are in flight already
+            acc = _gemv_iter(acc, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
+                             BITS, G, EVEN_K, EVEN_N, TPI)
+            ts = t0 + TPI
+    for t in range(ts, t0 + TPS, TPI):
         if PF:
-            tn = tl.minimum(t + TPI, t0 + TPS - TPI)   # the last iteration re-reads its own tiles (L2 hit)
-            w0 = n0
-            n0 = tl.load(wp + tn * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            if TPI > 1:
-                w1 = n1
-                n1 = tl.load(wp + (tn + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            if TPI > 2:
-                w2 = n2
-                w3 = n3
-                n2 = tl.load(wp + (tn + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-                n3 = tl.load(wp + (tn + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            w0, w1, w2, w3 = n0, n1, n2, n3
+            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, C, TPI)
         else:
-            w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            if TPI > 1:
-                w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            if TPI > 2:
-                w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-                w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        acc = _gemv_tile(acc, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N)
-        if TPI > 1:
-            acc = _gemv_tile(acc, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 1) * 128, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N)
-        if TPI > 2:
-            acc = _gemv_tile(acc, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 2) * 128, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N)
-            acc = _gemv_tile(acc, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 3) * 128, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N)
+            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, C, TPI)
+        acc = _gemv_iter(acc, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
+                         BITS, G, EVEN_K, EVEN_N, TPI)
     y = tl.sum(acc, 0)
     _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
@@ -211,8 +224,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
 @triton.jit
 def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                  PDL: tl.constexpr):
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr):
     "The GEMV with one `[C, TPI, BN]` load per iteration (TPI K-tiles as a tensor axis; the default for groups >= 64)."
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128
@@ -231,8 +243,6 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
     t0 = pid_k * TPS
     if PF:   # register double buffer: the next iteration's words are loaded before this one's math
         nxt = tl.load(wp + t0 * C * N, mask=nmask[None, None, :], other=0, eviction_policy='evict_first')
-    pdl_launch(PDL)
-    pdl_wait(PDL)
     for t in range(t0, t0 + TPS, TPI):
         if PF:
             words = nxt
@@ -274,7 +284,7 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
 def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-               PERGROUP: tl.constexpr, PDL: tl.constexpr):
+               PERGROUP: tl.constexpr):
     """out[BM, BN] = x[BM, K] @ W[BN, K].T, one tl.dot per bit field (K = C each); program axes: N-block, K-split,
     M-block. PERGROUP: the dot takes the exact `f = 1 + q / 2**BITS` in x's dtype and the scales are applied to the
     [BM, BN] group sums (`S * dot + B * sum(x)`: 2 ops per weight less); else W is dequantized in fp32 and rounded."""
@@ -294,8 +304,6 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     wp = qw_ptr + rc[:, None] * N + rn[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     t0 = pid_k * TPS
-    pdl_launch(PDL)
-    pdl_wait(PDL)
     for t in range(t0, t0 + TPS):
         if EVEN_N:
             words = tl.load(wp + t * C * N, eviction_policy='evict_first')
@@ -427,10 +435,10 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None):
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
-    and meet in the self-zeroing workspace."""
+    and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`)."""
     assert x.shape == (1, K), x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     if variant == 'dot':
@@ -455,11 +463,10 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
     out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
-    kernel = _gemv3_kernel if variant == '3d' else _gemv_kernel
+    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, pdl_kw(x.device, pdl))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
-                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
-                             **pdl_kw(x.device))
+                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages, **kw)
     return out
 
 
@@ -495,8 +502,7 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
         BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
-        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages,
-        **pdl_kw(x.device))
+        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

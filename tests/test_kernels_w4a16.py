@@ -61,6 +61,10 @@ def test_w4a16_cpu(bits, group, sym):
             assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant), ref) < 1e-5, (tpi, split, variant)
             if variant != 'dot':                                # register prefetch of the next iteration's words
                 assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=True), ref) < 1e-5
+            if variant == '2d':                                 # PDL: the first iteration's words before the wait
+                for pf in (False, True):
+                    y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=pf, pdl=True)
+                    assert _rel(y, ref) < 1e-5, (tpi, split, pf)
     for M in (5, 17):                                           # 17: two M-blocks, each with its own counters
         x = torch.randn(M, 512).half()
         assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
@@ -112,7 +116,8 @@ def test_fp8_cpu():
     x = torch.randn(1, 512)
     ref = fp8_matmul_ref(x, w, s, 32, 512)
     for tpi, split in ((1, 4), (2, 2), (4, 1)):
-        assert _rel(fp8_gemv(x, w, s, 32, 512, tpi=tpi, split_k=split), ref) < 1e-5
+        for pdl in (False, True):                               # PDL: the first iteration's weights before the wait
+            assert _rel(fp8_gemv(x, w, s, 32, 512, tpi=tpi, split_k=split, pdl=pdl), ref) < 1e-5, (tpi, split, pdl)
     for M in (5, 17):
         x = torch.randn(M, 512).half()
         assert _rel(fp8_mm(x, w, s, 32, 512, split_k=2), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
