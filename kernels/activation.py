@@ -19,8 +19,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_inter
-    pdl_launch(PDL)
     pdl_wait(PDL)
+    pdl_launch(PDL)
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_inter + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up

@@ -79,8 +79,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
     ts = t0
     if PDL:   # the first iteration's weights before waiting for the previous kernel
         w = _fp8_weights(wp, t0, ru, rk, K, EVEN_K)
-    pdl_launch(PDL)
     pdl_wait(PDL)
+    pdl_launch(PDL)
     if PDL:
         acc = _fp8_iter(acc, w, xp, sp, t0, ru, rk, K, EVEN_K)
         ts = t0 + TPI

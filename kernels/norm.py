@@ -32,9 +32,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    pdl_launch(PDL)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # a weight: safe before the wait
     pdl_wait(PDL)
+    pdl_launch(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)

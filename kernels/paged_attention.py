@@ -266,8 +266,8 @@ def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache
     the cache slot. k is not written back: each k element is rotated from itself and its pair partner in
     registers (`y_d = x_d cos - x_p sin` for the first of a pair, `x_d cos + x_p sin` for the second)."""
     t = tl.program_id(0).to(tl.int64)
-    pdl_launch(PDL)
     pdl_wait(PDL)
+    pdl_launch(PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i1, i2, r_ok, cos, sin = _rotary_pairs(cs_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
@@ -344,8 +344,8 @@ def _paged_attention_kernel(
         DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
         FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
         PDL: tl.constexpr):
-    pdl_launch(PDL)
     pdl_wait(PDL)
+    pdl_launch(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -464,8 +464,8 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_spli
     # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits have m_s = -inf)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pdl_launch(PDL)
     pdl_wait(PDL)
+    pdl_launch(PDL)
     offs_s = tl.arange(0, SPLITS_P)
     s_ok = offs_s < num_splits
     base = t * stride_pt + h * stride_ph + offs_s

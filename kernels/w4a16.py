@@ -202,8 +202,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     ts = t0
     if PF or PDL:
         n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, C, TPI)
-    pdl_launch(PDL)
     pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
+    pdl_launch(PDL)
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
             acc = _gemv_iter(acc, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
