@@ -463,6 +463,7 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
     out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
+    if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks): PDL measured no faster
     kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, pdl_kw(x.device, pdl))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
