@@ -60,6 +60,21 @@ x gathered in the tile's row order): slower everywhere on the H200, W4A16 g128 p
 down projection's x loads (commit 1c255ed) saved a launch per layer but cost more: every program recomputes the
 activation of its x slice (replicated across the threads of a column), and Llama-3-8B decode on the H200 went from
 330.7 to 310.3 tok/s (W4A16, batch 1) and 3,535 to 3,155 (batch 16); it was reverted.
+
+Weights as the tensor-core A operand (measured on 79557d8, not kept): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`,
+the words loaded transposed `[BN, 16]` so that each field is a ready A tile, built either through fp32 or directly
+as 16-bit `1 + q/16` (`0x3F80 | q << 3`), x padded to 16 rows; swept block N 64/128, 1-4 stages, split-K up to 32.
+M=16, g128, best config per shape against `_mm_kernel`: qkv 15.4-17.3 vs 17.7 us, o 11.8-12.9 vs 12.3, gate_up
+48.0-52.5 vs 55.4, down 27.1-28.8 vs 27.7 (the ranges are two runs): about 102 against 113 us per layer, a 10% gain
+that run-to-run noise half covers and that leaves batch 16 far from 4,500 tok/s; M=1 was slower everywhere
+(down 25.7 vs 17.8 us) and M=64 too (down 81 vs 51). Both tensor-core layouts (`_mmt_kernel`, this one) lose to
+the per-field `tl.dot` here: what is missing is a dequantized tile in the MMA register layout without a trip
+through shared memory, which Triton does not expose.
+
+Programmatic dependent launch (`kernels/pdl.py`): the 2d GEMV loads its first iteration's words before
+`griddepcontrol.wait`, so its weight stream starts while the previous kernel finishes; Llama-3-8B batch 1 went from
+334.6 to 360.3 tok/s (W4A16 g128). For groups < 64 (q4_k) it measured 289.0 against 293.8 without, so those launch
+without PDL.
 """
 import os
 
