@@ -85,6 +85,7 @@ import triton.language as tl
 
 from cvllm_lab.quant.w4a16 import TILE_K, check_layout, dequantize_packed_ref
 
+from cvllm_lab.kernels.activation import silu_and_mul
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
@@ -109,22 +110,51 @@ def _field_f(words, J: tl.constexpr, BITS: tl.constexpr, ONE):
 
 
 @triton.jit
+def _split_add(y, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
+    """Split-K without extra launches: add the fp32 tile `y` into the workspace at `wsp` and count this program on
+    the counter at `cnt_ptr`; True for the last of the SPLIT programs of the tile, which then calls `_split_take`."""
+    tl.atomic_add(wsp, y, mask=mask, sem='relaxed')
+    tl.debug_barrier()                                  # all of this program's adds before its release below
+    return tl.atomic_add(cnt_ptr, 1, sem='acq_rel') == SPLIT - 1
+
+
+@triton.jit
+def _split_take(y, mask, wsp, cnt_ptr):
+    "The tile's sum, leaving workspace and counter at zero for the next call (no memset, no cast kernel)."
+    tot = tl.load(wsp, mask=mask, other=0.0, cache_modifier='.cg')
+    tl.debug_barrier()                                  # every thread has read before any thread zeroes
+    tl.store(wsp, tl.zeros_like(y), mask=mask)
+    tl.store(cnt_ptr, 0)
+    return tot
+
+
+@triton.jit
 def _store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
-    """Write the fp32 tile `y` to `optr`; with SPLIT > 1 programs per output tile, add it into the fp32 workspace at
-    `wsp` instead, and the last of the SPLIT programs (counter at `cnt_ptr`) moves the sum to `optr` and leaves the
-    workspace and the counter at zero for the next call (no memset, no cast kernel)."""
+    "Write the fp32 tile `y` to `optr`; with SPLIT > 1 programs per output tile, through the workspace."
     if SPLIT == 1:
         tl.store(optr, y.to(optr.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(wsp, y, mask=mask, sem='relaxed')
-        tl.debug_barrier()                                  # all of this program's adds before its release below
-        n = tl.atomic_add(cnt_ptr, 1, sem='acq_rel')
-        if n == SPLIT - 1:
-            tot = tl.load(wsp, mask=mask, other=0.0, cache_modifier='.cg')
-            tl.debug_barrier()                              # every thread has read before any thread zeroes
-            tl.store(wsp, tl.zeros_like(y), mask=mask)
-            tl.store(optr, tot.to(optr.dtype.element_ty), mask=mask)
-            tl.store(cnt_ptr, 0)
+        if _split_add(y, mask, wsp, cnt_ptr, SPLIT):
+            tl.store(optr, _split_take(y, mask, wsp, cnt_ptr).to(optr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_pairs(y, BN: tl.constexpr):
+    "`silu(gate) * up` `[BN / 2]` of a `[BN]` tile whose entries interleave gate and up (`2i`: gate_i, `2i + 1`: up_i)."
+    g, u = tl.split(tl.reshape(y, [BN // 2, 2]))
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _store_silu_and_mul(y, out_ptr, pid_n, N, mask, wsp, cnt_ptr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    "Epilogue of an interleaved gate/up GEMV: `_silu_and_mul_pairs` of the fp32 sums, `BN / 2` of the `N / 2` outputs."
+    rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    if SPLIT == 1:
+        tl.store(out_ptr + rh, _silu_and_mul_pairs(y, BN).to(out_ptr.dtype.element_ty), mask=rh < N // 2)
+    else:
+        if _split_add(y, mask, wsp, cnt_ptr, SPLIT):
+            h = _silu_and_mul_pairs(_split_take(y, mask, wsp, cnt_ptr), BN)
+            tl.store(out_ptr + rh, h.to(out_ptr.dtype.element_ty), mask=rh < N // 2)
 
 
 @triton.jit
@@ -200,8 +230,9 @@ def _gemv_iter(acc, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K,
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr):
-    """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1.
+                 PDL: tl.constexpr, ACT: tl.constexpr):
+    """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
+    (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_silu_and_mul`).
     TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the next iteration's
     words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits). With PDL the
     first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`)."""
@@ -234,7 +265,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
         acc = _gemv_iter(acc, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
                          BITS, G, EVEN_K, EVEN_N, TPI)
     y = tl.sum(acc, 0)
-    _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
+    if ACT:
+        _store_silu_and_mul(y, out_ptr, pid_n, N, nmask, ws_ptr + rn, cnt_ptr + pid_n, BN, SPLIT)
+    else:
+        _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
 
 @triton.jit
@@ -451,15 +485,21 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None):
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
-    and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`)."""
+    and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
+    `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
+    kernel's epilogue, else by `silu_and_mul`)."""
     assert x.shape == (1, K), x.shape
+    assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
-    if variant == 'dot':
-        return w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn=bn, num_warps=num_warps,
-                        split_k=split_k, num_stages=num_stages)
+    if variant == 'dot' or (act and variant == '3d'):
+        y = w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn, tpi, num_warps, split_k, variant,
+                       num_stages, prefetch, pdl) if variant == '3d' else \
+            w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn=bn, num_warps=num_warps,
+                     split_k=split_k, num_stages=num_stages)
+        return silu_and_mul(y, interleaved=True) if act else y
     x = x.contiguous()
     tiles = Kp // TILE_K
     cfg = GEMV_SMALL_CONFIGS.get((N, K, bits), GEMV_SMALL_GROUP) if G < 64 else GEMV_CONFIGS.get((N, K, bits), GEMV_DEFAULT)
@@ -477,10 +517,11 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
         split_k = _split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
     elif tiles % split_k or (tiles // split_k) % tpi:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
-    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
+    if act and (N % 2 or bn % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
+    out = torch.empty(1, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
     if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks): PDL measured no faster
-    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, pdl_kw(x.device, pdl))
+    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act)))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages, **kw)
@@ -536,18 +577,20 @@ def w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=torch.fl
 MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
 
-def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K):
-    "`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M."
+def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None):
+    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M.
+    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if M == 0: return x.new_empty(*lead, N)
-    if M == 1: y = w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K)
-    elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
+    if M == 0: return x.new_empty(*lead, N // 2 if act else N)
+    if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act).reshape(*lead, -1)
+    if M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
         y = (x2.to(wdt) @ w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=wdt).T).to(x.dtype)
-    return y.reshape(*lead, N)
+    if act: y = silu_and_mul(y, interleaved=True)
+    return y.reshape(*lead, -1)
 
 
 # --------------------------------------------------------------------------------------------- reference

@@ -172,6 +172,9 @@ def test_silu_and_mul(dtype, shape):
     out = activation.silu_and_mul(x)
     assert out.shape == (*shape[:-1], n)
     close(out, ref, dtype)
+    xi = torch.stack([x[..., :n], x[..., n:]], -1).flatten(-2)          # gate_i, up_i at 2i, 2i + 1
+    torch.testing.assert_close(activation.silu_and_mul_ref(xi, interleaved=True), ref)
+    close(activation.silu_and_mul(xi, interleaved=True), ref, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA, real sizes

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, _WS
 from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
+from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
 from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
 from cvllm_lab.quant.gguf import GGUFLinear, PACKED_TYPES, dequantize, quantize, random_blocks
@@ -69,6 +70,14 @@ def test_w4a16_cpu(bits, group, sym):
         x = torch.randn(M, 512).half()
         assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
         assert _rel(w4a16_mm(x, *args, split_k=4, bn=16), w4a16_matmul_ref(x.float(), *args)) < 2e-3
+    for M in (1, 3):                                            # silu(gate) * up of interleaved gate/up rows
+        x = torch.randn(M, 512)
+        ref = silu_and_mul_ref(w4a16_matmul_ref(x, *args), interleaved=True)
+        assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < 1e-5, M
+        if M == 1:                                              # the GEMV epilogue, with and without split-K
+            for split, variant in ((1, '2d'), (4, '2d'), (2, '3d')):
+                y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, variant=variant, act='silu_and_mul')
+                assert y.shape == (1, 16) and _rel(y, ref) < 1e-5, (split, variant)
     assert _ws_clean()
 
 
@@ -155,6 +164,11 @@ def test_w4a16_cuda(bits, group, sym, N, K):
             if tiles % (sk * tpi): continue                        # the GEMV variants with split-K and prefetch
             y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant, prefetch=pf)
             assert _rel(y, x @ w.T) < 1e-5, (N, K, variant, bn, tpi, sk)
+    for M in (1, 16, 300):                                         # rows as interleaved gate/up: the fused activation
+        x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
+        ref = silu_and_mul_ref(x.float() @ w.T, interleaved=True)
+        y = w4a16_matmul(x, *args, act='silu_and_mul')
+        assert y.shape == (M, N // 2) and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
     assert _ws_clean()
 
 

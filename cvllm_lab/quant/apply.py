@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from ..layers.basic import Linear
+from ..layers.basic import Linear, SiluAndMul
 from .gguf import GT, GGUFLinear, QUANT_TYPES, parse_qtype, block_info, PACKED_TYPES
 from .w4a16 import QuantLinear, W4A16Linear, gptq_to_levels, awq_to_levels
 from .fp8 import FP8Linear
 
 # %% auto #0
 __all__ = ['ISQ_NAMES', 'METHODS', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'resolve_method', 'gguf_type_for', 'quantize_linear',
-           'quantize_model', 'ConcatLinear', 'normalize_quant_config', 'checkpoint_quantization', 'GGUFRaw',
-           'finalize_collector', 'load_quantized']
+           'quantize_model', 'fuse_mlp_act', 'ConcatLinear', 'normalize_quant_config', 'checkpoint_quantization',
+           'GGUFRaw', 'finalize_collector', 'load_quantized']
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
@@ -76,6 +76,23 @@ def quantize_model(model: nn.Module, method: str, progress: bool = True, pack: b
         del lin
     if pack and torch.cuda.is_available(): torch.cuda.empty_cache()
     return model
+
+def fuse_mlp_act(model: nn.Module, cpu: bool = False) -> int:
+    """Fold each MLP's `SiluAndMul` into its merged gate/up layer where that layer runs the packed W4A16 GEMV
+    (`W4A16Linear`, or a GGUF layer packed into one; on CUDA, or anywhere with `cpu`): `W4A16Linear.fuse_silu_and_mul`,
+    and the MLP's activation becomes the identity. Returns the number of MLPs fused."""
+    n = 0
+    for mod in model.modules():
+        lin = getattr(mod, 'gate_up_proj', None)
+        if not isinstance(getattr(mod, 'act', None), SiluAndMul) or not isinstance(lin, QuantLinear): continue
+        tgt = lin.packed if isinstance(lin, GGUFLinear) else lin
+        sizes = lin.output_sizes
+        if (isinstance(tgt, W4A16Linear) and (cpu or tgt.qweight.is_cuda) and lin.bias is None and tgt.act is None
+                and len(sizes) == 2 and sizes[0] == sizes[1]):
+            tgt.fuse_silu_and_mul()
+            mod.act = nn.Identity()
+            n += 1
+    return n
 
 # %% ../../nbs/47_quant_apply.ipynb #13f6557b
 class ConcatLinear(QuantLinear):

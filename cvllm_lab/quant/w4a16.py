@@ -158,6 +158,7 @@ class W4A16Linear(QuantLinear):
         self.register_buffer('scales', torch.zeros(ng, N, dtype=torch.float16, device=device))
         self.register_buffer('offsets', torch.zeros(ng, N, dtype=torch.float16, device=device))
         check_layout(self.qweight, self.scales, self.offsets, bits, self.group, N, in_features)
+        self.act = None   # 'silu_and_mul' after `fuse_silu_and_mul`
 
     @classmethod
     def from_levels(cls, q, scales, offsets, group=128, bits=4, bias=None, out_features=None, shard_ids=None):
@@ -186,15 +187,30 @@ class W4A16Linear(QuantLinear):
         return dequantize_packed_ref(self.qweight, self.scales, self.offsets, self.bits, self.group,
                                      self.output_size, self.input_size, dtype)
 
+    def fuse_silu_and_mul(self) -> 'W4A16Linear':
+        """Make this merged gate/up layer (gate rows first, then as many up rows; no bias) return the MLP's
+        `silu(gate) * up` `[..., out / 2]`: its columns are reordered to gate_i, up_i pairs, so that the decode GEMV
+        writes the activation from its fp32 sums (one kernel less per layer and step). `dequantize` then gives the
+        reordered rows."""
+        N = self.output_size
+        if self.act is not None or self.bias is not None or N % 2:
+            raise ValueError("fuse_silu_and_mul needs an unfused gate/up layer without bias and an even out size")
+        perm = torch.stack([torch.arange(N // 2), torch.arange(N // 2, N)], 1).flatten().to(self.qweight.device)
+        for name in ('qweight', 'scales', 'offsets'): self._buffers[name] = self._buffers[name][:, perm].contiguous()
+        self.act = 'silu_and_mul'
+        return self
+
     def forward(self, x):
         if x.is_cuda:
             from cvllm_lab.kernels.w4a16 import w4a16_matmul
             return self._add_bias(w4a16_matmul(x, self.qweight, self.scales, self.offsets, self.bits, self.group,
-                                               self.output_size, self.input_size))
-        return super().forward(x)
+                                               self.output_size, self.input_size, act=self.act))
+        y = super().forward(x)
+        return y if self.act is None else F.silu(y[..., 0::2]) * y[..., 1::2]
 
     def extra_repr(self):
-        return f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, bias={self.bias is not None}"
+        return (f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, "
+                f"bias={self.bias is not None}" + (f", act={self.act}" if self.act else ""))
 
 # %% ../../nbs/46_w4a16.ipynb #c25f9510
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
