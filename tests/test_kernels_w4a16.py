@@ -216,3 +216,30 @@ def test_layers_and_quantize_model_cuda():
     model.model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({'proj': Linear(512, 256)})]).cuda()
     quantize_model(model, 'q4k', progress=False)
     assert model.model.layers[0]['proj'].packed is not None
+
+
+@cuda
+@pytest.mark.cuda
+def test_fuse_mlp_act_cuda():
+    "A quantized Llama with the activation in the gate/up GEMV (`fuse_mlp_act=True`) generates what the unfused one does."
+    import tempfile
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from cvllm_lab import LLM, SamplingParams
+    d = tempfile.mkdtemp()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=2, architectures=['LlamaForCausalLM'])).save_pretrained(d)
+    prompts = [{'prompt_token_ids': list(range(3, 3 + n))} for n in (5, 40)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for method in ('marlin', 'q4k'):
+        outs = []
+        for fuse in (False, True):
+            llm = LLM(d, progress=False, device='cuda', dtype='bfloat16', skip_tokenizer_init=True, quantization=method,
+                      kv_cache_memory=64 << 20, fuse_mlp_act=fuse)
+            assert isinstance(llm.engine.runner.model.model.layers[0].mlp.act, torch.nn.Identity) == fuse
+            outs.append(llm.generate(prompts, sp, use_tqdm=False))
+        for a, b in zip(*outs):
+            la, lb = [lp.logprob for st in a.outputs[0].logprobs for lp in st.values()], \
+                     [lp.logprob for st in b.outputs[0].logprobs for lp in st.values()]
+            assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4], method
+            assert max(abs(x - y) for x, y in zip(la[:4], lb[:4])) < 0.05, method

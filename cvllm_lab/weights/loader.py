@@ -188,7 +188,7 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     if cfg.quantization and not qcfg:
         from cvllm_lab.quant.apply import quantize_model
         quantize_model(model, cfg.quantization, progress)
-    if cfg.quantization or qcfg:
+    if cfg.fuse_mlp_act and (cfg.quantization or qcfg):
         from cvllm_lab.quant.apply import fuse_mlp_act
         fuse_mlp_act(model)   # CUDA: the packed gate/up GEMV writes silu(gate) * up
     return model.eval()
