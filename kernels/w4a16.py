@@ -494,12 +494,12 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
-    if variant == 'dot' or (act and variant == '3d'):
-        y = w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn, tpi, num_warps, split_k, variant,
-                       num_stages, prefetch, pdl) if variant == '3d' else \
-            w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn=bn, num_warps=num_warps,
-                     split_k=split_k, num_stages=num_stages)
-        return silu_and_mul(y, interleaved=True) if act else y
+    if act and variant in ('3d', 'dot'):   # only the 2d kernel has the epilogue
+        return silu_and_mul(w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn, tpi, num_warps,
+                                       split_k, variant, num_stages, prefetch, pdl), interleaved=True)
+    if variant == 'dot':
+        return w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn=bn, num_warps=num_warps,
+                        split_k=split_k, num_stages=num_stages)
     x = x.contiguous()
     tiles = Kp // TILE_K
     cfg = GEMV_SMALL_CONFIGS.get((N, K, bits), GEMV_SMALL_GROUP) if G < 64 else GEMV_CONFIGS.get((N, K, bits), GEMV_DEFAULT)

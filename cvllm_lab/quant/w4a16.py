@@ -206,7 +206,9 @@ class W4A16Linear(QuantLinear):
             return self._add_bias(w4a16_matmul(x, self.qweight, self.scales, self.offsets, self.bits, self.group,
                                                self.output_size, self.input_size, act=self.act))
         y = super().forward(x)
-        return y if self.act is None else F.silu(y[..., 0::2]) * y[..., 1::2]
+        if self.act is None: return y
+        from cvllm_lab.kernels.activation import silu_and_mul_ref
+        return silu_and_mul_ref(y, interleaved=True)
 
     def extra_repr(self):
         return (f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, "
