@@ -63,7 +63,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None     # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None
-    fuse_mlp_act: bool = False               # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
+    fuse_mlp_act: bool = True                # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
     hf_overrides: dict = field(default_factory=dict)

@@ -64,12 +64,16 @@ def _load_group_cfg(conf_dir: Path, group: str, name: str | None, default: dict)
     return yaml.safe_load((conf_dir / group / f'{name}.yaml').read_text())
 
 def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
-    "Bytes read per decode step, and the tok/s that the measured bandwidth allows."
+    """Bytes read per decode step, and the tok/s that the measured bandwidth allows. An embedding table that is not
+    also the LM head is gathered, not streamed: a step reads B of its rows."""
     model = llm.engine.runner.model
     ts = {t.data_ptr(): t for t in model.state_dict().values()}   # parameters + persistent buffers (quantized weights), tied ones once
     wbytes = sum(t.numel() * t.element_size() for t in ts.values())
+    gathered = 0 if getattr(model, 'tie_word_embeddings', False) else sum(
+        m.weight.numel() * m.weight.element_size() * (1 - B / m.num_embeddings)
+        for m in model.modules() if isinstance(m, torch.nn.Embedding))
     kv_tok = llm.engine.runner.bytes_per_block / llm.engine.cfg.block_size
-    step = wbytes + B * (P + O / 2) * kv_tok
+    step = wbytes - gathered + B * (P + O / 2) * kv_tok
     return dict(weight_bytes=wbytes, bytes_per_step=step, read_bw_GBs=bw / 1e9, roofline_tok_s=B * bw / step)
 
 def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool = True) -> pd.DataFrame:
