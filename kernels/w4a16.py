@@ -88,7 +88,7 @@ from cvllm_lab.quant.w4a16 import TILE_K, check_layout, dequantize_packed_ref
 from cvllm_lab.kernels.activation import silu_and_mul
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
-__all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
+__all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 _ONE = 0x3F800000  # 1.0f
 
@@ -393,6 +393,89 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
 
 
 @triton.jit
+def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr):
+    """Bit field `J` of the int32 `words` as the MMA operand `f` in `DT`: `1 + q / 16` by `_field_f` (ASM off), or
+    with inline PTX two weights at a time as `1 + q / 128` (bf16) / `1 + q / 1024` (fp16): one PRMT gathers the
+    field's byte of two words into the two 16-bit halves, one LOP3 keeps the nibbles and ORs in 1.0 (`_tc_scale`)."""
+    if ASM:
+        B: tl.constexpr = J // 2
+        SEL: tl.constexpr = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12)
+        sel = tl.full(words.shape, SEL, tl.int32)
+        if DT == tl.bfloat16:
+            c1 = tl.full(words.shape, 0x3F803F80, tl.int32)
+        else:
+            c1 = tl.full(words.shape, 0x3C003C00, tl.int32)
+        if J % 2 == 0:
+            f = tl.inline_asm_elementwise("{ .reg .b32 p; prmt.b32 p, $1, $2, $3; lop3.b32 $0, p, 0x000F000F, $5, 0xEA; }",
+                                          "=r,r,r,r,r,r,r", [words, sel, c1], dtype=tl.int16, is_pure=True, pack=2)
+        else:
+            f = tl.inline_asm_elementwise("{ .reg .b32 p; prmt.b32 p, $1, $2, $3; shr.b32 p, p, 4; "
+                                          "lop3.b32 $0, p, 0x000F000F, $5, 0xEA; }",
+                                          "=r,r,r,r,r,r,r", [words, sel, c1], dtype=tl.int16, is_pure=True, pack=2)
+        return f.to(DT, bitcast=True)
+    else:
+        return _field_f(words, J, 4, ONE).to(DT)
+
+
+@triton.jit
+def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
+               G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr):
+    """Tensor-core W4A16 for 1 <= M <= BM (4-bit, groups >= 128): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`.
+    The weights are the MMA's A operand: the `[BN, 16]` word tile (transposed view of the packed layout) goes to the
+    dot-operand layout once per K-tile and each bit field is dequantized there to the exact `f = 1 + q / 16` in x's
+    dtype; x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`).
+    ACT: `silu(gate) * up` of interleaved gate/up rows (M = 1 only)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rc = tl.arange(0, 16)
+    rm = pid_m * BM + tl.arange(0, BM)
+    nmask = rn < N
+    mmask = rm < M
+    wp = qw_ptr + rc[None, :] * N + rn[:, None]                                            # [BN, 16] words, tile 0
+    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rc[:, None]   # [16, BM]
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    FS: tl.constexpr = (128 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024) if ASM else 16   # f = 1 + q / FS
+    t0 = pid_k * TPS
+    pdl_wait(PDL)
+    pdl_launch(PDL)
+    for t in range(t0, t0 + TPS):
+        if EVEN_N:
+            words = tl.load(wp + t * 16 * N, eviction_policy='evict_first')
+        else:
+            words = tl.load(wp + t * 16 * N, mask=nmask[:, None], other=0, eviction_policy='evict_first')
+        kb = t * 128
+        d = tl.zeros([BN, BM], dtype=tl.float32)
+        xs = tl.zeros([16, BM], dtype=tl.float32)
+        for j in tl.static_range(8):
+            if EVEN_K:
+                xt = tl.load(xp + kb + j * 16, mask=mmask[None, :], other=0.0)
+            else:
+                xt = tl.load(xp + kb + j * 16, mask=mmask[None, :] & ((kb + j * 16 + rc) < K)[:, None], other=0.0)
+            d = tl.dot(_tc_field(words, j, xt.dtype, ONE, ASM), xt, d)
+            xs += xt.to(tl.float32)
+        go = kb // G
+        if EVEN_N:
+            s = tl.load(s_ptr + go * N + rn).to(tl.float32) * FS
+            o = tl.load(o_ptr + go * N + rn).to(tl.float32) - s
+        else:
+            s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) * FS
+            o = tl.load(o_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) - s
+        acc += d * s[:, None]
+        acc += o[:, None] * tl.sum(xs, 0)[None, :]
+    mask = nmask[:, None] & mmask[None, :]
+    if ACT:   # M = 1: column 0 of acc is the interleaved gate/up row
+        y = tl.sum(tl.where(rm[None, :] == 0, acc, 0.0), 1)
+        _store_silu_and_mul(y, out_ptr, pid_n, N, nmask, ws_ptr + rn, cnt_ptr + pid_n, BN, SPLIT)
+    else:
+        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        _store_out(acc, optr, mask, ws_ptr + rm[None, :] * N + rn[:, None], cnt_ptr + pid_m * tl.num_programs(0) + pid_n,
+                   SPLIT)
+
+
+@triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE,
                     BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
     "out[n, k] = W[n, k] (row-major [N, K]) for one K-tile (axis 0) and BN columns (axis 1)."
@@ -561,6 +644,52 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
         BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
         PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+TC_DEFAULT = dict(bn=128, num_warps=4, num_stages=3, target=2)
+TC_CONFIGS = {}   # per (N, K, M bucket), from the H200 sweep
+
+
+def tc_supported(x, bits, group, K):
+    "Whether `_tc_kernel` takes this call: 4-bit, groups of >= 128 (one per K-tile or per channel), 16-bit x."
+    Kp = -(-K // TILE_K) * TILE_K
+    G = Kp if group in (-1, None) or group >= Kp else group
+    return bits == 4 and G % TILE_K == 0 and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
+             num_stages=None, split_k=None, target=None, pdl=None, act=None, asm=None):
+    """`x` `[M, K]` (M <= 64, 16-bit) @ W.T -> `[M, N]` with the tensor-core kernel `_tc_kernel` (4-bit, groups >= 128).
+    `act='silu_and_mul'` (M = 1; W's rows interleave gate and up): `[1, N / 2]` from the epilogue."""
+    M = x.shape[0]
+    assert x.ndim == 2 and x.shape[1] == K, x.shape
+    Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
+    if not tc_supported(x, bits, group, K): raise ValueError(f"_tc_kernel needs 4-bit, groups >= 128 and 16-bit x, got "
+                                                             f"{bits}-bit, group {group}, {x.dtype}")
+    if act and M != 1: raise ValueError("act needs M = 1")
+    x = x.contiguous()
+    tiles = Kp // TILE_K
+    b = _m_bucket(M)
+    cfg = TC_CONFIGS.get((N, K, b), TC_DEFAULT)
+    default = bn is None and bm is None and target is None
+    bm = bm or max(16, min(b, 64))
+    bn = bn or (32 if _INTERPRET else cfg['bn'])
+    num_warps = num_warps or cfg['num_warps']
+    num_stages = num_stages or cfg['num_stages']
+    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split_k is None:
+        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
+    elif tiles % split_k:
+        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
+    if act and (N % 2 or bn % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
+    out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
+    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
+    _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
+        x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
+        G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, ACT=bool(act),
+        ASM=(not _INTERPRET) if asm is None else bool(asm),
+        num_warps=num_warps, num_stages=num_stages, **pdl_kw(x.device, pdl))
     return out
 
 
