@@ -418,13 +418,30 @@ def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tc_tile(words, DT: tl.constexpr, ONE, ASM: tl.constexpr):
+    """The K-tile's weights `[BN, 128]` (`k = 16 j + c`) from its `[BN, 16]` words, as one MMA A operand: the 8 fields
+    joined along K. In the dot-operand layout each thread's part of field j is its part of columns 16j .. 16j + 15,
+    so the join moves no data, and the tile is one `tl.dot` (8 MMAs issued back to back, one wait)."""
+    f0 = _tc_field(words, 0, DT, ONE, ASM)
+    f1 = _tc_field(words, 1, DT, ONE, ASM)
+    f2 = _tc_field(words, 2, DT, ONE, ASM)
+    f3 = _tc_field(words, 3, DT, ONE, ASM)
+    f4 = _tc_field(words, 4, DT, ONE, ASM)
+    f5 = _tc_field(words, 5, DT, ONE, ASM)
+    f6 = _tc_field(words, 6, DT, ONE, ASM)
+    f7 = _tc_field(words, 7, DT, ONE, ASM)
+    a = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # [BN, 16, 2, 2, 2]
+    return tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), (words.shape[0], 128))   # [n, j // 4, j // 2 % 2, j % 2, c]
+
+
+@triton.jit
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr):
-    """Tensor-core W4A16 for 1 <= M <= BM (4-bit, groups >= 128): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`.
+    """Tensor-core W4A16 (4-bit, groups >= 128): `out.T[BN, BM] = W[BN, K] @ x.T[K, BM]` for the BM rows of axis 2.
     The weights are the MMA's A operand: the `[BN, 16]` word tile (transposed view of the packed layout) goes to the
-    dot-operand layout once per K-tile and each bit field is dequantized there to the exact `f = 1 + q / 16` in x's
-    dtype; x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`).
+    dot-operand layout once per K-tile, where its bit fields are dequantized to the exact `f = 1 + q / FS` in x's
+    dtype (`_tc_field`) and joined into the `[BN, 128]` tile (`_tc_tile`); x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`).
     ACT: `silu(gate) * up` of interleaved gate/up rows (M = 1 only)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -435,7 +452,8 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     nmask = rn < N
     mmask = rm < M
     wp = qw_ptr + rc[None, :] * N + rn[:, None]                                            # [BN, 16] words, tile 0
-    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rc[:, None]   # [16, BM]
+    rk = tl.arange(0, 128)
+    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [128, BM]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     FS: tl.constexpr = (128 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024) if ASM else 16   # f = 1 + q / FS
     t0 = pid_k * TPS
@@ -447,15 +465,12 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         else:
             words = tl.load(wp + t * 16 * N, mask=nmask[:, None], other=0, eviction_policy='evict_first')
         kb = t * 128
-        d = tl.zeros([BN, BM], dtype=tl.float32)
-        xs = tl.zeros([16, BM], dtype=tl.float32)
-        for j in tl.static_range(8):
-            if EVEN_K:
-                xt = tl.load(xp + kb + j * 16, mask=mmask[None, :], other=0.0)
-            else:
-                xt = tl.load(xp + kb + j * 16, mask=mmask[None, :] & ((kb + j * 16 + rc) < K)[:, None], other=0.0)
-            d = tl.dot(_tc_field(words, j, xt.dtype, ONE, ASM), xt, d)
-            xs += xt.to(tl.float32)
+        if EVEN_K:
+            xt = tl.load(xp + kb, mask=mmask[None, :], other=0.0)
+        else:
+            xt = tl.load(xp + kb, mask=mmask[None, :] & ((kb + rk) < K)[:, None], other=0.0)
+        d = tl.dot(_tc_tile(words, xt.dtype, ONE, ASM), xt)
+        xs = tl.sum(xt.to(tl.float32), 0)
         go = kb // G
         if EVEN_N:
             s = tl.load(s_ptr + go * N + rn).to(tl.float32) * FS
@@ -464,7 +479,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) * FS
             o = tl.load(o_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) - s
         acc += d * s[:, None]
-        acc += o[:, None] * tl.sum(xs, 0)[None, :]
+        acc += o[:, None] * xs[None, :]
     mask = nmask[:, None] & mmask[None, :]
     if ACT:   # M = 1: column 0 of acc is the interleaved gate/up row
         y = tl.sum(tl.where(rm[None, :] == 0, acc, 0.0), 1)
