@@ -22,7 +22,8 @@ and the cross-thread reduction happens once, after the K loop.
 | kernel | used for | what it does |
 |---|---|---|
 | `_gemv_kernel` / `_gemv3_kernel` | M = 1 (decode) | `TPI` word tiles `[C, BN]` per iteration (as separate loads, or one `[C, TPI, BN]` load), optional register prefetch of the next iteration's words (`PF`), fp32 register accumulator, split-K over programs |
-| `_mm_kernel` | 1 < M <= `MM_MAX_M` | per field one `tl.dot` of `x[:, C]` with the exact `f` in x's dtype; scales applied to the `[BM, BN]` group sums (`PERGROUP`; per weight in fp32 for 8-bit bf16 and 4-bit groups < 128); one program per (N-block, K-split, 64 rows) |
+| `_tc_kernel` | 1 < M <= `MM_MAX_M`, 4-bit, groups >= 128, 16-bit x | weights as the tensor-core A operand: the `[BN, 16]` words go to the dot-operand layout once per K-tile, inline PTX turns each field into `1 + q / 128` two weights per PRMT + LOP3, one `tl.dot` per field with x's `[16, BM]` slice as B |
+| `_mm_kernel` | 1 < M <= `MM_MAX_M`, other formats | per field one `tl.dot` of `x[:, C]` with the exact `f` in x's dtype; scales applied to the `[BM, BN]` group sums (`PERGROUP`; per weight in fp32 for 8-bit bf16 and 4-bit groups < 128); one program per (N-block, K-split, 64 rows) |
 | `_dequant_kernel` + cuBLAS | M > `MM_MAX_M` (prefill) | writes W once in bf16/fp16, then `torch.matmul` |
 
 Split-K without extra launches (`_store_out`): the programs of one output tile add their fp32 partial sums into a
@@ -76,6 +77,20 @@ Programmatic dependent launch (`kernels/pdl.py`): the 2d GEMV loads its first it
 334.6 to 360.3 tok/s (W4A16 g128). For groups < 64 (q4_k) it measured 289.0 against 293.8 without, so those launch
 without PDL. Configs without register prefetch peel their first iteration for this instead of switching the
 prefetch on: with the prefetch forced under PDL, W4A16 measured 354.0 and q4_k 265.6 (against 295.1 without PDL).
+
+The tensor-core kernel (`_tc_kernel`). The earlier A-operand attempt lost to the per-field conversions; what makes
+this one pay: (1) the words tile, not the dequantized fields, is what goes through shared memory into the
+dot-operand layout (once per K-tile, pipelined by `num_stages` as cp.async), and every field is computed from it in
+registers; (2) the fields are built by inline PTX, whose pairs of 16-bit results are exactly the MMA's
+register pairs: one PRMT gathers the field's byte of two words, one LOP3 masks the nibbles and ORs in 1.0, so a
+weight costs ~1 instruction instead of the 2.5 of shift + LOP3 + fp32 -> bf16 pack (SASS of the loop: 2.5
+instructions per weight in all against 4.6 for the GEMV). `f = 1 + q / 128` is exact in bf16 (`1 + q / 1024` in
+fp16) and the tensor cores accumulate in fp32. H200, g128, best config per shape (`results/h200_tc_sweep.csv`),
+microseconds per Llama-3-8B layer (4 matmuls): M=16 112.2 -> 76.0 (`_mm_kernel` -> `_tc_kernel`), M=64 208.0 ->
+177.0; at M=1 it is slower than the GEMV (72.9 against 64.9), so M=1 stays on the GEMV. Not kept: all 8 fields
+joined along K into one `[BN, 128]` operand and one `tl.dot` per tile (the join is free in the dot-operand layout
+and the 8 MMAs go out with one wait instead of eight, 25% fewer instructions) measured slower everywhere: 107.8 us
+per layer at M=16, 105.3 at M=1.
 """
 import os
 
@@ -418,31 +433,13 @@ def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tc_tile(words, DT: tl.constexpr, ONE, ASM: tl.constexpr):
-    """The K-tile's weights `[BN, 128]` (`k = 16 j + c`) from its `[BN, 16]` words, as one MMA A operand: the 8 fields
-    joined along K. In the dot-operand layout each thread's part of field j is its part of columns 16j .. 16j + 15,
-    so the join moves no data, and the tile is one `tl.dot` (8 MMAs issued back to back, one wait)."""
-    f0 = _tc_field(words, 0, DT, ONE, ASM)
-    f1 = _tc_field(words, 1, DT, ONE, ASM)
-    f2 = _tc_field(words, 2, DT, ONE, ASM)
-    f3 = _tc_field(words, 3, DT, ONE, ASM)
-    f4 = _tc_field(words, 4, DT, ONE, ASM)
-    f5 = _tc_field(words, 5, DT, ONE, ASM)
-    f6 = _tc_field(words, 6, DT, ONE, ASM)
-    f7 = _tc_field(words, 7, DT, ONE, ASM)
-    a = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # [BN, 16, 2, 2, 2]
-    return tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), (words.shape[0], 128))   # [n, j // 4, j // 2 % 2, j % 2, c]
-
-
-@triton.jit
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr):
-    """Tensor-core W4A16 (4-bit, groups >= 128): `out.T[BN, BM] = W[BN, K] @ x.T[K, BM]` for the BM rows of axis 2.
+               SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """Tensor-core W4A16 for 1 <= M <= BM (4-bit, groups >= 128): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`.
     The weights are the MMA's A operand: the `[BN, 16]` word tile (transposed view of the packed layout) goes to the
-    dot-operand layout once per K-tile, where its bit fields are dequantized to the exact `f = 1 + q / FS` in x's
-    dtype (`_tc_field`) and joined into the `[BN, 128]` tile (`_tc_tile`); x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`).
-    ACT: `silu(gate) * up` of interleaved gate/up rows (M = 1 only)."""
+    dot-operand layout once per K-tile and each bit field is dequantized there to the exact `f = 1 + q / 16` in x's
+    dtype; x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -452,8 +449,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     nmask = rn < N
     mmask = rm < M
     wp = qw_ptr + rc[None, :] * N + rn[:, None]                                            # [BN, 16] words, tile 0
-    rk = tl.arange(0, 128)
-    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [128, BM]
+    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rc[:, None]   # [16, BM]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     FS: tl.constexpr = (128 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024) if ASM else 16   # f = 1 + q / FS
     t0 = pid_k * TPS
@@ -465,12 +461,15 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         else:
             words = tl.load(wp + t * 16 * N, mask=nmask[:, None], other=0, eviction_policy='evict_first')
         kb = t * 128
-        if EVEN_K:
-            xt = tl.load(xp + kb, mask=mmask[None, :], other=0.0)
-        else:
-            xt = tl.load(xp + kb, mask=mmask[None, :] & ((kb + rk) < K)[:, None], other=0.0)
-        d = tl.dot(_tc_tile(words, xt.dtype, ONE, ASM), xt)
-        xs = tl.sum(xt.to(tl.float32), 0)
+        d = tl.zeros([BN, BM], dtype=tl.float32)
+        xs = tl.zeros([16, BM], dtype=tl.float32)
+        for j in tl.static_range(8):
+            if EVEN_K:
+                xt = tl.load(xp + kb + j * 16, mask=mmask[None, :], other=0.0)
+            else:
+                xt = tl.load(xp + kb + j * 16, mask=mmask[None, :] & ((kb + j * 16 + rc) < K)[:, None], other=0.0)
+            d = tl.dot(_tc_field(words, j, xt.dtype, ONE, ASM), xt, d)
+            xs += xt.to(tl.float32)
         go = kb // G
         if EVEN_N:
             s = tl.load(s_ptr + go * N + rn).to(tl.float32) * FS
@@ -479,15 +478,10 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) * FS
             o = tl.load(o_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) - s
         acc += d * s[:, None]
-        acc += o[:, None] * xs[None, :]
-    mask = nmask[:, None] & mmask[None, :]
-    if ACT:   # M = 1: column 0 of acc is the interleaved gate/up row
-        y = tl.sum(tl.where(rm[None, :] == 0, acc, 0.0), 1)
-        _store_silu_and_mul(y, out_ptr, pid_n, N, nmask, ws_ptr + rn, cnt_ptr + pid_n, BN, SPLIT)
-    else:
-        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-        _store_out(acc, optr, mask, ws_ptr + rm[None, :] * N + rn[:, None], cnt_ptr + pid_m * tl.num_programs(0) + pid_n,
-                   SPLIT)
+        acc += o[:, None] * tl.sum(xs, 0)[None, :]
+    optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+    _store_out(acc, optr, nmask[:, None] & mmask[None, :], ws_ptr + rm[None, :] * N + rn[:, None],
+               cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
 
 
 @triton.jit
@@ -662,27 +656,37 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     return out
 
 
+# Tensor-core kernel: per (N, K, M bucket) from the H200 sweep (results/h200_tc_sweep.csv), else TC_DEFAULT; the
+# M buckets 32 and 128 were not swept.
 TC_DEFAULT = dict(bn=128, num_warps=4, num_stages=3, target=2)
-TC_CONFIGS = {}   # per (N, K, M bucket), from the H200 sweep
+TC_CONFIGS = {
+    (6144, 4096, 16): dict(bn=128, num_warps=2, num_stages=3, split=8),
+    (4096, 4096, 16): dict(bn=128, num_warps=4, num_stages=2, split=16),
+    (28672, 4096, 16): dict(bn=256, num_warps=4, num_stages=3, split=2),
+    (4096, 14336, 16): dict(bn=256, num_warps=4, num_stages=3, split=16),
+    (6144, 4096, 64): dict(bn=128, num_warps=4, num_stages=3, split=4),
+    (4096, 4096, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
+    (28672, 4096, 64): dict(bn=128, num_warps=4, num_stages=3, split=1),
+    (4096, 14336, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
+}
 
 
-def tc_supported(x, bits, group, K):
-    "Whether `_tc_kernel` takes this call: 4-bit, groups of >= 128 (one per K-tile or per channel), 16-bit x."
+def tc_supported(x, bits, group, K) -> bool:
+    "Whether `_tc_kernel` takes this call: 4-bit, groups of >= 128 (one per K-tile, or per channel), 16-bit x."
     Kp = -(-K // TILE_K) * TILE_K
     G = Kp if group in (-1, None) or group >= Kp else group
     return bits == 4 and G % TILE_K == 0 and x.dtype in (torch.float16, torch.bfloat16)
 
 
 def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             num_stages=None, split_k=None, target=None, pdl=None, act=None, asm=None):
-    """`x` `[M, K]` (M <= 64, 16-bit) @ W.T -> `[M, N]` with the tensor-core kernel `_tc_kernel` (4-bit, groups >= 128).
-    `act='silu_and_mul'` (M = 1; W's rows interleave gate and up): `[1, N / 2]` from the epilogue."""
+             num_stages=None, split_k=None, target=None, pdl=None, asm=None):
+    """`x` `[M, K]` (16-bit) @ W.T -> `[M, N]` with the tensor-core kernel `_tc_kernel` (4-bit, groups >= 128): one
+    program per (N-block, K-split, block of up to 64 rows). `asm`: the inline-PTX dequantization (default: on a GPU)."""
     M = x.shape[0]
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
-    if not tc_supported(x, bits, group, K): raise ValueError(f"_tc_kernel needs 4-bit, groups >= 128 and 16-bit x, got "
-                                                             f"{bits}-bit, group {group}, {x.dtype}")
-    if act and M != 1: raise ValueError("act needs M = 1")
+    if not tc_supported(x, bits, group, K):
+        raise ValueError(f"_tc_kernel needs 4-bit weights, groups >= 128 and 16-bit x; got {bits}-bit, group {group}, {x.dtype}")
     x = x.contiguous()
     tiles = Kp // TILE_K
     b = _m_bucket(M)
@@ -697,14 +701,13 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
         split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
     elif tiles % split_k:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
-    if act and (N % 2 or bn % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
-    out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
-        G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, ACT=bool(act),
-        ASM=(not _INTERPRET) if asm is None else bool(asm),
-        num_warps=num_warps, num_stages=num_stages, **pdl_kw(x.device, pdl))
+        G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k,
+        ASM=(not _INTERPRET) if asm is None else bool(asm), num_warps=num_warps, num_stages=num_stages,
+        **pdl_kw(x.device, pdl))
     return out
 
 
@@ -722,14 +725,17 @@ MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
 
 def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None):
-    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M.
+    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (1: GEMV; up to
+    `MM_MAX_M`: the tensor-core kernel where `tc_supported`, else the per-field `tl.dot` kernel; more: dequantize +
+    cuBLAS).
     `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0: return x.new_empty(*lead, N // 2 if act else N)
     if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act).reshape(*lead, -1)
-    if M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
+    if M <= MM_MAX_M and tc_supported(x2, bits, group, K): y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K)
+    elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
         y = (x2.to(wdt) @ w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=wdt).T).to(x.dtype)

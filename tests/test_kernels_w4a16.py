@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before triton is imported
 
-from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, _WS
+from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, w4a16_tc, _WS
 from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
@@ -79,6 +79,25 @@ def test_w4a16_cpu(bits, group, sym):
                 y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, variant=variant, act='silu_and_mul')
                 assert y.shape == (1, 16) and _rel(y, ref) < 1e-5, (split, variant)
     assert _ws_clean()
+
+
+@interp
+@pytest.mark.parametrize('group,sym', [(128, True), (128, False), (-1, False)], ids=['g128-sym', 'g128-asym', 'per-channel'])
+def test_w4a16_tc_cpu(group, sym):
+    "The tensor-core kernel (its plain-Triton dequantization: the interpreter runs no PTX), fp16 x as in its tl.dot."
+    for N, K in ((64, 256), (40, 200)):
+        args = _packed(N, K, 4, group, sym, N + K)
+        for M in (1, 5, 17, 70):                                # 70: two blocks of 64 rows, each with its own counters
+            x = torch.randn(M, K).half()
+            ref = w4a16_matmul_ref(x.float(), *args)
+            for split in (1, 2):
+                y = w4a16_tc(x, *args, split_k=split)
+                assert y.shape == (M, N) and y.dtype == torch.float16 and _rel(y, ref) < 2e-3, (N, K, M, split)
+            if M > 1: assert _rel(w4a16_matmul(x, *args), ref) < 2e-3   # w4a16_matmul's pick for M > 1
+    assert _ws_clean()
+    for bits, g, dt in ((8, 128, torch.float16), (4, 32, torch.float16), (4, 128, torch.float32)):
+        args = _packed(32, 256, bits, g, True, 0)
+        with pytest.raises(ValueError, match='_tc_kernel'): w4a16_tc(torch.randn(3, 256, dtype=dt), *args)
 
 
 @interp
@@ -155,8 +174,11 @@ def test_w4a16_cuda(bits, group, sym, N, K):
         ref = x.float() @ w.T
         y = w4a16_matmul(x, *args)                                 # the defaults of each path
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
-        if M == 16 and tiles % 4 == 0:                             # batched kernel with split-K
+        if M == 16 and tiles % 4 == 0:                             # batched kernels with split-K
             assert _rel(w4a16_mm(x, *args, split_k=4, bn=64), ref) < 1e-2, (N, K, M)
+            if bits == 4 and group == 128:                         # tensor cores: wgmma (4 warps), mma.sync (2), plain dequant
+                for bn, nw, asm in ((64, 4, True), (128, 2, True), (128, 4, False)):
+                    assert _rel(w4a16_tc(x, *args, split_k=4, bn=bn, num_warps=nw, asm=asm), ref) < 1e-2, (N, K, bn, nw, asm)
     x = torch.randn(1, K, device='cuda')
     assert _rel(w4a16_matmul(x, *args), x @ w.T) < 1e-5              # fp32 in: no bf16 rounding at all
     if group == 128 or N == 576:
