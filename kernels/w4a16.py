@@ -161,33 +161,54 @@ def _silu_and_mul_pairs(y, BN: tl.constexpr):
 
 
 @triton.jit
-def _store_silu_and_mul(y, out_ptr, pid_n, N, mask, wsp, cnt_ptr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    "Epilogue of an interleaved gate/up GEMV: `_silu_and_mul_pairs` of the fp32 sums, `BN / 2` of the `N / 2` outputs."
-    rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-    if SPLIT == 1:
-        tl.store(out_ptr + rh, _silu_and_mul_pairs(y, BN).to(out_ptr.dtype.element_ty), mask=rh < N // 2)
-    else:
-        if _split_add(y, mask, wsp, cnt_ptr, SPLIT):
-            h = _silu_and_mul_pairs(_split_take(y, mask, wsp, cnt_ptr), BN)
-            tl.store(out_ptr + rh, h.to(out_ptr.dtype.element_ty), mask=rh < N // 2)
+def _store_act(y, out_ptr, col0, N, BW: tl.constexpr):
+    "`silu(gate) * up` of the fp32 sums `y` of the interleaved gate/up columns `col0 ..`: outputs `col0 / 2 ..`."
+    rh = col0 // 2 + tl.arange(0, BW // 2)
+    tl.store(out_ptr + rh, _silu_and_mul_pairs(y, BW).to(out_ptr.dtype.element_ty), mask=rh < N // 2)
 
 
 @triton.jit
-def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
-               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    "acc[C, BN] += the products of one K-tile: `words` [C, BN], x at `xb` (+ field offsets), scale rows from `sp`."
+def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr, ACT: tl.constexpr):
+    "Write a GEMV program's column sums: `y` for columns `rn`, with NH = 2 also `y2` for `rn + BNH` (ACT: activated)."
+    if ACT:
+        _store_act(y, out_ptr, col0, N, BNH)
+        if NH == 2:
+            _store_act(y2, out_ptr, col0 + BNH, N, BNH)
+    else:
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+        if NH == 2:
+            tl.store(out_ptr + rn + BNH, y2.to(out_ptr.dtype.element_ty), mask=nmask2)
+
+
+@triton.jit
+def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr):
+    "`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row."
+    if EVEN_N:
+        s = tl.load(s_ptr + idx).to(tl.float32) * (1 << BITS)
+        o = tl.load(o_ptr + idx).to(tl.float32) - s
+    else:
+        s = tl.load(s_ptr + idx, mask=nmask, other=0.0).to(tl.float32) * (1 << BITS)
+        o = tl.load(o_ptr + idx, mask=nmask, other=0.0).to(tl.float32) - s
+    return s, o
+
+
+@triton.jit
+def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
+               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               NH: tl.constexpr, BNH: tl.constexpr):
+    """acc[C, BNH] += the products of one K-tile: `words` [C, BNH], x at `xb` (+ field offsets), scale rows from
+    `sp`; with NH = 2 also acc2 for `words2`, the columns BNH further on, with the same x values (each thread holds
+    the same rows of both, so one x load and conversion serves 8 columns instead of 4)."""
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
     JPG: tl.constexpr = GW // C                # bit fields per scale group
     NG: tl.constexpr = 128 // GW               # scale groups per tile
     for gi in tl.static_range(NG):
         row = (kb + gi * GW) // G * sp
-        if EVEN_N:
-            s = tl.load(s_ptr + row + rn).to(tl.float32) * (1 << BITS)
-            o = tl.load(o_ptr + row + rn).to(tl.float32) - s
-        else:
-            s = tl.load(s_ptr + row + rn, mask=nmask, other=0.0).to(tl.float32) * (1 << BITS)
-            o = tl.load(o_ptr + row + rn, mask=nmask, other=0.0).to(tl.float32) - s
+        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, BITS, EVEN_N)
+        s2, o2 = s, o
+        if NH == 2:
+            s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N)
         for jj in tl.static_range(JPG):
             if EVEN_K:
                 xj = tl.load(xb + (gi * JPG + jj) * C, eviction_policy='evict_last').to(tl.float32)
@@ -195,95 +216,136 @@ def _gemv_tile(acc, words, xb, s_ptr, o_ptr, sp, rn, rc, nmask, kb, K, ONE,
                 xj = tl.load(xb + (gi * JPG + jj) * C, mask=(kb + (gi * JPG + jj) * C + rc) < K, other=0.0,
                              eviction_policy='evict_last').to(tl.float32)
             f = _field_f(words, gi * JPG + jj, BITS, ONE)
+            f2 = f
+            if NH == 2:
+                f2 = _field_f(words2, gi * JPG + jj, BITS, ONE)
             if JPG <= 2:   # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
                 acc += (f * s[None, :] + o[None, :]) * xj[:, None]
+                if NH == 2:
+                    acc2 += (f2 * s2[None, :] + o2[None, :]) * xj[:, None]
             else:
                 if jj == 0:
                     tf = f * xj[:, None]
+                    tf2 = f2 * xj[:, None]
                     xs = xj
                 else:
                     tf += f * xj[:, None]
+                    if NH == 2:
+                        tf2 += f2 * xj[:, None]
                     xs += xj
         if JPG > 2:
             acc += tf * s[None, :]       # two separate updates: two FFMAs, not FMUL + FFMA + FADD
             acc += xs[:, None] * o[None, :]
-    return acc
+            if NH == 2:
+                acc2 += tf2 * s2[None, :]
+                acc2 += xs[:, None] * o2[None, :]
+    return acc, acc2
 
 
 @triton.jit
-def _gemv_words(wp, t, N, nmask, C: tl.constexpr, TPI: tl.constexpr):
-    "The word tiles `[C, BN]` of K-tiles t .. t + TPI - 1 (unused ones repeat the first)."
+def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr):
+    """The word tiles `[C, BNH]` of one iteration: K-tiles t .. t + TPI - 1 (NH = 1), or (K-tile, column half)
+    (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones."""
     w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
     w1 = w0
+    if NH == 2:
+        w1 = tl.load(wp + t * C * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
     w2 = w0
-    w3 = w0
-    if TPI > 1:
-        w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-    if TPI > 2:
-        w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    w3 = w1
+    if NH == 1:
+        if TPI > 1:
+            w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        if TPI > 2:
+            w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    else:
+        if TPI > 1:
+            w2 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            w3 = tl.load(wp + (t + 1) * C * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
     return w0, w1, w2, w3
 
 
 @triton.jit
-def _gemv_iter(acc, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
-               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr):
-    "acc += the products of K-tiles t .. t + TPI - 1."
-    acc = _gemv_tile(acc, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N)
-    if TPI > 1:
-        acc = _gemv_tile(acc, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 1) * 128, K, ONE,
-                         BITS, G, EVEN_K, EVEN_N)
-    if TPI > 2:
-        acc = _gemv_tile(acc, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 2) * 128, K, ONE,
-                         BITS, G, EVEN_K, EVEN_N)
-        acc = _gemv_tile(acc, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, (t + 3) * 128, K, ONE,
-                         BITS, G, EVEN_K, EVEN_N)
-    return acc
+def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr,
+               NH: tl.constexpr, BNH: tl.constexpr):
+    "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
+    if NH == 1:
+        acc, acc2 = _gemv_tile(acc, acc2, w0, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+        if TPI > 1:
+            acc, acc2 = _gemv_tile(acc, acc2, w1, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+        if TPI > 2:
+            acc, acc2 = _gemv_tile(acc, acc2, w2, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 2) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+            acc, acc2 = _gemv_tile(acc, acc2, w3, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 3) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+    else:
+        acc, acc2 = _gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+        if TPI > 1:
+            acc, acc2 = _gemv_tile(acc, acc2, w2, w3, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+    return acc, acc2
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr):
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
-    (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_silu_and_mul`).
-    TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the next iteration's
-    words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits). With PDL the
-    first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`)."""
+    (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
+    share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
+    next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
+    With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
+    tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
     C: tl.constexpr = 4 * BITS
+    BNH: tl.constexpr = BN // NH
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n * BN + tl.arange(0, BN)
+    col0 = pid_n * BN
+    rn = col0 + tl.arange(0, BNH)
     rc = tl.arange(0, C)
-    wp = qw_ptr + rc[:, None] * N + rn[None, :]   # [C, BN] word tile of K-tile 0
+    wp = qw_ptr + rc[:, None] * N + rn[None, :]   # [C, BNH] word tile of K-tile 0
     nmask = rn < N
-    acc = tl.zeros([C, BN], dtype=tl.float32)
+    nmask2 = rn + BNH < N
+    acc = tl.zeros([C, BNH], dtype=tl.float32)
+    acc2 = tl.zeros([C, BNH], dtype=tl.float32)
     t0 = pid_k * TPS
     ts = t0
     if PF or PDL:
-        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, C, TPI)
+        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH)
     pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
-            acc = _gemv_iter(acc, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
-                             BITS, G, EVEN_K, EVEN_N, TPI)
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
             ts = t0 + TPI
     for t in range(ts, t0 + TPS, TPI):
         if PF:
             w0, w1, w2, w3 = n0, n1, n2, n3
-            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, C, TPI)
+            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, nmask2, C, TPI, NH, BNH)
         else:
-            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, C, TPI)
-        acc = _gemv_iter(acc, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, K, ONE,
-                         BITS, G, EVEN_K, EVEN_N, TPI)
+            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH)
+        acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
     y = tl.sum(acc, 0)
-    if ACT:
-        _store_silu_and_mul(y, out_ptr, pid_n, N, nmask, ws_ptr + rn, cnt_ptr + pid_n, BN, SPLIT)
-    else:
-        _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
+    y2 = tl.sum(acc2, 0)
+    if SPLIT == 1:
+        _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+    else:   # both halves into the workspace, one count per program (`_split_add`'s barrier covers both adds)
+        if NH == 2:
+            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
+        if _split_add(y, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT):
+            ya = _split_take(y, nmask, ws_ptr + rn, cnt_ptr + pid_n)
+            yb = ya
+            if NH == 2:
+                yb = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr + pid_n)
+            _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
 
 
 @triton.jit
@@ -577,12 +639,13 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None):
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
-    kernel's epilogue, else by `silu_and_mul`)."""
+    kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
+    tiles that share their x loads (K-tiles per iteration at most 2)."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -602,18 +665,21 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     num_warps = num_warps or cfg['num_warps']
     num_stages = num_stages or cfg['num_stages']
     prefetch = cfg['pf'] if prefetch is None else prefetch
-    if variant == '2d': tpi = min(tpi, 4)
+    nh = nh or (cfg.get('nh', 1) if variant == '2d' else 1)
+    if nh not in (1, 2) or (nh == 2 and (variant != '2d' or bn % 2)):
+        raise ValueError(f"nh={nh} needs the 2d kernel and an even block N, got {variant}, bn={bn}")
+    if variant == '2d': tpi = min(tpi, 4 if nh == 1 else 2)
     while tiles % tpi: tpi //= 2
     progs = triton.cdiv(N, bn)
     if split_k is None:
         split_k = _split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
     elif tiles % split_k or (tiles // split_k) % tpi:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
-    if act and (N % 2 or bn % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
+    if act and (N % 2 or (bn // nh) % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
     out = torch.empty(1, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
     if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks): PDL measured no faster
-    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act)))
+    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages, **kw)
