@@ -605,17 +605,19 @@ def split_k_workspace(device, numel, ncounters):
 # count (split-K fills up to it); `pf`: register prefetch of the next iteration's words.
 GEMV_DEFAULT = dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, target=7, pf=True)
 GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, target=7, pf=False)
-GEMV_CONFIGS = {
-    (6144, 4096, 4): dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, split=8, pf=False),
-    (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=8, pf=True),
-    (28672, 4096, 4): dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, split=2, pf=True),
-    (4096, 14336, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=14, pf=True),
+GEMV_CONFIGS = {   # nh=2 from the H200 sweep at 547384b (results/h200_gemv_nh_sweep.csv): layer 65.5 -> 58.8 us
+    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2),
+    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2),
+    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2),
+    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2),
 }
 # Groups < 64 (GGUF q4_k / q4_0 / q8_0 repacks, g32) per (N, K, bits), from the `q4k` sweep (H200, 02a8421): qkv
 # 11.9 -> 11.45 us, o 9.1 -> 8.3 us; gate_up and down keep the generic config (within 0.4 us of their best).
+# nh=2 (547384b): qkv 11.9 -> 11.2 us, gate_up 41.1 -> 39.3 us; o and down measured slower with it (8.9, 25.0 us).
 GEMV_SMALL_CONFIGS = {
-    (6144, 4096, 4): dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, split=8, pf=False),
+    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=False, nh=2),
     (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=16, pf=False),
+    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=4, pf=False, nh=2),
 }
 # Batched (1 < M <= MM_MAX_M): by the M bucket (16, 32, 64, 128), per (N, K, bits, bucket) where measured.
 MM_DEFAULT = {16: dict(bn=256, num_warps=4, num_stages=3, target=2), 32: dict(bn=256, num_warps=4, num_stages=3, target=2),
