@@ -21,7 +21,7 @@ and the cross-thread reduction happens once, after the K loop.
 
 | kernel | used for | what it does |
 |---|---|---|
-| `_gemv_kernel` / `_gemv3_kernel` | M = 1 (decode) | `TPI` word tiles `[C, BN]` per iteration (as separate loads, or one `[C, TPI, BN]` load), optional register prefetch of the next iteration's words (`PF`), fp32 register accumulator, split-K over programs |
+| `_gemv_kernel` / `_gemv3_kernel` | M = 1 (decode) | `TPI` word tiles `[C, BN]` per iteration (as separate loads, or one `[C, TPI, BN]` load), `NH` = 2 column tiles sharing x, optional register prefetch of the next iteration's words (`PF`), fp32 register accumulator, split-K over programs |
 | `_tc_kernel` | 1 < M <= `MM_MAX_M`, 4-bit, groups >= 128, 16-bit x | weights as the tensor-core A operand: the `[BN, 16]` words go to the dot-operand layout once per K-tile, inline PTX turns each field into `1 + q / 128` two weights per PRMT + LOP3, one `tl.dot` per field with x's `[16, BM]` slice as B |
 | `_mm_kernel` | 1 < M <= `MM_MAX_M`, other formats | per field one `tl.dot` of `x[:, C]` with the exact `f` in x's dtype; scales applied to the `[BM, BN]` group sums (`PERGROUP`; per weight in fp32 for 8-bit bf16 and 4-bit groups < 128); one program per (N-block, K-split, 64 rows) |
 | `_dequant_kernel` + cuBLAS | M > `MM_MAX_M` (prefill) | writes W once in bf16/fp16, then `torch.matmul` |
@@ -68,7 +68,16 @@ as 16-bit `1 + q/16` (`0x3F80 | q << 3`), x padded to 16 rows; swept block N 64/
 M=16, g128, best config per shape against `_mm_kernel`: qkv 15.4-17.3 vs 17.7 us, o 11.8-12.9 vs 12.3, gate_up
 48.0-52.5 vs 55.4, down 27.1-28.8 vs 27.7 (the ranges are two runs): about 102 against 113 us per layer, a 10% gain
 that run-to-run noise half covers and that leaves batch 16 far from 4,500 tok/s; M=1 was slower everywhere
-(down 25.7 vs 17.8 us) and M=64 too (down 81 vs 51). Both tensor-core layouts (`_mmt_kernel`, this one) lose to
+(down 25.7 vs 17.8 us) and M=64 too (down 81 vs 51).
+
+Two column tiles per GEMV program (`NH` = 2, 547384b). Triton gives each thread 4 columns of a `[C, BN]` word tile
+(one 16-byte load per row), so every x value it loads, converts to fp32 and adds into the group sum served 4
+weights. Loading the program's columns as two tiles of the same layout gives each thread the same rows in both,
+and one x value serves 8: the SASS of the loop went from 4.71 to 4.25 instructions per weight at g128 (6.30 ->
+5.88 at g32). H200, per Llama-3-8B layer (`results/h200_gemv_nh_sweep.csv`): W4A16 g128 65.5 -> 58.8 us (qkv 9.2
+-> 8.2, o 8.9 -> 7.0, gate_up with the activation 30.0 -> 27.8, down 17.4 -> 15.8); g32 (q4_k) only qkv 11.9 ->
+11.2 and gate_up 41.1 -> 39.3, o and down slower (8.9, 25.0 against 8.4, 22.6). End to end at batch 1: W4A16
+365.3 -> 385.8 tok/s, q4_k 297.6 -> 305.9. Both tensor-core layouts (`_mmt_kernel`, this one) lose to
 the per-field `tl.dot` here: what is missing is a dequantized tile in the MMA register layout without a trip
 through shared memory, which Triton does not expose.
 
@@ -651,6 +660,8 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
+    if nh not in (None, 1, 2) or (nh == 2 and variant in ('3d', 'dot')):
+        raise ValueError(f"nh={nh}: 1, or 2 with the 2d kernel")
     if act and variant in ('3d', 'dot'):   # only the 2d kernel has the epilogue
         return silu_and_mul(w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype, bn, tpi, num_warps,
                                        split_k, variant, num_stages, prefetch, pdl), interleaved=True)
@@ -668,8 +679,8 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     num_stages = num_stages or cfg['num_stages']
     prefetch = cfg['pf'] if prefetch is None else prefetch
     nh = nh or (cfg.get('nh', 1) if variant == '2d' else 1)
-    if nh not in (1, 2) or (nh == 2 and (variant != '2d' or bn % 2)):
-        raise ValueError(f"nh={nh} needs the 2d kernel and an even block N, got {variant}, bn={bn}")
+    if nh == 2 and (variant != '2d' or bn % 2):
+        raise ValueError(f"nh=2 needs the 2d kernel and an even block N, got {variant}, bn={bn}")
     if variant == '2d': tpi = min(tpi, 4 if nh == 1 else 2)
     while tiles % tpi: tpi //= 2
     progs = triton.cdiv(N, bn)

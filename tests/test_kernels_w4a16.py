@@ -66,6 +66,10 @@ def test_w4a16_cpu(bits, group, sym):
                 for pf in (False, True):
                     y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=pf, pdl=True)
                     assert _rel(y, ref) < 1e-5, (tpi, split, pf)
+                    if tpi <= 2:                                # two column tiles sharing x, with and without PDL
+                        for pdl in (False, True):
+                            y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
+                            assert _rel(y, ref) < 1e-5, (tpi, split, pf, pdl)
     for M in (5, 17):                                           # 17: two M-blocks, each with its own counters
         x = torch.randn(M, 512).half()
         assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
@@ -75,9 +79,9 @@ def test_w4a16_cpu(bits, group, sym):
         ref = silu_and_mul_ref(w4a16_matmul_ref(x, *args), interleaved=True)
         assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < 1e-5, M
         if M == 1:                                              # the GEMV epilogue, with and without split-K
-            for split, variant in ((1, '2d'), (4, '2d'), (2, '3d')):
-                y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, variant=variant, act='silu_and_mul')
-                assert y.shape == (1, 16) and _rel(y, ref) < 1e-5, (split, variant)
+            for split, variant, nh in ((1, '2d', 1), (4, '2d', 1), (2, '3d', 1), (1, '2d', 2), (4, '2d', 2)):
+                y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, variant=variant, act='silu_and_mul', nh=nh)
+                assert y.shape == (1, 16) and _rel(y, ref) < 1e-5, (split, variant, nh)
     assert _ws_clean()
 
 
@@ -109,6 +113,7 @@ def test_w4a16_prefill_shapes_and_errors_cpu():
     assert w4a16_matmul(torch.randn(0, 256), *args).shape == (0, 24)
     with pytest.raises(ValueError): w4a16_matmul(torch.randn(1, 256), args[0][:, :-1], *args[1:5], 23, 256)
     with pytest.raises(ValueError): w4a16_gemv(torch.randn(1, 256), *args, split_k=3)
+    with pytest.raises(ValueError, match='nh'): w4a16_gemv(torch.randn(1, 256), *args, nh=2, variant='3d')
 
 
 @interp
@@ -182,9 +187,10 @@ def test_w4a16_cuda(bits, group, sym, N, K):
     x = torch.randn(1, K, device='cuda')
     assert _rel(w4a16_matmul(x, *args), x @ w.T) < 1e-5              # fp32 in: no bf16 rounding at all
     if group == 128 or N == 576:
-        for variant, bn, tpi, nw, sk, pf in (('2d', 64, 4, 4, 2, 1), ('3d', 32, 4, 4, 1, 1), ('3d', 16, 2, 2, 4, 0), ('dot', 64, 1, 4, 2, 0)):
+        for variant, bn, tpi, nw, sk, pf, nh in (('2d', 64, 4, 4, 2, 1, 1), ('2d', 128, 2, 4, 2, 0, 2), ('3d', 32, 4, 4, 1, 1, 1),
+                                                 ('3d', 16, 2, 2, 4, 0, 1), ('dot', 64, 1, 4, 2, 0, 1)):
             if tiles % (sk * tpi): continue                        # the GEMV variants with split-K and prefetch
-            y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant, prefetch=pf)
+            y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant, prefetch=pf, nh=nh)
             assert _rel(y, x @ w.T) < 1e-5, (N, K, variant, bn, tpi, sk)
     for M in (1, 16, 300):                                         # rows as interleaved gate/up: the fused activation
         x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)

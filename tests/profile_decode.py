@@ -1,0 +1,37 @@
+"""Where a decode step's time goes: per-kernel GPU time of Llama-3-8B decode steps (dummy weights, CUDA graphs) from
+torch.profiler, per step, and the wall time per step. `python tests/profile_decode.py [quantization] [batch]`
+(default marlin 1). Set `CVLLM_PDL=0` for kernel times without PDL's early-launch waits (with PDL a kernel's time
+includes waiting for its predecessor)."""
+import sys, collections, yaml, torch
+from pathlib import Path
+from cvllm_lab import LLM
+from cvllm_lab.sampling_params import SamplingParams
+from cvllm_lab.bench.sweep import model_dir
+quant = sys.argv[1] if len(sys.argv) > 1 else 'marlin'
+B = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+mcfg = yaml.safe_load(open('conf/model/llama3_8b.yaml'))
+llm = LLM(str(model_dir(mcfg)), load_format='dummy', skip_tokenizer_init=True, quantization=quant,
+          attention_backend='triton', progress=False)
+sp = lambda O: SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
+prompts = [{'prompt_token_ids': list(range(100 + i, 132 + i))} for i in range(B)]
+llm.generate(prompts, sp(40), use_tqdm=False); torch.cuda.synchronize()
+def run(O):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, sp(O), use_tqdm=False); torch.cuda.synchronize()
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg[e.name[:60]]; a[0] += 1; a[1] += e.device_time
+    return agg
+import time
+def wall(O):
+    torch.cuda.synchronize(); t = time.perf_counter(); llm.generate(prompts, sp(O), use_tqdm=False); torch.cuda.synchronize()
+    return time.perf_counter() - t
+w = sorted(wall(66) - wall(2) for _ in range(3))[1]
+print(f'wall per decode step {w / 64 * 1e6:.1f} us')
+a1, a2 = run(2), run(66)
+steps = 64
+rows = sorted(((k, (a2[k][0] - a1.get(k, [0, 0])[0]) / steps, (a2[k][1] - a1.get(k, [0, 0])[1]) / steps) for k in a2), key=lambda r: -r[2])
+tot = sum(r[2] for r in rows)
+print(f'{quant} B={B}: kernel time per decode step {tot:.1f} us (sum over kernels)')
+for k, n, us in rows[:30]: print(f'{us:8.1f} us {n:6.1f}/step  {k}')
