@@ -35,7 +35,7 @@ DRY = '--dry' in sys.argv
 if DRY:
     os.environ['TRITON_INTERPRET'] = '1'
     XDT = torch.float16
-    L3_8B = {k: (n // 32, k_ // 32) for k, (n, k_) in L3_8B.items()}
+    L3_8B = {k: (n // 32, max(256, k_ // 32 // 256 * 256)) for k, (n, k_) in L3_8B.items()}   # k-quants: K % 256 == 0
     LM_HEAD = (LM_HEAD[0] // 64, LM_HEAD[1] // 32)
 
 
@@ -209,6 +209,7 @@ def precompile(jobs, workers, deadline):
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith('--') else '.'
+    os.makedirs(out_dir, exist_ok=True)
     budget = float(_arg('--budget', 200))
     parts = _arg('--sweep', 'pf1,w16b,q4k').split(',')
     from cvllm_lab.kernels import w4a16 as KW, fp8_matmul as KF, gguf_matmul as KG
