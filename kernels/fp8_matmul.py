@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.quant.fp8 import BLOCK, dequantize_fp8_block
-from cvllm_lab.kernels.w4a16 import _split_for, _store_out, split_k_workspace
+from cvllm_lab.kernels.w4a16 import _batched_plan, _m_bucket, _split_for, _store_out, split_k_workspace
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['fp8_matmul', 'fp8_gemv', 'fp8_mm', 'fp8_matmul_ref']
@@ -180,20 +180,10 @@ def fp8_mm(x, weight, scale, N, K, out_dtype=None, bm=None, bn=None, num_warps=N
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     _, kb = _check(weight, scale, N, K)
     x = x.contiguous()
-    b = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    b = _m_bucket(M)
     cfg = MM_CONFIGS.get((N, K, b), MM_DEFAULT[b])
-    default = bn is None and bm is None and target is None
-    bm = bm or (16 if _INTERPRET else min(b, 64))
-    bn = bn or (32 if _INTERPRET else cfg['bn'])
-    num_warps = num_warps or cfg['num_warps']
-    num_stages = num_stages or cfg['num_stages']
-    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split_k is None:
-        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, kb, grid_mn, 1, x.device)
-    elif kb % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {kb} K-blocks")
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = _batched_plan(x, N, kb, cfg, bm, bn, num_warps, num_stages,
+                                                                         split_k, target, out_dtype, 'K-blocks')
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _fp8_mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, weight, scale, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), kb // split_k, kb,

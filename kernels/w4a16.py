@@ -703,6 +703,24 @@ def _m_bucket(M):
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
+def _batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages, split_k, target, out_dtype, what='K-tiles'):
+    """Launch plan shared by the batched split-K kernels (one program per N-block, K-split, block of rows): the
+    block sizes, warps and stages (arguments over `cfg`), split-K (`cfg['split']` or programs per SM), the output
+    and the workspace. Returns `bm, bn, num_warps, num_stages, split_k, out, ws, cnt`."""
+    M = x.shape[0]
+    default = bn is None and bm is None and target is None
+    bm = bm or (16 if _INTERPRET else max(16, min(_m_bucket(M), 64)))
+    bn = bn or (32 if _INTERPRET else cfg['bn'])
+    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split_k is None:
+        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
+    elif tiles % split_k:
+        raise ValueError(f"split_k={split_k} must divide the {tiles} {what}")
+    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
+    return (bm, bn, num_warps or cfg['num_warps'], num_stages or cfg['num_stages'], split_k,
+            torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device), ws, cnt)
+
+
 def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
              split_k=None, num_stages=None, target=None):
     """`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel: one program per (N-block, K-split,
@@ -715,18 +733,8 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     b = _m_bucket(M)
     small = bits == 4 and G < TILE_K
     cfg = MM_SMALL_GROUP if small else MM_CONFIGS.get((N, K, bits, b), MM_DEFAULT[b])
-    default = bn is None and bm is None and target is None
-    bm = bm or (16 if _INTERPRET else min(b, 64))
-    bn = bn or (32 if _INTERPRET else cfg['bn'])
-    num_warps = num_warps or cfg['num_warps']
-    num_stages = num_stages or cfg['num_stages']
-    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split_k is None:
-        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
-    elif tiles % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = _batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
+                                                                         split_k, target, out_dtype)
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
@@ -770,18 +778,8 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     tiles = Kp // TILE_K
     b = _m_bucket(M)
     cfg = TC_CONFIGS.get((N, K, b), TC_DEFAULT)
-    default = bn is None and bm is None and target is None
-    bm = bm or max(16, min(b, 64))
-    bn = bn or (32 if _INTERPRET else cfg['bn'])
-    num_warps = num_warps or cfg['num_warps']
-    num_stages = num_stages or cfg['num_stages']
-    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split_k is None:
-        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
-    elif tiles % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = _batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
+                                                                         split_k, target, out_dtype)
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,
         G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k,
