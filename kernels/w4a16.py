@@ -115,10 +115,6 @@ from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 __all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 _ONE = 0x3F800000  # 1.0f
-_ONE2 = 0x3F803F80  # 1.0 in both bf16 halves of a register
-_PAIR_ON = os.environ.get('CVLLM_GEMV_PAIR', '1') != '0'  # default of w4a16_gemv's `pair` (0: the exact path, for A/B runs)
-_PTX = tl.constexpr(not _INTERPRET)  # inline PTX in the GEMV (the interpreter runs none)
-PAIR_C = tl.constexpr(16316 / 2**23)  # `_pair_f`: (0x3F80 + 8 * 7.5) * 2**-23, the low half's mean read as mantissa
 
 
 @triton.jit
@@ -206,76 +202,12 @@ def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constex
 
 
 @triton.jit
-def _pair_f(words, P: tl.constexpr, ONE2):
-    """4-bit fields P and P + 4 of int32 `words` from one shift and one LOP3 (`ONE2` = 0x3F803F80: 1.0 in both bf16
-    halves): `lo` = fp32 `1 + q_P / 16` exactly (the low half moved up), `hi` = the whole register read as fp32,
-    `1 + q_{P+4} / 16 + PAIR_C + (q_P - 7.5) * 2**-20` (the low half's bits are its low mantissa bits)."""
-    SH: tl.constexpr = 3 - 4 * P
-    if SH >= 0:
-        r = ((words << SH) & 0x00780078) | ONE2
-    else:
-        r = (tl.umulhi(words, 1 << (32 + SH)) & 0x00780078) | ONE2
-    if _PTX:   # the halves swapped by one PRMT (ptxas makes shl + shr + or of the plain form three instructions)
-        sw = tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0x1032;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        sw = (r << 16) | (r >> 16)
-    return sw.to(tl.float32, bitcast=True), r.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gemv_pair_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE2,
-                    G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr):
-    """`_gemv_tile` for 4-bit groups >= 128 and 16-bit x (PAIR): two weights per shift + LOP3 (`_pair_f`), about 2.5
-    instructions per weight instead of 3 (shift, LOP3, FFMA each). The high weight carries `PAIR_C` (removed with
-    the group's x sums) and `(q_lo - 7.5) * 2**-20`, at most 2.3e-4 of a quantization step: far below the 16-bit
-    rounding of x."""
-    row = kb // G * sp
-    s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, 4, EVEN_N)
-    s2, o2 = s, o
-    if NH == 2:
-        s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, 4, EVEN_N)
-    for p in tl.static_range(4):
-        if EVEN_K:
-            xl = tl.load(xb + p * 16, eviction_policy='evict_last').to(tl.float32)
-            xh = tl.load(xb + (p + 4) * 16, eviction_policy='evict_last').to(tl.float32)
-        else:
-            xl = tl.load(xb + p * 16, mask=(kb + p * 16 + rc) < K, other=0.0, eviction_policy='evict_last').to(tl.float32)
-            xh = tl.load(xb + (p + 4) * 16, mask=(kb + (p + 4) * 16 + rc) < K, other=0.0,
-                         eviction_policy='evict_last').to(tl.float32)
-        lo, hi = _pair_f(words, p, ONE2)
-        lo2, hi2 = lo, hi
-        if NH == 2:
-            lo2, hi2 = _pair_f(words2, p, ONE2)
-        if p == 0:
-            tf = lo * xl[:, None]
-            tf2 = lo2 * xl[:, None]
-            xs = xl + xh
-        else:
-            tf += lo * xl[:, None]
-            if NH == 2:
-                tf2 += lo2 * xl[:, None]
-            xs += xl + xh
-        tf += hi * xh[:, None]
-        if NH == 2:
-            tf2 += hi2 * xh[:, None]
-    acc += tf * s[None, :]
-    acc += xs[:, None] * (o - s * PAIR_C)[None, :]
-    if NH == 2:
-        acc2 += tf2 * s2[None, :]
-        acc2 += xs[:, None] * (o2 - s2 * PAIR_C)[None, :]
-    return acc, acc2
-
-
-@triton.jit
-def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE, ONE2,
+def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
                BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr, PAIR: tl.constexpr):
+               NH: tl.constexpr, BNH: tl.constexpr):
     """acc[C, BNH] += the products of one K-tile: `words` [C, BNH], x at `xb` (+ field offsets), scale rows from
     `sp`; with NH = 2 also acc2 for `words2`, the columns BNH further on, with the same x values (each thread holds
-    the same rows of both, so one x load and conversion serves 8 columns instead of 4). PAIR: `_gemv_pair_tile`."""
-    if PAIR:
-        return _gemv_pair_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE2,
-                               G, EVEN_K, EVEN_N, NH, BNH)
+    the same rows of both, so one x load and conversion serves 8 columns instead of 4)."""
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
     JPG: tl.constexpr = GW // C                # bit fields per scale group
@@ -343,42 +275,40 @@ def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH:
 
 
 @triton.jit
-def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE, ONE2,
+def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr, PAIR: tl.constexpr):
+               NH: tl.constexpr, BNH: tl.constexpr):
     "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
     if NH == 1:
         acc, acc2 = _gemv_tile(acc, acc2, w0, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                               t * 128, K, ONE, ONE2, BITS, G, EVEN_K, EVEN_N, NH, BNH, PAIR)
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
         if TPI > 1:
             acc, acc2 = _gemv_tile(acc, acc2, w1, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 1) * 128, K, ONE, ONE2, BITS, G, EVEN_K, EVEN_N, NH, BNH, PAIR)
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
         if TPI > 2:
             acc, acc2 = _gemv_tile(acc, acc2, w2, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 2) * 128, K, ONE, ONE2, BITS, G, EVEN_K, EVEN_N, NH, BNH, PAIR)
+                                   nmask2, (t + 2) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
             acc, acc2 = _gemv_tile(acc, acc2, w3, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 3) * 128, K, ONE, ONE2, BITS, G, EVEN_K, EVEN_N, NH, BNH, PAIR)
+                                   nmask2, (t + 3) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
     else:
         acc, acc2 = _gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                               t * 128, K, ONE, ONE2, BITS, G, EVEN_K, EVEN_N, NH, BNH, PAIR)
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
         if TPI > 1:
             acc, acc2 = _gemv_tile(acc, acc2, w2, w3, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 1) * 128, K, ONE, ONE2, BITS, G, EVEN_K, EVEN_N, NH, BNH, PAIR)
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
     return acc, acc2
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE, ONE2,
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, PAIR: tl.constexpr):
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
     next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
-    With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
-    PAIR (4-bit, groups >= 128, 16-bit x): two weights per shift + LOP3 (`_gemv_pair_tile`)."""
-    tl.static_assert(not PAIR or (BITS == 4 and G >= 128))
+    With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
     C: tl.constexpr = 4 * BITS
@@ -401,8 +331,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     pdl_launch(PDL)
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
-            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE, ONE2,
-                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, PAIR)
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
             ts = t0 + TPI
     for t in range(ts, t0 + TPS, TPI):
         if PF:
@@ -410,8 +340,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
             n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, nmask2, C, TPI, NH, BNH)
         else:
             w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH)
-        acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE, ONE2,
-                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, PAIR)
+        acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
     y = tl.sum(acc, 0)
     y2 = tl.sum(acc2, 0)
     if SPLIT == 1:
@@ -720,15 +650,13 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
-               pair=None):
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
     kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
-    tiles that share their x loads (K-tiles per iteration at most 2). `pair`: two weights per shift + LOP3 (default:
-    on for the 2d kernel with 4-bit weights, groups >= 128 and 16-bit x; `False` gives the exact per-weight path)."""
+    tiles that share their x loads (K-tiles per iteration at most 2)."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -764,12 +692,8 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     out = torch.empty(1, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
     if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks): PDL measured no faster
-    if pair is None: pair = _PAIR_ON and bits == 4 and G >= TILE_K and x.dtype in (torch.float16, torch.bfloat16)
-    elif pair and not (bits == 4 and G >= TILE_K and variant == '2d'):
-        raise ValueError(f"pair=True needs the 2d kernel, 4-bit weights and groups >= 128, got {variant}, {bits}-bit, g{group}")
-    if variant == '3d': kernel, kw, one = _gemv3_kernel, {}, (_ONE,)
-    else: kernel, kw, one = _gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, PAIR=bool(pair)), (_ONE, _ONE2)
-    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, *one,
+    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh))
+    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages, **kw)
     return out
