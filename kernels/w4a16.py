@@ -650,13 +650,15 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None):
+               num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
+               maxnreg=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
     kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
-    tiles that share their x loads (K-tiles per iteration at most 2)."""
+    tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
+    programs per SM, at the price of spills)."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -679,6 +681,7 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     num_stages = num_stages or cfg['num_stages']
     prefetch = cfg['pf'] if prefetch is None else prefetch
     nh = nh or (cfg.get('nh', 1) if variant == '2d' else 1)
+    maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
     if nh == 2 and (variant != '2d' or bn % 2):
         raise ValueError(f"nh=2 needs the 2d kernel and an even block N, got {variant}, bn={bn}")
     if variant == '2d': tpi = min(tpi, 4 if nh == 1 else 2)
@@ -695,7 +698,8 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
-                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages, **kw)
+                             SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+                             **kw, **({'maxnreg': maxnreg} if maxnreg else {}))
     return out
 
 
