@@ -614,19 +614,23 @@ def split_k_workspace(device, numel, ncounters):
 # count (split-K fills up to it); `pf`: register prefetch of the next iteration's words.
 GEMV_DEFAULT = dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, target=7, pf=True)
 GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, target=7, pf=False)
+# maxnreg: register caps from the H200 sweep at f620da0 (results/h200_gemv_maxnreg_sweep.csv); ptxas then schedules
+# differently (o: 80 -> 64 registers, 8 programs per SM instead of 6; gate_up / down: allowed 96 instead of the 80 it
+# picks). Llama-3-8B batch 1: W4A16 385.6 -> 397.7 tok/s, q4_k 305.3 -> 312.3.
 GEMV_CONFIGS = {   # nh=2 from the H200 sweep at 547384b (results/h200_gemv_nh_sweep.csv): layer 65.5 -> 58.8 us
     (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2),
-    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2),
-    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2),
-    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2),
+    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=64),
+    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2, maxnreg=96),
+    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=96),
 }
 # Groups < 64 (GGUF q4_k / q4_0 / q8_0 repacks, g32) per (N, K, bits), from the `q4k` sweep (H200, 02a8421): qkv
 # 11.9 -> 11.45 us, o 9.1 -> 8.3 us; gate_up and down keep the generic config (within 0.4 us of their best).
 # nh=2 (547384b): qkv 11.9 -> 11.2 us, gate_up 41.1 -> 39.3 us; o and down measured slower with it (8.9, 25.0 us).
-GEMV_SMALL_CONFIGS = {
+GEMV_SMALL_CONFIGS = {   # maxnreg from the sweep at f620da0: layer 83.0 -> 78.4 us (gate_up 40.9 -> 37.2)
     (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=False, nh=2),
-    (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=16, pf=False),
-    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=4, pf=False, nh=2),
+    (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=16, pf=False, maxnreg=64),
+    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=4, pf=False, nh=2, maxnreg=128),
+    (4096, 14336, 4): dict(GEMV_SMALL_GROUP, maxnreg=96),
 }
 # Batched (1 < M <= MM_MAX_M): by the M bucket (16, 32, 64, 128), per (N, K, bits, bucket) where measured.
 MM_DEFAULT = {16: dict(bn=256, num_warps=4, num_stages=3, target=2), 32: dict(bn=256, num_warps=4, num_stages=3, target=2),
