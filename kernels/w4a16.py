@@ -81,6 +81,16 @@ and one x value serves 8: the SASS of the loop went from 4.71 to 4.25 instructio
 the per-field `tl.dot` here: what is missing is a dequantized tile in the MMA register layout without a trip
 through shared memory, which Triton does not expose.
 
+What limits the GEMV (H200, 689fdfc-6afa364, `results/h200_gemv_*.csv`, notebook 46): a kernel that only streams
+the words with the same tiling reads a layer in 34.8 us (the GEMV: 58.6), and a column-blocked layout reads no
+faster; Nsight Compute on gate_up shows issue slots 64% busy, 4.5 warps per scheduler (80 registers), and per
+instruction 1.8 cycles waiting on loads, 1.8 not selected, 0.9 math-pipe throttle. Not kept: two weights per shift
++ LOP3 (low bf16 half by PRMT, high half read as fp32 with the low half as mantissa noise, 1e-5 relative error;
+fc2a60f): 557 -> 502 instructions per 128 weights but 108 registers, 62.2 against 60.9 us per layer and batch 1
+366 against 385 tok/s; word tiles by TMA through a 2-4 stage shared-memory pipeline: slower on every shape
+(gate_up 31.8 against 28.9 us). Kept: `maxnreg` per config (`GEMV_CONFIGS`), 60.6 -> 58.1 us per layer (g32 83.0
+-> 78.4), batch 1 W4A16 385.6 -> 396.6 tok/s and q4_k 305.3 -> 312.1.
+
 Programmatic dependent launch (`kernels/pdl.py`): the 2d GEMV loads its first iteration's words before
 `griddepcontrol.wait`, so its weight stream starts while the previous kernel finishes; Llama-3-8B batch 1 went from
 334.6 to 360.3 tok/s (W4A16 g128). For groups < 64 (q4_k) it measured 289.0 against 293.8 without, so those launch

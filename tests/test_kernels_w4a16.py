@@ -70,6 +70,7 @@ def test_w4a16_cpu(bits, group, sym):
                         for pdl in (False, True):
                             y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
                             assert _rel(y, ref) < 1e-5, (tpi, split, pf, pdl)
+    assert _rel(w4a16_gemv(x, *args, maxnreg=64), ref) < 1e-5     # a register cap (the GPU configs' `maxnreg`)
     for M in (5, 17):                                           # 17: two M-blocks, each with its own counters
         x = torch.randn(M, 512).half()
         assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
