@@ -3,9 +3,9 @@ import torch, triton, triton.language as tl
 from cvllm_lab.kernels import w4a16 as W
 
 @triton.jit
-def _gemv_tma_kernel(x_ptr, qw_desc, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE, ONE2,
+def _gemv_tma_kernel(x_ptr, qw_desc, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                      G: tl.constexpr, BN: tl.constexpr, NH: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr,
-                     ACT: tl.constexpr, PAIR: tl.constexpr):
+                     ACT: tl.constexpr):
     C: tl.constexpr = 16
     BNH: tl.constexpr = BN // NH
     pid_n = tl.program_id(0)
@@ -24,7 +24,7 @@ def _gemv_tma_kernel(x_ptr, qw_desc, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, 
         if NH == 2:
             w1 = qw_desc.load([t * C, col0 + BNH])
         acc, acc2 = W._gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                                 t * 128, K, ONE, ONE2, 4, G, True, True, NH, BNH, PAIR)
+                                 t * 128, K, ONE, 4, G, True, True, NH, BNH)
     y = tl.sum(acc, 0)
     y2 = tl.sum(acc2, 0)
     if SPLIT == 1:
@@ -40,14 +40,14 @@ def _gemv_tma_kernel(x_ptr, qw_desc, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, 
             W._gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
 
 
-def gemv_tma(x, qweight, scales, offsets, N, K, bn=128, nh=2, split_k=4, ns=3, num_warps=4, act=None, pair=False, desc=None):
+def gemv_tma(x, qweight, scales, offsets, N, K, bn=128, nh=2, split_k=4, ns=3, num_warps=4, act=None, desc=None):
     from triton.tools.tensor_descriptor import TensorDescriptor
     tiles = K // 128
     desc = desc or TensorDescriptor.from_tensor(qweight, [16, bn // nh])
     out = torch.empty(1, N // 2 if act else N, dtype=x.dtype, device=x.device)
     progs = N // bn
     ws, cnt = W.split_k_workspace(x.device, N, progs)
-    _gemv_tma_kernel[(progs, split_k)](x, desc, scales, offsets, out, ws, cnt, N, K, tiles // split_k, W._ONE, W._ONE2,
-                                       G=128, BN=bn, NH=nh, SPLIT=split_k, NS=ns, ACT=bool(act), PAIR=pair,
+    _gemv_tma_kernel[(progs, split_k)](x, desc, scales, offsets, out, ws, cnt, N, K, tiles // split_k, W._ONE,
+                                       G=128, BN=bn, NH=nh, SPLIT=split_k, NS=ns, ACT=bool(act),
                                        num_warps=num_warps)
     return out
