@@ -200,6 +200,27 @@ def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH:
 
 
 @triton.jit
+def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
+              ACT: tl.constexpr, SPLIT: tl.constexpr):
+    """A GEMV program's epilogue: reduce its accumulators over the rows and write the columns (`_gemv_put`); with
+    SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`_split_add`'s barrier
+    covers both adds) and the tile's last program writes."""
+    y = tl.sum(acc, 0)
+    y2 = tl.sum(acc2, 0)
+    if SPLIT == 1:
+        _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+    else:
+        if NH == 2:
+            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
+        if _split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT):
+            ya = _split_take(y, nmask, ws_ptr + rn, cnt_ptr)
+            yb = ya
+            if NH == 2:
+                yb = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
+            _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+
+
+@triton.jit
 def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr):
     "`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row."
     if EVEN_N:
@@ -352,19 +373,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
             w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH)
         acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                                BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
-    y = tl.sum(acc, 0)
-    y2 = tl.sum(acc2, 0)
-    if SPLIT == 1:
-        _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
-    else:   # both halves into the workspace, one count per program (`_split_add`'s barrier covers both adds)
-        if NH == 2:
-            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
-        if _split_add(y, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT):
-            ya = _split_take(y, nmask, ws_ptr + rn, cnt_ptr + pid_n)
-            yb = ya
-            if NH == 2:
-                yb = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr + pid_n)
-            _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+    _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
 @triton.jit

@@ -25,19 +25,7 @@ def _gemv_tma_kernel(x_ptr, qw_desc, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, 
             w1 = qw_desc.load([t * C, col0 + BNH])
         acc, acc2 = W._gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
                                  t * 128, K, ONE, 4, G, True, True, NH, BNH)
-    y = tl.sum(acc, 0)
-    y2 = tl.sum(acc2, 0)
-    if SPLIT == 1:
-        W._gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
-    else:
-        if NH == 2:
-            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
-        if W._split_add(y, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT):
-            ya = W._split_take(y, nmask, ws_ptr + rn, cnt_ptr + pid_n)
-            yb = ya
-            if NH == 2:
-                yb = W._split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr + pid_n)
-            W._gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+    W._gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
 def gemv_tma(x, qweight, scales, offsets, N, K, bn=128, nh=2, split_k=4, ns=3, num_warps=4, act=None, desc=None):
