@@ -144,6 +144,42 @@ def _field_f(words, J: tl.constexpr, BITS: tl.constexpr, ONE):
 
 
 @triton.jit
+def _field_slot(words, J: tl.constexpr, ONE):
+    """4-bit field `J` of `words` as fp32 `1 + q * 2**(b - 23)`, b in 11 .. 19: the nibble is masked where it lands
+    after at most one of two shifts per word (fields 3, 4 in place at b = 12, 16; 0-2 after `<< 11`, 5-7 after
+    `>> 9`: b = 11, 15, 19), so 8 weights cost 2 shifts + 8 LOP3 instead of a shift + LOP3 each. x is scaled by
+    `2**(19 - b)` (`_x_slot`) so that each field adds `x q / 16`; the caller cancels the `1`s by starting the
+    sum at `-sum(x * 2**(19 - b))`."""
+    B: tl.constexpr = 4 * J + 11 * (J < 3) - 9 * (J > 4)
+    if J == 3 or J == 4:
+        v = words
+    elif J < 3:
+        v = words << 11
+    else:
+        v = words >> 9
+    return ((v & (15 << B)) | ONE).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_slot(xj, J: tl.constexpr):
+    """fp32 `x * 2**E` for field `J` of `_field_slot`, `E = 19 - b` (0 .. 8): for bf16 x the exponent add rides
+    on the conversion (`x << 16 + E << 23`, one IMAD; a zero becomes the negligible `2**(E - 127)`)."""
+    E: tl.constexpr = 19 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
+    if xj.dtype == tl.bfloat16:
+        xi = xj.to(tl.uint16, bitcast=True).to(tl.uint32)
+        return ((xi << 16) + (E << 23)).to(tl.float32, bitcast=True)
+    else:
+        return xj.to(tl.float32) * (1 << E)
+
+
+@triton.jit
+def _x_unslot(xq, J: tl.constexpr):
+    "`x` back from `_x_slot`'s `x * 2**E` (an exact multiply)."
+    E: tl.constexpr = 19 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
+    return xq * (1.0 / (1 << E))
+
+
+@triton.jit
 def _split_add(y, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
     """Split-K without extra launches: add the fp32 tile `y` into the workspace at `wsp` and count this program on
     the counter at `cnt_ptr`; True for the last of the SPLIT programs of the tile, which then calls `_split_take`."""
@@ -221,15 +257,27 @@ def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, B
 
 
 @triton.jit
-def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr):
-    "`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row."
+def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr, SLOT: tl.constexpr):
+    """`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row (SLOT: `B = offset`,
+    the sums carry no `1`s)."""
     if EVEN_N:
         s = tl.load(s_ptr + idx).to(tl.float32) * (1 << BITS)
-        o = tl.load(o_ptr + idx).to(tl.float32) - s
+        o = tl.load(o_ptr + idx).to(tl.float32)
     else:
         s = tl.load(s_ptr + idx, mask=nmask, other=0.0).to(tl.float32) * (1 << BITS)
-        o = tl.load(o_ptr + idx, mask=nmask, other=0.0).to(tl.float32) - s
+        o = tl.load(o_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
+    if not SLOT:
+        o = o - s
     return s, o
+
+
+@triton.jit
+def _gemv_x(xb, kb, rc, K, J: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
+    "The `[C]` x values of bit field `J` of a K-tile (x at `xb`, the tile at `kb`), kept in cache (`evict_last`)."
+    if EVEN_K:
+        return tl.load(xb + J * C, eviction_policy='evict_last')
+    else:
+        return tl.load(xb + J * C, mask=(kb + J * C + rc) < K, other=0.0, eviction_policy='evict_last')
 
 
 @triton.jit
@@ -243,36 +291,50 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
     GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
     JPG: tl.constexpr = GW // C                # bit fields per scale group
     NG: tl.constexpr = 128 // GW               # scale groups per tile
+    SLOT: tl.constexpr = BITS == 4 and JPG > 2  # fields where they lie (`_field_slot`), x scaled to match
     for gi in tl.static_range(NG):
         row = (kb + gi * GW) // G * sp
-        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, BITS, EVEN_N)
+        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, BITS, EVEN_N, SLOT)
         s2, o2 = s, o
         if NH == 2:
-            s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N)
-        for jj in tl.static_range(JPG):
-            if EVEN_K:
-                xj = tl.load(xb + (gi * JPG + jj) * C, eviction_policy='evict_last').to(tl.float32)
-            else:
-                xj = tl.load(xb + (gi * JPG + jj) * C, mask=(kb + (gi * JPG + jj) * C + rc) < K, other=0.0,
-                             eviction_policy='evict_last').to(tl.float32)
-            f = _field_f(words, gi * JPG + jj, BITS, ONE)
-            f2 = f
-            if NH == 2:
-                f2 = _field_f(words2, gi * JPG + jj, BITS, ONE)
-            if JPG <= 2:   # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
-                acc += (f * s[None, :] + o[None, :]) * xj[:, None]
-                if NH == 2:
-                    acc2 += (f2 * s2[None, :] + o2[None, :]) * xj[:, None]
-            else:
+            s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N, SLOT)
+        if SLOT:   # x sums first (the loads below are the same, CSE'd): xs = sum x, xsp = sum x * 2**E
+            for jj in tl.static_range(JPG):
+                xq = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K), gi * JPG + jj)
                 if jj == 0:
-                    tf = f * xj[:, None]
-                    tf2 = f2 * xj[:, None]
-                    xs = xj
+                    xs = _x_unslot(xq, gi * JPG + jj)
+                    xsp = xq
                 else:
-                    tf += f * xj[:, None]
+                    xs += _x_unslot(xq, gi * JPG + jj)
+                    xsp += xq
+            tf = tl.zeros_like(acc) - xsp[:, None]
+            tf2 = tf
+            for jj in tl.static_range(JPG):
+                xq = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K), gi * JPG + jj)
+                tf += _field_slot(words, gi * JPG + jj, ONE) * xq[:, None]
+                if NH == 2:
+                    tf2 += _field_slot(words2, gi * JPG + jj, ONE) * xq[:, None]
+        else:
+            for jj in tl.static_range(JPG):
+                xj = _gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K).to(tl.float32)
+                f = _field_f(words, gi * JPG + jj, BITS, ONE)
+                f2 = f
+                if NH == 2:
+                    f2 = _field_f(words2, gi * JPG + jj, BITS, ONE)
+                if JPG <= 2:   # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
+                    acc += (f * s[None, :] + o[None, :]) * xj[:, None]
                     if NH == 2:
-                        tf2 += f2 * xj[:, None]
-                    xs += xj
+                        acc2 += (f2 * s2[None, :] + o2[None, :]) * xj[:, None]
+                else:
+                    if jj == 0:
+                        tf = f * xj[:, None]
+                        tf2 = f2 * xj[:, None]
+                        xs = xj
+                    else:
+                        tf += f * xj[:, None]
+                        if NH == 2:
+                            tf2 += f2 * xj[:, None]
+                        xs += xj
         if JPG > 2:
             acc += tf * s[None, :]       # two separate updates: two FFMAs, not FMUL + FFMA + FADD
             acc += xs[:, None] * o[None, :]

@@ -27,6 +27,15 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _gemv_tol(bits, group):
+    """Relative error bound of the M = 1 GEMV against the fp32 reference. 4-bit groups >= 64 take the fields where
+    they lie in the word (`_field_slot`, 1 + q * 2**-12 at worst) with x scaled by up to 2**8: with bf16 x every
+    product and partial sum is exact in fp32 (~3e-6 measured, from the reference's own rounding), with fp32 x (these
+    tests) the products round at 2**-12 of a weight's term, ~1e-4 of the output (the activation's cancellation
+    included); the other paths are exact up to fp32 sums."""
+    return 3e-4 if bits == 4 and (group >= 64 or group == -1) else 1e-5
+
+
 def _ws_clean():
     "Split-K kernels must leave their workspace and counters at zero."
     return all(not ws.any() and not cnt.any() for ws, cnt in _WS.values())
@@ -47,30 +56,31 @@ IDS = [f'{b}bit-g{g}-{"sym" if s else "asym"}' for b, g, s in CONFIGS]
 @interp
 @pytest.mark.parametrize('bits,group,sym', CONFIGS, ids=IDS)
 def test_w4a16_cpu(bits, group, sym):
+    tol = _gemv_tol(bits, group)
     for N, K in ((64, 256), (40, 200)):                       # the second: N % BN != 0, K % 128 != 0 (padded)
         args = _packed(N, K, bits, group, sym, N + K)
         assert torch.equal(w4a16_dequantize(*args, dtype=torch.float32), dequantize_packed_ref(*args))
         for M in (1, 3, 17):
             x = torch.randn(M, K)
             y = w4a16_matmul(x, *args)                          # M=1: GEMV, else the fused tl.dot kernel
-            assert y.shape == (M, N) and _rel(y, w4a16_matmul_ref(x, *args)) < 1e-5, (N, K, M)
+            assert y.shape == (M, N) and _rel(y, w4a16_matmul_ref(x, *args)) < (tol if M == 1 else 1e-5), (N, K, M)
     args = _packed(32, 512, bits, group, sym, 7)
     x = torch.randn(1, 512)
     ref = w4a16_matmul_ref(x, *args)
     for tpi, split in ((1, 4), (2, 2), (4, 1), (1, 1), (1, 2)):  # split-K (self-zeroing workspace), tiles per iteration
         for variant in ('2d', '3d', 'dot'):
-            assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant), ref) < 1e-5, (tpi, split, variant)
+            assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant), ref) < tol, (tpi, split, variant)
             if variant != 'dot':                                # register prefetch of the next iteration's words
-                assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=True), ref) < 1e-5
+                assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=True), ref) < tol
             if variant == '2d':                                 # PDL: the first iteration's words before the wait
                 for pf in (False, True):
                     y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=pf, pdl=True)
-                    assert _rel(y, ref) < 1e-5, (tpi, split, pf)
+                    assert _rel(y, ref) < tol, (tpi, split, pf)
                     if tpi <= 2:                                # two column tiles sharing x, with and without PDL
                         for pdl in (False, True):
                             y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
-                            assert _rel(y, ref) < 1e-5, (tpi, split, pf, pdl)
-    assert _rel(w4a16_gemv(x, *args, maxnreg=64), ref) < 1e-5     # a register cap (the GPU configs' `maxnreg`)
+                            assert _rel(y, ref) < tol, (tpi, split, pf, pdl)
+    assert _rel(w4a16_gemv(x, *args, maxnreg=64), ref) < tol     # a register cap (the GPU configs' `maxnreg`)
     for M in (5, 17):                                           # 17: two M-blocks, each with its own counters
         x = torch.randn(M, 512).half()
         assert _rel(w4a16_mm(x, *args, split_k=2), w4a16_matmul_ref(x.float(), *args)) < 2e-3
@@ -78,11 +88,11 @@ def test_w4a16_cpu(bits, group, sym):
     for M in (1, 3):                                            # silu(gate) * up of interleaved gate/up rows
         x = torch.randn(M, 512)
         ref = silu_and_mul_ref(w4a16_matmul_ref(x, *args), interleaved=True)
-        assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < 1e-5, M
+        assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < (tol if M == 1 else 1e-5), M
         if M == 1:                                              # the GEMV epilogue, with and without split-K
             for split, variant, nh in ((1, '2d', 1), (4, '2d', 1), (2, '3d', 1), (1, '2d', 2), (4, '2d', 2)):
                 y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, variant=variant, act='silu_and_mul', nh=nh)
-                assert y.shape == (1, 16) and _rel(y, ref) < 1e-5, (split, variant, nh)
+                assert y.shape == (1, 16) and _rel(y, ref) < tol, (split, variant, nh)
     assert _ws_clean()
 
 
@@ -186,13 +196,15 @@ def test_w4a16_cuda(bits, group, sym, N, K):
                 for bn, nw, asm in ((64, 4, True), (128, 2, True), (128, 4, False)):
                     assert _rel(w4a16_tc(x, *args, split_k=4, bn=bn, num_warps=nw, asm=asm), ref) < 1e-2, (N, K, bn, nw, asm)
     x = torch.randn(1, K, device='cuda')
-    assert _rel(w4a16_matmul(x, *args), x @ w.T) < 1e-5              # fp32 in: no bf16 rounding at all
+    assert _rel(w4a16_matmul(x, *args), x @ w.T) < _gemv_tol(bits, group)   # fp32 in: no bf16 rounding
+    xb = x.bfloat16()                                                   # bf16 in, fp32 out: exact products and sums
+    assert _rel(w4a16_gemv(xb, *args, out_dtype=torch.float32), xb.float() @ w.T) < 2e-5
     if group == 128 or N == 576:
         for variant, bn, tpi, nw, sk, pf, nh in (('2d', 64, 4, 4, 2, 1, 1), ('2d', 128, 2, 4, 2, 0, 2), ('3d', 32, 4, 4, 1, 1, 1),
                                                  ('3d', 16, 2, 2, 4, 0, 1), ('dot', 64, 1, 4, 2, 0, 1)):
             if tiles % (sk * tpi): continue                        # the GEMV variants with split-K and prefetch
             y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant, prefetch=pf, nh=nh)
-            assert _rel(y, x @ w.T) < 1e-5, (N, K, variant, bn, tpi, sk)
+            assert _rel(y, x @ w.T) < _gemv_tol(bits, group), (N, K, variant, bn, tpi, sk)
     for M in (1, 16, 300):                                         # rows as interleaved gate/up: the fused activation
         x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
         ref = silu_and_mul_ref(x.float() @ w.T, interleaved=True)
