@@ -12,7 +12,7 @@ from cvllm_lab.kernels import w4a16 as KW
 from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
 
 SHAPES = {'qkv': (6144, 4096), 'o': (4096, 4096), 'gate_up': (28672, 4096), 'down': (4096, 14336)}
-REGS = {'qkv': (None, 160, 168, 176), 'o': (64, 72, 80, 96, None), 'gate_up': (80, 88, 96, 104),
+REGS = {'qkv': (None, 160, 168, 176), 'o': (64, 72, 80, 96), 'gate_up': (80, 88, 96, 104),
         'down': (80, 88, 96, 104)}
 OUT = os.environ.get('OUT', '/tmp')
 spec = importlib.util.spec_from_file_location('w4a16_old', os.environ['OLD'])
