@@ -345,9 +345,56 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
 
 
 @triton.jit
-def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr):
+def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
+                  G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BNH: tl.constexpr):
+    """`_gemv_tile` for 4-bit groups >= 64 with NH = 2, the K-tile's 16 word rows as two `[8, BNH]` halves (`wa`:
+    rows 0-7, `wb`: 8-15; `wa2`, `wb2` the columns BNH further on): a thread holds one row of each half and chains
+    both into one `[8, BNH]` sum per column tile, so the per-group scale updates and the accumulators are half
+    of `_gemv_tile`'s (fields as `_field_slot`)."""
+    GW: tl.constexpr = G if G < 128 else 128
+    JPG: tl.constexpr = GW // 16
+    NG: tl.constexpr = 128 // GW
+    for gi in tl.static_range(NG):
+        row = (kb + gi * GW) // G * sp
+        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, 4, EVEN_N, True)
+        s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, 4, EVEN_N, True)
+        for jj in tl.static_range(JPG):   # x sums first (the loads below are the same, CSE'd)
+            xa = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
+            xc = _x_slot(_gemv_x(xb + 8, kb + 8, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
+            if jj == 0:
+                xsp = xa + xc
+                xs = _x_unslot(xa, gi * JPG + jj) + _x_unslot(xc, gi * JPG + jj)
+            else:
+                xsp += xa + xc
+                xs += _x_unslot(xa, gi * JPG + jj) + _x_unslot(xc, gi * JPG + jj)
+        tf = tl.zeros_like(acc) - xsp[:, None]
+        tf2 = tf
+        for jj in tl.static_range(JPG):
+            xa = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
+            xc = _x_slot(_gemv_x(xb + 8, kb + 8, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
+            tf += _field_slot(wa, gi * JPG + jj, ONE) * xa[:, None]
+            tf += _field_slot(wb, gi * JPG + jj, ONE) * xc[:, None]
+            tf2 += _field_slot(wa2, gi * JPG + jj, ONE) * xa[:, None]
+            tf2 += _field_slot(wb2, gi * JPG + jj, ONE) * xc[:, None]
+        acc += tf * s[None, :]
+        acc += xs[:, None] * o[None, :]
+        acc2 += tf2 * s2[None, :]
+        acc2 += xs[:, None] * o2[None, :]
+    return acc, acc2
+
+
+@triton.jit
+def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr,
+                RS: tl.constexpr = False):
     """The word tiles `[C, BNH]` of one iteration: K-tiles t .. t + TPI - 1 (NH = 1), or (K-tile, column half)
-    (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones."""
+    (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones. RS: the
+    `[C / 2, BNH]` row halves (rows, columns) (0, 0), (1, 0), (0, 1), (1, 1) of K-tile t."""
+    if RS:
+        w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        w1 = tl.load(wp + t * C * N + C // 2 * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+        w2 = tl.load(wp + t * C * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
+        w3 = tl.load(wp + t * C * N + C // 2 * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
+        return w0, w1, w2, w3
     w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
     w1 = w0
     if NH == 2:
@@ -370,9 +417,12 @@ def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH:
 @triton.jit
 def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr):
+               NH: tl.constexpr, BNH: tl.constexpr, RS: tl.constexpr = False):
     "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
-    if NH == 1:
+    if RS:
+        acc, acc2 = _gemv_tile_rs(acc, acc2, w0, w1, w2, w3, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                  nmask2, t * 128, K, ONE, G, EVEN_K, EVEN_N, BNH)
+    elif NH == 1:
         acc, acc2 = _gemv_tile(acc, acc2, w0, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
                                t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
         if TPI > 1:
@@ -396,45 +446,49 @@ def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nma
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr):
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
     next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
-    With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`)."""
+    With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
+    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
+    tl.static_assert(not RS or (BITS == 4 and G >= 64 and NH == 2 and TPI == 1))
     C: tl.constexpr = 4 * BITS
+    CR: tl.constexpr = C // (1 + RS)   # word rows per tile
     BNH: tl.constexpr = BN // NH
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     col0 = pid_n * BN
     rn = col0 + tl.arange(0, BNH)
-    rc = tl.arange(0, C)
-    wp = qw_ptr + rc[:, None] * N + rn[None, :]   # [C, BNH] word tile of K-tile 0
+    rc = tl.arange(0, CR)
+    wp = qw_ptr + rc[:, None] * N + rn[None, :]   # [CR, BNH] word tile of K-tile 0
     nmask = rn < N
     nmask2 = rn + BNH < N
-    acc = tl.zeros([C, BNH], dtype=tl.float32)
-    acc2 = tl.zeros([C, BNH], dtype=tl.float32)
+    acc = tl.zeros([CR, BNH], dtype=tl.float32)
+    acc2 = tl.zeros([CR, BNH], dtype=tl.float32)
     t0 = pid_k * TPS
     ts = t0
     if PF or PDL:
-        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH)
+        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS)
     pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
             acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
+                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS)
             ts = t0 + TPI
     for t in range(ts, t0 + TPS, TPI):
         if PF:
             w0, w1, w2, w3 = n0, n1, n2, n3
-            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, nmask2, C, TPI, NH, BNH)
+            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, nmask2, C, TPI, NH, BNH,
+                                         RS)
         else:
-            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH)
+            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS)
         acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH)
+                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS)
     _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
@@ -736,14 +790,14 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
                num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
-               maxnreg=None):
+               maxnreg=None, rs=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
     kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
     tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
-    programs per SM, at the price of spills)."""
+    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies)."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -780,7 +834,11 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     out = torch.empty(1, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
     if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks): PDL measured no faster
-    kernel, kw = (_gemv3_kernel, {}) if variant == '3d' else (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh))
+    rs_ok = bits == 4 and G >= 64 and nh == 2 and tpi == 1 and variant == '2d'
+    if rs and not rs_ok: raise ValueError("rs=True needs the 2d kernel, 4 bits, groups >= 64, nh=2 and tpi=1")
+    if rs is None: rs = rs_ok and (cfg.get('rs', True) if default else True)
+    kernel, kw = ((_gemv3_kernel, {}) if variant == '3d' else
+                  (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs))))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
