@@ -22,11 +22,10 @@ flash-attention recurrence, in fp32 and in log2 units (`s = q.k * scale * log2(e
     m' = max(m, max_j s_j),   a = 2^(m - m'),   l' = a l + sum_j 2^(s_j - m'),   acc' = a acc + sum_j 2^(s_j - m') v_j
 
 and `out = acc / l`. Decode splits a sequence's keys over `num_splits` programs (flash-decoding); each writes
-its `(m, l, acc)` and counts itself on a per-(sequence, KV head) counter; the last one to finish merges them,
-`out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`, `M = max_s m_s`, and zeroes the counter (one launch per
-layer; a separate merge kernel cost ~1.9 us per Llama-3-8B layer at batch 1 on an H200). Grids depend only on
-`num_tokens`, `num_seqs` and static settings (the split count comes from the `max_seq_len` bound);
-per-sequence lengths are read on the device, so launches can be captured in CUDA graphs.
+its `(m, l, acc)` and a merge kernel computes `out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`,
+`M = max_s m_s`. Grids depend only on `num_tokens`, `num_seqs` and static settings (the split count comes
+from the `max_seq_len` bound); per-sequence lengths are read on the device, so launches can be captured in
+CUDA graphs.
 
 FP8 KV cache (`kv_cache_dtype='fp8'`): the caches are `float8_e4m3fn` and every (token, KV head) row carries its
 own fp32 scale in `k_scale` / `v_scale` `[num_blocks, block_size, num_kv_heads]` (contiguous), so slot `s`,
@@ -326,7 +325,6 @@ def rotary_and_cache(q, key, value, positions, cos_sin_cache, head_dim, is_neox,
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        cnt_ptr,  # SPLIT: int32 per (sequence, KV head), zero between calls: how many splits have written
         qsl_ptr, seq_lens_ptr, block_tables_ptr,
         k_scale_ptr, v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
         qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
@@ -341,7 +339,7 @@ def _paged_attention_kernel(
         HEAD_DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
         WINDOW: tl.constexpr,  # sliding window (0: off)
         DIRECT: tl.constexpr,  # program 0-axis index == sequence index (every q_len <= BLOCK_Q)
-        SPLIT: tl.constexpr,  # write unnormalized partials; the sequence's last split merges them (`_merge_splits`)
+        SPLIT: tl.constexpr,  # write unnormalized partials for _merge_splits_kernel instead of the output
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
         FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
@@ -448,17 +446,11 @@ def _paged_attention_kernel(
             m_i = m_new
 
         if SPLIT:
-            # partial results of this split; the last of the sequence's splits to finish merges them all
+            # partial results of this split; _merge_splits_kernel rescales them to a common max
             ph = token * stride_pt + head * stride_ph + split
             tl.store(part_m_ptr + ph, m_i, mask=row_ok)
             tl.store(part_l_ptr + ph, l_i, mask=row_ok)
             tl.store(part_acc_ptr + ph[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
-            tl.debug_barrier()   # all of this program's stores before its release below
-            cnt = cnt_ptr + seq * num_kv_heads + kvh
-            if tl.atomic_add(cnt, 1, sem='acq_rel') == num_splits - 1:
-                _merge_splits(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, token, head, row_ok, offs_d, d_ok,
-                              num_splits, stride_ot, stride_oh, stride_pt, stride_ph, BLOCK_M, HEAD_DIM_P)
-                tl.store(cnt, 0)   # zero again for the next call (no memset launch)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -466,42 +458,27 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, token, head, row_ok, offs_d, d_ok, num_splits,
-                  stride_ot, stride_oh, stride_pt, stride_ph, BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr):
-    """`out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`, `M = max_s m_s`, over a tile's rows, as the same
-    online recurrence (empty splits have m_s = -inf). The partials of other programs are read past L1 (`.cg`)."""
-    m = tl.full([BLOCK_M], float('-inf'), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    for sp in range(0, num_splits):
-        ph = token * stride_pt + head * stride_ph + sp
-        m_s = tl.load(part_m_ptr + ph, mask=row_ok, other=float('-inf'), cache_modifier='.cg')
-        l_s = tl.load(part_l_ptr + ph, mask=row_ok, other=0.0, cache_modifier='.cg')
-        a_s = tl.load(part_acc_ptr + ph[:, None] * HEAD_DIM_P + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                      cache_modifier='.cg')
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)
-        a, b = tl.math.exp2(m - m_safe), tl.math.exp2(m_s - m_safe)
-        l = l * a + l_s * b
-        acc = acc * a[:, None] + a_s * b[:, None]
-        m = m_new
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-_CNT, _CNT_ALL = {}, []
-
-
-def _split_counters(device, n):
-    """int32 counters of the split decode path, one per (sequence, KV head), per device. They start at zero and
-    every launch leaves them at zero; grown on demand, old ones kept alive (captured CUDA graphs hold them)."""
-    c = _CNT.get(str(device))
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-        _CNT_ALL.append(c)
-        _CNT[str(device)] = c
-    return c
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, head_dim,
+                         stride_ot, stride_oh, stride_pt, stride_ph,
+                         SPLITS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, PDL: tl.constexpr):
+    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits have m_s = -inf)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pdl_wait(PDL)
+    pdl_launch(PDL)
+    offs_s = tl.arange(0, SPLITS_P)
+    s_ok = offs_s < num_splits
+    base = t * stride_pt + h * stride_ph + offs_s
+    m = tl.load(part_m_ptr + base, mask=s_ok, other=float('-inf'))
+    l = tl.load(part_l_ptr + base, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float('-inf'), 0.0, m_max))
+    l_tot = tl.sum(w * l, 0)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -571,7 +548,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     else:
         part_m = part_l = part_acc = out  # unused
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l, _split_counters(q.device, B * Hkv) if split else seq_lens,
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
         query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q, qk_scale, B, D, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -580,4 +557,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
         TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
         FP8_KV=fp8, num_warps=warps, num_stages=stages, **pdl_kw(q.device))
+    if split:
+        _merge_splits_kernel[(T, H)](
+            out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,
+            SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2,
+            **pdl_kw(q.device))
     return out
