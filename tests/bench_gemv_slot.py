@@ -38,7 +38,7 @@ for name, (N, K) in SHAPES.items():
     for kernel, mod, kw in runs:
         y = mod.w4a16_gemv(x, *p, 4, 128, N, K, out_dtype=torch.float32, **kw)
         err = ((y - r).norm() / r.norm()).item()
-        assert err < 2e-5, (name, kernel, kw, err)
+        assert err < 5e-5, (name, kernel, kw, err)
         us = time_fn(args, lambda x, q, s, o: mod.w4a16_gemv(x, q, s, o, 4, 128, N, K, act=act, **kw), nb)
         rows.append(dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get('CVLLM_LAB_COMMIT', ''),
                          shape=name, N=N, K=K, kernel=kernel, rs=kw.get('rs'), tpi=kw.get('tpi', cfg['tpi']),
