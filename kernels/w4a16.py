@@ -148,8 +148,8 @@ def _field_slot(words, J: tl.constexpr, ONE):
     """4-bit field `J` of `words` as fp32 `1 + q * 2**(b - 23)`, b in 11 .. 19: the nibble is masked where it lands
     after at most one of two shifts per word (fields 3, 4 in place at b = 12, 16; 0-2 after `<< 11`, 5-7 after
     `>> 9`: b = 11, 15, 19), so 8 weights cost 2 shifts + 8 LOP3 instead of a shift + LOP3 each. x is scaled by
-    `2**(19 - b)` (`_x_slot`) so that each field adds `x q / 16`; the caller cancels the `1`s by starting the
-    sum at `-sum(x * 2**(19 - b))`."""
+    `2**(23 - b)` (`_x_slot`) so that each field adds `x q`; the caller cancels the `1`s by starting the sum at
+    `-sum(x * 2**(23 - b))` and applies `scale` as it is (`_scale_rows` with SLOT)."""
     B: tl.constexpr = 4 * J + 11 * (J < 3) - 9 * (J > 4)
     if J == 3 or J == 4:
         v = words
@@ -162,9 +162,9 @@ def _field_slot(words, J: tl.constexpr, ONE):
 
 @triton.jit
 def _x_slot(xj, J: tl.constexpr):
-    """fp32 `x * 2**E` for field `J` of `_field_slot`, `E = 19 - b` (0 .. 8): for bf16 x the exponent add rides
+    """fp32 `x * 2**E` for field `J` of `_field_slot`, `E = 23 - b` (4 .. 12): for bf16 x the exponent add rides
     on the conversion (`x << 16 + E << 23`, one IMAD; a zero becomes the negligible `2**(E - 127)`)."""
-    E: tl.constexpr = 19 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
+    E: tl.constexpr = 23 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
     if xj.dtype == tl.bfloat16:
         xi = xj.to(tl.uint16, bitcast=True).to(tl.uint32)
         return ((xi << 16) + (E << 23)).to(tl.float32, bitcast=True)
@@ -175,7 +175,7 @@ def _x_slot(xj, J: tl.constexpr):
 @triton.jit
 def _x_unslot(xq, J: tl.constexpr):
     "`x` back from `_x_slot`'s `x * 2**E` (an exact multiply)."
-    E: tl.constexpr = 19 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
+    E: tl.constexpr = 23 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
     return xq * (1.0 / (1 << E))
 
 
@@ -236,37 +236,74 @@ def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH:
 
 
 @triton.jit
-def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
-              ACT: tl.constexpr, SPLIT: tl.constexpr):
-    """A GEMV program's epilogue: reduce its accumulators over the rows and write the columns (`_gemv_put`); with
-    SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`_split_add`'s barrier
-    covers both adds) and the tile's last program writes."""
+def _gemv_sums(acc, acc2, ws_ptr, cnt_ptr, rn, nmask, nmask2, BNH: tl.constexpr, NH: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """`(y, y2, writer)`: a GEMV program's column sums (rows reduced) and whether it writes them. With SPLIT > 1,
+    both halves go into the workspace with one count per program on `cnt_ptr` (`_split_add`'s barrier covers both
+    adds), and the tile's last program gets the tile's sums."""
     y = tl.sum(acc, 0)
     y2 = tl.sum(acc2, 0)
-    if SPLIT == 1:
-        _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
-    else:
+    writer = True
+    if SPLIT > 1:
         if NH == 2:
             tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
-        if _split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT):
-            ya = _split_take(y, nmask, ws_ptr + rn, cnt_ptr)
-            yb = ya
+        writer = _split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT)
+        if writer:
+            y = _split_take(y, nmask, ws_ptr + rn, cnt_ptr)
             if NH == 2:
-                yb = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
-            _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+                y2 = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
+    return y, y2, writer
+
+
+@triton.jit
+def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
+              ACT: tl.constexpr, SPLIT: tl.constexpr):
+    "A GEMV program's epilogue: its tile's column sums (`_gemv_sums`), written by `_gemv_put`."
+    y, y2, writer = _gemv_sums(acc, acc2, ws_ptr, cnt_ptr, rn, nmask, nmask2, BNH, NH, SPLIT)
+    if writer:
+        _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+
+
+@triton.jit
+def _gemv_put_rope(y, y2, out_ptr, rn, col0, pos_ptr, cs_ptr, stride_c, kc_ptr, vc_ptr, slot_ptr, stride_kb,
+                   stride_ko, stride_kh, n_q_heads, n_kv_heads, BNH: tl.constexpr, PAGE: tl.constexpr):
+    """The qkv projection's epilogue for one token (`ROPE`): the program's `2 * BNH` columns are one head (q, k or
+    v), its halves `y`, `y2` the neox rotary pairs. q and k heads are rotated by the position's cos / sin (fp32),
+    all heads are written to the output, and k and v heads also to the paged cache slot (skipped if < 0)."""
+    head = col0 // (2 * BNH)
+    i = tl.arange(0, BNH)
+    if head < n_q_heads + n_kv_heads:
+        pos = tl.load(pos_ptr).to(tl.int64)
+        c = tl.load(cs_ptr + pos * stride_c + i).to(tl.float32)
+        s = tl.load(cs_ptr + pos * stride_c + BNH + i).to(tl.float32)
+        y, y2 = y * c - y2 * s, y2 * c + y * s
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + rn + BNH, y2.to(out_ptr.dtype.element_ty))
+    if head >= n_q_heads:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if slot >= 0:
+            kv = head - n_q_heads
+            row = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko
+            if kv < n_kv_heads:
+                p = kc_ptr + row + kv * stride_kh
+            else:
+                p = vc_ptr + row + (kv - n_kv_heads) * stride_kh
+            tl.store(p + i, y.to(kc_ptr.dtype.element_ty))
+            tl.store(p + BNH + i, y2.to(kc_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr, SLOT: tl.constexpr):
-    """`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row (SLOT: `B = offset`,
-    the sums carry no `1`s)."""
+    """`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row (SLOT: the sums
+    are `sum x q` without `1`s, so `S = scale`, `B = offset`)."""
     if EVEN_N:
-        s = tl.load(s_ptr + idx).to(tl.float32) * (1 << BITS)
+        s = tl.load(s_ptr + idx).to(tl.float32)
         o = tl.load(o_ptr + idx).to(tl.float32)
     else:
-        s = tl.load(s_ptr + idx, mask=nmask, other=0.0).to(tl.float32) * (1 << BITS)
+        s = tl.load(s_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
         o = tl.load(o_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
     if not SLOT:
+        s = s * (1 << BITS)
         o = o - s
     return s, o
 
@@ -444,18 +481,23 @@ def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nma
 
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
+                 pos_ptr, cs_ptr, stride_c, kc_ptr, vc_ptr, slot_ptr, stride_kb, stride_ko, stride_kh, n_q_heads, n_kv_heads,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr):
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr, ROPE: tl.constexpr,
+                 PAGE: tl.constexpr):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
     next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
     With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
-    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`)."""
+    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`). ROPE (NH = 2, BN = head
+    dim): the qkv projection of one token with rotary and the K/V cache write in the epilogue (`_gemv_put_rope`;
+    `pos_ptr` .. `n_kv_heads` are its arguments, unused otherwise)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
     tl.static_assert(not RS or (BITS == 4 and G >= 64 and NH == 2 and TPI == 1))
+    tl.static_assert(not ROPE or (NH == 2 and not ACT and EVEN_N))
     C: tl.constexpr = 4 * BITS
     CR: tl.constexpr = C // (1 + RS)   # word rows per tile
     BNH: tl.constexpr = BN // NH
@@ -489,7 +531,13 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
             w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS)
         acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                                BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS)
-    _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
+    if ROPE:
+        y, y2, writer = _gemv_sums(acc, acc2, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, BNH, NH, SPLIT)
+        if writer:
+            _gemv_put_rope(y, y2, out_ptr, rn, col0, pos_ptr, cs_ptr, stride_c, kc_ptr, vc_ptr, slot_ptr, stride_kb,
+                           stride_ko, stride_kh, n_q_heads, n_kv_heads, BNH, PAGE)
+    else:
+        _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
 @triton.jit
@@ -749,14 +797,16 @@ def split_k_workspace(device, numel, ncounters):
 # count (split-K fills up to it); `pf`: register prefetch of the next iteration's words.
 GEMV_DEFAULT = dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, target=7, pf=True)
 GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, target=7, pf=False)
-# maxnreg: register caps from the H200 sweep at f620da0 (results/h200_gemv_maxnreg_sweep.csv); ptxas then schedules
-# differently (o: 80 -> 64 registers, 8 programs per SM instead of 6; gate_up / down: allowed 96 instead of the 80 it
-# picks). Llama-3-8B batch 1: W4A16 385.6 -> 397.7 tok/s, q4_k 305.3 -> 312.3.
+# maxnreg: register caps from the H200 sweeps (results/h200_gemv_maxnreg_sweep.csv at f620da0, then
+# results/h200_gemv_slot_sweep.csv at 886260d for the `_field_slot` kernel); ptxas schedules differently under a cap.
+# rs: row halves (`_gemv_tile_rs`, on by default where it applies): gate_up 25.0 -> 23.9 us, down 14.5 -> 14.0 us;
+# o measured 6.86 with it against 6.81 without. Layer 59.4 us (19b5906) -> 52.3 us.
 GEMV_CONFIGS = {   # nh=2 from the H200 sweep at 547384b (results/h200_gemv_nh_sweep.csv): layer 65.5 -> 58.8 us
-    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2),
-    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=64),
+    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2, maxnreg=168),
+    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=64,
+                          rs=False),
     (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2, maxnreg=96),
-    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=96),
+    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=88),
 }
 # Groups < 64 (GGUF q4_k / q4_0 / q8_0 repacks, g32) per (N, K, bits), from the `q4k` sweep (H200, 02a8421): qkv
 # 11.9 -> 11.45 us, o 9.1 -> 8.3 us; gate_up and down keep the generic config (within 0.4 us of their best).
@@ -790,14 +840,17 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
                num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
-               maxnreg=None, rs=None):
+               maxnreg=None, rs=None, rope=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
     kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
     tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
-    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies)."""
+    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies).
+    `rope=(positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)`: W is a qkv
+    projection (q, k, v heads of `head_dim = cos_sin_cache.shape[-1]` columns); the epilogue rotates q and k (neox
+    pairs over the whole head) and writes k and v to their cache slot (`_gemv_put_rope`; one program per head)."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -821,6 +874,12 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     prefetch = cfg['pf'] if prefetch is None else prefetch
     nh = nh or (cfg.get('nh', 1) if variant == '2d' else 1)
     maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
+    if rope is not None:
+        pos, cs, kc, vc, slots, Hq, Hkv = rope
+        D = cs.shape[-1]
+        if act or variant != '2d' or N != (Hq + 2 * Hkv) * D or kc.dtype.itemsize < 2 or kc.stride() != vc.stride():
+            raise ValueError(f"rope: a 2d GEMV of a qkv projection (N = (H + 2 Hkv) * head_dim) over 16-bit caches")
+        bn, nh = D, 2
     if nh == 2 and (variant != '2d' or bn % 2):
         raise ValueError(f"nh=2 needs the 2d kernel and an even block N, got {variant}, bn={bn}")
     if variant == '2d': tpi = min(tpi, 4 if nh == 1 else 2)
@@ -837,9 +896,16 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     rs_ok = bits == 4 and G >= 64 and nh == 2 and tpi == 1 and variant == '2d'
     if rs and not rs_ok: raise ValueError("rs=True needs the 2d kernel, 4 bits, groups >= 64, nh=2 and tpi=1")
     if rs is None: rs = rs_ok and (cfg.get('rs', True) if default else True)
-    kernel, kw = ((_gemv3_kernel, {}) if variant == '3d' else
-                  (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs))))
-    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
+    if variant == '3d':
+        kernel, kw, ra = _gemv3_kernel, {}, ()
+    else:
+        kernel, kw = _gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs), ROPE=rope is not None)
+        if rope is None:
+            ra, kw['PAGE'] = (x, x, 0, out, out, x, 0, 0, 0, 0, 0), 1
+        else:
+            ra, kw['PAGE'] = (pos, cs, cs.stride(0), kc, vc, slots, kc.stride(0), kc.stride(1), kc.stride(2), Hq,
+                              Hkv), kc.shape[1]
+    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE, *ra,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
                              **kw, **({'maxnreg': maxnreg} if maxnreg else {}))
