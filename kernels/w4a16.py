@@ -265,22 +265,29 @@ def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, B
 
 
 @triton.jit
-def _gemv_put_rope(y, y2, out_ptr, rn, col0, pos_ptr, cs_ptr, stride_c, kc_ptr, vc_ptr, slot_ptr, stride_kb,
-                   stride_ko, stride_kh, n_q_heads, n_kv_heads, BNH: tl.constexpr, PAGE: tl.constexpr):
+def _rope_inputs(pos_ptr, cs_ptr, stride_c, slot_ptr, BNH: tl.constexpr):
+    "The token's cos / sin rows (fp32 `[BNH]`) and cache slot for `_gemv_put_rope`, loaded before the K loop."
+    pos = tl.load(pos_ptr).to(tl.int64)
+    i = tl.arange(0, BNH)
+    c = tl.load(cs_ptr + pos * stride_c + i).to(tl.float32)
+    s = tl.load(cs_ptr + pos * stride_c + BNH + i).to(tl.float32)
+    return c, s, tl.load(slot_ptr).to(tl.int64)
+
+
+@triton.jit
+def _gemv_put_rope(y, y2, out_ptr, rn, col0, c, s, slot, kc_ptr, vc_ptr, stride_kb, stride_ko, stride_kh, n_q_heads,
+                   n_kv_heads, BNH: tl.constexpr, PAGE: tl.constexpr):
     """The qkv projection's epilogue for one token (`ROPE`): the program's `2 * BNH` columns are one head (q, k or
-    v), its halves `y`, `y2` the neox rotary pairs. q and k heads are rotated by the position's cos / sin (fp32),
-    all heads are written to the output, and k and v heads also to the paged cache slot (skipped if < 0)."""
+    v), its halves `y`, `y2` the neox rotary pairs. q and k heads are rotated by the position's `c`, `s`
+    (`_rope_inputs`), all heads are written to the output, and k and v heads also to the paged cache `slot`
+    (skipped if < 0)."""
     head = col0 // (2 * BNH)
     i = tl.arange(0, BNH)
     if head < n_q_heads + n_kv_heads:
-        pos = tl.load(pos_ptr).to(tl.int64)
-        c = tl.load(cs_ptr + pos * stride_c + i).to(tl.float32)
-        s = tl.load(cs_ptr + pos * stride_c + BNH + i).to(tl.float32)
         y, y2 = y * c - y2 * s, y2 * c + y * s
     tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty))
     tl.store(out_ptr + rn + BNH, y2.to(out_ptr.dtype.element_ty))
     if head >= n_q_heads:
-        slot = tl.load(slot_ptr).to(tl.int64)
         if slot >= 0:
             kv = head - n_q_heads
             row = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko
@@ -517,6 +524,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
         n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS)
     pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
+    if ROPE:   # the epilogue's inputs now, off its critical path
+        c, s, slot = _rope_inputs(pos_ptr, cs_ptr, stride_c, slot_ptr, BNH)
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
             acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
@@ -534,8 +543,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     if ROPE:
         y, y2, writer = _gemv_sums(acc, acc2, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, BNH, NH, SPLIT)
         if writer:
-            _gemv_put_rope(y, y2, out_ptr, rn, col0, pos_ptr, cs_ptr, stride_c, kc_ptr, vc_ptr, slot_ptr, stride_kb,
-                           stride_ko, stride_kh, n_q_heads, n_kv_heads, BNH, PAGE)
+            _gemv_put_rope(y, y2, out_ptr, rn, col0, c, s, slot, kc_ptr, vc_ptr, stride_kb, stride_ko, stride_kh,
+                           n_q_heads, n_kv_heads, BNH, PAGE)
     else:
         _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
