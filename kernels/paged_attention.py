@@ -23,9 +23,11 @@ flash-attention recurrence, in fp32 and in log2 units (`s = q.k * scale * log2(e
 
 and `out = acc / l`. Decode splits a sequence's keys over `num_splits` programs (flash-decoding); each writes
 its `(m, l, acc)` and a merge kernel computes `out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`,
-`M = max_s m_s`. Grids depend only on `num_tokens`, `num_seqs` and static settings (the split count comes
-from the `max_seq_len` bound); per-sequence lengths are read on the device, so launches can be captured in
-CUDA graphs.
+`M = max_s m_s` (having the last split program merge instead, with a counter per (sequence, KV head), measured
+406 against 194 us per Llama-3-8B batch-1 step on an H200 for attention + merge: its loop over the splits' partials
+is a chain of L2 round trips; 382eec9, reverted). Grids depend only on `num_tokens`, `num_seqs` and static
+settings (the split count comes from the `max_seq_len` bound); per-sequence lengths are read on the device, so
+launches can be captured in CUDA graphs.
 
 FP8 KV cache (`kv_cache_dtype='fp8'`): the caches are `float8_e4m3fn` and every (token, KV head) row carries its
 own fp32 scale in `k_scale` / `v_scale` `[num_blocks, block_size, num_kv_heads]` (contiguous), so slot `s`,

@@ -91,6 +91,19 @@ fc2a60f): 557 -> 502 instructions per 128 weights but 108 registers, 62.2 agains
 (gate_up 31.8 against 28.9 us). Kept: `maxnreg` per config (`GEMV_CONFIGS`), 60.6 -> 58.1 us per layer (g32 83.0
 -> 78.4), batch 1 W4A16 385.6 -> 396.6 tok/s and q4_k 305.3 -> 312.1.
 
+Fields where they lie (`_field_slot`, 4-bit groups >= 64; 978e15f..886260d). The mantissa of `1.0f` has room for a
+nibble at bits 11 .. 19 without losing x's precision, so after one of two shifts per word (`<< 11`, `>> 9`, fields
+3 and 4 in place) every field is one LOP3 away from `1 + q * 2**(b - 23)`; x is scaled by `2**(23 - b)` inside its
+bf16 -> fp32 conversion (one IMAD) and the sums start at `-sum(x * 2**(23 - b))`, so each field adds `x q` and the
+scale applies as stored. With bf16 x every product and partial sum stays exact in fp32. sm_90 loop of the gate_up
+GEMV: 563 -> 473 instructions per 128 weights (SHF 99 -> 33). Row halves (`_gemv_tile_rs`): the K-tile's 16 word
+rows as two `[8, BN/2]` tiles whose rows a thread chains into one sum, so the per-group scale updates and the
+accumulators halve (470 instructions at 80 registers without spills). H200 (`results/h200_gemv_slot_sweep.csv`):
+qkv 8.17 -> 7.64 us, o 6.82 -> 6.81, gate_up 28.86 -> 23.87, down 15.59 -> 14.02: a layer 59.4 -> 52.3 us, and
+Llama-3-8B batch 1 W4A16 396 -> 420.6 tok/s. Not kept: the qkv GEMV writing rotated q/k and the K/V cache slot in
+its epilogue (one launch less per layer; 16ce63d, with the epilogue's inputs loaded before the K loop in 922d431):
+414.4 tok/s against 417.5 without in the same run, the last program's tail costs what the rotary kernel did.
+
 Programmatic dependent launch (`kernels/pdl.py`): the 2d GEMV loads its first iteration's words before
 `griddepcontrol.wait`, so its weight stream starts while the previous kernel finishes; Llama-3-8B batch 1 went from
 334.6 to 360.3 tok/s (W4A16 g128). For groups < 64 (q4_k) it measured 289.0 against 293.8 without, so those launch
@@ -236,67 +249,24 @@ def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH:
 
 
 @triton.jit
-def _gemv_sums(acc, acc2, ws_ptr, cnt_ptr, rn, nmask, nmask2, BNH: tl.constexpr, NH: tl.constexpr,
-               SPLIT: tl.constexpr):
-    """`(y, y2, writer)`: a GEMV program's column sums (rows reduced) and whether it writes them. With SPLIT > 1,
-    both halves go into the workspace with one count per program on `cnt_ptr` (`_split_add`'s barrier covers both
-    adds), and the tile's last program gets the tile's sums."""
-    y = tl.sum(acc, 0)
-    y2 = tl.sum(acc2, 0)
-    writer = True
-    if SPLIT > 1:
-        if NH == 2:
-            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
-        writer = _split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT)
-        if writer:
-            y = _split_take(y, nmask, ws_ptr + rn, cnt_ptr)
-            if NH == 2:
-                y2 = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
-    return y, y2, writer
-
-
-@triton.jit
 def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
               ACT: tl.constexpr, SPLIT: tl.constexpr):
-    "A GEMV program's epilogue: its tile's column sums (`_gemv_sums`), written by `_gemv_put`."
-    y, y2, writer = _gemv_sums(acc, acc2, ws_ptr, cnt_ptr, rn, nmask, nmask2, BNH, NH, SPLIT)
-    if writer:
+    """A GEMV program's epilogue: reduce its accumulators over the rows and write the columns (`_gemv_put`); with
+    SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`_split_add`'s barrier
+    covers both adds) and the tile's last program writes."""
+    y = tl.sum(acc, 0)
+    y2 = tl.sum(acc2, 0)
+    if SPLIT == 1:
         _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
-
-
-@triton.jit
-def _rope_inputs(pos_ptr, cs_ptr, stride_c, slot_ptr, BNH: tl.constexpr):
-    "The token's cos / sin rows (fp32 `[BNH]`) and cache slot for `_gemv_put_rope`, loaded before the K loop."
-    pos = tl.load(pos_ptr).to(tl.int64)
-    i = tl.arange(0, BNH)
-    c = tl.load(cs_ptr + pos * stride_c + i).to(tl.float32)
-    s = tl.load(cs_ptr + pos * stride_c + BNH + i).to(tl.float32)
-    return c, s, tl.load(slot_ptr).to(tl.int64)
-
-
-@triton.jit
-def _gemv_put_rope(y, y2, out_ptr, rn, col0, c, s, slot, kc_ptr, vc_ptr, stride_kb, stride_ko, stride_kh, n_q_heads,
-                   n_kv_heads, BNH: tl.constexpr, PAGE: tl.constexpr):
-    """The qkv projection's epilogue for one token (`ROPE`): the program's `2 * BNH` columns are one head (q, k or
-    v), its halves `y`, `y2` the neox rotary pairs. q and k heads are rotated by the position's `c`, `s`
-    (`_rope_inputs`), all heads are written to the output, and k and v heads also to the paged cache `slot`
-    (skipped if < 0)."""
-    head = col0 // (2 * BNH)
-    i = tl.arange(0, BNH)
-    if head < n_q_heads + n_kv_heads:
-        y, y2 = y * c - y2 * s, y2 * c + y * s
-    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty))
-    tl.store(out_ptr + rn + BNH, y2.to(out_ptr.dtype.element_ty))
-    if head >= n_q_heads:
-        if slot >= 0:
-            kv = head - n_q_heads
-            row = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko
-            if kv < n_kv_heads:
-                p = kc_ptr + row + kv * stride_kh
-            else:
-                p = vc_ptr + row + (kv - n_kv_heads) * stride_kh
-            tl.store(p + i, y.to(kc_ptr.dtype.element_ty))
-            tl.store(p + BNH + i, y2.to(kc_ptr.dtype.element_ty))
+    else:
+        if NH == 2:
+            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
+        if _split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT):
+            ya = _split_take(y, nmask, ws_ptr + rn, cnt_ptr)
+            yb = ya
+            if NH == 2:
+                yb = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
+            _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
 
 
 @triton.jit
@@ -488,23 +458,18 @@ def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nma
 
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
-                 pos_ptr, cs_ptr, stride_c, kc_ptr, vc_ptr, slot_ptr, stride_kb, stride_ko, stride_kh, n_q_heads, n_kv_heads,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr, ROPE: tl.constexpr,
-                 PAGE: tl.constexpr):
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
     next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
     With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
-    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`). ROPE (NH = 2, BN = head
-    dim): the qkv projection of one token with rotary and the K/V cache write in the epilogue (`_gemv_put_rope`;
-    `pos_ptr` .. `n_kv_heads` are its arguments, unused otherwise)."""
+    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
     tl.static_assert(not RS or (BITS == 4 and G >= 64 and NH == 2 and TPI == 1))
-    tl.static_assert(not ROPE or (NH == 2 and not ACT and EVEN_N))
     C: tl.constexpr = 4 * BITS
     CR: tl.constexpr = C // (1 + RS)   # word rows per tile
     BNH: tl.constexpr = BN // NH
@@ -524,8 +489,6 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
         n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS)
     pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
-    if ROPE:   # the epilogue's inputs now, off its critical path
-        c, s, slot = _rope_inputs(pos_ptr, cs_ptr, stride_c, slot_ptr, BNH)
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
             acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
@@ -540,13 +503,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
             w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS)
         acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                                BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS)
-    if ROPE:
-        y, y2, writer = _gemv_sums(acc, acc2, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, BNH, NH, SPLIT)
-        if writer:
-            _gemv_put_rope(y, y2, out_ptr, rn, col0, c, s, slot, kc_ptr, vc_ptr, stride_kb, stride_ko, stride_kh,
-                           n_q_heads, n_kv_heads, BNH, PAGE)
-    else:
-        _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
+    _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
 @triton.jit
@@ -849,17 +806,14 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
                num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
-               maxnreg=None, rs=None, rope=None):
+               maxnreg=None, rs=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
     kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
     tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
-    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies).
-    `rope=(positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)`: W is a qkv
-    projection (q, k, v heads of `head_dim = cos_sin_cache.shape[-1]` columns); the epilogue rotates q and k (neox
-    pairs over the whole head) and writes k and v to their cache slot (`_gemv_put_rope`; one program per head)."""
+    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies)."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -883,12 +837,6 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     prefetch = cfg['pf'] if prefetch is None else prefetch
     nh = nh or (cfg.get('nh', 1) if variant == '2d' else 1)
     maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
-    if rope is not None:
-        pos, cs, kc, vc, slots, Hq, Hkv = rope
-        D = cs.shape[-1]
-        if act or variant != '2d' or N != (Hq + 2 * Hkv) * D or kc.dtype.itemsize < 2 or kc.stride() != vc.stride():
-            raise ValueError(f"rope: a 2d GEMV of a qkv projection (N = (H + 2 Hkv) * head_dim) over 16-bit caches")
-        bn, nh = D, 2
     if nh == 2 and (variant != '2d' or bn % 2):
         raise ValueError(f"nh=2 needs the 2d kernel and an even block N, got {variant}, bn={bn}")
     if variant == '2d': tpi = min(tpi, 4 if nh == 1 else 2)
@@ -905,16 +853,9 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     rs_ok = bits == 4 and G >= 64 and nh == 2 and tpi == 1 and variant == '2d'
     if rs and not rs_ok: raise ValueError("rs=True needs the 2d kernel, 4 bits, groups >= 64, nh=2 and tpi=1")
     if rs is None: rs = rs_ok and (cfg.get('rs', True) if default else True)
-    if variant == '3d':
-        kernel, kw, ra = _gemv3_kernel, {}, ()
-    else:
-        kernel, kw = _gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs), ROPE=rope is not None)
-        if rope is None:
-            ra, kw['PAGE'] = (x, x, 0, out, out, x, 0, 0, 0, 0, 0), 1
-        else:
-            ra, kw['PAGE'] = (pos, cs, cs.stride(0), kc, vc, slots, kc.stride(0), kc.stride(1), kc.stride(2), Hq,
-                              Hkv), kc.shape[1]
-    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE, *ra,
+    kernel, kw = ((_gemv3_kernel, {}) if variant == '3d' else
+                  (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs))))
+    kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
                              **kw, **({'maxnreg': maxnreg} if maxnreg else {}))

@@ -101,50 +101,6 @@ def test_w4a16_cpu(bits, group, sym):
     assert _ws_clean()
 
 
-def _rope_case(H, Hkv, D, K, group, bits, device, seed, dtype=torch.float32):
-    "A qkv projection, a cos/sin cache (neox, theta 10000) and empty K/V caches of 4-slot pages."
-    args = _packed((H + 2 * Hkv) * D, K, bits, group, True, seed, device)
-    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device) / D)
-    f = torch.outer(torch.arange(64, device=device).float(), inv)
-    cs = torch.cat([f.cos(), f.sin()], -1)
-    kc = torch.zeros(8, 4, Hkv, D, dtype=dtype, device=device)
-    return args, cs, kc, torch.zeros_like(kc)
-
-
-def _check_rope(args, cs, kc, vc, H, Hkv, D, x, pos, slot, tol, **kw):
-    "The fused qkv GEMV (rotary + cache write in the epilogue) against the GEMV reference + `rotary_and_cache_ref`."
-    from cvllm_lab.kernels.paged_attention import rotary_and_cache_ref
-    dev = x.device
-    p, sl = torch.tensor([pos], device=dev), torch.tensor([slot], device=dev)
-    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    y = w4a16_gemv(x, *args, rope=(p, cs, kc1, vc1, sl, H, Hkv), **kw)
-    q, k, v = w4a16_matmul_ref(x.float(), *args).split([H * D, Hkv * D, Hkv * D], -1)
-    qr = rotary_and_cache_ref(q.reshape(1, H, D).clone(), k.reshape(1, Hkv, D), v.reshape(1, Hkv, D), p, cs, D, True,
-                              kc2, vc2, sl)
-    kr = rotary_and_cache_ref(k.reshape(1, Hkv, D).clone(), k.reshape(1, Hkv, D), v.reshape(1, Hkv, D), p, cs, D, True,
-                              kc.clone(), vc.clone(), sl)   # k rotated like a q head
-    assert _rel(y, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], -1)) < tol
-    if slot < 0:
-        assert not kc1.any() and not vc1.any()
-    else:
-        assert _rel(kc1, kc2) < 2 * tol and _rel(vc1, vc2) < 2 * tol and kc1.any() and vc1.any()
-
-
-@interp
-@pytest.mark.parametrize('group', [128, 32])
-def test_w4a16_gemv_rope_cache_cpu(group):
-    """The qkv GEMV with rotary and the K/V cache write in its epilogue (`rope=`): q and k leave rotated (the model
-    reads q from the output), k and v go to the cache slot (none for slot -1); with and without split-K."""
-    H, Hkv, D = 4, 2, 16
-    args, cs, kc, vc = _rope_case(H, Hkv, D, 256, group, 4, 'cpu', 11)
-    x = torch.randn(1, 256)
-    for pos, slot, split in ((37, 5, 2), (3, 30, 1), (9, -1, 2)):
-        _check_rope(args, cs, kc, vc, H, Hkv, D, x, pos, slot, _gemv_tol(4, group), split_k=split, tpi=1)
-    with pytest.raises(ValueError):   # not a qkv shape for these heads
-        w4a16_gemv(x, *args, rope=(torch.tensor([0]), cs, kc, vc, torch.tensor([0]), H + 1, Hkv))
-    assert _ws_clean()
-
-
 @interp
 @pytest.mark.parametrize('group,sym', [(128, True), (128, False), (-1, False)], ids=['g128-sym', 'g128-asym', 'per-channel'])
 def test_w4a16_tc_cpu(group, sym):
@@ -333,38 +289,3 @@ def test_fuse_mlp_act_cuda():
                      [lp.logprob for st in b.outputs[0].logprobs for lp in st.values()]
             assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4], method
             assert max(abs(x - y) for x, y in zip(la[:4], lb[:4])) < 0.05, method
-
-
-@cuda
-@pytest.mark.cuda
-def test_qkv_rope_epilogue_cuda(monkeypatch):
-    """The qkv GEMV with rotary + cache write in its epilogue at the Llama-3-8B shape (g128, g32), and a quantized
-    Llama decoding one sequence through it (CUDA graphs) against the same model with the epilogue switched off."""
-    import tempfile
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from cvllm_lab import LLM, SamplingParams
-    H, Hkv, D = 32, 8, 128
-    for group in (128, 32):
-        args, cs, kc, vc = _rope_case(H, Hkv, D, 4096, group, 4, 'cuda', 5, torch.bfloat16)
-        x = torch.randn(1, 4096, device='cuda', dtype=torch.bfloat16)
-        _check_rope(args, cs.cuda(), kc, vc, H, Hkv, D, x, 41, 13, 1e-2)
-    d = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=2, architectures=['LlamaForCausalLM'])).save_pretrained(d)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    calls = []
-    orig = W4A16Linear.forward_rope
-    monkeypatch.setattr(W4A16Linear, 'forward_rope', lambda self, x, rope: calls.append(1) or orig(self, x, rope))
-    for method in ('marlin', 'q4k'):
-        outs = []
-        for fused in (True, False):
-            if not fused: monkeypatch.setattr(W4A16Linear, 'forward_rope', lambda self, x, rope: None)
-            llm = LLM(d, progress=False, device='cuda', dtype='bfloat16', skip_tokenizer_init=True, quantization=method,
-                      kv_cache_memory=64 << 20)
-            outs.append(llm.generate([{'prompt_token_ids': list(range(3, 43))}], sp, use_tqdm=False)[0].outputs[0])
-        assert calls, method   # the fused path ran (graph capture and decode steps)
-        la, lb = ([lp.logprob for st in o.logprobs for lp in st.values()] for o in outs)
-        assert outs[0].token_ids[:6] == outs[1].token_ids[:6], method
-        assert max(abs(x - y) for x, y in zip(la[:6], lb[:6])) < 0.05, method
-        monkeypatch.setattr(W4A16Linear, 'forward_rope', lambda self, x, rope: calls.append(1) or orig(self, x, rope))

@@ -36,19 +36,9 @@ class Attention(nn.Module):
         self.backend = name
         self._cache_fn, self._attn_fn = get_attention_backend(name)
 
-    def rope_cache_args(self, positions, rotary):
-        """What a qkv projection needs to rotate q, k and write this step's K/V itself (`W4A16Linear.forward_rope`):
-        `(positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)`, or None where this
-        layer can't hand that over (torch backend, FP8 cache, rotary over part of the head or not neox)."""
-        if (self.backend != 'triton' or self.kv_cache is None or self.kv_scale is not None or rotary is None
-                or not rotary.is_neox or rotary.cos_sin_cache.shape[-1] != self.head_dim): return None
-        return (positions, rotary.cos_sin_cache, self.kv_cache[0], self.kv_cache[1], get_forward_context().slot_mapping,
-                self.num_heads, self.num_kv_heads)
-
-    def forward(self, q, k, v, positions=None, rotary=None, cached: bool = False):
+    def forward(self, q, k, v, positions=None, rotary=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
-        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two).
-        `cached`: q is rotated and this step's K/V are in the cache already (`rope_cache_args`)."""
+        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two)."""
         ctx = get_forward_context()
         T = q.shape[0]
         if rotary is not None and self.backend != 'triton':
@@ -58,8 +48,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kc, vc = self.kv_cache[0], self.kv_cache[1]
         ks, vs = (None, None) if self.kv_scale is None else (self.kv_scale[0], self.kv_scale[1])
-        if cached: pass
-        elif rotary is None: self._cache_fn(k, v, kc, vc, ctx.slot_mapping, ks, vs)
+        if rotary is None: self._cache_fn(k, v, kc, vc, ctx.slot_mapping, ks, vs)
         else:
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
             rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,

@@ -35,12 +35,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, h):
         T = h.shape[0]
-        sizes = [self.H * self.D, self.Hkv * self.D, self.Hkv * self.D]
-        if T == 1 and self.q_norm is None and hasattr(self.qkv_proj, 'forward_rope'):   # decode of one token:
-            rope = self.attn.rope_cache_args(positions, self.rotary_emb)                # rotary + cache write in
-            qkv = None if rope is None else self.qkv_proj.forward_rope(h, rope)         # the projection's epilogue
-            if qkv is not None: return self.o_proj(self.attn(*qkv.split(sizes, -1), cached=True))
-        q, k, v = self.qkv_proj(h).split(sizes, -1)
+        q, k, v = self.qkv_proj(h).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)

@@ -462,10 +462,6 @@ class GGUFLinear(QuantLinear):
         if self.packed is not None: return self.packed.dequantize(dtype)
         return dequantize(self.qweight, self.qtype, (self.output_size, self.input_size), dtype=dtype)
 
-    def forward_rope(self, x, rope):
-        "`W4A16Linear.forward_rope` of the packed layout (q4_k, q4_0, ... repacks); None where it doesn't apply."
-        return None if self.packed is None or self.bias is not None else self.packed.forward_rope(x, rope)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None: return self._add_bias(self.packed(x))
         if x.is_cuda:

@@ -210,15 +210,6 @@ class W4A16Linear(QuantLinear):
         from cvllm_lab.kernels.activation import silu_and_mul_ref
         return silu_and_mul_ref(y, interleaved=True)
 
-    def forward_rope(self, x, rope):
-        """A qkv projection of one token with rotary and the K/V cache write in the GEMV's epilogue (`rope`: from
-        `Attention.rope_cache_args`); None where it doesn't apply (CPU, bias, fused activation, not 4-bit)."""
-        if not x.is_cuda or x.numel() != self.input_size or self.bias is not None or self.act is not None or self.bits != 4:
-            return None
-        from cvllm_lab.kernels.w4a16 import w4a16_gemv
-        return w4a16_gemv(x.reshape(1, -1), self.qweight, self.scales, self.offsets, self.bits, self.group,
-                          self.output_size, self.input_size, rope=rope)
-
     def extra_repr(self):
         return (f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, "
                 f"bias={self.bias is not None}" + (f", act={self.act}" if self.act else ""))
