@@ -193,6 +193,17 @@ def _x_unslot(xq, J: tl.constexpr):
 
 
 @triton.jit
+def _x_start(xq, J: tl.constexpr, SYM: tl.constexpr):
+    """A field's share of the `_field_slot` sums' start: `x * 2**E` (its `1`), plus `8 x` for symmetric layers
+    (offset = -8 scale: `sum x (q - 8)` then needs neither `sum x` nor the offsets)."""
+    E: tl.constexpr = 23 - (4 * J + 11 * (J < 3) - 9 * (J > 4))
+    if SYM:
+        return xq * (1.0 + 8.0 / (1 << E))
+    else:
+        return xq
+
+
+@triton.jit
 def _split_add(y, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
     """Split-K without extra launches: add the fp32 tile `y` into the workspace at `wsp` and count this program on
     the counter at `cnt_ptr`; True for the last of the SPLIT programs of the tile, which then calls `_split_take`."""
@@ -297,10 +308,11 @@ def _gemv_x(xb, kb, rc, K, J: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexp
 @triton.jit
 def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
                BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr):
+               NH: tl.constexpr, BNH: tl.constexpr, SYM: tl.constexpr = False):
     """acc[C, BNH] += the products of one K-tile: `words` [C, BNH], x at `xb` (+ field offsets), scale rows from
     `sp`; with NH = 2 also acc2 for `words2`, the columns BNH further on, with the same x values (each thread holds
-    the same rows of both, so one x load and conversion serves 8 columns instead of 4)."""
+    the same rows of both, so one x load and conversion serves 8 columns instead of 4). SYM (4-bit, groups >= 64):
+    offsets are -8 scale, folded into the sums' start (`_x_start`)."""
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
     JPG: tl.constexpr = GW // C                # bit fields per scale group
@@ -316,11 +328,13 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
             for jj in tl.static_range(JPG):
                 xq = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K), gi * JPG + jj)
                 if jj == 0:
-                    xs = _x_unslot(xq, gi * JPG + jj)
-                    xsp = xq
+                    if not SYM:
+                        xs = _x_unslot(xq, gi * JPG + jj)
+                    xsp = _x_start(xq, gi * JPG + jj, SYM)
                 else:
-                    xs += _x_unslot(xq, gi * JPG + jj)
-                    xsp += xq
+                    if not SYM:
+                        xs += _x_unslot(xq, gi * JPG + jj)
+                    xsp += _x_start(xq, gi * JPG + jj, SYM)
             tf = tl.zeros_like(acc) - xsp[:, None]
             tf2 = tf
             for jj in tl.static_range(JPG):
@@ -351,16 +365,19 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
                         xs += xj
         if JPG > 2:
             acc += tf * s[None, :]       # two separate updates: two FFMAs, not FMUL + FFMA + FADD
-            acc += xs[:, None] * o[None, :]
+            if not (SLOT and SYM):
+                acc += xs[:, None] * o[None, :]
             if NH == 2:
                 acc2 += tf2 * s2[None, :]
-                acc2 += xs[:, None] * o2[None, :]
+                if not (SLOT and SYM):
+                    acc2 += xs[:, None] * o2[None, :]
     return acc, acc2
 
 
 @triton.jit
 def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
-                  G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BNH: tl.constexpr):
+                  G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BNH: tl.constexpr,
+                  SYM: tl.constexpr):
     """`_gemv_tile` for 4-bit groups >= 64 with NH = 2, the K-tile's 16 word rows as two `[8, BNH]` halves (`wa`:
     rows 0-7, `wb`: 8-15; `wa2`, `wb2` the columns BNH further on): a thread holds one row of each half and chains
     both into one `[8, BNH]` sum per column tile, so the per-group scale updates and the accumulators are half
@@ -376,11 +393,13 @@ def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nma
             xa = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
             xc = _x_slot(_gemv_x(xb + 8, kb + 8, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
             if jj == 0:
-                xsp = xa + xc
-                xs = _x_unslot(xa, gi * JPG + jj) + _x_unslot(xc, gi * JPG + jj)
+                xsp = _x_start(xa, gi * JPG + jj, SYM) + _x_start(xc, gi * JPG + jj, SYM)
+                if not SYM:
+                    xs = _x_unslot(xa, gi * JPG + jj) + _x_unslot(xc, gi * JPG + jj)
             else:
-                xsp += xa + xc
-                xs += _x_unslot(xa, gi * JPG + jj) + _x_unslot(xc, gi * JPG + jj)
+                xsp += _x_start(xa, gi * JPG + jj, SYM) + _x_start(xc, gi * JPG + jj, SYM)
+                if not SYM:
+                    xs += _x_unslot(xa, gi * JPG + jj) + _x_unslot(xc, gi * JPG + jj)
         tf = tl.zeros_like(acc) - xsp[:, None]
         tf2 = tf
         for jj in tl.static_range(JPG):
@@ -391,9 +410,10 @@ def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nma
             tf2 += _field_slot(wa2, gi * JPG + jj, ONE) * xa[:, None]
             tf2 += _field_slot(wb2, gi * JPG + jj, ONE) * xc[:, None]
         acc += tf * s[None, :]
-        acc += xs[:, None] * o[None, :]
         acc2 += tf2 * s2[None, :]
-        acc2 += xs[:, None] * o2[None, :]
+        if not SYM:
+            acc += xs[:, None] * o[None, :]
+            acc2 += xs[:, None] * o2[None, :]
     return acc, acc2
 
 
@@ -431,28 +451,28 @@ def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH:
 @triton.jit
 def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr, RS: tl.constexpr = False):
+               NH: tl.constexpr, BNH: tl.constexpr, RS: tl.constexpr = False, SYM: tl.constexpr = False):
     "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
     if RS:
         acc, acc2 = _gemv_tile_rs(acc, acc2, w0, w1, w2, w3, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                  nmask2, t * 128, K, ONE, G, EVEN_K, EVEN_N, BNH)
+                                  nmask2, t * 128, K, ONE, G, EVEN_K, EVEN_N, BNH, SYM)
     elif NH == 1:
         acc, acc2 = _gemv_tile(acc, acc2, w0, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
         if TPI > 1:
             acc, acc2 = _gemv_tile(acc, acc2, w1, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
         if TPI > 2:
             acc, acc2 = _gemv_tile(acc, acc2, w2, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 2) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+                                   nmask2, (t + 2) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
             acc, acc2 = _gemv_tile(acc, acc2, w3, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 3) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+                                   nmask2, (t + 3) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
     else:
         acc, acc2 = _gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
         if TPI > 1:
             acc, acc2 = _gemv_tile(acc, acc2, w2, w3, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH)
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
     return acc, acc2
 
 
@@ -460,16 +480,18 @@ def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nma
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr):
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr, SYM: tl.constexpr):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
     next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
     With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
-    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`)."""
+    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`). SYM (4-bit, groups >= 64):
+    the offsets are -8 scale and are not read (`_x_start`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
     tl.static_assert(not RS or (BITS == 4 and G >= 64 and NH == 2 and TPI == 1))
+    tl.static_assert(not SYM or (BITS == 4 and G >= 64))
     C: tl.constexpr = 4 * BITS
     CR: tl.constexpr = C // (1 + RS)   # word rows per tile
     BNH: tl.constexpr = BN // NH
@@ -492,7 +514,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     if PDL:
         if not PF:   # peel the first iteration: its words are in flight already
             acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS)
+                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
             ts = t0 + TPI
     for t in range(ts, t0 + TPS, TPI):
         if PF:
@@ -502,7 +524,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
         else:
             w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS)
         acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS)
+                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
     _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
@@ -806,14 +828,16 @@ def _split_for(cfg, tiles, progs, multiple, device):
 
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
                num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
-               maxnreg=None, rs=None):
+               maxnreg=None, rs=None, sym=False):
     """`x` `[1, K]` @ W.T -> `[1, N]` with a GEMV kernel (`variant` '2d': `_gemv_kernel`, '3d': `_gemv3_kernel`,
     'dot': the tensor-core kernel with x padded to 16 rows). `split_k` programs per column block share the K-tiles
     and meet in the self-zeroing workspace. `pdl`: programmatic dependent launch (default: `pdl_on`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[1, N / 2]` (in the '2d'
     kernel's epilogue, else by `silu_and_mul`). `nh=2`: the 2d kernel's program holds its `bn` columns as two
     tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
-    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies)."""
+    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies).
+    `sym`: the caller vouches that `offsets == -8 * scales` (symmetric 4-bit); used where the kernel takes the fields
+    in place (4-bit, groups >= 64), which then reads no offsets."""
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -854,7 +878,8 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     if rs and not rs_ok: raise ValueError("rs=True needs the 2d kernel, 4 bits, groups >= 64, nh=2 and tpi=1")
     if rs is None: rs = rs_ok and (cfg.get('rs', True) if default else True)
     kernel, kw = ((_gemv3_kernel, {}) if variant == '3d' else
-                  (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs))))
+                  (_gemv_kernel, dict(pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs),
+                                      SYM=bool(sym) and bits == 4 and G >= 64)))
     kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, _ONE,
                              BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
                              SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
@@ -964,16 +989,17 @@ def w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=torch.fl
 MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
 
-def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None):
+def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=False):
     """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (1: GEMV; up to
     `MM_MAX_M`: the tensor-core kernel where `tc_supported`, else the per-field `tl.dot` kernel; more: dequantize +
     cuBLAS).
-    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1."""
+    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1.
+    `sym`: `offsets == -8 * scales` (4-bit symmetric; the GEMV then skips the offsets, `w4a16_gemv`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0: return x.new_empty(*lead, N // 2 if act else N)
-    if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act).reshape(*lead, -1)
+    if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
     if M <= MM_MAX_M and tc_supported(x2, bits, group, K): y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K)
     elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:

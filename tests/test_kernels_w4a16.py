@@ -81,9 +81,14 @@ def test_w4a16_cpu(bits, group, sym):
                             y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
                             assert _rel(y, ref) < tol, (tpi, split, pf, pdl)
     assert _rel(w4a16_gemv(x, *args, maxnreg=64), ref) < tol     # a register cap (the GPU configs' `maxnreg`)
-    if bits == 4 and (group >= 64 or group == -1):                # row halves chained into one sum, and without
-        for rs in (True, False):
-            assert _rel(w4a16_gemv(x, *args, tpi=1, split_k=2, bn=16, nh=2, rs=rs), ref) < tol, rs
+    if bits == 4 and (group >= 64 or group == -1):                # row halves chained into one sum, and without;
+        for rs in (True, False):                                    # symmetric: offsets (-8 scale) not read
+            for sy in ((False, True) if sym else (False,)):
+                assert _rel(w4a16_gemv(x, *args, tpi=1, split_k=2, bn=16, nh=2, rs=rs, sym=sy), ref) < tol, (rs, sy)
+        if sym:
+            assert _rel(w4a16_gemv(x, *args, tpi=2, bn=16, sym=True), ref) < tol
+        else:   # the flag is the caller's promise: on asymmetric weights it must change the result
+            assert _rel(w4a16_gemv(x, *args, tpi=2, bn=16, sym=True), ref) > 1e-2
     else:
         with pytest.raises(ValueError): w4a16_gemv(x, *args, tpi=1, bn=16, nh=2, rs=True)
     for M in (5, 17):                                           # 17: two M-blocks, each with its own counters

@@ -204,11 +204,18 @@ class W4A16Linear(QuantLinear):
         if x.is_cuda:
             from cvllm_lab.kernels.w4a16 import w4a16_matmul
             return self._add_bias(w4a16_matmul(x, self.qweight, self.scales, self.offsets, self.bits, self.group,
-                                               self.output_size, self.input_size, act=self.act))
+                                               self.output_size, self.input_size, act=self.act, sym=self.is_sym()))
         y = super().forward(x)
         if self.act is None: return y
         from cvllm_lab.kernels.activation import silu_and_mul_ref
         return silu_and_mul_ref(y, interleaved=True)
+
+    def is_sym(self) -> bool:
+        """Whether the offsets are `-8 * scales` (4-bit symmetric: GPTQ sym, `--isq marlin`), checked on the first
+        call (a device sync, before CUDA graphs are captured); the GEMV then reads no offsets."""
+        if getattr(self, '_sym', None) is None:
+            self._sym = self.bits == 4 and torch.equal(self.offsets, -8 * self.scales)
+        return self._sym
 
     def extra_repr(self):
         return (f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, "
