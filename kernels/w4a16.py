@@ -100,7 +100,10 @@ GEMV: 563 -> 473 instructions per 128 weights (SHF 99 -> 33). Row halves (`_gemv
 rows as two `[8, BN/2]` tiles whose rows a thread chains into one sum, so the per-group scale updates and the
 accumulators halve (470 instructions at 80 registers without spills). H200 (`results/h200_gemv_slot_sweep.csv`):
 qkv 8.17 -> 7.64 us, o 6.82 -> 6.81, gate_up 28.86 -> 23.87, down 15.59 -> 14.02: a layer 59.4 -> 52.3 us, and
-Llama-3-8B batch 1 W4A16 396 -> 420.6 tok/s. Not kept: the qkv GEMV writing rotated q/k and the K/V cache slot in
+Llama-3-8B batch 1 W4A16 396 -> 420.6 tok/s. Symmetric layers (offsets = -8 scale, GPTQ sym and RTN: `sym`,
+`W4A16Linear.is_sym`) start the sums at `-sum(x (2**E + 8))` instead, so `sum x` and the offsets drop out of the
+loop (gate_up loop 461 -> 442 instructions, qkv 918 -> 833, o 566 -> 472 with fewer spills): batch 1 420 ->
+442.3 tok/s (abed949, `results/h200_decode_bs1_experiments.csv`). Not kept: the qkv GEMV writing rotated q/k and the K/V cache slot in
 its epilogue (one launch less per layer; 16ce63d, with the epilogue's inputs loaded before the K loop in 922d431):
 414.4 tok/s against 417.5 without in the same run, the last program's tail costs what the rotary kernel did.
 
