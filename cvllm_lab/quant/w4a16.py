@@ -217,6 +217,10 @@ class W4A16Linear(QuantLinear):
             self._sym = self.bits == 4 and torch.equal(self.offsets, -8 * self.scales)
         return self._sym
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._sym = None   # new offsets: check again
+        return super()._load_from_state_dict(*args, **kwargs)
+
     def extra_repr(self):
         return (f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, "
                 f"bias={self.bias is not None}" + (f", act={self.act}" if self.act else ""))
