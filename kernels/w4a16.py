@@ -309,6 +309,12 @@ def _gemv_x(xb, kb, rc, K, J: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
+def _x_field(xb, kb, rc, K, J: tl.constexpr, EVEN_K: tl.constexpr):
+    "4-bit field `J`'s x values of a K-tile (`_gemv_x`), scaled for `_field_slot` (`_x_slot`)."
+    return _x_slot(_gemv_x(xb, kb, rc, K, J, 16, EVEN_K), J)
+
+
+@triton.jit
 def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
                BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                NH: tl.constexpr, BNH: tl.constexpr, SYM: tl.constexpr = False):
@@ -329,7 +335,7 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
             s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N, SLOT)
         if SLOT:   # x sums first (the loads below are the same, CSE'd): xs = sum x, xsp = sum x * 2**E
             for jj in tl.static_range(JPG):
-                xq = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K), gi * JPG + jj)
+                xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
                 if jj == 0:
                     if not SYM:
                         xs = _x_unslot(xq, gi * JPG + jj)
@@ -341,7 +347,7 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
             tf = tl.zeros_like(acc) - xsp[:, None]
             tf2 = tf
             for jj in tl.static_range(JPG):
-                xq = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K), gi * JPG + jj)
+                xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
                 tf += _field_slot(words, gi * JPG + jj, ONE) * xq[:, None]
                 if NH == 2:
                     tf2 += _field_slot(words2, gi * JPG + jj, ONE) * xq[:, None]
@@ -393,8 +399,8 @@ def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nma
         s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, 4, EVEN_N, True)
         s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, 4, EVEN_N, True)
         for jj in tl.static_range(JPG):   # x sums first (the loads below are the same, CSE'd)
-            xa = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
-            xc = _x_slot(_gemv_x(xb + 8, kb + 8, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
+            xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
+            xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
             if jj == 0:
                 xsp = _x_start(xa, gi * JPG + jj, SYM) + _x_start(xc, gi * JPG + jj, SYM)
                 if not SYM:
@@ -406,8 +412,8 @@ def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nma
         tf = tl.zeros_like(acc) - xsp[:, None]
         tf2 = tf
         for jj in tl.static_range(JPG):
-            xa = _x_slot(_gemv_x(xb, kb, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
-            xc = _x_slot(_gemv_x(xb + 8, kb + 8, rc, K, gi * JPG + jj, 16, EVEN_K), gi * JPG + jj)
+            xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
+            xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
             tf += _field_slot(wa, gi * JPG + jj, ONE) * xa[:, None]
             tf += _field_slot(wb, gi * JPG + jj, ONE) * xc[:, None]
             tf2 += _field_slot(wa2, gi * JPG + jj, ONE) * xa[:, None]

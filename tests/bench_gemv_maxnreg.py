@@ -4,10 +4,8 @@ holds the H200 runs behind the `maxnreg` entries of `GEMV_CONFIGS`)."""
 import json, os, sys, runpy, subprocess
 sys.path.insert(0, 'tests')
 import torch
-from bench_quant import time_fn
+from bench_quant import L3_8B as SHAPES, gemv_case, time_fn
 from cvllm_lab.kernels import w4a16 as KW
-from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
-SHAPES = {'qkv': (6144, 4096), 'o': (4096, 4096), 'gate_up': (28672, 4096), 'down': (4096, 14336)}
 REGS = {'qkv': (None, 144, 152, 160, 176, 192), 'o': (None, 56, 60, 64, 68, 72, 80), 'gate_up': (None, 80, 88, 96, 104, 112),
         'down': (None, 80, 88, 96, 104, 112)}
 OUT = os.environ.get('OUT', '/tmp')
@@ -15,13 +13,7 @@ torch.manual_seed(0)
 rows, best = [], {}
 for g, sym in ((128, True), (32, False)):
     for name, (N, K) in SHAPES.items():
-        m = W4A16Linear.from_float(torch.randn(N, K, device='cuda') * 0.02, g, 4, sym=sym)
-        p = (m.qweight, m.scales, m.offsets)
-        x = torch.randn(1, K, device='cuda', dtype=torch.bfloat16)
-        r = x.float() @ dequantize_packed_ref(*p, 4, g, N, K).T
-        nb = sum(t.numel() * t.element_size() for t in p)
-        args = lambda i: (torch.randn(1, K, device='cuda', dtype=torch.bfloat16),) + tuple(t.clone() for t in p)
-        act = 'silu_and_mul' if name == 'gate_up' else None
+        p, x, r, nb, args, act = gemv_case(name, N, K, g, sym)
         for reg in REGS[name] + ((48, 56, 64, 72, 96, 128) if g == 32 else ()):
             y = KW.w4a16_gemv(x, *p, 4, g, N, K, maxnreg=reg, out_dtype=torch.float32)
             assert ((y - r).norm() / r.norm()).item() < 1e-5, (name, reg)

@@ -8,11 +8,9 @@ import importlib.util, os, sys
 sys.path.insert(0, 'tests')
 import pandas as pd
 import torch
-from bench_quant import time_fn
+from bench_quant import L3_8B as SHAPES, gemv_case, time_fn
 from cvllm_lab.kernels import w4a16 as KW
-from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
 
-SHAPES = {'qkv': (6144, 4096), 'o': (4096, 4096), 'gate_up': (28672, 4096), 'down': (4096, 14336)}
 # (rs, tpi, maxnreg) per shape; rs: row halves (`_gemv_tile_rs`, tpi 1 only)
 VARIANTS = {'qkv': [(False, 2, None), (False, 2, 168), (True, 1, 72), (True, 1, 80), (True, 1, 96)],
             'o': [(False, 1, 64), (True, 1, 64), (True, 1, 72), (True, 1, 80)],
@@ -24,13 +22,7 @@ OLD = importlib.util.module_from_spec(spec); spec.loader.exec_module(OLD)
 torch.manual_seed(0)
 rows = []
 for name, (N, K) in SHAPES.items():
-    m = W4A16Linear.from_float(torch.randn(N, K, device='cuda') * 0.02, 128, 4, sym=True)
-    p = (m.qweight, m.scales, m.offsets)
-    x = torch.randn(1, K, device='cuda', dtype=torch.bfloat16)
-    r = x.float() @ dequantize_packed_ref(*p, 4, 128, N, K).T
-    nb = sum(t.numel() * t.element_size() for t in p)
-    args = lambda i: (torch.randn(1, K, device='cuda', dtype=torch.bfloat16),) + tuple(t.clone() for t in p)
-    act = 'silu_and_mul' if name == 'gate_up' else None
+    p, x, r, nb, args, act = gemv_case(name, N, K)
     cfg = OLD.GEMV_CONFIGS[(N, K, 4)]
     runs = [('before', OLD, dict(maxnreg=cfg.get('maxnreg')))] + [
         ('slot', KW, dict(rs=rs, tpi=tpi, bn=128, nh=2, split_k=cfg['split'], prefetch=cfg['pf'], maxnreg=reg))

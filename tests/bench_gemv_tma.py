@@ -4,11 +4,10 @@ holds the H200 run (slower on every shape: not used by the library)."""
 import itertools, json, os, sys, time
 sys.path.insert(0, 'tests')
 import torch
-from bench_quant import time_fn
+from bench_quant import L3_8B as SHAPES, gemv_case, time_fn
 from cvllm_lab.kernels import w4a16 as KW
-from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
+from cvllm_lab.quant.w4a16 import W4A16Linear
 from gemv_tma_proto import gemv_tma
-SHAPES = {'qkv': (6144, 4096), 'o': (4096, 4096), 'gate_up': (28672, 4096), 'down': (4096, 14336)}
 OUT = os.environ.get('OUT', '/tmp')
 def cfgs(N, K):
     out = []
@@ -38,13 +37,7 @@ def main():
     torch.manual_seed(0)
     rows, tot = [], {'default': 0, 'tma_best': 0}
     for name, (N, K) in SHAPES.items():
-        m = W4A16Linear.from_float(torch.randn(N, K, device='cuda') * 0.02, 128, 4, sym=True)
-        p = (m.qweight, m.scales, m.offsets)
-        x = torch.randn(1, K, device='cuda', dtype=torch.bfloat16)
-        r = x.float() @ dequantize_packed_ref(*p, 4, 128, N, K).T
-        nb = sum(t.numel() * t.element_size() for t in p)
-        args = lambda i: (torch.randn(1, K, device='cuda', dtype=torch.bfloat16),) + tuple(t.clone() for t in p)
-        act = 'silu_and_mul' if name == 'gate_up' else None
+        p, x, r, nb, args, act = gemv_case(name, N, K)
         base = time_fn(args, lambda x, q, s, o: KW.w4a16_gemv(x, q, s, o, 4, 128, N, K, act=act, ), nb)
         best = (base, 'default')
         tiles = K // 128

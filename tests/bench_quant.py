@@ -43,6 +43,20 @@ def _arg(name, default):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
+def gemv_case(name, N, K, group=128, sym=True, device='cuda'):
+    """One M = 1 W4A16 case of the GEMV scripts: packed random weights `p = (qweight, scales, offsets)`, a bf16 x and
+    its fp32 reference output, the packed bytes, an argument maker for `time_fn` (fresh x, weight copies) and the
+    activation fused into gate_up."""
+    from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
+    m = W4A16Linear.from_float(torch.randn(N, K, device=device) * 0.02, group, 4, sym=sym)
+    p = (m.qweight, m.scales, m.offsets)
+    x = torch.randn(1, K, device=device, dtype=torch.bfloat16)
+    r = x.float() @ dequantize_packed_ref(*p, 4, group, N, K).T
+    nb = sum(t.numel() * t.element_size() for t in p)
+    args = lambda i: (torch.randn(1, K, device=device, dtype=torch.bfloat16),) + tuple(t.clone() for t in p)
+    return p, x, r, nb, args, 'silu_and_mul' if name == 'gate_up' else None
+
+
 def time_fn(make_args, fn, nbytes, reps=10):
     "Median microseconds per call of fn(*args) over rotating weight copies, in a CUDA graph."
     if DRY:
