@@ -427,33 +427,41 @@ def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nma
 
 
 @triton.jit
+def _wload(ptr, mask, EVEN_N: tl.constexpr):
+    "One word tile, streamed (`evict_first`); unmasked when the columns divide evenly (no predicates, no zeroing)."
+    if EVEN_N:
+        return tl.load(ptr, eviction_policy='evict_first')
+    return tl.load(ptr, mask=mask[None, :], other=0, eviction_policy='evict_first')
+
+
+@triton.jit
 def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr,
-                RS: tl.constexpr = False):
+                RS: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """The word tiles `[C, BNH]` of one iteration: K-tiles t .. t + TPI - 1 (NH = 1), or (K-tile, column half)
     (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones. RS: the
     `[C / 2, BNH]` row halves (rows, columns) (0, 0), (1, 0), (0, 1), (1, 1) of K-tile t."""
     if RS:
-        w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        w1 = tl.load(wp + t * C * N + C // 2 * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-        w2 = tl.load(wp + t * C * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
-        w3 = tl.load(wp + t * C * N + C // 2 * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
+        w0 = _wload(wp + t * C * N, nmask, EVEN_N)
+        w1 = _wload(wp + t * C * N + C // 2 * N, nmask, EVEN_N)
+        w2 = _wload(wp + t * C * N + BNH, nmask2, EVEN_N)
+        w3 = _wload(wp + t * C * N + C // 2 * N + BNH, nmask2, EVEN_N)
         return w0, w1, w2, w3
-    w0 = tl.load(wp + t * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+    w0 = _wload(wp + t * C * N, nmask, EVEN_N)
     w1 = w0
     if NH == 2:
-        w1 = tl.load(wp + t * C * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
+        w1 = _wload(wp + t * C * N + BNH, nmask2, EVEN_N)
     w2 = w0
     w3 = w1
     if NH == 1:
         if TPI > 1:
-            w1 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            w1 = _wload(wp + (t + 1) * C * N, nmask, EVEN_N)
         if TPI > 2:
-            w2 = tl.load(wp + (t + 2) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            w3 = tl.load(wp + (t + 3) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
+            w2 = _wload(wp + (t + 2) * C * N, nmask, EVEN_N)
+            w3 = _wload(wp + (t + 3) * C * N, nmask, EVEN_N)
     else:
         if TPI > 1:
-            w2 = tl.load(wp + (t + 1) * C * N, mask=nmask[None, :], other=0, eviction_policy='evict_first')
-            w3 = tl.load(wp + (t + 1) * C * N + BNH, mask=nmask2[None, :], other=0, eviction_policy='evict_first')
+            w2 = _wload(wp + (t + 1) * C * N, nmask, EVEN_N)
+            w3 = _wload(wp + (t + 1) * C * N + BNH, nmask2, EVEN_N)
     return w0, w1, w2, w3
 
 
@@ -517,7 +525,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     t0 = pid_k * TPS
     ts = t0
     if PF or PDL:
-        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS)
+        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
     pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
     if PDL:
@@ -525,15 +533,24 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
             acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
                                    BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
             ts = t0 + TPI
-    for t in range(ts, t0 + TPS, TPI):
-        if PF:
-            w0, w1, w2, w3 = n0, n1, n2, n3
-            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + TPI, t0 + TPS - TPI), N, nmask, nmask2, C, TPI, NH, BNH,
-                                         RS)
-        else:
-            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS)
-        acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-                               BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+    if PF:   # iterations in pairs, the words ping-ponged between two register sets (no copies of a rotation)
+        last = t0 + TPS - TPI
+        for t in range(ts, last, 2 * TPI):
+            m0, m1, m2, m3 = _gemv_words(wp, t + TPI, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
+                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + 2 * TPI, last), N, nmask, nmask2, C, TPI, NH, BNH, RS,
+                                         EVEN_N)   # the last pair re-reads its own tile (L2 hits)
+            acc, acc2 = _gemv_iter(acc, acc2, m0, m1, m2, m3, t + TPI, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
+                                   K, ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+        if (TPS // TPI) % 2 == 1:   # an odd count: the last iteration, its words loaded by the last pair (or above)
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, last, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
+                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+    else:
+        for t in range(ts, t0 + TPS, TPI):
+            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+            acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
+                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
     _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 

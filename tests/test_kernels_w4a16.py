@@ -81,6 +81,10 @@ def test_w4a16_cpu(bits, group, sym):
                             y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
                             assert _rel(y, ref) < tol, (tpi, split, pf, pdl)
     assert _rel(w4a16_gemv(x, *args, maxnreg=64), ref) < tol     # a register cap (the GPU configs' `maxnreg`)
+    a3 = _packed(40, 384, bits, group, sym, 9)   # 3 K-tiles: a prefetched pair of iterations, then the odd one; N % BN != 0
+    x3 = torch.randn(1, 384)
+    for nh in (1, 2):
+        assert _rel(w4a16_gemv(x3, *a3, tpi=1, split_k=1, bn=16, nh=nh, prefetch=True), w4a16_matmul_ref(x3, *a3)) < tol, nh
     if bits == 4 and (group >= 64 or group == -1):                # row halves chained into one sum, and without;
         for rs in (True, False):                                    # symmetric: offsets (-8 scale) not read
             for sy in ((False, True) if sym else (False,)):
