@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 __all__ = ['apply_penalties', 'apply_penalties_ref', 'sample', 'sample_ref', 'sampling_thresholds',
-           'sampling_mask_ref', 'compute_logprobs', 'GREEDY_EPS']
+           'sampling_mask_ref', 'compute_logprobs', 'argmax', 'GREEDY_EPS']
 
 GREEDY_EPS = 1e-5
 KEY_BIG: tl.constexpr = tl.constexpr(1 << 40)  # beyond every key
@@ -320,3 +320,48 @@ def sampling_thresholds(logits, temperature, top_k, top_p, min_p):
     """Per-row smallest kept value of `logits / temperature` (raw logits for greedy rows): the kept set of
     `sample` is `logits / temperature >= threshold`. fp32 `[B]`, -inf when nothing is filtered."""
     return _launch_sample(logits, temperature, top_k, top_p, min_p, None, None, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Greedy argmax of few long rows, in one launch
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _argmax_kernel(logits_ptr, out_ptr, best_ptr, cnt_ptr, V, stride_l, BLOCK: tl.constexpr):
+    """Program (row, chunk): the chunk's first maximum as one int64 `_key(value) << 32 | (2**32 - 1 - index)`,
+    merged by `atomic_max` into the row's slot (larger value first, then smaller index); the row's last program
+    (counted on `cnt_ptr`) decodes the index and leaves slot and counter as it found them (`INT64_MIN`, 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < V, other=float('-inf')).to(tl.float32) + 0.0
+    m = tl.max(x, 0)                    # + 0.0 above: -0.0 becomes +0.0 (torch's argmax treats them as equal)
+    i = tl.min(tl.where(x == m, offs, V), 0).to(tl.int64)
+    key = (_key(m) << 32) | (0xFFFFFFFF - i)
+    tl.atomic_max(best_ptr + row, key, sem='relaxed')
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + row, 1, sem='acq_rel') == tl.num_programs(1) - 1:
+        best = tl.atomic_xchg(best_ptr + row, -9223372036854775808, sem='relaxed')
+        tl.store(out_ptr + row, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+        tl.store(cnt_ptr + row, 0)
+
+
+_ARGMAX_WS = {}
+
+
+def argmax(logits, block: int = 4096):
+    """`logits.argmax(-1)` (int64, first index of the maximum) for `[B, V]` logits of any float dtype: `cdiv(V,
+    block)` programs per row and one launch (a per-device workspace of B slots, self-resetting). For the decode
+    step's few long rows, where PyTorch's reduction runs as two launches of few programs each."""
+    B, V = logits.shape
+    assert logits.stride(-1) == 1 and V < 2**31
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0: return out
+    ws = _ARGMAX_WS.get(logits.device)
+    if ws is None or ws[0].numel() < B:
+        n = max(B, 64)
+        ws = _ARGMAX_WS[logits.device] = (torch.full((n,), -2**63, dtype=torch.int64, device=logits.device),
+                                          torch.zeros(n, dtype=torch.int32, device=logits.device))
+    _argmax_kernel[(B, triton.cdiv(V, block))](logits, out, ws[0], ws[1], V, logits.stride(0), BLOCK=block,
+                                               num_warps=8)
+    return out

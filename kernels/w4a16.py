@@ -814,13 +814,14 @@ GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, t
 # maxnreg: register caps from the H200 sweeps (results/h200_gemv_maxnreg_sweep.csv at f620da0, then
 # results/h200_gemv_slot_sweep.csv at 886260d for the `_field_slot` kernel); ptxas schedules differently under a cap.
 # rs: row halves (`_gemv_tile_rs`, on by default where it applies): gate_up 25.0 -> 23.9 us, down 14.5 -> 14.0 us;
-# o measured 6.86 with it against 6.81 without. Layer 59.4 us (19b5906) -> 52.3 us.
+# o measured 6.86 with it against 6.81 without. Layer 59.4 us (19b5906) -> 52.3 us. Caps of o (72) and down (96)
+# re-swept for symmetric layers with the paired-iteration loop (results/h200_gemv_sym_sweep.csv at 58d845f).
 GEMV_CONFIGS = {   # nh=2 from the H200 sweep at 547384b (results/h200_gemv_nh_sweep.csv): layer 65.5 -> 58.8 us
     (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2, maxnreg=168),
-    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=64,
+    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=72,
                           rs=False),
     (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2, maxnreg=96),
-    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=88),
+    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=96),
 }
 # Groups < 64 (GGUF q4_k / q4_0 / q8_0 repacks, g32) per (N, K, bits), from the `q4k` sweep (H200, 02a8421): qkv
 # 11.9 -> 11.45 us, o 9.1 -> 8.3 us; gate_up and down keep the generic config (within 0.4 us of their best).

@@ -248,3 +248,16 @@ def test_cuda_real_vocab():
     assert got[torch.arange(B), tok].all()
     greedy = args[0] < S.GREEDY_EPS
     assert torch.equal(tok[greedy], ref.argmax(-1)[greedy])
+
+
+def test_argmax_one_launch():
+    "`argmax`: chunks merged by atomic max of (value, -index) keys: torch's first maximum, -0.0 == +0.0, any dtype."
+    V = 128256 if DEV == 'cuda' else 9000
+    for B in (1, 3, 31):
+        x = torch.randn(B, V, device=DEV)
+        x[0, 11] = x[0, V - 5] = x.max() + 1                        # a tie across chunks: the first
+        for t in (x, x.bfloat16(), x.half()):
+            assert torch.equal(S.argmax(t), t.argmax(-1))
+        assert torch.equal(S.argmax(x, block=1024), x.argmax(-1))    # more chunks; the workspace resets itself
+    x = torch.full((2, V), -3.0, device=DEV); x[0, 6000] = -0.0; x[0, V - 1] = 0.0; x[1, 2] = 1.0
+    assert S.argmax(x).tolist() == [6000, 2]

@@ -69,15 +69,12 @@ def apply_penalties(logits, reqs: list[Request]):
     return logits
 
 # %% ../../nbs/23_sampler.ipynb #80677f28
-def row_argmax(logits: torch.Tensor, slices: int = 64, force: bool = False) -> torch.Tensor:
-    "`logits.argmax(-1)` (first maximum), in two stages for few long rows on the GPU (or when `force`)."
+def row_argmax(logits: torch.Tensor, force: bool = False) -> torch.Tensor:
+    "`logits.argmax(-1)` (first maximum); few long rows on the GPU (or when `force`) in one Triton launch."
     B, V = logits.shape
     if not (force or (logits.is_cuda and B < 32 and V >= 8192)): return logits.argmax(-1)
-    C = -(-V // slices)
-    x = logits if C * slices == V else torch.nn.functional.pad(logits, (0, C * slices - V), value=float('-inf'))
-    v, i = x.view(B, slices, C).max(-1)
-    j = v.argmax(-1, keepdim=True)
-    return (j * C + i.gather(-1, j)).squeeze(-1)
+    from cvllm_lab.kernels.sampling import argmax
+    return argmax(logits)
 
 # %% ../../nbs/23_sampler.ipynb #86465114
 def _plain_greedy(r: Request) -> bool:
