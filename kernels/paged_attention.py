@@ -48,7 +48,7 @@ from .rotary import _rotary_pairs, _rotate_heads, apply_rotary_ref
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'paged_attention', 'paged_attention_ref', 'quantize_kv_ref',
-           'FP8_MAX', 'FP8_DTYPE']
+           'FP8_MAX', 'FP8_DTYPE', 'MIN_KEYS_PER_SPLIT']
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -488,7 +488,10 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=256, max_splits=32):
+MIN_KEYS_PER_SPLIT = 256   # a decode step whose `max_seq_len` bound is at most this runs one split (no merge kernel)
+
+
+def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=MIN_KEYS_PER_SPLIT, max_splits=32):
     "Enough KV splits for about four waves of programs (measured best on an H200), each covering >= `min_keys_per_split` keys."
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 8
     want = triton.cdiv(4 * sms, max(1, num_seqs * num_kv_heads))

@@ -59,6 +59,7 @@ class ModelRunner:
         if progress: print(f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens "
                            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc})")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the same buckets <= 32, captured at `short_len`
         self.tok_host, self.tok_i = [], 0     # two pinned buffers for the sampled ids (at most two steps in flight)
         if self.device.type == 'cuda':
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
@@ -139,23 +140,29 @@ class ModelRunner:
         self.g_staging = torch.zeros(4, n, dtype=torch.long).pin_memory()
         self.g_bt_staging = torch.zeros(n, nblk, dtype=torch.int32).pin_memory()
         self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()   # cheap host writes
-        self.g_hidden, pool = {}, None
+        self.g_hidden, self.g_hidden_short, pool = {}, {}, None
         from tqdm.auto import tqdm
-        for bs in tqdm(sorted(sizes, reverse=True), desc='Capturing CUDA graphs', disable=not progress):
-            ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[:bs], 1,
-                                 self.cfg.max_model_len)
+        from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
+        self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
+        todo = [(bs, L) for bs in sorted(sizes, reverse=True)
+                for L in (self.cfg.max_model_len, self.short_len) if L and (L == self.cfg.max_model_len or bs <= 32)]
+        for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
+            ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[:bs], 1, L)
             with set_forward_context(ctx):
                 for _ in range(2): self.model(self.g_ids[:bs], self.g_pos[:bs])   # warm-up (Triton autotune/compile)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool): self.g_hidden[bs] = self.model(self.g_ids[:bs], self.g_pos[:bs])
-            pool = g.pool(); self.graphs[bs] = g
+                with torch.cuda.graph(g, pool=pool): h = self.model(self.g_ids[:bs], self.g_pos[:bs])
+            pool = g.pool()
+            if L == self.cfg.max_model_len: self.graphs[bs], self.g_hidden[bs] = g, h
+            else: self.short_graphs[bs], self.g_hidden_short[bs] = g, h
         torch.cuda.synchronize()
 
-    def _run_graph(self, ids, pos, slots, seq_lens, bt, prev_tokens=None) -> torch.Tensor:
-        "Replay the smallest bucket that holds the batch; hidden states of its real rows."
+    def _run_graph(self, ids, pos, slots, seq_lens, bt, prev_tokens=None, max_seq_len=None) -> torch.Tensor:
+        "Replay the smallest bucket that holds the batch (its short-context graph if it has one and the batch fits)."
         B = len(ids)
         bs = next(s for s in sorted(self.graphs) if s >= B)
+        short = bs in self.short_graphs and max_seq_len is not None and max_seq_len <= self.short_len
         st, w = self.g_staging_np, bt.shape[1]
         st[0, :B] = ids; st[1, :B] = pos; st[2, :B] = slots; st[3, :B] = seq_lens
         st[0, B:bs] = 0; st[2, B:bs] = -1; st[3, B:bs] = 1      # padding rows: token 0, write nothing, attend to 1 slot
@@ -164,6 +171,7 @@ class ModelRunner:
         self.g_bt[:B, :w].copy_(self.g_bt_staging[:B, :w], non_blocking=True)
         self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
         if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
+        if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
         self.graphs[bs].replay()
         return self.g_hidden[bs][:B]
 
@@ -219,7 +227,8 @@ class ModelRunner:
         if prev_tokens is not None and (h['max_query_len'] != 1 or len(prev_tokens) != len(h['ids'])):
             raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
         if self.graphs and h['max_query_len'] == 1 and not plp and len(so.scheduled) <= max(self.graphs):
-            hidden = self._run_graph(h['ids'], h['pos'], h['slots'], h['seq_lens'], h['bt'], prev_tokens)
+            hidden = self._run_graph(h['ids'], h['pos'], h['slots'], h['seq_lens'], h['bt'], prev_tokens,
+                                     h['max_seq_len'])
         else:
             t = lambda k: torch.as_tensor(h[k]).to(self.device)
             ctx = ForwardContext(t('slots'), t('qsl'), t('seq_lens'), t('bt'), h['max_query_len'], h['max_seq_len'])
