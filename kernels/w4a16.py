@@ -103,7 +103,10 @@ qkv 8.17 -> 7.64 us, o 6.82 -> 6.81, gate_up 28.86 -> 23.87, down 15.59 -> 14.02
 Llama-3-8B batch 1 W4A16 396 -> 420.6 tok/s. Symmetric layers (offsets = -8 scale, GPTQ sym and RTN: `sym`,
 `W4A16Linear.is_sym`) start the sums at `-sum(x (2**E + 8))` instead, so `sum x` and the offsets drop out of the
 loop (gate_up loop 461 -> 442 instructions, qkv 918 -> 833, o 566 -> 472 with fewer spills): batch 1 420 ->
-442.3 tok/s (abed949, `results/h200_decode_bs1_experiments.csv`). Not kept: the qkv GEMV writing rotated q/k and the K/V cache slot in
+442.3 tok/s (abed949, `results/h200_decode_bs1_experiments.csv`). Paired iterations (58d845f): the prefetching
+loop runs two iterations per trip with the words in two alternating register sets, which removes the 16-register
+copy per iteration, and evenly divided columns load without masks (no zeroed targets): loop 442 -> 400
+instructions, gate_up 25.97 -> 22.21 us (symmetric, `results/h200_gemv_sym_sweep.csv`), batch 1 436.4 -> 444.6. Not kept: the qkv GEMV writing rotated q/k and the K/V cache slot in
 its epilogue (one launch less per layer; 16ce63d, with the epilogue's inputs loaded before the K loop in 922d431):
 414.4 tok/s against 417.5 without in the same run, the last program's tail costs what the rotary kernel did.
 
@@ -501,7 +504,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
-    next iteration's words are loaded before this one's math (the last iteration re-reads its own tiles: L2 hits).
+    next iteration's words are loaded before this one's math, iterations in pairs so that the two register sets
+    alternate instead of being copied (the last pair re-reads its own tiles: L2 hits; an odd count ends with one).
     With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
     RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`). SYM (4-bit, groups >= 64):
     the offsets are -8 scale and are not read (`_x_start`)."""
