@@ -4,11 +4,11 @@ row halves (`rs`), per `maxnreg` cap:
 correctness (bf16 x, fp32 out, against the fp32 reference), then microseconds over rotating weight copies in a CUDA
 graph. `OUT=dir OLD=path python tests/bench_gemv_slot.py` writes OUT/gemv_slot.csv and prints the best cap per
 shape; `results/h200_gemv_slot_sweep.csv` holds the H200 run."""
-import importlib.util, os, sys
+import os, sys
 sys.path.insert(0, 'tests')
 import pandas as pd
 import torch
-from bench_quant import L3_8B as SHAPES, gemv_case, time_fn
+from bench_quant import L3_8B as SHAPES, gemv_case, kernel_copy, time_fn
 from cvllm_lab.kernels import w4a16 as KW
 
 # (rs, tpi, maxnreg) per shape; rs: row halves (`_gemv_tile_rs`, tpi 1 only)
@@ -17,8 +17,7 @@ VARIANTS = {'qkv': [(False, 2, None), (False, 2, 168), (True, 1, 72), (True, 1, 
             'gate_up': [(False, 1, 96), (True, 1, 72), (True, 1, 80), (True, 1, 88), (True, 1, 96)],
             'down': [(False, 1, 96), (True, 1, 72), (True, 1, 80), (True, 1, 88), (True, 1, 96)]}
 OUT = os.environ.get('OUT', '/tmp')
-spec = importlib.util.spec_from_file_location('w4a16_old', os.environ['OLD'])
-OLD = importlib.util.module_from_spec(spec); spec.loader.exec_module(OLD)
+OLD = kernel_copy(os.environ['OLD'])
 torch.manual_seed(0)
 rows = []
 for name, (N, K) in SHAPES.items():

@@ -5,11 +5,11 @@ out, against the fp32 reference), then microseconds over rotating weight copies 
 `OUT=dir [OLD=path] python tests/bench_gemv_sym.py` writes OUT/gemv_sym.csv and prints the best variant per shape
 (OLD: a copy of `kernels/w4a16.py` to time first, `before`, at its own config with `sym`);
 `results/h200_gemv_sym_sweep.csv` holds the H200 run."""
-import importlib.util, os, sys
+import os, sys
 sys.path.insert(0, 'tests')
 import pandas as pd
 import torch
-from bench_quant import L3_8B as SHAPES, gemv_case, time_fn
+from bench_quant import L3_8B as SHAPES, gemv_case, kernel_copy, time_fn
 from cvllm_lab.kernels import w4a16 as KW
 
 # per shape: (rs, tpi, maxnreg, split) overrides of the current config
@@ -18,10 +18,7 @@ VARIANTS = {'qkv': [(False, 2, 128, 8), (True, 1, 80, 8), (True, 1, 80, 4), (Fal
             'gate_up': [(True, 1, 80, 4), (True, 1, 88, 4), (True, 1, 80, 8), (True, 1, 80, 2)],
             'down': [(True, 1, 80, 28), (True, 1, 96, 28), (True, 1, 80, 14), (True, 1, 96, 14)]}
 OUT = os.environ.get('OUT', '/tmp')
-OLD = None
-if os.environ.get('OLD'):
-    spec = importlib.util.spec_from_file_location('w4a16_old', os.environ['OLD'])
-    OLD = importlib.util.module_from_spec(spec); spec.loader.exec_module(OLD)
+OLD = kernel_copy(os.environ['OLD']) if os.environ.get('OLD') else None
 torch.manual_seed(0)
 rows = []
 for name, (N, K) in SHAPES.items():

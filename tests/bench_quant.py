@@ -43,6 +43,14 @@ def _arg(name, default):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
+def kernel_copy(path):
+    "A copy of `kernels/w4a16.py` (e.g. from an older commit) loaded as its own module, for A/B timings."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('w4a16_old', path)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+
 def gemv_case(name, N, K, group=128, sym=True, device='cuda'):
     """One M = 1 W4A16 case of the GEMV scripts: packed random weights `p = (qweight, scales, offsets)`, a bf16 x and
     its fp32 reference output, the packed bytes, an argument maker for `time_fn` (fresh x, weight copies) and the

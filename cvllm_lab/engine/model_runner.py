@@ -144,8 +144,8 @@ class ModelRunner:
         from tqdm.auto import tqdm
         from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
         self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
-        todo = [(bs, L) for bs in sorted(sizes, reverse=True)
-                for L in (self.cfg.max_model_len, self.short_len) if L and (L == self.cfg.max_model_len or bs <= 32)]
+        todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
+        todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
         for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
             ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[:bs], 1, L)
             with set_forward_context(ctx):
