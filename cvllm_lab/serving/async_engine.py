@@ -147,11 +147,13 @@ class AsyncLLMEngine:
         finally: s.close()
 
     def abort(self, request_id: str):
-        "Stop a request: it gets no more outputs, and its KV blocks are freed before the next step."
+        "Stop a request: it gets no more outputs; before the next step its KV blocks are freed and the abort is counted."
         self._streams.pop(request_id, None)
-        self._queue(lambda eng: eng.abort_request(request_id))
-        self.counters['aborted'] += 1
-        self.observer.aborted()
+        def op(eng):
+            eng.abort_request(request_id)
+            self.counters['aborted'] += 1     # counted with the engine's stats: a scrape never sees one without the other
+            self.observer.aborted()
+        self._queue(op)
 
     def _guard(self, rid: str, params: SamplingParams) -> SamplingParams:
         "Wrap the request's logits processors so that one which raises fails only this request."
