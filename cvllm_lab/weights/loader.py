@@ -139,7 +139,7 @@ def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool
         try:
             if raw:
                 cols = int(t.shape[0])
-                w = torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8)  # own, writable memory, not the read-only file map.reshape(int(t.n_elements) // cols, -1)
+                w = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)  # a writable copy of the file map
             else: w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         except Exception as e: raise ValueError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from e
         if arch == 'llama' and t.name.endswith(('attn_q.weight', 'attn_k.weight')):  # row permutation: fine on block rows
