@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python -m cvllm_lab.serve "$@"
+exec .venv/bin/python -m cvllm_lab.entrypoints.serve "$@"

@@ -1,4 +1,4 @@
-"Start `python -m cvllm_lab.serve` in a subprocess on a free local port (used by the server and browser tests)."
+"Start `python -m cvllm_lab.entrypoints.serve` in a subprocess on a free local port (used by the server and browser tests)."
 from __future__ import annotations
 import os, signal, socket, subprocess, sys, tempfile, time
 import httpx
@@ -16,7 +16,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         self.log = tempfile.NamedTemporaryFile('w+', suffix='.log', prefix='cvllm-serve-')
-        cmd = [sys.executable, '-m', 'cvllm_lab.serve', '--host', '127.0.0.1', '--port', str(self.port),
+        cmd = [sys.executable, '-m', 'cvllm_lab.entrypoints.serve', '--host', '127.0.0.1', '--port', str(self.port),
                '--threads', '1', '--uvicorn-log-level', 'warning', *args]
         env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -16,7 +16,7 @@ def nb(*cells):
 
 
 DEMO = nb(('markdown', '# Demo module\n> Summary line of the demo.'),
-          ('code', '#| default_exp serving.demo'),
+          ('code', '#| default_exp entrypoints.openai.demo'),
           ('code', '#| hide\nSECRET_SETUP_VALUE = 42'),
           ('code', '#|hide\nANOTHER_HIDDEN_THING = 1'),
           ('code', '#| export\ndef visible_api_function(x):\n    "Return x."\n    return x'),
@@ -26,7 +26,7 @@ DEMO = nb(('markdown', '# Demo module\n> Summary line of the demo.'),
 
 def test_clean_notebook():
     cleaned, module, title = build_docs.clean_notebook(DEMO)
-    assert (module, title) == ('serving.demo', 'Demo module')
+    assert (module, title) == ('entrypoints.openai.demo', 'Demo module')
     text = json.dumps(cleaned)
     assert 'SECRET_SETUP_VALUE' not in text and 'ANOTHER_HIDDEN_THING' not in text and '#|' not in text
     assert [c['source'] for c in cleaned['cells'] if c['cell_type'] == 'code'] == [
@@ -43,7 +43,7 @@ def test_build_site(tmp_path):
     yml = build_docs.build(nbs, readme, tmp_path / 'build', site)
     nav = json.loads(yml.read_text())['nav']
     assert nav[0] == {'Home': 'index.md'}
-    assert nav[1]['API'] == [{'cvllm_lab.serving': [{'api_server — OpenAI-compatible API server': '77_api_server.ipynb'},
+    assert nav[1]['API'] == [{'cvllm_lab.entrypoints.openai': [{'api_server — OpenAI-compatible API server': '77_api_server.ipynb'},
                                                     {'demo — Demo module': '90_demo.ipynb'}]}]
     assert nav[2] == {'Notebooks': [{'Loose notes': '95_notes.ipynb'}]}
     home = (site / 'index.html').read_text()

@@ -1,4 +1,4 @@
-"""End to end: the real `python -m cvllm_lab.serve` on 127.0.0.1 with the embedded model, driven by the official
+"""End to end: the real `python -m cvllm_lab.entrypoints.serve` on 127.0.0.1 with the embedded model, driven by the official
 `openai` client (and raw HTTP where the client would hide what is checked)."""
 from __future__ import annotations
 import asyncio, json, subprocess, sys, time
@@ -275,7 +275,7 @@ def test_api_key_and_refused_flags():
         assert httpx.get(s.url + '/health').status_code == 200
     for flags, word in ((['--tensor-parallel-size', '2'], 'tensor parallel'), (['--isq', 'q9k'], 'unknown quantization'),
                         (['--quantization', 'int3'], 'quantiz')):
-        p = subprocess.run([sys.executable, '-m', 'cvllm_lab.serve', *flags], capture_output=True, text=True, timeout=120)
+        p = subprocess.run([sys.executable, '-m', 'cvllm_lab.entrypoints.serve', *flags], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and word in p.stderr.lower(), (flags, p.returncode, p.stderr[-500:])
 
 

@@ -12,7 +12,7 @@ import torch
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
-from .block_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager
 from .scheduler import Scheduler
 from .model_runner import ModelRunner
 from ..layers.sampler import Sampler

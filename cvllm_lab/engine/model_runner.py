@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from ..config import EngineConfig
-from .forward_context import ForwardContext, set_forward_context
+from ..utils.context import ForwardContext, bind_kv_cache, set_forward_context
 from .request import Request
 from .scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, topk_logprobs
@@ -55,7 +55,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = cfg.block_size
         self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = [self.bind_kv_cache(a, self.num_blocks) for a in self.model.attention_layers()]
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size, cfg.kv_cache_torch_dtype, self.device)
         if progress: print(f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens "
                            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc})")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -71,13 +71,6 @@ class ModelRunner:
     @property
     def kv_cache_desc(self) -> str:
         return 'fp8 e4m3 + fp32 scale per token and KV head' if self.fp8_kv else str(self.cfg.kv_cache_torch_dtype).removeprefix('torch.')
-
-    def bind_kv_cache(self, a, num_blocks: int) -> torch.Tensor:
-        "Allocate layer `a`'s cache (and its scales when FP8) for `num_blocks` blocks."
-        shape = (2, num_blocks, self.block_size, a.num_kv_heads)
-        a.kv_cache = torch.zeros(*shape, a.head_dim, dtype=self.cfg.kv_cache_torch_dtype, device=self.device)
-        a.kv_scale = torch.zeros(shape, dtype=torch.float32, device=self.device) if self.fp8_kv else None
-        return a.kv_cache
 
     @property
     def num_tokens_capacity(self) -> int: return self.num_blocks * self.block_size
@@ -111,7 +104,7 @@ class ModelRunner:
         T, bs = self.cfg.max_num_batched_tokens, self.block_size
         T = min(T, self.cfg.max_model_len)
         nb = -(-T // bs)
-        for a in self.model.attention_layers(): self.bind_kv_cache(a, nb)
+        bind_kv_cache(self.model, nb, bs, self.cfg.kv_cache_torch_dtype, self.device)
         ctx = ForwardContext(torch.arange(T, device=self.device), torch.tensor([0, T], dtype=torch.int32, device=self.device),
                              torch.tensor([T], dtype=torch.int32, device=self.device),
                              torch.arange(nb, dtype=torch.int32, device=self.device)[None], T, T)

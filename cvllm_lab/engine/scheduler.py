@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from .request import Request, RequestStatus
-from .block_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager
 
 # %% auto #0
 __all__ = ['SchedulerOutput', 'Scheduler']

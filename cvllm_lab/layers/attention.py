@@ -8,7 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 from __future__ import annotations
 import torch
 from torch import nn
-from ..engine.forward_context import get_forward_context
+from ..utils.context import get_forward_context
 
 # %% auto #0
 __all__ = ['get_attention_backend', 'Attention']

@@ -12,10 +12,10 @@ from torch import nn
 from ..layers.basic import RMSNorm, SiluAndMul, Linear
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
+from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
 
 # %% auto #0
-__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'MistralForCausalLM', 'prefill_context',
-           'bind_kv_cache', 'compare_with_hf']
+__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'MistralForCausalLM', 'compare_with_hf']
 
 # %% ../../nbs/30_llama.ipynb #ff277da5
 class LlamaAttention(nn.Module):
@@ -136,29 +136,9 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     "Mistral: the Llama block with sliding-window attention."
 
-# %% ../../nbs/30_llama.ipynb #a3499e28
-def prefill_context(lens: list[int], block_size: int = 16, device='cpu'):
-    "Forward context for a fresh prefill of whole sequences laid out in consecutive blocks (for tests)."
-    from cvllm_lab.engine.forward_context import ForwardContext
-    nblk = [-(-n // block_size) for n in lens]
-    starts = [sum(nblk[:i]) for i in range(len(lens))]
-    bt = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
-    for i, (s, n) in enumerate(zip(starts, nblk)): bt[i, :n] = torch.arange(s, s + n)
-    slots = torch.cat([torch.arange(n) + s * block_size for s, n in zip(starts, lens)])
-    qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    ctx = ForwardContext(slots.to(device), qsl.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
-                         bt.to(device), max(lens), max(lens))
-    return ctx, sum(nblk)
-
-def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.float32, device='cpu'):
-    "Allocate one `[2, num_blocks, block_size, Hkv, D]` cache per attention layer."
-    for a in model.attention_layers():
-        a.kv_cache = torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=device)
-
 # %% ../../nbs/30_llama.ipynb #7a61e099
 def compare_with_hf(hf_model, ours, lens=(5, 17, 33), block_size=16, atol=1e-4, seed=0):
     "Max |logit difference| between HF and our model on random prompts run as one flat batch (fp32)."
-    from cvllm_lab.engine.forward_context import set_forward_context
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=g) for n in lens]
     ctx, nb = prefill_context(list(lens), block_size)

@@ -1,4 +1,4 @@
-"""Quantize a float Hugging Face model to 4-bit with round-to-nearest or the GPTQ algorithm (calibrated on a small text), write GPTQ- or AWQ-format checkpoints, and `python -m cvllm_lab.convert`.
+"""Quantize a float Hugging Face model to 4-bit with round-to-nearest or the GPTQ algorithm (calibrated on a small text), write GPTQ- or AWQ-format checkpoints, and `python -m cvllm_lab.entrypoints.convert`.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/gptq.html.md"""
 

@@ -11,7 +11,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 from ..config import EngineConfig
-from ..engine.llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine, RequestOutput
 from ..sampling_params import SamplingParams
 
 # %% auto #0
