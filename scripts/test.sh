@@ -12,6 +12,8 @@ git diff --exit-code -- nbs || { echo "notebooks are not clean: run nbdev-clean 
 echo "== nbdev-export leaves no diff"
 nbdev-export
 [ -z "$(git status --porcelain -- cvllm_lab)" ] || { git status --porcelain -- cvllm_lab; echo "library out of sync with notebooks: run nbdev-export and commit"; exit 1; }
+echo "== house rules: import floors and loops, file sizes, no commit hashes in sources"
+python tools/check_house.py
 echo "== nbdev-test"
 time nbdev-test --n-workers 2 ${NBDEV_FLAGS:+--flags "$NBDEV_FLAGS"}
 echo "== pytest"
