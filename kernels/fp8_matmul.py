@@ -11,7 +11,7 @@ FP8 to fp32 in registers (`cvt` e4m3x2 -> f16x2 -> f32), so no activation quanti
 | `_fp8_mm_kernel` | 1 < M <= `MM_MAX_M` | per K-block: `tl.dot(x, W_block.T)` in the activation dtype, then `acc += dot * scale[n]` |
 | dequantize + cuBLAS | prefill | `W` in bf16 once, then `torch.matmul` |
 
-Split-K goes through the self-zeroing workspace of `cvllm_lab.kernels.w4a16._store_out` (one launch per matmul).
+Split-K goes through the self-zeroing workspace of `cvllm_lab.kernels.split_k` (one launch per matmul).
 Measured on an H200 (Triton 3.6, bf16 x, CUDA-graph replay over weight copies that don't fit in L2; % of 4.2 TB/s
 for the FP8 bytes + scales; the defaults below; sweeps in `results/h200_quant_kernels.csv`):
 
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.quant.fp8 import BLOCK, dequantize_fp8_block
-from cvllm_lab.kernels.w4a16 import _batched_plan, _m_bucket, _split_for, _store_out, split_k_workspace
+from cvllm_lab.kernels.split_k import batched_plan, m_bucket, split_for, split_k_workspace, store_out
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['fp8_matmul', 'fp8_gemv', 'fp8_mm', 'fp8_matmul_ref']
@@ -87,7 +87,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
     for t in range(ts, t0 + TPS, TPI):
         acc = _fp8_iter(acc, _fp8_weights(wp, t, ru, rk, K, EVEN_K), xp, sp, t, ru, rk, K, EVEN_K)
     y = tl.sum(tl.sum(acc, 2), 0)
-    _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
+    store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, strid
         acc += d * tl.load(sp + t)[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    _store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
+    store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
 
 
 def _check(weight, scale, N, K):
@@ -162,7 +162,7 @@ def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warp
     num_stages = num_stages or cfg['num_stages']
     progs = triton.cdiv(N, bn)
     if split_k is None:
-        split_k = _split_for(cfg if default else GEMV_DEFAULT, kb, progs, tpi, x.device)
+        split_k = split_for(cfg if default else GEMV_DEFAULT, kb, progs, tpi, x.device)
     elif kb % split_k or (kb // split_k) % tpi:
         raise ValueError(f"split_k={split_k} must divide the {kb} K-blocks into multiples of tpi={tpi}")
     out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
@@ -180,9 +180,9 @@ def fp8_mm(x, weight, scale, N, K, out_dtype=None, bm=None, bn=None, num_warps=N
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     _, kb = _check(weight, scale, N, K)
     x = x.contiguous()
-    b = _m_bucket(M)
+    b = m_bucket(M)
     cfg = MM_CONFIGS.get((N, K, b), MM_DEFAULT[b])
-    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = _batched_plan(x, N, kb, cfg, bm, bn, num_warps, num_stages,
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, kb, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype, 'K-blocks')
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _fp8_mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](

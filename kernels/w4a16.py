@@ -140,6 +140,8 @@ from cvllm_lab.quant.w4a16 import TILE_K, check_layout, dequantize_packed_ref
 
 from cvllm_lab.kernels.activation import silu_and_mul
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+from cvllm_lab.kernels.split_k import (batched_plan, m_bucket, split_add, split_for, split_k_workspace, split_take,
+                                       store_out)
 
 __all__ = ['w4a16_matmul', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_dequantize', 'w4a16_matmul_ref', 'split_k_workspace']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
@@ -210,35 +212,6 @@ def _x_start(xq, J: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _split_add(y, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
-    """Split-K without extra launches: add the fp32 tile `y` into the workspace at `wsp` and count this program on
-    the counter at `cnt_ptr`; True for the last of the SPLIT programs of the tile, which then calls `_split_take`."""
-    tl.atomic_add(wsp, y, mask=mask, sem='relaxed')
-    tl.debug_barrier()                                  # all of this program's adds before its release below
-    return tl.atomic_add(cnt_ptr, 1, sem='acq_rel') == SPLIT - 1
-
-
-@triton.jit
-def _split_take(y, mask, wsp, cnt_ptr):
-    "The tile's sum, leaving workspace and counter at zero for the next call (no memset, no cast kernel)."
-    tot = tl.load(wsp, mask=mask, other=0.0, cache_modifier='.cg')
-    tl.debug_barrier()                                  # every thread has read before any thread zeroes
-    tl.store(wsp, tl.zeros_like(y), mask=mask)
-    tl.store(cnt_ptr, 0)
-    return tot
-
-
-@triton.jit
-def _store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
-    "Write the fp32 tile `y` to `optr`; with SPLIT > 1 programs per output tile, through the workspace."
-    if SPLIT == 1:
-        tl.store(optr, y.to(optr.dtype.element_ty), mask=mask)
-    else:
-        if _split_add(y, mask, wsp, cnt_ptr, SPLIT):
-            tl.store(optr, _split_take(y, mask, wsp, cnt_ptr).to(optr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _silu_and_mul_pairs(y, BN: tl.constexpr):
     "`silu(gate) * up` `[BN / 2]` of a `[BN]` tile whose entries interleave gate and up (`2i`: gate_i, `2i + 1`: up_i)."
     g, u = tl.split(tl.reshape(y, [BN // 2, 2]))
@@ -269,7 +242,7 @@ def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH:
 def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
               ACT: tl.constexpr, SPLIT: tl.constexpr):
     """A GEMV program's epilogue: reduce its accumulators over the rows and write the columns (`_gemv_put`); with
-    SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`_split_add`'s barrier
+    SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`split_add`'s barrier
     covers both adds) and the tile's last program writes."""
     y = tl.sum(acc, 0)
     y2 = tl.sum(acc2, 0)
@@ -278,11 +251,11 @@ def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, B
     else:
         if NH == 2:
             tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
-        if _split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT):
-            ya = _split_take(y, nmask, ws_ptr + rn, cnt_ptr)
+        if split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT):
+            ya = split_take(y, nmask, ws_ptr + rn, cnt_ptr)
             yb = ya
             if NH == 2:
-                yb = _split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
+                yb = split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
             _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
 
 
@@ -614,7 +587,7 @@ def _gemv3_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, T
             acc += tf * s[None, :, :]
             acc += xs[:, :, None] * o[None, :, :]
     y = tl.sum(tl.sum(acc, 1), 0)
-    _store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
+    store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
 
 @triton.jit
@@ -676,7 +649,7 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                 acc += tl.sum(xs, 1)[:, None] * o[None, :]
     mask = mmask[:, None] & nmask[None, :]
     optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    _store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
+    store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
 
 
 @triton.jit
@@ -752,7 +725,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         acc += d * s[:, None]
         acc += o[:, None] * tl.sum(xs, 0)[None, :]
     optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-    _store_out(acc, optr, nmask[:, None] & mmask[None, :], ws_ptr + rm[None, :] * N + rn[:, None],
+    store_out(acc, optr, nmask[:, None] & mmask[None, :], ws_ptr + rm[None, :] * N + rn[:, None],
                cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
 
 
@@ -781,34 +754,6 @@ def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE,
 
 
 # --------------------------------------------------------------------------------------------- launchers
-
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 1
-
-
-def _pick_split(tiles, want, multiple=1):
-    "Largest split s <= want with tiles % s == 0 and (tiles // s) % multiple == 0."
-    for s in range(max(1, min(want, tiles)), 0, -1):
-        if tiles % s == 0 and (tiles // s) % multiple == 0: return s
-    return 1
-
-
-_WS, _WS_ALL = {}, []
-
-
-def split_k_workspace(device, numel, ncounters):
-    """The fp32 workspace and int32 counters of the split-K kernels (`_store_out`), one pair per device. They start
-    at zero and every kernel leaves them at zero. Grown on demand; old buffers are kept alive because CUDA graphs
-    captured earlier hold their addresses."""
-    key = str(device)
-    ws = _WS.get(key)
-    if ws is None or ws[0].numel() < numel or ws[1].numel() < ncounters:
-        ws = (torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device),
-              torch.zeros(max(ncounters, 1 << 16), dtype=torch.int32, device=device))
-        _WS_ALL.append(ws)
-        _WS[key] = ws
-    return ws
-
 
 # Defaults from the H200 sweeps (tests/bench_quant.py, results/h200_quant_kernels.csv). GEMV: per (N, K, bits) for
 # groups >= 64, else the generic config; `split` fixes split-K, else `target` = programs wanted in multiples of the SM
@@ -852,11 +797,6 @@ MM_CONFIGS = {
 }
 
 
-def _split_for(cfg, tiles, progs, multiple, device):
-    if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0: return cfg['split']
-    return _pick_split(tiles, triton.cdiv(int(cfg.get('target', 2) * _num_sms(device)), progs), multiple)
-
-
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
                num_warps=None, split_k=None, variant=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
                maxnreg=None, rs=None, sym=False):
@@ -898,7 +838,7 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     while tiles % tpi: tpi //= 2
     progs = triton.cdiv(N, bn)
     if split_k is None:
-        split_k = _split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
+        split_k = split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
     elif tiles % split_k or (tiles // split_k) % tpi:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
     if act and (N % 2 or (bn // nh) % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
@@ -918,28 +858,6 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     return out
 
 
-def _m_bucket(M):
-    return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-
-
-def _batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages, split_k, target, out_dtype, what='K-tiles'):
-    """Launch plan shared by the batched split-K kernels (one program per N-block, K-split, block of rows): the
-    block sizes, warps and stages (arguments over `cfg`), split-K (`cfg['split']` or programs per SM), the output
-    and the workspace. Returns `bm, bn, num_warps, num_stages, split_k, out, ws, cnt`."""
-    M = x.shape[0]
-    default = bn is None and bm is None and target is None
-    bm = bm or (16 if _INTERPRET else max(16, min(_m_bucket(M), 64)))
-    bn = bn or (32 if _INTERPRET else cfg['bn'])
-    grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split_k is None:
-        split_k = _split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
-    elif tiles % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} {what}")
-    ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
-    return (bm, bn, num_warps or cfg['num_warps'], num_stages or cfg['num_stages'], split_k,
-            torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device), ws, cnt)
-
-
 def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
              split_k=None, num_stages=None, target=None):
     """`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel: one program per (N-block, K-split,
@@ -949,10 +867,10 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     x = x.contiguous()
     tiles = Kp // TILE_K
-    b = _m_bucket(M)
+    b = m_bucket(M)
     small = bits == 4 and G < TILE_K
     cfg = MM_SMALL_GROUP if small else MM_CONFIGS.get((N, K, bits, b), MM_DEFAULT[b])
-    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = _batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype)
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
@@ -995,9 +913,9 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
         raise ValueError(f"_tc_kernel needs 4-bit weights, groups >= 128 and 16-bit x; got {bits}-bit, group {group}, {x.dtype}")
     x = x.contiguous()
     tiles = Kp // TILE_K
-    b = _m_bucket(M)
+    b = m_bucket(M)
     cfg = TC_CONFIGS.get((N, K, b), TC_DEFAULT)
-    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = _batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype)
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, _ONE,

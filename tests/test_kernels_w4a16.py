@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before triton is imported
 
-from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, w4a16_tc, _WS
+from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, w4a16_tc
+from cvllm_lab.kernels.split_k import workspaces
 from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
@@ -38,7 +39,7 @@ def _gemv_tol(bits, group):
 
 def _ws_clean():
     "Split-K kernels must leave their workspace and counters at zero."
-    return all(not ws.any() and not cnt.any() for ws, cnt in _WS.values())
+    return all(not ws.any() and not cnt.any() for ws, cnt in workspaces())
 
 
 def _packed(N, K, bits, group, sym, seed, device='cpu'):
