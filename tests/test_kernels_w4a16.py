@@ -16,7 +16,8 @@ from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, 
 from cvllm_lab.kernels.split_k import workspaces
 from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.kernels.activation import silu_and_mul_ref
-from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
+from cvllm_lab.kernels.w4a16 import dequantize_packed_ref
+from cvllm_lab.quant.w4a16 import W4A16Linear
 from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
 from cvllm_lab.quant.gguf import GGUFLinear, PACKED_TYPES, dequantize, quantize, random_blocks
 
@@ -69,18 +70,16 @@ def test_w4a16_cpu(bits, group, sym):
     x = torch.randn(1, 512)
     ref = w4a16_matmul_ref(x, *args)
     for tpi, split in ((1, 4), (2, 2), (4, 1), (1, 1), (1, 2)):  # split-K (self-zeroing workspace), tiles per iteration
-        for variant in ('2d', '3d', 'dot'):
-            assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant), ref) < tol, (tpi, split, variant)
-            if variant != 'dot':                                # register prefetch of the next iteration's words
-                assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=True), ref) < tol
-            if variant == '2d':                                 # PDL: the first iteration's words before the wait
-                for pf in (False, True):
-                    y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, variant=variant, prefetch=pf, pdl=True)
-                    assert _rel(y, ref) < tol, (tpi, split, pf)
-                    if tpi <= 2:                                # two column tiles sharing x, with and without PDL
-                        for pdl in (False, True):
-                            y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
-                            assert _rel(y, ref) < tol, (tpi, split, pf, pdl)
+        assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8), ref) < tol, (tpi, split)
+        # register prefetch of the next iteration's words
+        assert _rel(w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, prefetch=True), ref) < tol
+        for pf in (False, True):                                # PDL: the first iteration's words before the wait
+            y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=8, prefetch=pf, pdl=True)
+            assert _rel(y, ref) < tol, (tpi, split, pf)
+            if tpi <= 2:                                        # two column tiles sharing x, with and without PDL
+                for pdl in (False, True):
+                    y = w4a16_gemv(x, *args, tpi=tpi, split_k=split, bn=16, prefetch=pf, pdl=pdl, nh=2)
+                    assert _rel(y, ref) < tol, (tpi, split, pf, pdl)
     assert _rel(w4a16_gemv(x, *args, maxnreg=64), ref) < tol     # a register cap (the GPU configs' `maxnreg`)
     a3 = _packed(40, 384, bits, group, sym, 9)   # 3 K-tiles: a prefetched pair of iterations, then the odd one; N % BN != 0
     x3 = torch.randn(1, 384)
@@ -105,9 +104,9 @@ def test_w4a16_cpu(bits, group, sym):
         ref = silu_and_mul_ref(w4a16_matmul_ref(x, *args), interleaved=True)
         assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < (tol if M == 1 else 1e-5), M
         if M == 1:                                              # the GEMV epilogue, with and without split-K
-            for split, variant, nh in ((1, '2d', 1), (4, '2d', 1), (2, '3d', 1), (1, '2d', 2), (4, '2d', 2)):
-                y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, variant=variant, act='silu_and_mul', nh=nh)
-                assert y.shape == (1, 16) and _rel(y, ref) < tol, (split, variant, nh)
+            for split, nh in ((1, 1), (4, 1), (1, 2), (4, 2)):
+                y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, act='silu_and_mul', nh=nh)
+                assert y.shape == (1, 16) and _rel(y, ref) < tol, (split, nh)
     assert _ws_clean()
 
 
@@ -139,7 +138,7 @@ def test_w4a16_prefill_shapes_and_errors_cpu():
     assert w4a16_matmul(torch.randn(0, 256), *args).shape == (0, 24)
     with pytest.raises(ValueError): w4a16_matmul(torch.randn(1, 256), args[0][:, :-1], *args[1:5], 23, 256)
     with pytest.raises(ValueError): w4a16_gemv(torch.randn(1, 256), *args, split_k=3)
-    with pytest.raises(ValueError, match='nh'): w4a16_gemv(torch.randn(1, 256), *args, nh=2, variant='3d')
+    with pytest.raises(ValueError, match='nh'): w4a16_gemv(torch.randn(1, 256), *args, nh=3)
 
 
 @interp
@@ -215,11 +214,10 @@ def test_w4a16_cuda(bits, group, sym, N, K):
     xb = x.bfloat16()                                                   # bf16 in, fp32 out: exact products and sums
     assert _rel(w4a16_gemv(xb, *args, out_dtype=torch.float32), xb.float() @ w.T) < 2e-5
     if group == 128 or N == 576:
-        for variant, bn, tpi, nw, sk, pf, nh in (('2d', 64, 4, 4, 2, 1, 1), ('2d', 128, 2, 4, 2, 0, 2), ('3d', 32, 4, 4, 1, 1, 1),
-                                                 ('3d', 16, 2, 2, 4, 0, 1), ('dot', 64, 1, 4, 2, 0, 1)):
-            if tiles % (sk * tpi): continue                        # the GEMV variants with split-K and prefetch
-            y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, variant=variant, prefetch=pf, nh=nh)
-            assert _rel(y, x @ w.T) < _gemv_tol(bits, group), (N, K, variant, bn, tpi, sk)
+        for bn, tpi, nw, sk, pf, nh in ((64, 4, 4, 2, 1, 1), (128, 2, 4, 2, 0, 2)):
+            if tiles % (sk * tpi): continue                        # the GEMV with split-K and prefetch
+            y = w4a16_gemv(x, *args, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, prefetch=pf, nh=nh)
+            assert _rel(y, x @ w.T) < _gemv_tol(bits, group), (N, K, bn, tpi, sk)
     for M in (1, 16, 300):                                         # rows as interleaved gate/up: the fused activation
         x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
         ref = silu_and_mul_ref(x.float() @ w.T, interleaved=True)

@@ -10,49 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..layers.basic import Linear
+from ..kernels.w4a16_layout import TILE_K, padded_k, check_layout, dequantize_packed_ref
 
 # %% auto #0
-__all__ = ['TILE_K', 'AWQ_ORDER', 'check_layout', 'dequantize_packed_ref', 'padded_k', 'pack_weights', 'unpack_weights',
-           'group_params', 'quantize_levels', 'quantize_rtn', 'QuantLinear', 'W4A16Linear', 'gptq_to_levels',
-           'awq_to_levels', 'levels_to_gptq', 'levels_to_awq']
+__all__ = ['AWQ_ORDER', 'pack_weights', 'unpack_weights', 'group_params', 'quantize_levels', 'quantize_rtn', 'QuantLinear',
+           'W4A16Linear', 'gptq_to_levels', 'awq_to_levels', 'levels_to_gptq', 'levels_to_awq']
 
 # %% ../../nbs/46_w4a16.ipynb #d8def9ae
-TILE_K = 128
-
-def check_layout(qweight, scales, offsets, bits, group, N, K):
-    "Validate packed buffers; returns `(Kp, G)` (G = the stored group, Kp for per-channel)."
-    if bits not in (4, 8): raise ValueError(f"bits must be 4 or 8, got {bits}")
-    C = 4 * bits
-    Kp = -(-K // TILE_K) * TILE_K
-    G = Kp if group in (-1, None) else group
-    if not ((G % C == 0 and TILE_K % G == 0) or G % TILE_K == 0):
-        raise ValueError(f"group {group} must be a multiple of {C} dividing {TILE_K}, a multiple of {TILE_K}, or -1")
-    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (Kp * bits // 32, N):
-        raise ValueError(f"qweight must be int32 [{Kp * bits // 32}, {N}], got {qweight.dtype} {tuple(qweight.shape)}")
-    ng = -(-Kp // G)
-    for name, v in (('scales', scales), ('offsets', offsets)):
-        if v.dtype != torch.float16 or tuple(v.shape) != (ng, N):
-            raise ValueError(f"{name} must be float16 [{ng}, {N}], got {v.dtype} {tuple(v.shape)}")
-    if qweight.numel() >= 2 ** 31: raise ValueError("weights over 2**31 words are not supported")
-    return Kp, G
-
-
-
-def dequantize_packed_ref(qweight, scales, offsets, bits, group, N, K, dtype=torch.float32):
-    "Plain PyTorch: the packed weight as `[N, K]` (fp32 arithmetic, then `dtype`)."
-    Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
-    C, vpw = 4 * bits, 32 // bits
-    sh = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
-    q = (qweight.view(Kp // TILE_K, 1, C, N) >> sh.view(1, vpw, 1, 1)) & ((1 << bits) - 1)  # [T, j, c, N]
-    q = q.reshape(Kp, N).float()                                                            # k = t*128 + j*C + c
-    s = scales.float().repeat_interleave(G, 0)[:Kp]
-    o = offsets.float().repeat_interleave(G, 0)[:Kp]
-    return (s * q + o)[:K].T.contiguous().to(dtype)
-
-def padded_k(K: int) -> int:
-    "K rounded up to a multiple of the 128-wide K-tile."
-    return -(-K // TILE_K) * TILE_K
-
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
     "int64 holding 32-bit patterns -> int32 with the same bits."
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)

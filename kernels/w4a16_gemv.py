@@ -1,0 +1,438 @@
+"""The M = 1 (decode) GEMV over the W4A16 layout: `_gemv_kernel` and its launcher `w4a16_gemv`.
+
+A program owns `BN` output columns and `TPS` consecutive K-tiles (program axis 1 splits K; the splits meet in the
+self-zeroing workspace of `split_k`). Per K-tile it loads the `[C, BN]` words, turns every bit field into floats in
+registers (`w4a16_fields`) and multiplies it by the field's contiguous run of x into an fp32 register tile; the
+scales are applied once per group and word, and the cross-thread reduction happens once, after the K loop.
+What each switch does, and why:
+
+- `TPI` K-tiles per iteration, all words loaded first: more bytes in flight per thread.
+- `NH = 2`: the program's columns as two tiles of the same layout. Triton gives each thread 4 columns of a
+  `[C, BN]` tile, so an x value it loads and converts serves 4 weights; with two tiles a thread holds the same rows
+  in both and one x value serves 8.
+- `PF`: the next iteration's words are loaded before this one's math (register prefetch), iterations in pairs with
+  the words in two alternating register sets, so no copy of the prefetched words is needed.
+- `EVEN_N`: columns that divide evenly load without masks (no predicates, no zeroed targets).
+- `SLOT` (4-bit, groups >= 64, chosen in `_gemv_tile`): fields where they lie in the word (`field_slot`).
+- `RS` (4-bit, groups >= 64, `NH = 2`, `TPI = 1`): the K-tile's 16 word rows as two `[8, BN/2]` halves that a
+  thread chains into one sum (`_gemv_tile_rs`): half the scale updates and accumulators.
+- `SYM` (4-bit, groups >= 64; the caller vouches `offsets == -8 * scales`): the sums start at
+  `-sum(x (2**E + 8))`, so neither `sum x` nor the offsets are in the loop.
+- `PDL`: the first iteration's words (weights, which no kernel writes) are loaded before `pdl_wait`, so the weight
+  stream starts while the previous kernel finishes (`pdl`).
+- `ACT`: W's rows interleave gate and up; the epilogue writes `silu(gate) * up` from the fp32 sums (one kernel
+  less per MLP).
+
+Launch configurations per shape are tuned data (`configs/w4a16_gemv/`, loaded by `tuned`); `maxnreg` caps the
+registers per thread (ptxas schedules differently under a cap, and more programs fit per SM).
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+from cvllm_lab.kernels.split_k import split_add, split_for, split_k_workspace, split_take
+from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f, field_slot, x_slot, x_start, x_unslot
+from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
+
+__all__ = ['w4a16_gemv']
+_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+
+
+@triton.jit
+def _silu_and_mul_pairs(y, BN: tl.constexpr):
+    "`silu(gate) * up` `[BN / 2]` of a `[BN]` tile whose entries interleave gate and up (`2i`: gate_i, `2i + 1`: up_i)."
+    g, u = tl.split(tl.reshape(y, [BN // 2, 2]))
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _store_act(y, out_ptr, col0, N, BW: tl.constexpr):
+    "`silu(gate) * up` of the fp32 sums `y` of the interleaved gate/up columns `col0 ..`: outputs `col0 / 2 ..`."
+    rh = col0 // 2 + tl.arange(0, BW // 2)
+    tl.store(out_ptr + rh, _silu_and_mul_pairs(y, BW).to(out_ptr.dtype.element_ty), mask=rh < N // 2)
+
+
+@triton.jit
+def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr, ACT: tl.constexpr):
+    "Write a GEMV program's column sums: `y` for columns `rn`, with NH = 2 also `y2` for `rn + BNH` (ACT: activated)."
+    if ACT:
+        _store_act(y, out_ptr, col0, N, BNH)
+        if NH == 2:
+            _store_act(y2, out_ptr, col0 + BNH, N, BNH)
+    else:
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+        if NH == 2:
+            tl.store(out_ptr + rn + BNH, y2.to(out_ptr.dtype.element_ty), mask=nmask2)
+
+
+@triton.jit
+def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
+              ACT: tl.constexpr, SPLIT: tl.constexpr):
+    """A GEMV program's epilogue: reduce its accumulators over the rows and write the columns (`_gemv_put`); with
+    SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`split_add`'s barrier
+    covers both adds) and the tile's last program writes."""
+    y = tl.sum(acc, 0)
+    y2 = tl.sum(acc2, 0)
+    if SPLIT == 1:
+        _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+    else:
+        if NH == 2:
+            tl.atomic_add(ws_ptr + rn + BNH, y2, mask=nmask2, sem='relaxed')
+        if split_add(y, nmask, ws_ptr + rn, cnt_ptr, SPLIT):
+            ya = split_take(y, nmask, ws_ptr + rn, cnt_ptr)
+            yb = ya
+            if NH == 2:
+                yb = split_take(y2, nmask2, ws_ptr + rn + BNH, cnt_ptr)
+            _gemv_put(ya, yb, out_ptr, rn, nmask, nmask2, col0, N, BNH, NH, ACT)
+
+
+@triton.jit
+def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr, SLOT: tl.constexpr):
+    """`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row (SLOT: the sums
+    are `sum x q` without `1`s, so `S = scale`, `B = offset`)."""
+    if EVEN_N:
+        s = tl.load(s_ptr + idx).to(tl.float32)
+        o = tl.load(o_ptr + idx).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
+    if not SLOT:
+        s = s * (1 << BITS)
+        o = o - s
+    return s, o
+
+
+@triton.jit
+def _gemv_x(xb, kb, rc, K, J: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
+    "The `[C]` x values of bit field `J` of a K-tile (x at `xb`, the tile at `kb`), kept in cache (`evict_last`)."
+    if EVEN_K:
+        return tl.load(xb + J * C, eviction_policy='evict_last')
+    else:
+        return tl.load(xb + J * C, mask=(kb + J * C + rc) < K, other=0.0, eviction_policy='evict_last')
+
+
+@triton.jit
+def _x_field(xb, kb, rc, K, J: tl.constexpr, EVEN_K: tl.constexpr):
+    "4-bit field `J`'s x values of a K-tile (`_gemv_x`), scaled for `field_slot` (`x_slot`)."
+    return x_slot(_gemv_x(xb, kb, rc, K, J, 16, EVEN_K), J)
+
+
+@triton.jit
+def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
+               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               NH: tl.constexpr, BNH: tl.constexpr, SYM: tl.constexpr = False):
+    """acc[C, BNH] += the products of one K-tile: `words` [C, BNH], x at `xb` (+ field offsets), scale rows from
+    `sp`; with NH = 2 also acc2 for `words2`, the columns BNH further on, with the same x values (each thread holds
+    the same rows of both, so one x load and conversion serves 8 columns instead of 4). SYM (4-bit, groups >= 64):
+    offsets are -8 scale, folded into the sums' start (`x_start`)."""
+    C: tl.constexpr = 4 * BITS
+    GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
+    JPG: tl.constexpr = GW // C                # bit fields per scale group
+    NG: tl.constexpr = 128 // GW               # scale groups per tile
+    SLOT: tl.constexpr = BITS == 4 and JPG > 2  # fields where they lie (`field_slot`), x scaled to match
+    for gi in tl.static_range(NG):
+        row = (kb + gi * GW) // G * sp
+        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, BITS, EVEN_N, SLOT)
+        s2, o2 = s, o
+        if NH == 2:
+            s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N, SLOT)
+        if SLOT:   # x sums first (the loads below are the same, CSE'd): xs = sum x, xsp = sum x * 2**E
+            for jj in tl.static_range(JPG):
+                xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
+                if jj == 0:
+                    if not SYM:
+                        xs = x_unslot(xq, gi * JPG + jj)
+                    xsp = x_start(xq, gi * JPG + jj, SYM)
+                else:
+                    if not SYM:
+                        xs += x_unslot(xq, gi * JPG + jj)
+                    xsp += x_start(xq, gi * JPG + jj, SYM)
+            tf = tl.zeros_like(acc) - xsp[:, None]
+            tf2 = tf
+            for jj in tl.static_range(JPG):
+                xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
+                tf += field_slot(words, gi * JPG + jj, ONE) * xq[:, None]
+                if NH == 2:
+                    tf2 += field_slot(words2, gi * JPG + jj, ONE) * xq[:, None]
+        else:
+            for jj in tl.static_range(JPG):
+                xj = _gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K).to(tl.float32)
+                f = field_f(words, gi * JPG + jj, BITS, ONE)
+                f2 = f
+                if NH == 2:
+                    f2 = field_f(words2, gi * JPG + jj, BITS, ONE)
+                if JPG <= 2:   # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
+                    acc += (f * s[None, :] + o[None, :]) * xj[:, None]
+                    if NH == 2:
+                        acc2 += (f2 * s2[None, :] + o2[None, :]) * xj[:, None]
+                else:
+                    if jj == 0:
+                        tf = f * xj[:, None]
+                        tf2 = f2 * xj[:, None]
+                        xs = xj
+                    else:
+                        tf += f * xj[:, None]
+                        if NH == 2:
+                            tf2 += f2 * xj[:, None]
+                        xs += xj
+        if JPG > 2:
+            acc += tf * s[None, :]       # two separate updates: two FFMAs, not FMUL + FFMA + FADD
+            if not (SLOT and SYM):
+                acc += xs[:, None] * o[None, :]
+            if NH == 2:
+                acc2 += tf2 * s2[None, :]
+                if not (SLOT and SYM):
+                    acc2 += xs[:, None] * o2[None, :]
+    return acc, acc2
+
+
+@triton.jit
+def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
+                  G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BNH: tl.constexpr,
+                  SYM: tl.constexpr):
+    """`_gemv_tile` for 4-bit groups >= 64 with NH = 2, the K-tile's 16 word rows as two `[8, BNH]` halves (`wa`:
+    rows 0-7, `wb`: 8-15; `wa2`, `wb2` the columns BNH further on): a thread holds one row of each half and chains
+    both into one `[8, BNH]` sum per column tile, so the per-group scale updates and the accumulators are half
+    of `_gemv_tile`'s (fields as `field_slot`)."""
+    GW: tl.constexpr = G if G < 128 else 128
+    JPG: tl.constexpr = GW // 16
+    NG: tl.constexpr = 128 // GW
+    for gi in tl.static_range(NG):
+        row = (kb + gi * GW) // G * sp
+        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, 4, EVEN_N, True)
+        s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, 4, EVEN_N, True)
+        for jj in tl.static_range(JPG):   # x sums first (the loads below are the same, CSE'd)
+            xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
+            xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
+            if jj == 0:
+                xsp = x_start(xa, gi * JPG + jj, SYM) + x_start(xc, gi * JPG + jj, SYM)
+                if not SYM:
+                    xs = x_unslot(xa, gi * JPG + jj) + x_unslot(xc, gi * JPG + jj)
+            else:
+                xsp += x_start(xa, gi * JPG + jj, SYM) + x_start(xc, gi * JPG + jj, SYM)
+                if not SYM:
+                    xs += x_unslot(xa, gi * JPG + jj) + x_unslot(xc, gi * JPG + jj)
+        tf = tl.zeros_like(acc) - xsp[:, None]
+        tf2 = tf
+        for jj in tl.static_range(JPG):
+            xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
+            xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
+            tf += field_slot(wa, gi * JPG + jj, ONE) * xa[:, None]
+            tf += field_slot(wb, gi * JPG + jj, ONE) * xc[:, None]
+            tf2 += field_slot(wa2, gi * JPG + jj, ONE) * xa[:, None]
+            tf2 += field_slot(wb2, gi * JPG + jj, ONE) * xc[:, None]
+        acc += tf * s[None, :]
+        acc2 += tf2 * s2[None, :]
+        if not SYM:
+            acc += xs[:, None] * o[None, :]
+            acc2 += xs[:, None] * o2[None, :]
+    return acc, acc2
+
+
+@triton.jit
+def _wload(ptr, mask, EVEN_N: tl.constexpr):
+    "One word tile, streamed (`evict_first`); unmasked when the columns divide evenly (no predicates, no zeroing)."
+    if EVEN_N:
+        return tl.load(ptr, eviction_policy='evict_first')
+    return tl.load(ptr, mask=mask[None, :], other=0, eviction_policy='evict_first')
+
+
+@triton.jit
+def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr,
+                RS: tl.constexpr = False, EVEN_N: tl.constexpr = False):
+    """The word tiles `[C, BNH]` of one iteration: K-tiles t .. t + TPI - 1 (NH = 1), or (K-tile, column half)
+    (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones. RS: the
+    `[C / 2, BNH]` row halves (rows, columns) (0, 0), (1, 0), (0, 1), (1, 1) of K-tile t."""
+    if RS:
+        w0 = _wload(wp + t * C * N, nmask, EVEN_N)
+        w1 = _wload(wp + t * C * N + C // 2 * N, nmask, EVEN_N)
+        w2 = _wload(wp + t * C * N + BNH, nmask2, EVEN_N)
+        w3 = _wload(wp + t * C * N + C // 2 * N + BNH, nmask2, EVEN_N)
+        return w0, w1, w2, w3
+    w0 = _wload(wp + t * C * N, nmask, EVEN_N)
+    w1 = w0
+    if NH == 2:
+        w1 = _wload(wp + t * C * N + BNH, nmask2, EVEN_N)
+    w2 = w0
+    w3 = w1
+    if NH == 1:
+        if TPI > 1:
+            w1 = _wload(wp + (t + 1) * C * N, nmask, EVEN_N)
+        if TPI > 2:
+            w2 = _wload(wp + (t + 2) * C * N, nmask, EVEN_N)
+            w3 = _wload(wp + (t + 3) * C * N, nmask, EVEN_N)
+    else:
+        if TPI > 1:
+            w2 = _wload(wp + (t + 1) * C * N, nmask, EVEN_N)
+            w3 = _wload(wp + (t + 1) * C * N + BNH, nmask2, EVEN_N)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr,
+               NH: tl.constexpr, BNH: tl.constexpr, RS: tl.constexpr = False, SYM: tl.constexpr = False):
+    "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
+    if RS:
+        acc, acc2 = _gemv_tile_rs(acc, acc2, w0, w1, w2, w3, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                  nmask2, t * 128, K, ONE, G, EVEN_K, EVEN_N, BNH, SYM)
+    elif NH == 1:
+        acc, acc2 = _gemv_tile(acc, acc2, w0, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+        if TPI > 1:
+            acc, acc2 = _gemv_tile(acc, acc2, w1, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+        if TPI > 2:
+            acc, acc2 = _gemv_tile(acc, acc2, w2, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 2) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+            acc, acc2 = _gemv_tile(acc, acc2, w3, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 3) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+    else:
+        acc, acc2 = _gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
+                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+        if TPI > 1:
+            acc, acc2 = _gemv_tile(acc, acc2, w2, w3, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
+                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+    return acc, acc2
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
+                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
+                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr, SYM: tl.constexpr):
+    """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
+    (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
+    share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
+    next iteration's words are loaded before this one's math, iterations in pairs so that the two register sets
+    alternate instead of being copied (the last pair re-reads its own tiles: L2 hits; an odd count ends with one).
+    With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
+    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`). SYM (4-bit, groups >= 64):
+    the offsets are -8 scale and are not read (`x_start`)."""
+    tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
+    tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
+    tl.static_assert(not RS or (BITS == 4 and G >= 64 and NH == 2 and TPI == 1))
+    tl.static_assert(not SYM or (BITS == 4 and G >= 64))
+    C: tl.constexpr = 4 * BITS
+    CR: tl.constexpr = C // (1 + RS)   # word rows per tile
+    BNH: tl.constexpr = BN // NH
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    col0 = pid_n * BN
+    rn = col0 + tl.arange(0, BNH)
+    rc = tl.arange(0, CR)
+    wp = qw_ptr + rc[:, None] * N + rn[None, :]   # [CR, BNH] word tile of K-tile 0
+    nmask = rn < N
+    nmask2 = rn + BNH < N
+    acc = tl.zeros([CR, BNH], dtype=tl.float32)
+    acc2 = tl.zeros([CR, BNH], dtype=tl.float32)
+    t0 = pid_k * TPS
+    ts = t0
+    if PF or PDL:
+        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+    pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
+    pdl_launch(PDL)
+    if PDL:
+        if not PF:   # peel the first iteration: its words are in flight already
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
+                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+            ts = t0 + TPI
+    if PF:   # iterations in pairs, the words ping-ponged between two register sets (no copies of a rotation)
+        last = t0 + TPS - TPI
+        for t in range(ts, last, 2 * TPI):
+            m0, m1, m2, m3 = _gemv_words(wp, t + TPI, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
+                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + 2 * TPI, last), N, nmask, nmask2, C, TPI, NH, BNH, RS,
+                                         EVEN_N)   # the last pair re-reads its own tile (L2 hits)
+            acc, acc2 = _gemv_iter(acc, acc2, m0, m1, m2, m3, t + TPI, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
+                                   K, ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+        if (TPS // TPI) % 2 == 1:   # an odd count: the last iteration, its words loaded by the last pair (or above)
+            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, last, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
+                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+    else:
+        for t in range(ts, t0 + TPS, TPI):
+            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+            acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
+                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+    _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
+
+
+GEMV_DEFAULT = dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, target=7, pf=True)
+GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, target=7, pf=False)
+# maxnreg: register caps from the H200 sweeps (results/h200_gemv_maxnreg_sweep.csv at f620da0, then
+# results/h200_gemv_slot_sweep.csv at 886260d for the `field_slot` kernel); ptxas schedules differently under a cap.
+# rs: row halves (`_gemv_tile_rs`, on by default where it applies): gate_up 25.0 -> 23.9 us, down 14.5 -> 14.0 us;
+# o measured 6.86 with it against 6.81 without. Layer 59.4 us (19b5906) -> 52.3 us. Caps of o (72) and down (96)
+# re-swept for symmetric layers with the paired-iteration loop (results/h200_gemv_sym_sweep.csv at 58d845f).
+GEMV_CONFIGS = {   # nh=2 from the H200 sweep at 547384b (results/h200_gemv_nh_sweep.csv): layer 65.5 -> 58.8 us
+    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2, maxnreg=168),
+    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=72,
+                          rs=False),
+    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2, maxnreg=96),
+    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=96),
+}
+# Groups < 64 (GGUF q4_k / q4_0 / q8_0 repacks, g32) per (N, K, bits), from the `q4k` sweep (H200, 02a8421): qkv
+# 11.9 -> 11.45 us, o 9.1 -> 8.3 us; gate_up and down keep the generic config (within 0.4 us of their best).
+# nh=2 (547384b): qkv 11.9 -> 11.2 us, gate_up 41.1 -> 39.3 us; o and down measured slower with it (8.9, 25.0 us).
+GEMV_SMALL_CONFIGS = {   # maxnreg from the sweep at f620da0: layer 83.0 -> 78.4 us (gate_up 40.9 -> 37.2)
+    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=False, nh=2),
+    (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=16, pf=False, maxnreg=64),
+    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=4, pf=False, nh=2, maxnreg=128),
+    (4096, 14336, 4): dict(GEMV_SMALL_GROUP, maxnreg=96),
+}
+# Batched (1 < M <= MM_MAX_M): by the M bucket (16, 32, 64, 128), per (N, K, bits, bucket) where measured.
+
+
+
+def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
+               num_warps=None, split_k=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
+               maxnreg=None, rs=None, sym=False):
+    """`x` `[1, K]` @ W.T -> `[1, N]` with `_gemv_kernel`. Arguments left at None come from the tuned config of the
+    shape (`bn` columns per program, `tpi` K-tiles per iteration, warps, stages, `prefetch`, `nh`, `maxnreg`,
+    `rs`). `split_k` programs per column block share the K-tiles and meet in the self-zeroing workspace. `pdl`:
+    programmatic dependent launch (default: `pdl_on`). `act='silu_and_mul'`: W's rows interleave gate and up;
+    returns `silu(gate) * up` `[1, N / 2]` from the kernel's epilogue. `nh=2`: the program's `bn` columns as two
+    tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
+    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies).
+    `sym`: the caller vouches that `offsets == -8 * scales` (symmetric 4-bit); used where the kernel takes the fields
+    in place (4-bit, groups >= 64), which then reads no offsets."""
+    assert x.shape == (1, K), x.shape
+    assert act in (None, 'silu_and_mul'), act
+    Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
+    if nh not in (None, 1, 2): raise ValueError(f"nh={nh}: 1 or 2 column tiles per program")
+    x = x.contiguous()
+    tiles = Kp // TILE_K
+    cfg = GEMV_SMALL_CONFIGS.get((N, K, bits), GEMV_SMALL_GROUP) if G < 64 else GEMV_CONFIGS.get((N, K, bits), GEMV_DEFAULT)
+    default = bn is None and tpi is None
+    bn = bn or (16 if _INTERPRET else cfg['bn'])
+    tpi = tpi or (2 if _INTERPRET else cfg['tpi'])
+    num_warps = num_warps or cfg['num_warps']
+    num_stages = num_stages or cfg['num_stages']
+    prefetch = cfg['pf'] if prefetch is None else prefetch
+    nh = nh or cfg.get('nh', 1)
+    maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
+    if nh == 2 and bn % 2: raise ValueError(f"nh=2 needs an even block N, got bn={bn}")
+    tpi = min(tpi, 4 if nh == 1 else 2)
+    while tiles % tpi: tpi //= 2
+    progs = triton.cdiv(N, bn)
+    if split_k is None:
+        split_k = split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
+    elif tiles % split_k or (tiles // split_k) % tpi:
+        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
+    if act and (N % 2 or (bn // nh) % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
+    out = torch.empty(1, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
+    ws, cnt = split_k_workspace(x.device, N, progs)
+    if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks) launch without PDL
+    rs_ok = bits == 4 and G >= 64 and nh == 2 and tpi == 1
+    if rs and not rs_ok: raise ValueError("rs=True needs 4 bits, groups >= 64, nh=2 and tpi=1")
+    if rs is None: rs = rs_ok and (cfg.get('rs', True) if default else True)
+    _gemv_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, F32_ONE,
+                                   BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
+                                   SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+                                   **pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs),
+                                   SYM=bool(sym) and bits == 4 and G >= 64, **({'maxnreg': maxnreg} if maxnreg else {}))
+    return out
