@@ -34,6 +34,7 @@ import triton.language as tl
 from cvllm_lab.quant.fp8 import BLOCK, dequantize_fp8_block
 from cvllm_lab.kernels.split_k import batched_plan, m_bucket, split_for, split_k_workspace, store_out
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fp8_matmul', 'fp8_gemv', 'fp8_mm', 'fp8_matmul_ref']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
@@ -131,20 +132,6 @@ def _check(weight, scale, N, K):
     return nb, kb
 
 
-# Defaults from the H200 sweeps (tests/bench_quant.py, results/h200_quant_kernels.csv): per (N, K) where measured,
-# else the generic config; `split` fixes split-K, else `target` = programs wanted in multiples of the SM count.
-GEMV_DEFAULT = dict(bn=16, tpi=4, num_warps=4, num_stages=1, target=2)
-GEMV_CONFIGS = {
-    (6144, 4096): dict(bn=8, tpi=4, num_warps=4, num_stages=1, split=1),
-    (4096, 4096): dict(bn=64, tpi=2, num_warps=8, num_stages=1, split=4),
-    (28672, 4096): dict(bn=16, tpi=2, num_warps=4, num_stages=3, split=1),
-    (4096, 14336): dict(bn=16, tpi=4, num_warps=4, num_stages=1, split=2),
-}
-MM_DEFAULT = {16: dict(bn=64, num_warps=4, num_stages=3, target=4), 32: dict(bn=64, num_warps=4, num_stages=3, target=4),
-              64: dict(bn=64, num_warps=4, num_stages=3, target=2), 128: dict(bn=64, num_warps=4, num_stages=3, target=1)}
-MM_CONFIGS = {}
-
-
 def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warps=None, split_k=None, num_stages=None,
              pdl=None):
     """`x` `[1, K]` @ W.T -> `[1, N]` with the FP8 GEMV kernel (`split_k` programs per row block meet in the
@@ -152,7 +139,8 @@ def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warp
     assert x.shape == (1, K), x.shape
     _, kb = _check(weight, scale, N, K)
     x = x.contiguous()
-    cfg = GEMV_CONFIGS.get((N, K), GEMV_DEFAULT)
+    T = configs_for('fp8_gemv', x.device)
+    cfg = T['shapes'].get((N, K), T['default'])
     default = bn is None and tpi is None
     bn = bn or (8 if _INTERPRET else cfg['bn'])
     assert BLOCK % bn == 0, bn
@@ -162,7 +150,7 @@ def fp8_gemv(x, weight, scale, N, K, out_dtype=None, bn=None, tpi=None, num_warp
     num_stages = num_stages or cfg['num_stages']
     progs = triton.cdiv(N, bn)
     if split_k is None:
-        split_k = split_for(cfg if default else GEMV_DEFAULT, kb, progs, tpi, x.device)
+        split_k = split_for(cfg if default else T['default'], kb, progs, tpi, x.device)
     elif kb % split_k or (kb // split_k) % tpi:
         raise ValueError(f"split_k={split_k} must divide the {kb} K-blocks into multiples of tpi={tpi}")
     out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
@@ -181,7 +169,8 @@ def fp8_mm(x, weight, scale, N, K, out_dtype=None, bm=None, bn=None, num_warps=N
     _, kb = _check(weight, scale, N, K)
     x = x.contiguous()
     b = m_bucket(M)
-    cfg = MM_CONFIGS.get((N, K, b), MM_DEFAULT[b])
+    T = configs_for('fp8_mm', x.device)
+    cfg = T['shapes'].get((N, K, b), T['default'][b])
     bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, kb, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype, 'K-blocks')
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'

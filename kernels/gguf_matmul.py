@@ -48,6 +48,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as GT, GGML_QUANT_SIZES
 
+from cvllm_lab.kernels.tuned import configs_for
+
 __all__ = ['gguf_matmul', 'gguf_gemv', 'gguf_mm', 'gguf_dequantize', 'gguf_matmul_ref', 'KERNEL_TYPES']
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -423,10 +425,6 @@ def _plan(qweight, qtype, N, K):
     return wq, wb, bpr // word, bpr, dict(QT=int(t), NB=nb, NPASS=npass, STEP=step)
 
 
-# GEMV rows per program where the H200 sweep found better than 16 (q4_k: 137 vs 178 us at 4096x14336)
-_GEMV_BN = {GT.Q4_K: 32}
-
-
 def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 1
 
@@ -444,7 +442,8 @@ def gguf_gemv(x, qweight, qtype, N, K, out_dtype=None, bn=None, num_warps=4, spl
     assert 1 <= M <= 4 and x.shape[1] == K, x.shape
     x = x.contiguous()
     wq, wb, wpr, bpr, meta = _plan(qweight, qtype, N, K)
-    bn = bn or (8 if _INTERPRET else _GEMV_BN.get(_qtype(qtype), 16))
+    T = configs_for('gguf_gemv', x.device)
+    bn = bn or (8 if _INTERPRET else T['types'].get(_qtype(qtype).name, T['default'])['bn'])
     bm = 1 if M == 1 else 2 if M == 2 else 4
     tiles = triton.cdiv(N, bn)
     sk = _split_k(tiles, K // meta['STEP'], x.device, split_k)

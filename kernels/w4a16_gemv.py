@@ -34,6 +34,7 @@ import triton.language as tl
 
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_add, split_for, split_k_workspace, split_take
+from cvllm_lab.kernels.tuned import configs_for
 from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f, field_slot, x_slot, x_start, x_unslot
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
@@ -361,33 +362,6 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
-GEMV_DEFAULT = dict(variant='2d', bn=64, tpi=4, num_warps=4, num_stages=1, target=7, pf=True)
-GEMV_SMALL_GROUP = dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, target=7, pf=False)
-# maxnreg: register caps from the H200 sweeps (results/h200_gemv_maxnreg_sweep.csv at f620da0, then
-# results/h200_gemv_slot_sweep.csv at 886260d for the `field_slot` kernel); ptxas schedules differently under a cap.
-# rs: row halves (`_gemv_tile_rs`, on by default where it applies): gate_up 25.0 -> 23.9 us, down 14.5 -> 14.0 us;
-# o measured 6.86 with it against 6.81 without. Layer 59.4 us (19b5906) -> 52.3 us. Caps of o (72) and down (96)
-# re-swept for symmetric layers with the paired-iteration loop (results/h200_gemv_sym_sweep.csv at 58d845f).
-GEMV_CONFIGS = {   # nh=2 from the H200 sweep at 547384b (results/h200_gemv_nh_sweep.csv): layer 65.5 -> 58.8 us
-    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=True, nh=2, maxnreg=168),
-    (4096, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=32, pf=True, nh=2, maxnreg=72,
-                          rs=False),
-    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=4, pf=True, nh=2, maxnreg=96),
-    (4096, 14336, 4): dict(variant='2d', bn=128, tpi=1, num_warps=4, num_stages=1, split=28, pf=True, nh=2, maxnreg=96),
-}
-# Groups < 64 (GGUF q4_k / q4_0 / q8_0 repacks, g32) per (N, K, bits), from the `q4k` sweep (H200, 02a8421): qkv
-# 11.9 -> 11.45 us, o 9.1 -> 8.3 us; gate_up and down keep the generic config (within 0.4 us of their best).
-# nh=2 (547384b): qkv 11.9 -> 11.2 us, gate_up 41.1 -> 39.3 us; o and down measured slower with it (8.9, 25.0 us).
-GEMV_SMALL_CONFIGS = {   # maxnreg from the sweep at f620da0: layer 83.0 -> 78.4 us (gate_up 40.9 -> 37.2)
-    (6144, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=8, pf=False, nh=2),
-    (4096, 4096, 4): dict(variant='2d', bn=64, tpi=2, num_warps=4, num_stages=1, split=16, pf=False, maxnreg=64),
-    (28672, 4096, 4): dict(variant='2d', bn=128, tpi=2, num_warps=4, num_stages=1, split=4, pf=False, nh=2, maxnreg=128),
-    (4096, 14336, 4): dict(GEMV_SMALL_GROUP, maxnreg=96),
-}
-# Batched (1 < M <= MM_MAX_M): by the M bucket (16, 32, 64, 128), per (N, K, bits, bucket) where measured.
-
-
-
 def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
                num_warps=None, split_k=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
                maxnreg=None, rs=None, sym=False):
@@ -406,7 +380,9 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     if nh not in (None, 1, 2): raise ValueError(f"nh={nh}: 1 or 2 column tiles per program")
     x = x.contiguous()
     tiles = Kp // TILE_K
-    cfg = GEMV_SMALL_CONFIGS.get((N, K, bits), GEMV_SMALL_GROUP) if G < 64 else GEMV_CONFIGS.get((N, K, bits), GEMV_DEFAULT)
+    T = configs_for('w4a16_gemv', x.device)
+    cfg = (T['small_group_shapes'].get((N, K, bits), T['small_group']) if G < 64 else
+           T['shapes'].get((N, K, bits), T['default']))
     default = bn is None and tpi is None
     bn = bn or (16 if _INTERPRET else cfg['bn'])
     tpi = tpi or (2 if _INTERPRET else cfg['tpi'])

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import batched_plan, m_bucket, store_out
+from cvllm_lab.kernels.tuned import configs_for
 from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, padded_k
 
@@ -194,21 +195,6 @@ def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE,
                      mask=nmask[None, :] & (k < K)[:, None])
 
 
-MM_DEFAULT = {16: dict(bn=256, num_warps=4, num_stages=3, target=2), 32: dict(bn=256, num_warps=4, num_stages=3, target=2),
-              64: dict(bn=128, num_warps=4, num_stages=3, target=2), 128: dict(bn=128, num_warps=4, num_stages=3, target=1)}
-# 4-bit groups < 128 (GGUF q4_0/q4_1/q4_k repacks, g32/g64): per-weight dequantization (PERGROUP off) and the
-# configuration of the previous `_mm_kernel` (block N 64, 4 warps; split-K up to 2 programs per SM). Not re-measured:
-# the last H200 run had them on the g128 path (PERGROUP, block N 256), 195.6 us per q4_k layer at M=16 against
-# 157.8 us for the previous kernel, so this restores the previous kernel's settings (expected <= 157.8 us).
-MM_SMALL_GROUP = dict(bn=64, num_warps=4, num_stages=3, target=2)
-MM_CONFIGS = {
-    (6144, 4096, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=4),
-    (4096, 4096, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
-    (28672, 4096, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=1),
-    (4096, 14336, 4, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
-}
-
-
 def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
              split_k=None, num_stages=None, target=None):
     """`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel: one program per (N-block, K-split,
@@ -220,7 +206,8 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     tiles = Kp // TILE_K
     b = m_bucket(M)
     small = bits == 4 and G < TILE_K
-    cfg = MM_SMALL_GROUP if small else MM_CONFIGS.get((N, K, bits, b), MM_DEFAULT[b])
+    T = configs_for('w4a16_mm', x.device)
+    cfg = T['small_group'] if small else T['shapes'].get((N, K, bits, b), T['default'][b])
     bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype)
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
@@ -229,23 +216,6 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
         BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
         PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
     return out
-
-
-# Tensor-core kernel: per (N, K, M bucket) from the H200 sweep (results/h200_tc_sweep.csv), else TC_DEFAULT; the
-# M buckets 32 and 128 were not swept.
-
-
-TC_DEFAULT = dict(bn=128, num_warps=4, num_stages=3, target=2)
-TC_CONFIGS = {
-    (6144, 4096, 16): dict(bn=128, num_warps=2, num_stages=3, split=8),
-    (4096, 4096, 16): dict(bn=128, num_warps=4, num_stages=2, split=16),
-    (28672, 4096, 16): dict(bn=256, num_warps=4, num_stages=3, split=2),
-    (4096, 14336, 16): dict(bn=256, num_warps=4, num_stages=3, split=16),
-    (6144, 4096, 64): dict(bn=128, num_warps=4, num_stages=3, split=4),
-    (4096, 4096, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
-    (28672, 4096, 64): dict(bn=128, num_warps=4, num_stages=3, split=1),
-    (4096, 14336, 64): dict(bn=128, num_warps=4, num_stages=3, split=8),
-}
 
 
 def tc_supported(x, bits, group, K) -> bool:
@@ -267,7 +237,8 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     x = x.contiguous()
     tiles = Kp // TILE_K
     b = m_bucket(M)
-    cfg = TC_CONFIGS.get((N, K, b), TC_DEFAULT)
+    T = configs_for('w4a16_tc', x.device)
+    cfg = T['shapes'].get((N, K, b), T['default'])
     bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype)
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
