@@ -1,0 +1,260 @@
+"""Fused Mixture-of-Experts: router top-k, token alignment by expert, and two grouped-GEMM Triton launches.
+
+An MoE block maps each token `t` of `x [T, H]` to `sum_j w_tj * expert_{e_tj}(x_t)` over its `k` routed experts,
+with `expert_e(x) = (silu(x @ gate_e.T) * (x @ up_e.T)) @ down_e.T`. The weights are stacked per expert as vLLM and
+`transformers` store them: `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`.
+
+Data flow of `fused_moe` (T tokens, top-k, assignments `a = t * k + j` of the flattened `topk_ids`):
+
+    topk_ids [T, k] --flatten--> [T*k] --moe_align_block_size(block_m)-->   (one Triton program for decode sizes)
+        sorted_token_ids  [EM]  assignment indices grouped by expert, each expert's run padded with the sentinel
+                                T*k to a multiple of block_m:  | e0 e0 e0 pad | e3 pad pad pad | e5 e5 e5 e5 | pad...
+        expert_ids [EM/block_m] the expert of each block:       |     0       |       3        |      5      |  -1
+        num_tokens_post_padded  where the real blocks end (later blocks exit at once)
+    launch 1  _fused_moe_kernel  rows x[a // k]  @ w13[expert].T  -> inter13 [T*k, 2I]   (stored at row a)
+              silu_and_mul                                          -> inter   [T*k, I]
+    launch 2  _fused_moe_kernel  rows inter[a]   @ w2[expert].T * w_a -> out_k [T*k, H]
+              out_k.view(T, k, H).sum(1)                            -> out     [T, H]
+
+Blocks exist only for experts with at least one assignment, so a decode step (few tokens) reads only the
+selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 weight slices are touched.
+`EM` is a static upper bound (`T*k + min(E, T*k) * (block_m - 1)`, rounded up to block_m), so nothing here
+synchronizes with the host and the whole path can be captured in a CUDA graph.
+
+Launch configs come from `DEFAULT_CONFIGS` (a small-M one for decode and a large-M one for prefill) or the
+caller's `config` dict; tuned per-device JSON configs will replace these defaults once they are tuned on a GPU.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from cvllm_lab.kernels.activation import silu_and_mul
+
+__all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
+           'default_config', 'DEFAULT_CONFIGS', 'ALIGN_ONE_PROGRAM_MAX']
+_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+
+# Untuned starting points. 'small_m': few assignments per expert (decode), so short tiles along M and wide
+# K tiles to stream the weights; 'large_m': prefill, square-ish tiles with GROUP_M swizzling for L2 reuse.
+DEFAULT_CONFIGS = {
+    'small_m': dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    'large_m': dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    'interpret': dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+}
+# assignments (T * top_k) up to which one Triton program aligns them (a first guess, to tune with the configs)
+ALIGN_ONE_PROGRAM_MAX = 1024
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
+    "The default launch config for `num_tokens` tokens: small-M while an expert gets about 16 assignments or fewer."
+    if _INTERPRET: return dict(DEFAULT_CONFIGS['interpret'])
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    return dict(DEFAULT_CONFIGS['small_m' if per_expert <= 16 else 'large_m'])
+
+
+# ------------------------------------------------------------------------------------------------ references
+
+def _renormalized(topk_weights):
+    return topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False):
+    """Plain-PyTorch MoE, a loop over experts, in fp32; returns `[T, H]` in `x`'s dtype.
+    `renormalize` divides each token's `topk_weights` by their sum first."""
+    T, H = x.shape
+    w = topk_weights.float()
+    if renormalize: w = _renormalized(w)
+    xf, out = x.float(), torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        t, j = torch.where(topk_ids == e)
+        gate, up = (xf[t] @ w13[e].float().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2[e].float().T
+        out.index_add_(0, t, y * w[t, j, None])
+    return out.to(x.dtype)
+
+
+def select_experts(router_logits, top_k: int, renormalize: bool, scoring: str = 'softmax'):
+    """Router as `transformers`' Qwen2/3-MoE (`norm_topk_prob`) and Mixtral (always renormalized) write it: softmax
+    in fp32 over the experts, top-k, optionally the k weights divided by their sum.
+    `router_logits [T, E]` -> `topk_weights [T, k]` fp32 (Qwen's router casts them back to the logits' dtype;
+    we keep fp32 for the kernel), `topk_ids [T, k]` int32. `scoring='softmax'` only
+    (DeepSeek's sigmoid scoring with a correction bias is not implemented yet)."""
+    if scoring != 'softmax': raise NotImplementedError(f'scoring={scoring!r}: only softmax routing is implemented')
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize: topk_weights = _renormalized(topk_weights)
+    return topk_weights, topk_ids.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------ alignment
+
+def _align_sizes(n: int, block_m: int, num_experts: int) -> int:
+    "EM, the static length of `sorted_token_ids`: at most min(E, n) experts are padded, each by < block_m."
+    return triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+
+
+def moe_align_block_size_ref(topk_ids, block_m: int, num_experts: int):
+    """`moe_align_block_size` with device-wide PyTorch ops (scatter-add counts, cumsum, a stable sort, searchsorted):
+    no host synchronization, about thirty small kernels whatever the size."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n, dev = flat.numel(), flat.device
+    em = _align_sizes(n, block_m, num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start, count_start = padded_end - padded, torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat, stable=True).indices          # assignments grouped by expert, in token order
+    e_sorted = flat[order]
+    dest = padded_start[e_sorted] + torch.arange(n, device=dev) - count_start[e_sorted]
+    sorted_ids = torch.full((em,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    total = padded_end[-1:]
+    block_start = torch.arange(0, em, block_m, device=dev)
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
+    expert_ids = torch.where(block_start < total, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, total.to(torch.int32)
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, EM,
+                      BM: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    "One program: per-expert counts, their padded prefix sums, the block experts, then a stable scatter."
+    experts = tl.arange(0, E_P2)
+    rows = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c in range(0, n, CHUNK):
+        e = tl.load(ids_ptr + c + rows, mask=c + rows < n, other=E_P2).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(ntpp_ptr, total)
+    for c in range(0, EM, CHUNK):
+        tl.store(sorted_ptr + c + rows, tl.zeros([CHUNK], dtype=tl.int32) + n, mask=c + rows < EM)
+    for c in range(0, EM // BM, CHUNK):
+        start = (c + rows) * BM                          # a block's expert: how many experts end at or before it
+        eid = tl.sum((pend[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + c + rows, tl.where(start < total, eid, -1), mask=c + rows < EM // BM)
+    tl.debug_barrier()                                   # the sentinels land before the real entries
+    cur = pend - padded                                  # next free slot of each expert
+    for c in range(0, n, CHUNK):
+        e = tl.load(ids_ptr + c + rows, mask=c + rows < n, other=E_P2).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1    # among this chunk's same-expert rows
+        base = tl.sum(onehot * cur[None, :], axis=1)
+        tl.store(sorted_ptr + base + rank, c + rows, mask=c + rows < n)
+        cur += tl.sum(onehot, axis=0)
+
+
+def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
+    """Group the `T*k` assignments by expert, each expert's run padded to a multiple of `block_m`.
+
+    Returns `sorted_token_ids` int32 `[EM]` (assignment indices `t * k + j` in token order within an expert,
+    sentinel `T*k` for padding and the unused tail), `expert_ids` int32 `[EM // block_m]` (-1 past the real blocks)
+    and `num_tokens_post_padded` int32 `[1]`; no host synchronization. Up to `ALIGN_ONE_PROGRAM_MAX` assignments
+    (decode) one Triton program does it in one launch; above, the device-wide ops of `moe_align_block_size_ref`
+    (the same result), since the single program walks the assignments serially."""
+    n = topk_ids.numel()
+    if n > ALIGN_ONE_PROGRAM_MAX or n == 0: return moe_align_block_size_ref(topk_ids, block_m, num_experts)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous(): ids = ids.contiguous()
+    em = _align_sizes(n, block_m, num_experts)
+    sorted_ids = torch.empty(em, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(em // block_m, dtype=torch.int32, device=ids.device)
+    ntpp = torch.empty(1, dtype=torch.int32, device=ids.device)
+    e_p2 = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, n, em, BM=block_m, E_P2=e_p2,
+                            CHUNK=max(16, min(128, 8192 // e_p2)), num_warps=4)
+    return sorted_ids, expert_ids, ntpp
+
+
+# ------------------------------------------------------------------------------------------------ grouped GEMM
+
+@triton.jit
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
+                      N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                      A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of one
+    block of `sorted_ids` (one expert) and one block of N columns."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n                        # GROUP_M row-blocks share their weight tiles in L2
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):           # past the last real block
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    mask_m = assign < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (assign // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + assign, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + assign[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_div: int, mul_routed: bool, cfg):
+    "out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`."
+    N, K = w.shape[1], w.shape[2]
+    em = sorted_ids.numel()
+    grid = (triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
+    _fused_moe_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, ntpp,
+                            N, K, em, out.shape[0], a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+                            A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
+                            PRECISION='ieee' if a.dtype == torch.float32 else 'tf32',
+                            BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
+                            GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
+    return out
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, renormalize: bool = False):
+    """`fused_moe_ref` with two grouped-GEMM Triton launches (see the module docstring).
+
+    `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
+    `config` overrides the keys of `default_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+    The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32. Returns `[T, H]` in `x`'s dtype."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    k = topk_ids.shape[1]
+    assert w13.shape[2] == H and w2.shape == (E, H, two_i // 2), (x.shape, w13.shape, w2.shape)
+    assert topk_ids.shape == topk_weights.shape == (T, k), (topk_ids.shape, topk_weights.shape)
+    assert x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype, w2.dtype)
+    if T == 0: return x.new_empty(0, H)
+    cfg = {**default_config(T, E, k), **(config or {})}
+    if x.stride(-1) != 1: x = x.contiguous()
+    if w13.stride(-1) != 1: w13 = w13.contiguous()
+    if w2.stride(-1) != 1: w2 = w2.contiguous()
+    tw = topk_weights.float()
+    if renormalize: tw = _renormalized(tw)
+    tw = tw.contiguous()
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
+
+    inter13 = x.new_empty(T * k, two_i)
+    _grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg)
+    inter = silu_and_mul(inter13)                   # non-interleaved: gate = [:, :I], up = [:, I:]
+    out_k = x.new_empty(T * k, H)
+    _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, a_row_div=1, mul_routed=True, cfg=cfg)
+    return out_k.view(T, k, H).sum(dim=1)
