@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_lab.quant.fp8 import BLOCK, dequantize_fp8_block
+from cvllm_lab.kernels.fp8_layout import BLOCK, dequantize_fp8_block
 from cvllm_lab.kernels.split_k import batched_plan, m_bucket, split_for, split_k_workspace, store_out
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.tuned import configs_for

@@ -1,7 +1,7 @@
 """Triton kernels for `y = x @ dequant(W).T` straight from GGUF block bytes, and their PyTorch reference.
 
 `W` is a quantized weight as stored in a GGUF file: `qweight` `uint8 [N, bytes_per_row]`, each row a run of block
-structs (see `cvllm_lab.quant.gguf`). No repacking: the kernels read those bytes through two views of the same
+structs (see `gguf_layout`). No repacking: the kernels read those bytes through two views of the same
 memory, the bytes themselves and a word view (`int32` when the struct size is a multiple of 4 bytes, else `int16`),
 so the bulk quant fields come in as whole words (one load per 4-8 weights, 16-byte vector loads where the struct is
 16-byte aligned, as q4_k's 144 bytes are) and the few scale bytes as single bytes.
@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as GT, GGML_QUANT_SIZES
 
+from cvllm_lab.kernels.gguf_layout import dequantize, parse_qtype
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['gguf_matmul', 'gguf_gemv', 'gguf_mm', 'gguf_dequantize', 'gguf_matmul_ref', 'KERNEL_TYPES']
@@ -400,7 +401,6 @@ _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 
 
 def _qtype(qtype):
-    from cvllm_lab.quant.gguf import parse_qtype
     t = parse_qtype(qtype)
     if t not in _KINFO: raise ValueError(f"no Triton kernel for {t.name}")
     return t
@@ -503,6 +503,5 @@ def gguf_matmul(x, qweight, qtype, N, K):
 
 def gguf_matmul_ref(x, qweight, qtype, N, K):
     "Reference: dequantize with the PyTorch dequantizer, fp32 matmul, cast to x's dtype."
-    from cvllm_lab.quant.gguf import dequantize
     w = dequantize(qweight, qtype, (N, K), dtype=torch.float32)
     return (x.float() @ w.T).to(x.dtype)

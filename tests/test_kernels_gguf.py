@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 
 from cvllm_lab.kernels.gguf_matmul import (KERNEL_TYPES, gguf_dequantize, gguf_gemv, gguf_matmul, gguf_matmul_ref,
                                            gguf_mm)
-from cvllm_lab.quant.gguf import GGUFLinear, dequantize, quantize, random_blocks
+from cvllm_lab.kernels.gguf_layout import dequantize, parse_qtype
+from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 interp = pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='CPU tests run the Triton interpreter')
@@ -144,7 +145,6 @@ def _graph_time(fn, n_inner=16, reps=10):
 
 def bench(types=None, sweep=('q4k', 'q6k', 'q4_0', 'q8_0'), peak=4.2e12):
     "GEMV at M=1 for 4096x14336 / 14336x4096 weights per type: time and GB/s of quantized bytes read."
-    from cvllm_lab.quant.gguf import parse_qtype
     types = [parse_qtype(t) for t in (types or KERNEL_TYPES)]
     sweep = {parse_qtype(t) for t in sweep}
     dev = 'cuda'

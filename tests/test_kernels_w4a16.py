@@ -19,7 +19,8 @@ from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.kernels.w4a16 import dequantize_packed_ref
 from cvllm_lab.quant.w4a16 import W4A16Linear
 from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
-from cvllm_lab.quant.gguf import GGUFLinear, PACKED_TYPES, dequantize, quantize, random_blocks
+from cvllm_lab.kernels.gguf_layout import PACKED_TYPES, dequantize
+from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 interp = pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='CPU tests run the Triton interpreter')

@@ -7,14 +7,14 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/fp8.html.md"""
 # %% ../../nbs/44_fp8.ipynb #442ea2c2
 from __future__ import annotations
 import torch
+from ..kernels.fp8_layout import BLOCK, dequantize_fp8_block
 from .w4a16 import QuantLinear
 
 # %% auto #0
-__all__ = ['FP8_MAX', 'BLOCK', 'quantize_fp8_block', 'dequantize_fp8_block', 'FP8Linear']
+__all__ = ['FP8_MAX', 'quantize_fp8_block', 'FP8Linear']
 
 # %% ../../nbs/44_fp8.ipynb #ad64a59f
 FP8_MAX = 448.0
-BLOCK = 128
 
 def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK):
     "Float `w [N, K]` -> (`float8_e4m3fn [N, K]`, fp32 scales `[ceil(N/block), ceil(K/block)]`)."
@@ -28,11 +28,6 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK):
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * block, kb * block)[:N, :K]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    "`weight * scale` over 128 x 128 blocks -> `[N, K]` (fp32 arithmetic, then `dtype`)."
-    N, K = weight.shape
-    s = scale.float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
-    return (weight.float() * s).to(dtype)
 
 # %% ../../nbs/44_fp8.ipynb #a1f72602
 class FP8Linear(QuantLinear):

@@ -8,161 +8,13 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/gguf_quant.html.md"""
 from __future__ import annotations
 import numpy as np
 import torch
-import torch.nn.functional as F
-from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES
+from ..kernels.gguf_layout import (
+    GT, QUANT_TYPES, FLOAT_TYPES, SUPPORTED_TYPES, FLOAT_DTYPES, PACKED_TYPES, parse_qtype, bytes_per_row,
+    as_bytes, dequantize, gguf_levels)
 
 # %% auto #0
-__all__ = ['GT', 'QUANT_TYPES', 'FLOAT_TYPES', 'SUPPORTED_TYPES', 'PACKED_TYPES', 'parse_qtype', 'block_info', 'bytes_per_row',
-           'dequantize', 'random_blocks', 'quantize', 'rel_rmse', 'gguf_levels', 'GGUFLinear']
-
-# %% ../../nbs/45_gguf_quant.ipynb #5d9ec506
-GT = GGMLQuantizationType
-QUANT_TYPES = (GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K)
-FLOAT_TYPES = (GT.F32, GT.F16, GT.BF16)
-SUPPORTED_TYPES = QUANT_TYPES + FLOAT_TYPES
-_BY_KEY = {t.name.replace('_', '').upper(): t for t in SUPPORTED_TYPES}
-
-def parse_qtype(q) -> GGMLQuantizationType:
-    "Map `q4_0`/`Q4_K`/`q4k`/`f16`/`bf16`, a `GGMLQuantizationType` or its int value to a supported `GGMLQuantizationType`."
-    if isinstance(q, GGMLQuantizationType): t = q
-    elif isinstance(q, (int, np.integer)): t = GGMLQuantizationType(int(q))
-    elif isinstance(q, str):
-        t = _BY_KEY.get(q.strip().replace('_', '').upper())
-        if t is None: raise ValueError(f"unknown GGUF quantization type {q!r}; supported: {[s.name for s in SUPPORTED_TYPES]}")
-    else: raise TypeError(f"can't parse a quantization type from {type(q).__name__}")
-    if t not in SUPPORTED_TYPES: raise ValueError(f"GGUF type {t.name} is not supported here")
-    return t
-
-def block_info(qtype) -> tuple[int, int]:
-    "`(weights per block, bytes per block)` of `qtype`."
-    return GGML_QUANT_SIZES[parse_qtype(qtype)]
-
-def bytes_per_row(qtype, cols: int) -> int:
-    "Bytes of one quantized row of `cols` weights."
-    qk, ts = block_info(qtype)
-    if cols % qk: raise ValueError(f"{parse_qtype(qtype).name} needs a row length divisible by {qk}, got {cols}")
-    return cols // qk * ts
-
-# %% ../../nbs/45_gguf_quant.ipynb #206310a0
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    "fp16 stored little-endian in the 2 trailing bytes of `b` `[..., 2]` -> fp32 `[...]`."
-    return b.contiguous().view(torch.float16)[..., 0].float()
-
-def _shifts(*vals, shape, device) -> torch.Tensor:
-    return torch.tensor(vals, dtype=torch.uint8, device=device).view(shape)
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    "`[n, 16]` bytes -> `[n, 32]`: low nibbles then high nibbles (the legacy 4/5-bit order)."
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-def _bits32(qh: torch.Tensor) -> torch.Tensor:
-    "`[n, 4]` little-endian bytes of a u32 -> its 32 bits `[n, 32]` (uint8), bit `j` at column `j`."
-    return ((qh[:, :, None] >> _shifts(*range(8), shape=(1, 1, 8), device=qh.device)) & 1).reshape(len(qh), 32)
-
-def _deq_q4_0(b):
-    d, q = _f16(b[:, :2]), _nibbles(b[:, 2:18])
-    return d[:, None] * (q.float() - 8)
-
-def _deq_q4_1(b):
-    d, m, q = _f16(b[:, :2]), _f16(b[:, 2:4]), _nibbles(b[:, 4:20])
-    return d[:, None] * q.float() + m[:, None]
-
-def _deq_q5_0(b):
-    d, q = _f16(b[:, :2]), _nibbles(b[:, 6:22]) | (_bits32(b[:, 2:6]) << 4)
-    return d[:, None] * (q.float() - 16)
-
-def _deq_q5_1(b):
-    d, m, q = _f16(b[:, :2]), _f16(b[:, 2:4]), _nibbles(b[:, 8:24]) | (_bits32(b[:, 4:8]) << 4)
-    return d[:, None] * q.float() + m[:, None]
-
-def _deq_q8_0(b):
-    return _f16(b[:, :2])[:, None] * b[:, 2:34].contiguous().view(torch.int8).float()
-
-def _crumbs(qs, n_halves):
-    "2-bit fields: byte `32*h + l` bit pair `j` -> element `128*h + 32*j + l`; `[n, 32*n_halves]` -> `[n, 128*n_halves]`."
-    n = len(qs)
-    return ((qs.reshape(n, n_halves, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1), device=qs.device)) & 3).reshape(n, -1)
-
-def _deq_q2_k(b):
-    n = len(b)
-    sc, q = b[:, :16], _crumbs(b[:, 16:80], 2).reshape(n, 16, 16).float()
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    dl = (d[:, None] * (sc & 15).float())[:, :, None]
-    ml = (dmin[:, None] * (sc >> 4).float())[:, :, None]
-    return (dl * q - ml).reshape(n, 256)
-
-def _q3k_scales(s):
-    "12 bytes -> 16 signed 6-bit scales: low nibbles from bytes 0-7 (low then high half), top 2 bits from bytes 8-11."
-    n = len(s)
-    lo = torch.cat([s[:, :8] & 15, s[:, :8] >> 4], dim=-1)
-    hi = ((s[:, 8:12].reshape(n, 1, 4) >> _shifts(0, 2, 4, 6, shape=(1, 4, 1), device=s.device)) & 3).reshape(n, 16)
-    return (lo | (hi << 4)).float() - 32
-
-def _deq_q3_k(b):
-    n = len(b)
-    hbit = ((b[:, :32].reshape(n, 1, 32) >> _shifts(*range(8), shape=(1, 8, 1), device=b.device)) & 1).reshape(n, 256)
-    q = _crumbs(b[:, 32:96], 2).float() - 4 * (1 - hbit.float())
-    dl = _f16(b[:, 108:110])[:, None] * _q3k_scales(b[:, 96:108])
-    return (dl[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
-
-def _q4k_scales(s):
-    "12 bytes -> (8 scales, 8 mins), 6 bits each: 0-3 in the low 6 bits of bytes 0-3 / 4-7, 4-7 split over bytes 8-11 and the top 2 bits."
-    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], dim=-1)
-    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=-1)
-    return sc.float(), mn.float()
-
-def _nibbles_k(qs):
-    "q4_k/q5_k order: byte `32*c + l` -> elements `64*c + l` (low) and `64*c + 32 + l` (high); `[n,128]` -> `[n,8,32]`."
-    n = len(qs)
-    return ((qs.reshape(n, 4, 1, 32) >> _shifts(0, 4, shape=(1, 1, 2, 1), device=qs.device)) & 15).reshape(n, 8, 32)
-
-def _deq_q4_k(b):
-    n = len(b)
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _q4k_scales(b[:, 4:16])
-    q = _nibbles_k(b[:, 16:144]).float()
-    return ((d[:, None] * sc)[:, :, None] * q - (dmin[:, None] * mn)[:, :, None]).reshape(n, 256)
-
-def _deq_q5_k(b):
-    n = len(b)
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _q4k_scales(b[:, 4:16])
-    qh = (b[:, 16:48].reshape(n, 1, 32) >> _shifts(*range(8), shape=(1, 8, 1), device=b.device)) & 1
-    q = (_nibbles_k(b[:, 48:176]) | (qh << 4)).float()
-    return ((d[:, None] * sc)[:, :, None] * q - (dmin[:, None] * mn)[:, :, None]).reshape(n, 256)
-
-def _deq_q6_k(b):
-    n = len(b)
-    lo = ((b[:, :128].reshape(n, 2, 1, 64) >> _shifts(0, 4, shape=(1, 1, 2, 1), device=b.device)) & 15).reshape(n, 256)
-    q = (lo | (_crumbs(b[:, 128:192], 2) << 4)).float() - 32
-    dl = _f16(b[:, 208:210])[:, None] * b[:, 192:208].contiguous().view(torch.int8).float()
-    return (dl[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
-
-_DEQ = {GT.Q4_0: _deq_q4_0, GT.Q4_1: _deq_q4_1, GT.Q5_0: _deq_q5_0, GT.Q5_1: _deq_q5_1, GT.Q8_0: _deq_q8_0,
-        GT.Q2_K: _deq_q2_k, GT.Q3_K: _deq_q3_k, GT.Q4_K: _deq_q4_k, GT.Q5_K: _deq_q5_k, GT.Q6_K: _deq_q6_k}
-_FLOAT_DTYPE = {GT.F32: torch.float32, GT.F16: torch.float16, GT.BF16: torch.bfloat16}
-
-# %% ../../nbs/45_gguf_quant.ipynb #bdaf25eb
-def _as_bytes(raw) -> torch.Tensor:
-    if isinstance(raw, np.ndarray): raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
-    if raw.dtype != torch.uint8: raise TypeError(f"expected uint8 block bytes, got {raw.dtype}")
-    return raw
-
-def dequantize(raw, qtype, shape=None, dtype=torch.float32, chunk_weights: int = 1 << 24) -> torch.Tensor:
-    "Block bytes `raw` `uint8 [..., bytes_per_row]` -> weights `[..., cols]` (or `shape`) in `dtype`."
-    t, raw = parse_qtype(qtype), _as_bytes(raw)
-    qk, ts = GGML_QUANT_SIZES[t]
-    if raw.shape[-1] % ts: raise ValueError(f"{t.name}: {raw.shape[-1]} bytes per row is not a multiple of {ts}")
-    cols = raw.shape[-1] // ts * qk
-    rows = raw.reshape(-1, raw.shape[-1])
-    if t in _FLOAT_DTYPE: out = rows.contiguous().view(_FLOAT_DTYPE[t]).to(dtype)
-    else:
-        out = torch.empty(len(rows), cols, dtype=dtype, device=raw.device)
-        step = max(1, chunk_weights // max(cols, 1))
-        for r in range(0, len(rows), step):  # row chunks (each many blocks), only to bound memory
-            blk = rows[r:r + step].reshape(-1, ts)
-            out[r:r + step] = _DEQ[t](blk).reshape(-1, cols).to(dtype)
-    return out.reshape(*(shape if shape is not None else (*raw.shape[:-1], cols)))
+__all__ = ['random_blocks', 'quantize', 'rel_rmse', 'GGUFLinear']
 
 # %% ../../nbs/45_gguf_quant.ipynb #f81a205d
 def random_blocks(qtype, rows: int, cols: int, generator=None, scale: float = 0.01) -> torch.Tensor:
@@ -173,7 +25,7 @@ def random_blocks(qtype, rows: int, cols: int, generator=None, scale: float = 0.
     fp16_at = {GT.Q4_0: [0], GT.Q4_1: [0, 2], GT.Q5_0: [0], GT.Q5_1: [0, 2], GT.Q8_0: [0], GT.Q2_K: [80, 82],
                GT.Q3_K: [108], GT.Q4_K: [0, 2], GT.Q5_K: [0, 2], GT.Q6_K: [208]}.get(t)
     if fp16_at is None:  # float types: random values
-        return torch.randn(rows, cols, generator=generator).to(_FLOAT_DTYPE[t]).view(torch.uint8).reshape(rows, -1)
+        return torch.randn(rows, cols, generator=generator).to(FLOAT_DTYPES[t]).view(torch.uint8).reshape(rows, -1)
     for o in fp16_at:
         sign = -1 if o == 2 and t in (GT.Q4_1, GT.Q5_1) else 1  # q4_1/q5_1: field 2 is an offset, make it negative
         v = torch.rand(rows, cols // qk, generator=generator) * scale * sign
@@ -366,8 +218,8 @@ def quantize(w: torch.Tensor, qtype, chunk_weights: int | None = None) -> torch.
     qk, ts = GGML_QUANT_SIZES[t]
     cols = w.shape[-1]
     rows = w.reshape(-1, cols)
-    if t in _FLOAT_DTYPE:
-        return rows.to(_FLOAT_DTYPE[t]).contiguous().view(torch.uint8).reshape(*w.shape[:-1], -1)
+    if t in FLOAT_DTYPES:
+        return rows.to(FLOAT_DTYPES[t]).contiguous().view(torch.uint8).reshape(*w.shape[:-1], -1)
     nbpr = bytes_per_row(t, cols)
     blocks = rows.float().reshape(-1, qk)
     out = torch.empty(len(blocks), ts, dtype=torch.uint8, device=w.device)
@@ -380,30 +232,6 @@ def quantize(w: torch.Tensor, qtype, chunk_weights: int | None = None) -> torch.
 def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     "`||a - b|| / ||b||`."
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-# %% ../../nbs/45_gguf_quant.ipynb #078585bf
-PACKED_TYPES = (GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0)
-
-def gguf_levels(raw, qtype):
-    "Block bytes `[N, bytes_per_row]` of q4_0/q4_1/q4_k/q8_0 -> levels `uint8 [N, K]`, scale and offset `fp32 [N, K/32]`."
-    t, raw = parse_qtype(qtype), _as_bytes(raw)
-    qk, ts = GGML_QUANT_SIZES[t]
-    N = raw.shape[0]
-    b = raw.reshape(-1, ts)
-    if t == GT.Q4_0:
-        d = _f16(b[:, :2])[:, None]
-        q, s, o = _nibbles(b[:, 2:18]), d, -8 * d
-    elif t == GT.Q4_1:
-        q, s, o = _nibbles(b[:, 4:20]), _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None]
-    elif t == GT.Q8_0:
-        d = _f16(b[:, :2])[:, None]
-        q, s, o = (b[:, 2:34].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8), d, -128 * d
-    elif t == GT.Q4_K:
-        d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-        sc, mn = _q4k_scales(b[:, 4:16])
-        q, s, o = _nibbles_k(b[:, 16:144]), d * sc, -(dmin * mn)
-    else: raise ValueError(f"{t.name} has no packed form; packed types: {[p.name for p in PACKED_TYPES]}")
-    return q.reshape(N, -1), s.reshape(N, -1), o.reshape(N, -1)
 
 # %% ../../nbs/45_gguf_quant.ipynb #35291462
 from .w4a16 import QuantLinear, W4A16Linear
@@ -439,7 +267,7 @@ class GGUFLinear(QuantLinear):
                   shard_ids=None) -> 'GGUFLinear':
         "From a GGUF tensor's bytes (any shape / numpy or torch) and its logical `shape` `(out, in)` (torch order)."
         out_f, in_f = shape
-        raw = _as_bytes(raw)
+        raw = as_bytes(raw)
         m = cls(in_f, out_features or out_f, qtype, bias=bias is not None, device=raw.device,
                 bias_dtype=bias.dtype if bias is not None else torch.float32, shard_ids=shard_ids)
         m.qweight.copy_(raw.reshape(out_f, -1))
