@@ -10,6 +10,7 @@ import asyncio, time, uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
+from fastcore.basics import patch
 from ..config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
 from ..sampling_params import SamplingParams
@@ -31,6 +32,7 @@ class EngineObserver:
     def finished(self, output: RequestOutput, e2e: float): pass
     def aborted(self): pass
 
+# %% ../../nbs/74_async_engine.ipynb #29e3ad15
 class RequestStream:
     "One request's outputs as the loop delivers them: `async for out in stream`; `close()` aborts it if unfinished."
     def __init__(self, aengine: AsyncLLMEngine, request_id: str):
@@ -90,151 +92,170 @@ class AsyncLLMEngine:
     @property
     def num_in_flight(self) -> int: return len(self._streams)
 
-    def start(self):
-        "Start the engine loop on the running event loop (done lazily by the first request)."
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name='engine-loop')
-
-    async def shutdown(self):
-        "Stop the loop; requests still waiting get `EngineDeadError`."
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            try: await self._task
-            except asyncio.CancelledError: pass
-        self.dead = self.dead or EngineDeadError("The engine was shut down")
-        self._fail_all(EngineDeadError("The engine was shut down"))
-        self._executor.shutdown(wait=False)
-
-    def _check(self):
-        if self.dead is not None: raise EngineDeadError(f"The engine loop has stopped: {self.dead!r}")
-        self.start()
-
-    def _queue(self, fn: Callable, fut=None):
-        self._ops.append((fn, fut)); self._wake.set()
-
-    async def call(self, fn: Callable[[LLMEngine], object]):
-        "Run `fn(engine)` between two steps (the only safe time to touch the engine); returns its result."
-        self._check()
-        fut = asyncio.get_running_loop().create_future()
-        self._queue(fn, fut)
-        return await fut
-
-    async def add_request(self, prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> RequestStream:
-        "Queue a request; its errors (`ValueError` for bad input) are raised here. Read the returned stream, then `close()` it."
-        self._check()
-        rid = request_id or uuid.uuid4().hex
-        if rid in self._streams: raise ValueError(f"Request id {rid!r} is already in use")
-        params = self._guard(rid, params or SamplingParams())
-        s = self._streams[rid] = RequestStream(self, rid)
-        def add(eng):
-            eng.add_request(rid, prompt, params)
-            s.added = True
-        try: await self.call(add)
-        except BaseException:
-            self._streams.pop(rid, None)
-            s.close()                       # cancelled after the op ran: abort it
-            raise
-        return s
-
-    async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        "Yield a request's (cumulative) `RequestOutput`s until it finishes; abort it if the caller stops early."
-        s = await self.add_request(prompt, params, request_id)
-        try:
-            async for out in s: yield out
-        finally: s.close()
-
-    def abort(self, request_id: str):
-        "Stop a request: it gets no more outputs; before the next step its KV blocks are freed and the abort is counted."
-        self._streams.pop(request_id, None)
-        def op(eng):
-            eng.abort_request(request_id)
-            self.counters['aborted'] += 1     # counted with the engine's stats: a scrape never sees one without the other
-            self.observer.aborted()
-        self._queue(op)
-
-    def _guard(self, rid: str, params: SamplingParams) -> SamplingParams:
-        "Wrap the request's logits processors so that one which raises fails only this request."
-        if not params.logits_processors: return params
-        def wrap(proc):
-            def guarded(ids, row):
-                if rid in self._failed: return row
-                try: return proc(ids, row)
-                except Exception as e:
-                    self._failed[rid] = e
-                    return row
-            return guarded
-        return params.clone(logits_processors=[wrap(p) for p in params.logits_processors])
-
-    # ---- the loop (runs on the event loop; touches the engine only between steps) ----
-    async def _loop(self):
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                self._run_ops()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.clear()
-                    if not self._ops: await self._wake.wait()
-                    continue
-                try: outs, self.stats = await loop.run_in_executor(self._executor, self._step)
-                except Exception as e:
-                    self._step_failed(e)
-                    continue
-                self._dispatch(outs)
-        except asyncio.CancelledError: raise
-        except BaseException as e:
-            self.dead = e
-            self._fail_all(EngineDeadError(f"The engine loop stopped: {e!r}"))
-            raise
-
-    def _step(self) -> tuple[list[RequestOutput], dict]:
-        return self.engine.step(), self.engine.stats()
-
-    def _run_ops(self):
-        while self._ops:
-            fn, fut = self._ops.popleft()
-            if fut is not None and fut.cancelled(): continue
-            try: res = fn(self.engine)
+# %% ../../nbs/74_async_engine.ipynb #22ff335c
+@patch
+async def _loop(self: AsyncLLMEngine):
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            self._run_ops()
+            if not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                if not self._ops: await self._wake.wait()
+                continue
+            try: outs, self.stats = await loop.run_in_executor(self._executor, self._step)
             except Exception as e:
-                if fut is not None: fut.set_exception(e)
-            else:
-                if fut is not None: fut.set_result(res)
-        self.stats = self.engine.stats()
+                self._step_failed(e)
+                continue
+            self._dispatch(outs)
+    except asyncio.CancelledError: raise
+    except BaseException as e:
+        self.dead = e
+        self._fail_all(EngineDeadError(f"The engine loop stopped: {e!r}"))
+        raise
 
-    def _dispatch(self, outs: list[RequestOutput]):
-        now = time.time()
-        for out in outs:
-            s = self._streams.get(out.request_id)
-            if s is None or out.request_id in self._failed: continue
-            n = max((len(o.token_ids) for o in out.outputs), default=0)
-            if n > s.num_tokens:
-                if s.last is None: self.observer.first_token(now - s.arrival)
-                else: self.observer.tokens((now - s.last) / (n - s.num_tokens), n - s.num_tokens)
-                s.last, s.num_tokens = now, n
-            s.put(out)
-            if out.finished:
-                del self._streams[out.request_id]
-                self.observer.finished(out, now - s.arrival)
-        for rid in list(self._failed):
-            e = self._failed.pop(rid)
-            s = self._streams.pop(rid, None)
-            if s is not None: s.put(EngineError(f"Request {rid} failed in a logits processor: {e!r}"))
-            self.engine.abort_request(rid)
+@patch
+def _step(self: AsyncLLMEngine) -> tuple[list[RequestOutput], dict]:
+    return self.engine.step(), self.engine.stats()
 
-    def _step_failed(self, e: Exception):
-        "A step raised: fail the requests in flight (their state is unknown), free their blocks, go on."
-        self.counters['step_errors'] += 1
-        err = EngineError(f"The engine step failed: {e!r}")
-        rids = [rid for rid, s in self._streams.items() if s.added]
-        for rid in rids: self._streams.pop(rid).put(err)
-        self._failed.clear()
-        self.engine.abort_request(rids)
+@patch
+def _run_ops(self: AsyncLLMEngine):
+    while self._ops:
+        fn, fut = self._ops.popleft()
+        if fut is not None and fut.cancelled(): continue
+        try: res = fn(self.engine)
+        except Exception as e:
+            if fut is not None: fut.set_exception(e)
+        else:
+            if fut is not None: fut.set_result(res)
+    self.stats = self.engine.stats()
 
-    def _fail_all(self, err: BaseException):
-        for fn, fut in self._ops:
-            if fut is not None and not fut.done(): fut.set_exception(err)
-        self._ops.clear()
-        for s in self._streams.values(): s.put(err)
-        self._streams.clear()
+# %% ../../nbs/74_async_engine.ipynb #4328ef91
+@patch
+def start(self: AsyncLLMEngine):
+    "Start the engine loop on the running event loop (done lazily by the first request)."
+    if self._task is None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name='engine-loop')
+
+@patch
+async def shutdown(self: AsyncLLMEngine):
+    "Stop the loop; requests still waiting get `EngineDeadError`."
+    if self._task is not None and not self._task.done():
+        self._task.cancel()
+        try: await self._task
+        except asyncio.CancelledError: pass
+    self.dead = self.dead or EngineDeadError("The engine was shut down")
+    self._fail_all(EngineDeadError("The engine was shut down"))
+    self._executor.shutdown(wait=False)
+
+@patch
+def _check(self: AsyncLLMEngine):
+    if self.dead is not None: raise EngineDeadError(f"The engine loop has stopped: {self.dead!r}")
+    self.start()
+
+@patch
+def _queue(self: AsyncLLMEngine, fn: Callable, fut=None):
+    self._ops.append((fn, fut)); self._wake.set()
+
+@patch
+async def call(self: AsyncLLMEngine, fn: Callable[[LLMEngine], object]):
+    "Run `fn(engine)` between two steps (the only safe time to touch the engine); returns its result."
+    self._check()
+    fut = asyncio.get_running_loop().create_future()
+    self._queue(fn, fut)
+    return await fut
+
+@patch
+def _fail_all(self: AsyncLLMEngine, err: BaseException):
+    for fn, fut in self._ops:
+        if fut is not None and not fut.done(): fut.set_exception(err)
+    self._ops.clear()
+    for s in self._streams.values(): s.put(err)
+    self._streams.clear()
+
+# %% ../../nbs/74_async_engine.ipynb #5848a442
+@patch
+async def add_request(self: AsyncLLMEngine, prompt, params: SamplingParams | None = None,
+                      request_id: str | None = None) -> RequestStream:
+    "Queue a request; its errors (`ValueError` for bad input) are raised here. Read the returned stream, then `close()` it."
+    self._check()
+    rid = request_id or uuid.uuid4().hex
+    if rid in self._streams: raise ValueError(f"Request id {rid!r} is already in use")
+    params = self._guard(rid, params or SamplingParams())
+    s = self._streams[rid] = RequestStream(self, rid)
+    def add(eng):
+        eng.add_request(rid, prompt, params)
+        s.added = True
+    try: await self.call(add)
+    except BaseException:
+        self._streams.pop(rid, None)
+        s.close()                       # cancelled after the op ran: abort it
+        raise
+    return s
+
+@patch
+async def generate(self: AsyncLLMEngine, prompt, params: SamplingParams | None = None,
+                   request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    "Yield a request's (cumulative) `RequestOutput`s until it finishes; abort it if the caller stops early."
+    s = await self.add_request(prompt, params, request_id)
+    try:
+        async for out in s: yield out
+    finally: s.close()
+
+@patch
+def abort(self: AsyncLLMEngine, request_id: str):
+    "Stop a request: it gets no more outputs; before the next step its KV blocks are freed and the abort is counted."
+    self._streams.pop(request_id, None)
+    def op(eng):
+        eng.abort_request(request_id)
+        self.counters['aborted'] += 1     # counted with the engine's stats: a scrape never sees one without the other
+        self.observer.aborted()
+    self._queue(op)
+
+# %% ../../nbs/74_async_engine.ipynb #0462c0b1
+@patch
+def _guard(self: AsyncLLMEngine, rid: str, params: SamplingParams) -> SamplingParams:
+    "Wrap the request's logits processors so that one which raises fails only this request."
+    if not params.logits_processors: return params
+    def wrap(proc):
+        def guarded(ids, row):
+            if rid in self._failed: return row
+            try: return proc(ids, row)
+            except Exception as e:
+                self._failed[rid] = e
+                return row
+        return guarded
+    return params.clone(logits_processors=[wrap(p) for p in params.logits_processors])
+
+@patch
+def _dispatch(self: AsyncLLMEngine, outs: list[RequestOutput]):
+    now = time.time()
+    for out in outs:
+        s = self._streams.get(out.request_id)
+        if s is None or out.request_id in self._failed: continue
+        n = max((len(o.token_ids) for o in out.outputs), default=0)
+        if n > s.num_tokens:
+            if s.last is None: self.observer.first_token(now - s.arrival)
+            else: self.observer.tokens((now - s.last) / (n - s.num_tokens), n - s.num_tokens)
+            s.last, s.num_tokens = now, n
+        s.put(out)
+        if out.finished:
+            del self._streams[out.request_id]
+            self.observer.finished(out, now - s.arrival)
+    for rid in list(self._failed):
+        e = self._failed.pop(rid)
+        s = self._streams.pop(rid, None)
+        if s is not None: s.put(EngineError(f"Request {rid} failed in a logits processor: {e!r}"))
+        self.engine.abort_request(rid)
+
+# %% ../../nbs/74_async_engine.ipynb #b5f89801
+@patch
+def _step_failed(self: AsyncLLMEngine, e: Exception):
+    "A step raised: fail the requests in flight (their state is unknown), free their blocks, go on."
+    self.counters['step_errors'] += 1
+    err = EngineError(f"The engine step failed: {e!r}")
+    rids = [rid for rid, s in self._streams.items() if s.added]
+    for rid in rids: self._streams.pop(rid).put(err)
+    self._failed.clear()
+    self.engine.abort_request(rids)
