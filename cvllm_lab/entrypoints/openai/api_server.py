@@ -10,6 +10,7 @@ import asyncio, hmac, json, logging, time
 from dataclasses import dataclass, field
 from pathlib import Path
 import anyio
+from fastcore.basics import patch, patch_to
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -33,7 +34,7 @@ log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
 # %% auto #0
 __all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'adapt_messages', 'pick_tool_parser', 'ServerMetrics',
-           'OpenAIServing', 'TokenizeRequest', 'DetokenizeRequest', 'build_app']
+           'OpenAIServing', 'build_app', 'TokenizeRequest', 'DetokenizeRequest']
 
 # %% ../../../nbs/77_api_server.ipynb #716098ce
 STATIC_DIR = Path(__file__).parent / 'static' if '__file__' in globals() else Path('../cvllm_lab/entrypoints/openai/static')
@@ -196,35 +197,6 @@ async def _merge(streams: list[RequestStream]):
         for t in tasks: t.cancel()
 
 # %% ../../../nbs/77_api_server.ipynb #5d80908b
-@dataclass
-class _ChatCtx:
-    "What shaping a chat request's output needs."
-    req: ChatCompletionRequest
-    prompt: str
-    tool_parser: ToolParser | None
-    reasoning: ReasoningParser | None
-
-class _DeltaPipe:
-    "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup."
-    def __init__(self, ctx: _ChatCtx):
-        self.r = ctx.reasoning.stream() if ctx.reasoning else None
-        self.t = ctx.tool_parser.stream() if ctx.tool_parser else None
-
-    def feed(self, text: str, final: bool) -> list[DeltaMessage]:
-        if self.r: ds = (self.r.feed(text) if text else []) + (self.r.finish() if final else [])
-        else: ds = [DeltaMessage(content=text)] if text else []
-        if self.t is None: return ds
-        out = []
-        for d in ds: out += self.t.feed(d.content) if d.content is not None else [d]
-        return out + (self.t.finish() if final else [])
-
-    @property
-    def has_tool_calls(self) -> bool: return self.t is not None and self.t.has_tool_calls
-
-def _top(d: dict, k: int) -> list[tuple[str, float]]:
-    return [(v.decoded_token, v.logprob) for v in sorted((v for v in d.values() if v.rank is not None and v.rank <= k),
-                                                         key=lambda v: v.rank)[:k]]
-
 class OpenAIServing:
     "The request handlers: validate, build the prompt and sampling params, run, shape OpenAI responses."
     def __init__(self, aengine: AsyncLLMEngine, cfg: ServerConfig):
@@ -241,7 +213,6 @@ class OpenAIServing:
         self.reasoning = ('qwen3' if '<think>' in self.template else None) if rp == 'auto' else rp
         self.max_n = max(1, min(cfg.max_n, eng.cfg.max_num_seqs))
 
-    # ---- common ----
     async def parse(self, request: Request, cls):
         "Body -> validated request model (400 for malformed JSON or invalid fields)."
         body = await request.body()
@@ -255,230 +226,7 @@ class OpenAIServing:
         if name is not None and name not in self.model_names:
             raise APIError(f"The model {name!r} does not exist; this server serves {self.model_names}", param='model')
 
-    def sampling_params(self, req, n_prompt: int, procs: list | None, param: str) -> SamplingParams:
-        room = self.max_model_len - n_prompt
-        if room < 1:
-            raise APIError(f"The prompt has {n_prompt} tokens, which leaves no room to generate within this model's "
-                           f"maximum context length of {self.max_model_len} tokens", param=param)
-        cap = room if self.cfg.max_gen_tokens is None else min(room, self.cfg.max_gen_tokens)
-        kw = to_sampling_kwargs(req, cap)
-        if kw['seed'] is not None: kw['seed'] %= 2**63
-        if procs: kw['logits_processors'] = procs
-        try: return SamplingParams(**kw)
-        except ValueError as e: raise APIError(str(e)) from None
-
-    async def logits_processor(self, response_format, tool_schema):
-        if tool_schema is None and (response_format is None or response_format.type == 'text'): return None
-        from cvllm_lab.entrypoints.openai.structured import make_logits_processor
-        try: return await asyncio.to_thread(make_logits_processor, self.tok, response_format, tool_schema,
-                                            eos_token_ids=self.eos_token_ids)
-        except ValueError as e: raise APIError(str(e), param='response_format' if tool_schema is None else 'tools') from None
-
-    async def add(self, prompt, ids, params, rid) -> RequestStream:
-        try: return await self.aengine.add_request({'prompt': prompt, 'prompt_token_ids': ids}, params, rid)
-        except ValueError as e: raise APIError(str(e)) from None
-
-    def usage(self, outs: list[RequestOutput]) -> UsageInfo:
-        return UsageInfo.make(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs),
-                              cached_tokens=sum(o.num_cached_tokens for o in outs))
-
-    # ---- chat ----
-    def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        "The prompt text and token ids of a chat request."
-        tools = req.template_tools()
-        msgs = adapt_messages(req.template_messages(), tools, self.template)
-        kw = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-              if k not in ('tokenize', 'return_dict', 'return_tensors', 'conversation', 'messages', 'tools')}
-        try:
-            prompt = apply_chat_template(self.tok, msgs, add_generation_prompt=req.add_generation_prompt, tools=tools,
-                                         continue_final_message=req.continue_final_message, **kw)
-        except Exception as e: raise APIError(f"Cannot apply the chat template: {e}", param='messages') from None
-        ids = self.tok(prompt, add_special_tokens=False).input_ids
-        if len(ids) >= self.max_model_len:
-            raise APIError(f"The messages have {len(ids)} tokens, more than this model's maximum context length of "
-                           f"{self.max_model_len} tokens allows (at least one token must be generated)", param='messages')
-        return prompt, ids
-
-    async def chat(self, request: Request) -> Response:
-        req = await self.parse(request, ChatCompletionRequest)
-        self.check_model(req.model)
-        prompt, ids = self.render(req)
-        forced = req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice)
-        parser = None
-        if req.tools and req.tool_choice != 'none':
-            parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
-        try: schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
-        except ValueError as e: raise APIError(str(e), param='tool_choice') from None
-        proc = await self.logits_processor(req.response_format, schema)
-        params = self.sampling_params(req, len(ids), [proc] if proc else None, 'messages')
-        reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
-        ctx = _ChatCtx(req, prompt, parser, reasoning)
-        rid = random_id('chatcmpl-')
-        stream = await self.add(prompt, ids, params, rid)
-        if req.stream: return _SSE(self.chat_events(ctx, stream, rid), on_close=stream.close)
-        try: out = await _unless_disconnected(request, _last(stream))
-        finally: stream.close()
-        return JSONResponse(ChatCompletionResponse(id=rid, model=self.model_name, choices=[self.chat_choice(ctx, o) for o in out.outputs],
-                                                   usage=self.usage([out])).model_dump(exclude_none=False))
-
-    def chat_logprobs(self, token_ids, lps, k) -> ChatLogprobs:
-        return ChatLogprobs.from_tokens([(d[t].decoded_token, d[t].logprob, _top(d, k)) for t, d in zip(token_ids, lps)])
-
-    def chat_choice(self, ctx: _ChatCtx, o: CompletionOutput) -> ChatChoice:
-        reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
-        calls = []
-        if ctx.tool_parser is not None: content, calls = ctx.tool_parser.extract(content or '')
-        lp = self.chat_logprobs(o.token_ids, o.logprobs, ctx.req.top_logprobs or 0) if ctx.req.logprobs else None
-        return ChatChoice(index=o.index, message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
-                          logprobs=lp, finish_reason='tool_calls' if calls else o.finish_reason or 'stop', stop_reason=o.stop_reason)
-
-    async def chat_events(self, ctx: _ChatCtx, stream: RequestStream, rid: str):
-        req, created, n = ctx.req, int(time.time()), ctx.req.n
-        pipes, n_text, n_tok, done = [_DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
-        usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        out = None
-        def chunk(i, delta, logprobs=None, finish=None, stop_reason=None):
-            return sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, usage=self.usage([out]) if usage_each and out else None,
-                                           choices=[ChatChunkChoice(index=i, delta=delta, logprobs=logprobs,
-                                                                    finish_reason=finish, stop_reason=stop_reason)]))
-        try:
-            for i in range(n): yield chunk(i, DeltaMessage(role='assistant', content=''))
-            async for out in stream:
-                for o in out.outputs:
-                    i = o.index
-                    if done[i]: continue
-                    text, toks, lps = o.text[n_text[i]:], o.token_ids[n_tok[i]:], (o.logprobs or [])[n_tok[i]:]
-                    n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                    lp = self.chat_logprobs(toks, lps, req.top_logprobs or 0) if req.logprobs and toks else None
-                    deltas = pipes[i].feed(text, o.finished)
-                    for j, d in enumerate(deltas): yield chunk(i, d, lp if j == 0 else None)
-                    if lp is not None and not deltas: yield chunk(i, DeltaMessage(), lp)
-                    if o.finished:
-                        yield chunk(i, DeltaMessage(), finish='tool_calls' if pipes[i].has_tool_calls else o.finish_reason,
-                                    stop_reason=o.stop_reason)
-            if req.include_usage:
-                yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out])))
-        except Exception as e: yield _stream_error(e)
-        yield SSE_DONE
-
-    # ---- completions ----
-    def completion_logprobs(self, ids, lps, k, offset) -> CompletionLogprobs:
-        ents = []
-        for t, d in zip(ids, lps):
-            if d is None: ents.append((self.tok.decode([t]), None, None))
-            else: ents.append((d[t].decoded_token, d[t].logprob, _top(d, k)))
-        return CompletionLogprobs.from_tokens(ents, offset)
-
-    async def completion(self, request: Request) -> Response:
-        req = await self.parse(request, CompletionRequest)
-        self.check_model(req.model)
-        prompts = req.prompts()
-        if len(prompts) * req.n > self.cfg.max_prompts:
-            raise APIError(f"At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}", param='prompt')
-        items = []
-        for p in prompts:
-            text, ids = (p, self.tok(p).input_ids) if isinstance(p, str) else (None, list(p))
-            if len(ids) >= self.max_model_len:
-                raise APIError(f"The prompt has {len(ids)} tokens, more than this model's maximum context length of "
-                               f"{self.max_model_len} tokens allows (at least one token must be generated)", param='prompt')
-            proc = await self.logits_processor(req.response_format, None)
-            items.append((text, ids, self.sampling_params(req, len(ids), [proc] if proc else None, 'prompt')))
-        rid, streams = random_id('cmpl-'), []
-        try:
-            for k, (text, ids, params) in enumerate(items): streams.append(await self.add(text, ids, params, f'{rid}-{k}'))
-        except BaseException:
-            for s in streams: s.close()
-            raise
-        close = lambda: [s.close() for s in streams]
-        if req.stream: return _SSE(self.completion_events(req, items, streams, rid), on_close=close)
-        async def run():
-            outs = [None] * len(streams)
-            async for k, out in _merge(streams): outs[k] = out
-            return outs
-        try: outs = await _unless_disconnected(request, run())
-        finally: close()
-        choices = []
-        for k, out in enumerate(outs):
-            echo = self.echo_text(items[k], out) if req.echo else ''
-            for o in out.outputs:
-                lp = None
-                if req.logprobs is not None:
-                    lp = self.completion_logprobs(o.token_ids, o.logprobs, req.logprobs, len(echo))
-                    if req.echo: lp = self.merge_logprobs(self.echo_logprobs(out, req.logprobs), lp)
-                choices.append(CompletionChoice(index=k * req.n + o.index, text=echo + o.text, logprobs=lp,
-                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-        return JSONResponse(CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage(outs)).model_dump())
-
-    def echo_text(self, item, out: RequestOutput) -> str:
-        return item[0] if item[0] is not None else self.tok.decode(out.prompt_token_ids)
-
-    def echo_logprobs(self, out: RequestOutput, k: int) -> CompletionLogprobs:
-        return self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), k, 0)
-
-    @staticmethod
-    def merge_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-        return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
-                                  tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
-
-    async def completion_events(self, req: CompletionRequest, items, streams, rid: str):
-        created, n = int(time.time()), req.n
-        total = len(streams) * n
-        n_text, n_tok, off, done, echoed = [0] * total, [0] * total, [0] * total, [False] * total, [False] * total
-        last: dict[int, RequestOutput] = {}
-        def chunk(i, text, lp=None, finish=None, stop_reason=None):
-            return sse(CompletionResponse(id=rid, created=created, model=self.model_name,
-                                          choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)]))
-        try:
-            async for k, out in _merge(streams):
-                for o in out.outputs:
-                    i = k * n + o.index
-                    if done[i]: continue
-                    if req.echo and not echoed[i]:
-                        echoed[i] = True
-                        e = self.echo_text(items[k], out)
-                        elp = self.echo_logprobs(out, req.logprobs) if req.logprobs is not None else None
-                        off[i] = elp.text_offset[-1] + len(elp.tokens[-1]) if elp else len(e)
-                        yield chunk(i, e, elp)
-                    text, toks, lps = o.text[n_text[i]:], o.token_ids[n_tok[i]:], (o.logprobs or [])[n_tok[i]:]
-                    n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                    lp = None
-                    if req.logprobs is not None and toks:
-                        lp = self.completion_logprobs(toks, lps, req.logprobs, off[i])
-                        off[i] = lp.text_offset[-1] + len(lp.tokens[-1])
-                    if text or lp is not None or o.finished:
-                        yield chunk(i, text, lp, o.finish_reason, o.stop_reason)
-                last[k] = out
-            if req.include_usage:
-                yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage(list(last.values()))))
-        except Exception as e: yield _stream_error(e)
-        yield SSE_DONE
-
-# %% ../../../nbs/77_api_server.ipynb #e831ce49
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
-
 # %% ../../../nbs/77_api_server.ipynb #13a4701e
-class _APIKey:
-    "ASGI middleware: `Authorization: Bearer <key>` required on the API routes (not on /health, /metrics, the UI)."
-    def __init__(self, app, key: str): self.app, self.key = app, f'Bearer {key}'.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(('/v1', '/tokenize', '/detokenize')):
-            got = dict(scope['headers']).get(b'authorization', b'')
-            if not hmac.compare_digest(got, self.key):
-                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError', code=401)
-                return await JSONResponse(body, 401)(scope, receive, send)
-        await self.app(scope, receive, send)
-
 def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastAPI:
     "The FastAPI app serving `aengine` with OpenAI's API (plus vLLM's extras and the optional chat page)."
     cfg = cfg or ServerConfig()
@@ -528,29 +276,311 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     async def prometheus(): return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post('/tokenize')
-    async def tokenize(request: Request):
-        req = await srv.parse(request, TokenizeRequest)
-        srv.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None): raise APIError("Give exactly one of prompt and messages", param='prompt')
-        if req.prompt is not None:
-            ids = srv.tok(req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens).input_ids
-        else:
-            msgs = adapt_messages([m.template_dict() for m in req.messages], None, srv.template)
-            try: text = apply_chat_template(srv.tok, msgs, add_generation_prompt=req.add_generation_prompt)
-            except Exception as e: raise APIError(f"Cannot apply the chat template: {e}", param='messages') from None
-            ids = srv.tok(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
-        res = dict(count=len(ids), max_model_len=srv.max_model_len, tokens=ids)
-        if req.return_token_strs: res['token_strs'] = srv.tok.convert_ids_to_tokens(ids)
-        return res
+    async def tokenize(request: Request): return await srv.tokenize(request)
     @app.post('/detokenize')
-    async def detokenize(request: Request):
-        req = await srv.parse(request, DetokenizeRequest)
-        srv.check_model(req.model)
-        V = aengine.engine.vocab_size
-        if bad := [t for t in req.tokens if not 0 <= t < V]: raise APIError(f"Token ids out of range [0, {V}): {bad[:5]}", param='tokens')
-        return {'prompt': srv.tok.decode(req.tokens)}
+    async def detokenize(request: Request): return await srv.detokenize(request)
 
     if cfg.ui:
         @app.get('/', include_in_schema=False)
         async def ui(): return FileResponse(STATIC_DIR / 'index.html', media_type='text/html')
     return app
+
+# %% ../../../nbs/77_api_server.ipynb #456cccb6
+@patch
+def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    "The prompt text and token ids of a chat request."
+    tools = req.template_tools()
+    msgs = adapt_messages(req.template_messages(), tools, self.template)
+    kw = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+          if k not in ('tokenize', 'return_dict', 'return_tensors', 'conversation', 'messages', 'tools')}
+    try:
+        prompt = apply_chat_template(self.tok, msgs, add_generation_prompt=req.add_generation_prompt, tools=tools,
+                                     continue_final_message=req.continue_final_message, **kw)
+    except Exception as e: raise APIError(f"Cannot apply the chat template: {e}", param='messages') from None
+    ids = self.tok(prompt, add_special_tokens=False).input_ids
+    if len(ids) >= self.max_model_len:
+        raise APIError(f"The messages have {len(ids)} tokens, more than this model's maximum context length of "
+                       f"{self.max_model_len} tokens allows (at least one token must be generated)", param='messages')
+    return prompt, ids
+
+# %% ../../../nbs/77_api_server.ipynb #4aaf4d2e
+@patch
+def sampling_params(self: OpenAIServing, req, n_prompt: int, procs: list | None, param: str) -> SamplingParams:
+    room = self.max_model_len - n_prompt
+    if room < 1:
+        raise APIError(f"The prompt has {n_prompt} tokens, which leaves no room to generate within this model's "
+                       f"maximum context length of {self.max_model_len} tokens", param=param)
+    cap = room if self.cfg.max_gen_tokens is None else min(room, self.cfg.max_gen_tokens)
+    kw = to_sampling_kwargs(req, cap)
+    if kw['seed'] is not None: kw['seed'] %= 2**63
+    if procs: kw['logits_processors'] = procs
+    try: return SamplingParams(**kw)
+    except ValueError as e: raise APIError(str(e)) from None
+
+@patch
+async def logits_processor(self: OpenAIServing, response_format, tool_schema):
+    if tool_schema is None and (response_format is None or response_format.type == 'text'): return None
+    from cvllm_lab.entrypoints.openai.structured import make_logits_processor
+    try: return await asyncio.to_thread(make_logits_processor, self.tok, response_format, tool_schema,
+                                        eos_token_ids=self.eos_token_ids)
+    except ValueError as e: raise APIError(str(e), param='response_format' if tool_schema is None else 'tools') from None
+
+@patch
+async def add(self: OpenAIServing, prompt, ids, params, rid) -> RequestStream:
+    try: return await self.aengine.add_request({'prompt': prompt, 'prompt_token_ids': ids}, params, rid)
+    except ValueError as e: raise APIError(str(e)) from None
+
+@patch
+def usage(self: OpenAIServing, outs: list[RequestOutput]) -> UsageInfo:
+    return UsageInfo.make(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs),
+                          cached_tokens=sum(o.num_cached_tokens for o in outs))
+
+# %% ../../../nbs/77_api_server.ipynb #f1f82848
+@dataclass
+class _ChatCtx:
+    "What shaping a chat request's output needs."
+    req: ChatCompletionRequest
+    prompt: str
+    tool_parser: ToolParser | None
+    reasoning: ReasoningParser | None
+
+@patch
+async def chat(self: OpenAIServing, request: Request) -> Response:
+    req = await self.parse(request, ChatCompletionRequest)
+    self.check_model(req.model)
+    prompt, ids = self.render(req)
+    forced = req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice)
+    parser = None
+    if req.tools and req.tool_choice != 'none':
+        parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
+    try: schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
+    except ValueError as e: raise APIError(str(e), param='tool_choice') from None
+    proc = await self.logits_processor(req.response_format, schema)
+    params = self.sampling_params(req, len(ids), [proc] if proc else None, 'messages')
+    reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
+    ctx = _ChatCtx(req, prompt, parser, reasoning)
+    rid = random_id('chatcmpl-')
+    stream = await self.add(prompt, ids, params, rid)
+    if req.stream: return _SSE(self.chat_events(ctx, stream, rid), on_close=stream.close)
+    try: out = await _unless_disconnected(request, _last(stream))
+    finally: stream.close()
+    return JSONResponse(ChatCompletionResponse(id=rid, model=self.model_name, choices=[self.chat_choice(ctx, o) for o in out.outputs],
+                                               usage=self.usage([out])).model_dump(exclude_none=False))
+
+# %% ../../../nbs/77_api_server.ipynb #41c7b184
+def _top(d: dict, k: int) -> list[tuple[str, float]]:
+    return [(v.decoded_token, v.logprob) for v in sorted((v for v in d.values() if v.rank is not None and v.rank <= k),
+                                                         key=lambda v: v.rank)[:k]]
+
+@patch
+def chat_logprobs(self: OpenAIServing, token_ids, lps, k) -> ChatLogprobs:
+    return ChatLogprobs.from_tokens([(d[t].decoded_token, d[t].logprob, _top(d, k)) for t, d in zip(token_ids, lps)])
+
+@patch
+def chat_choice(self: OpenAIServing, ctx: _ChatCtx, o: CompletionOutput) -> ChatChoice:
+    reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
+    calls = []
+    if ctx.tool_parser is not None: content, calls = ctx.tool_parser.extract(content or '')
+    lp = self.chat_logprobs(o.token_ids, o.logprobs, ctx.req.top_logprobs or 0) if ctx.req.logprobs else None
+    return ChatChoice(index=o.index, message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
+                      logprobs=lp, finish_reason='tool_calls' if calls else o.finish_reason or 'stop', stop_reason=o.stop_reason)
+
+# %% ../../../nbs/77_api_server.ipynb #369e6743
+class _DeltaPipe:
+    "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup."
+    def __init__(self, ctx: _ChatCtx):
+        self.r = ctx.reasoning.stream() if ctx.reasoning else None
+        self.t = ctx.tool_parser.stream() if ctx.tool_parser else None
+
+    def feed(self, text: str, final: bool) -> list[DeltaMessage]:
+        if self.r: ds = (self.r.feed(text) if text else []) + (self.r.finish() if final else [])
+        else: ds = [DeltaMessage(content=text)] if text else []
+        if self.t is None: return ds
+        out = []
+        for d in ds: out += self.t.feed(d.content) if d.content is not None else [d]
+        return out + (self.t.finish() if final else [])
+
+    @property
+    def has_tool_calls(self) -> bool: return self.t is not None and self.t.has_tool_calls
+
+@patch
+async def chat_events(self: OpenAIServing, ctx: _ChatCtx, stream: RequestStream, rid: str):
+    req, created, n = ctx.req, int(time.time()), ctx.req.n
+    pipes, n_text, n_tok, done = [_DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
+    usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    out = None
+    def chunk(i, delta, logprobs=None, finish=None, stop_reason=None):
+        return sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, usage=self.usage([out]) if usage_each and out else None,
+                                       choices=[ChatChunkChoice(index=i, delta=delta, logprobs=logprobs,
+                                                                finish_reason=finish, stop_reason=stop_reason)]))
+    try:
+        for i in range(n): yield chunk(i, DeltaMessage(role='assistant', content=''))
+        async for out in stream:
+            for o in out.outputs:
+                i = o.index
+                if done[i]: continue
+                text, toks, lps = o.text[n_text[i]:], o.token_ids[n_tok[i]:], (o.logprobs or [])[n_tok[i]:]
+                n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
+                lp = self.chat_logprobs(toks, lps, req.top_logprobs or 0) if req.logprobs and toks else None
+                deltas = pipes[i].feed(text, o.finished)
+                for j, d in enumerate(deltas): yield chunk(i, d, lp if j == 0 else None)
+                if lp is not None and not deltas: yield chunk(i, DeltaMessage(), lp)
+                if o.finished:
+                    yield chunk(i, DeltaMessage(), finish='tool_calls' if pipes[i].has_tool_calls else o.finish_reason,
+                                stop_reason=o.stop_reason)
+        if req.include_usage:
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out])))
+    except Exception as e: yield _stream_error(e)
+    yield SSE_DONE
+
+# %% ../../../nbs/77_api_server.ipynb #bbe7b2f3
+@patch
+async def completion(self: OpenAIServing, request: Request) -> Response:
+    req = await self.parse(request, CompletionRequest)
+    self.check_model(req.model)
+    prompts = req.prompts()
+    if len(prompts) * req.n > self.cfg.max_prompts:
+        raise APIError(f"At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}", param='prompt')
+    items = []
+    for p in prompts:
+        text, ids = (p, self.tok(p).input_ids) if isinstance(p, str) else (None, list(p))
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"The prompt has {len(ids)} tokens, more than this model's maximum context length of "
+                           f"{self.max_model_len} tokens allows (at least one token must be generated)", param='prompt')
+        proc = await self.logits_processor(req.response_format, None)
+        items.append((text, ids, self.sampling_params(req, len(ids), [proc] if proc else None, 'prompt')))
+    rid, streams = random_id('cmpl-'), []
+    try:
+        for k, (text, ids, params) in enumerate(items): streams.append(await self.add(text, ids, params, f'{rid}-{k}'))
+    except BaseException:
+        for s in streams: s.close()
+        raise
+    close = lambda: [s.close() for s in streams]
+    if req.stream: return _SSE(self.completion_events(req, items, streams, rid), on_close=close)
+    async def run():
+        outs = [None] * len(streams)
+        async for k, out in _merge(streams): outs[k] = out
+        return outs
+    try: outs = await _unless_disconnected(request, run())
+    finally: close()
+    choices = []
+    for k, out in enumerate(outs):
+        echo = self.echo_text(items[k], out) if req.echo else ''
+        for o in out.outputs:
+            lp = None
+            if req.logprobs is not None:
+                lp = self.completion_logprobs(o.token_ids, o.logprobs, req.logprobs, len(echo))
+                if req.echo: lp = self.merge_logprobs(self.echo_logprobs(out, req.logprobs), lp)
+            choices.append(CompletionChoice(index=k * req.n + o.index, text=echo + o.text, logprobs=lp,
+                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    return JSONResponse(CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage(outs)).model_dump())
+
+# %% ../../../nbs/77_api_server.ipynb #1ef9839b
+@patch
+def completion_logprobs(self: OpenAIServing, ids, lps, k, offset) -> CompletionLogprobs:
+    ents = []
+    for t, d in zip(ids, lps):
+        if d is None: ents.append((self.tok.decode([t]), None, None))
+        else: ents.append((d[t].decoded_token, d[t].logprob, _top(d, k)))
+    return CompletionLogprobs.from_tokens(ents, offset)
+
+@patch
+def echo_text(self: OpenAIServing, item, out: RequestOutput) -> str:
+    return item[0] if item[0] is not None else self.tok.decode(out.prompt_token_ids)
+
+@patch
+def echo_logprobs(self: OpenAIServing, out: RequestOutput, k: int) -> CompletionLogprobs:
+    return self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), k, 0)
+
+@patch_to(OpenAIServing, static_method=True)
+def merge_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+
+# %% ../../../nbs/77_api_server.ipynb #8ad99cf5
+@patch
+async def completion_events(self: OpenAIServing, req: CompletionRequest, items, streams, rid: str):
+    created, n = int(time.time()), req.n
+    total = len(streams) * n
+    n_text, n_tok, off, done, echoed = [0] * total, [0] * total, [0] * total, [False] * total, [False] * total
+    last: dict[int, RequestOutput] = {}
+    def chunk(i, text, lp=None, finish=None, stop_reason=None):
+        return sse(CompletionResponse(id=rid, created=created, model=self.model_name,
+                                      choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)]))
+    try:
+        async for k, out in _merge(streams):
+            for o in out.outputs:
+                i = k * n + o.index
+                if done[i]: continue
+                if req.echo and not echoed[i]:
+                    echoed[i] = True
+                    e = self.echo_text(items[k], out)
+                    elp = self.echo_logprobs(out, req.logprobs) if req.logprobs is not None else None
+                    off[i] = elp.text_offset[-1] + len(elp.tokens[-1]) if elp else len(e)
+                    yield chunk(i, e, elp)
+                text, toks, lps = o.text[n_text[i]:], o.token_ids[n_tok[i]:], (o.logprobs or [])[n_tok[i]:]
+                n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
+                lp = None
+                if req.logprobs is not None and toks:
+                    lp = self.completion_logprobs(toks, lps, req.logprobs, off[i])
+                    off[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+                if text or lp is not None or o.finished:
+                    yield chunk(i, text, lp, o.finish_reason, o.stop_reason)
+            last[k] = out
+        if req.include_usage:
+            yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage(list(last.values()))))
+    except Exception as e: yield _stream_error(e)
+    yield SSE_DONE
+
+# %% ../../../nbs/77_api_server.ipynb #e831ce49
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+# %% ../../../nbs/77_api_server.ipynb #d5433cc2
+@patch
+async def tokenize(self: OpenAIServing, request: Request):
+    "vLLM's /tokenize: a prompt, or chat messages through the chat template -> token ids."
+    req = await self.parse(request, TokenizeRequest)
+    self.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None): raise APIError("Give exactly one of prompt and messages", param='prompt')
+    if req.prompt is not None:
+        ids = self.tok(req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens).input_ids
+    else:
+        msgs = adapt_messages([m.template_dict() for m in req.messages], None, self.template)
+        try: text = apply_chat_template(self.tok, msgs, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e: raise APIError(f"Cannot apply the chat template: {e}", param='messages') from None
+        ids = self.tok(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
+    res = dict(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+    if req.return_token_strs: res['token_strs'] = self.tok.convert_ids_to_tokens(ids)
+    return res
+
+@patch
+async def detokenize(self: OpenAIServing, request: Request):
+    "vLLM's /detokenize: token ids -> text."
+    req = await self.parse(request, DetokenizeRequest)
+    self.check_model(req.model)
+    V = self.aengine.engine.vocab_size
+    if bad := [t for t in req.tokens if not 0 <= t < V]: raise APIError(f"Token ids out of range [0, {V}): {bad[:5]}", param='tokens')
+    return {'prompt': self.tok.decode(req.tokens)}
+
+# %% ../../../nbs/77_api_server.ipynb #0e2c5d1a
+class _APIKey:
+    "ASGI middleware: `Authorization: Bearer <key>` required on the API routes (not on /health, /metrics, the UI)."
+    def __init__(self, app, key: str): self.app, self.key = app, f'Bearer {key}'.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(('/v1', '/tokenize', '/detokenize')):
+            got = dict(scope['headers']).get(b'authorization', b'')
+            if not hmac.compare_digest(got, self.key):
+                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError', code=401)
+                return await JSONResponse(body, 401)(scope, receive, send)
+        await self.app(scope, receive, send)
