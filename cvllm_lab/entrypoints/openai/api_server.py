@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio, hmac, json, logging, time
 from dataclasses import dataclass, field
 from pathlib import Path
-import anyio
 from fastcore.basics import patch, patch_to
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from prometheus_client import CollectorRegistry, Histogram, CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 import cvllm_lab
 from ...sampling_params import SamplingParams
 from ...tokenizer import apply_chat_template
@@ -29,12 +27,15 @@ from .protocol import (
     error_body, random_id, sse, to_sampling_kwargs, validation_error_body)
 from .reasoning import ReasoningParser
 from .tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, tool_choice_schema
+from .metrics import ServerMetrics
+from .streams import (ClientGone, SSEResponse, last_output, merge_streams, stream_error,
+                                                 unless_disconnected)
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
 # %% auto #0
-__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'adapt_messages', 'pick_tool_parser', 'ServerMetrics',
-           'OpenAIServing', 'build_app', 'TokenizeRequest', 'DetokenizeRequest']
+__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'adapt_messages', 'pick_tool_parser', 'OpenAIServing', 'build_app',
+           'TokenizeRequest', 'DetokenizeRequest']
 
 # %% ../../../nbs/77_api_server.ipynb #716098ce
 STATIC_DIR = Path(__file__).parent / 'static' if '__file__' in globals() else Path('../cvllm_lab/entrypoints/openai/static')
@@ -92,110 +93,6 @@ def pick_tool_parser(template: str | None) -> str:
         if mark in (template or ''): return name
     return 'hermes'
 
-# %% ../../../nbs/77_api_server.ipynb #cb6368b6
-_LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
-
-class ServerMetrics(EngineObserver):
-    "Prometheus metrics of one server: latency histograms fed by the engine loop, engine stats read at scrape time."
-    def __init__(self, aengine: AsyncLLMEngine, model_name: str):
-        self.aengine, self.model_name, self.registry = aengine, model_name, CollectorRegistry()
-        h = lambda name, doc: Histogram(name, doc, ['model_name'], registry=self.registry, buckets=_LAT_BUCKETS).labels(model_name)
-        self.ttft = h('cvllm:time_to_first_token_seconds', 'Time from arrival to the first generated token.')
-        self.itl = h('cvllm:inter_token_latency_seconds', 'Time between two generated tokens of a request.')
-        self.e2e = h('cvllm:e2e_request_latency_seconds', 'Time from arrival to the last token of a finished request.')
-        self.registry.register(self)
-
-    def first_token(self, ttft): self.ttft.observe(ttft)
-    def tokens(self, itl, n):
-        for _ in range(n): self.itl.observe(itl)
-    def finished(self, output, e2e): self.e2e.observe(e2e)
-
-    def collect(self):
-        "Gauges and counters from the engine's latest stats (called by prometheus_client at scrape time)."
-        s, c, m = self.aengine.stats, self.aengine.counters, [self.model_name]
-        for name, doc, v in (('num_requests_running', 'Sequences being generated.', s.get('num_running', 0)),
-                             ('num_requests_waiting', 'Sequences waiting to be scheduled.', s.get('num_waiting', 0)),
-                             ('kv_cache_usage_perc', 'Fraction of KV-cache blocks in use (1 = full).', s.get('kv_cache_usage', 0.0)),
-                             ('num_requests_in_flight', 'Requests accepted and not yet finished.', self.aengine.num_in_flight)):
-            g = GaugeMetricFamily(f'cvllm:{name}', doc, labels=['model_name']); g.add_metric(m, v); yield g
-        for name, doc, v in (('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.', s.get('prefix_cache_queries', 0)),
-                             ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.', s.get('prefix_cache_hits', 0)),
-                             ('prompt_tokens', 'Prompt tokens of accepted requests.', s.get('prompt_tokens', 0)),
-                             ('generation_tokens', 'Generated tokens.', s.get('generation_tokens', 0)),
-                             ('request_success', 'Sequences that finished (stop or length).', s.get('requests_finished', 0)),
-                             ('num_preemptions', 'Sequences preempted for lack of KV blocks.', s.get('num_preemptions', 0)),
-                             ('request_aborted', 'Requests aborted (client went away).', c['aborted']),
-                             ('engine_step_errors', 'Engine steps that raised.', c['step_errors'])):
-            k = CounterMetricFamily(f'cvllm:{name}', doc, labels=['model_name']); k.add_metric(m, v); yield k
-
-    def render(self) -> bytes: return generate_latest(self.registry)
-
-# %% ../../../nbs/77_api_server.ipynb #dea53bf3
-class _SSE(StreamingResponse):
-    "Server-sent events that stop (cancelling the generator) as soon as the client disconnects; `on_close` always runs."
-    def __init__(self, content, on_close=None):
-        super().__init__(content, media_type='text/event-stream', headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            async with anyio.create_task_group() as tg:
-                async def run():
-                    try: await self.stream_response(send)
-                    except OSError: pass
-                    tg.cancel_scope.cancel()
-                tg.start_soon(run)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            if self.on_close: self.on_close()
-
-class _ClientGone(Exception): pass
-
-def _stream_error(e: Exception) -> str:
-    "The last event of a stream that failed after it started."
-    if not isinstance(e, EngineError): log.exception("Stream failed")
-    return sse(error_body(str(e) if isinstance(e, EngineError) else f"Internal server error: {e!r}", 'InternalServerError', code=500))
-
-async def _unless_disconnected(request: Request, coro):
-    "Await `coro`; if the client disconnects first, cancel it and raise `_ClientGone`."
-    async def gone():
-        while (await request.receive())['type'] != 'http.disconnect': pass
-    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
-    try: await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done(): task.cancel()
-    if task.cancelled(): raise _ClientGone()
-    return task.result()
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    out = None
-    async for out in stream: pass
-    return out
-
-async def _merge(streams: list[RequestStream]):
-    "`(i, output)` from several streams as they arrive."
-    if len(streams) == 1:
-        async for out in streams[0]: yield 0, out
-        return
-    q: asyncio.Queue = asyncio.Queue()
-    async def pump(i, s):
-        try:
-            async for out in s: q.put_nowait((i, out))
-        except Exception as e: q.put_nowait((i, e))
-        q.put_nowait((i, None))
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, item = await q.get()
-            if item is None: left -= 1
-            elif isinstance(item, Exception): raise item
-            else: yield i, item
-    finally:
-        for t in tasks: t.cancel()
-
 # %% ../../../nbs/77_api_server.ipynb #5d80908b
 class OpenAIServing:
     "The request handlers: validate, build the prompt and sampling params, run, shape OpenAI responses."
@@ -247,7 +144,7 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     async def _http_error(request, e):
         kind = {404: 'NotFoundError', 405: 'MethodNotAllowed'}.get(e.status_code, 'BadRequestError')
         return JSONResponse(error_body(str(e.detail), kind, code=e.status_code), e.status_code)
-    @app.exception_handler(_ClientGone)
+    @app.exception_handler(ClientGone)
     async def _gone(request, e): return Response(status_code=499)
     @app.exception_handler(EngineError)
     async def _engine_error(request, e):
@@ -361,8 +258,8 @@ async def chat(self: OpenAIServing, request: Request) -> Response:
     ctx = _ChatCtx(req, prompt, parser, reasoning)
     rid = random_id('chatcmpl-')
     stream = await self.add(prompt, ids, params, rid)
-    if req.stream: return _SSE(self.chat_events(ctx, stream, rid), on_close=stream.close)
-    try: out = await _unless_disconnected(request, _last(stream))
+    if req.stream: return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
+    try: out = await unless_disconnected(request, last_output(stream))
     finally: stream.close()
     return JSONResponse(ChatCompletionResponse(id=rid, model=self.model_name, choices=[self.chat_choice(ctx, o) for o in out.outputs],
                                                usage=self.usage([out])).model_dump(exclude_none=False))
@@ -430,7 +327,7 @@ async def chat_events(self: OpenAIServing, ctx: _ChatCtx, stream: RequestStream,
                                 stop_reason=o.stop_reason)
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out])))
-    except Exception as e: yield _stream_error(e)
+    except Exception as e: yield stream_error(e)
     yield SSE_DONE
 
 # %% ../../../nbs/77_api_server.ipynb #bbe7b2f3
@@ -456,12 +353,12 @@ async def completion(self: OpenAIServing, request: Request) -> Response:
         for s in streams: s.close()
         raise
     close = lambda: [s.close() for s in streams]
-    if req.stream: return _SSE(self.completion_events(req, items, streams, rid), on_close=close)
+    if req.stream: return SSEResponse(self.completion_events(req, items, streams, rid), on_close=close)
     async def run():
         outs = [None] * len(streams)
-        async for k, out in _merge(streams): outs[k] = out
+        async for k, out in merge_streams(streams): outs[k] = out
         return outs
-    try: outs = await _unless_disconnected(request, run())
+    try: outs = await unless_disconnected(request, run())
     finally: close()
     choices = []
     for k, out in enumerate(outs):
@@ -508,7 +405,7 @@ async def completion_events(self: OpenAIServing, req: CompletionRequest, items, 
         return sse(CompletionResponse(id=rid, created=created, model=self.model_name,
                                       choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)]))
     try:
-        async for k, out in _merge(streams):
+        async for k, out in merge_streams(streams):
             for o in out.outputs:
                 i = k * n + o.index
                 if done[i]: continue
@@ -529,7 +426,7 @@ async def completion_events(self: OpenAIServing, req: CompletionRequest, items, 
             last[k] = out
         if req.include_usage:
             yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage(list(last.values()))))
-    except Exception as e: yield _stream_error(e)
+    except Exception as e: yield stream_error(e)
     yield SSE_DONE
 
 # %% ../../../nbs/77_api_server.ipynb #e831ce49
