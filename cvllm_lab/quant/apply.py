@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from ..layers.basic import Linear, SiluAndMul
 from ..kernels.gguf_layout import GT, QUANT_TYPES, parse_qtype, block_info, PACKED_TYPES
 from .gguf import GGUFLinear
-from .w4a16 import QuantLinear, W4A16Linear, gptq_to_levels, awq_to_levels
+from .base import QuantLinear
+from .w4a16 import W4A16Linear, gptq_to_levels, awq_to_levels
 from .fp8 import FP8Linear
 
 # %% auto #0

@@ -8,7 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/fp8.html.md"""
 from __future__ import annotations
 import torch
 from ..kernels.fp8_layout import BLOCK, dequantize_fp8_block
-from .w4a16 import QuantLinear
+from .base import QuantLinear
 
 # %% auto #0
 __all__ = ['FP8_MAX', 'quantize_fp8_block', 'FP8Linear']

@@ -234,7 +234,8 @@ def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 # %% ../../nbs/45_gguf_quant.ipynb #35291462
-from .w4a16 import QuantLinear, W4A16Linear
+from .base import QuantLinear
+from .w4a16 import W4A16Linear
 
 class GGUFLinear(QuantLinear):
     "`y = x @ W.T + b` with `W` held as GGUF block bytes `qweight` `uint8 [out_features, bytes_per_row]` (or packed)."

@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..layers.basic import Linear
+from .base import QuantLinear
 from ..kernels.w4a16_layout import TILE_K, padded_k, check_layout, dequantize_packed_ref
 
 # %% auto #0
-__all__ = ['AWQ_ORDER', 'pack_weights', 'unpack_weights', 'group_params', 'quantize_levels', 'quantize_rtn', 'QuantLinear',
-           'W4A16Linear', 'gptq_to_levels', 'awq_to_levels', 'levels_to_gptq', 'levels_to_awq']
+__all__ = ['AWQ_ORDER', 'pack_weights', 'unpack_weights', 'group_params', 'quantize_levels', 'quantize_rtn', 'W4A16Linear',
+           'gptq_to_levels', 'awq_to_levels', 'levels_to_gptq', 'levels_to_awq']
 
 # %% ../../nbs/46_w4a16.ipynb #d8def9ae
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
@@ -73,38 +74,6 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group: int = 128, sym: bool = T
     return q.to(torch.uint8), scale[..., 0].T.half().contiguous(), zero[..., 0].T.to(torch.uint8).contiguous()
 
 # %% ../../nbs/46_w4a16.ipynb #00fcebef
-class QuantLinear(Linear):
-    "A `Linear` whose weight is held quantized: shard bookkeeping and bias as `Linear`, no float `weight`."
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False, shard_ids=None,
-                 device=None, bias_dtype=torch.float32):
-        nn.Module.__init__(self)
-        self.output_sizes = [out_features] if isinstance(out_features, int) else list(out_features)
-        self.shard_ids = shard_ids or list(range(len(self.output_sizes)))
-        self.input_size, self.output_size = in_features, sum(self.output_sizes)
-        self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=bias_dtype, device=device), requires_grad=False) if bias else None
-
-    @property
-    def in_features(self) -> int: return self.input_size
-    @property
-    def out_features(self) -> int: return self.output_size
-
-    def _set_bias(self, bias):
-        if bias is not None: self.bias.data.copy_(bias.detach())
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        "The float weight `[out, in]`."
-        raise NotImplementedError
-
-    def _add_bias(self, y):
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def forward(self, x):
-        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-    def weight_bytes(self) -> int:
-        "Bytes of the quantized weight (buffers, not the bias)."
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
 def _shape_kw(shard_ids, bias):
     return dict(shard_ids=shard_ids, bias=bias is not None,
                 bias_dtype=bias.dtype if bias is not None else torch.float32)
