@@ -11,19 +11,8 @@ FP8 to fp32 in registers (`cvt` e4m3x2 -> f16x2 -> f32), so no activation quanti
 | `_fp8_mm_kernel` | 1 < M <= `MM_MAX_M` | per K-block: `tl.dot(x, W_block.T)` in the activation dtype, then `acc += dot * scale[n]` |
 | dequantize + cuBLAS | prefill | `W` in bf16 once, then `torch.matmul` |
 
-Split-K goes through the self-zeroing workspace of `cvllm_lab.kernels.split_k` (one launch per matmul).
-Measured on an H200 (Triton 3.6, bf16 x, CUDA-graph replay over weight copies that don't fit in L2; % of 4.2 TB/s
-for the FP8 bytes + scales; the defaults below; sweeps in `results/h200_quant_kernels.csv`):
-
-| N x K | M=1 before -> now | M=16 before -> now | M=64 now |
-|---|---|---|---|
-| 6144 x 4096 (qkv) | 12.9 (47%) -> 9.6 us (62%) | 20.9 -> 14.8 us (41%) | 26.0 us |
-| 4096 x 4096 (o) | 12.1 (33%) -> 7.8 us (52%) | 14.1 -> 11.2 us (36%) | 15.7 us |
-| 28672 x 4096 (gate_up) | 37.9 (74%) -> 33.4 us (84%) | 52.9 -> 49.3 us (57%) | 83.3 us |
-| 4096 x 14336 (down) | 37.8 (37%) -> 19.1 us (73%) | 32.3 -> 27.6 us (51%) | 42.1 us |
-| layer | 100.6 -> 69.9 us | 120.3 -> 102.9 us | 167.1 us |
-
-Llama-3-8B decode estimate (32 layers + the bf16 LM head): 402 tok/s at batch 1, 4,510 at 16, 11,360 at 64.
+Split-K goes through the self-zeroing workspace of `cvllm_lab.kernels.split_k` (one launch per matmul). Launch
+configurations are tuned data (`configs/fp8_gemv/`, `configs/fp8_mm/`, loaded by `tuned`).
 """
 import os
 

@@ -20,25 +20,10 @@ the position within the step of each tile column. The columns are in whatever or
 Tiles per step (KP x passes): q4_0/q4_1/q5_0/q5_1/q8_0: `32*NB` x 1; q4_k/q5_k: 128 x 2 (low, high nibbles);
 q6_k: 128 x 2; q2_k/q3_k: 64 x 4 (bit pairs). Scales are loaded per sub-block (`[BN, G]`) and broadcast over the
 sub-block's columns, and ints become floats through the exponent trick `bits(q | 0x4B000000) - 2**23`.
-All 10 block types are covered by all three kernels, and all pass the CUDA tests on an H200 (Triton 3.6).
-
-Performance, measured once on an H200 (M=1 GEMV, CUDA-graph replay, weights rotated through 8 copies so they come
-from HBM; % of 4.2 TB/s for the quantized bytes read):
-
-| N x K | q4_0 | q4_1 | q5_0 | q5_1 | q8_0 | q2_k | q3_k | q4_k | q5_k | q6_k | bf16 cuBLAS |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-| 4096 x 14336, us | 62 | 76 | 85 | 85 | 68 | 126 | 147 | 137 | 202 | 134 | 31 |
-| % peak | 13 | 12 | 11 | 12 | 22 | 4 | 4 | 6 | 5 | 9 | 90 |
-| 14336 x 4096, us | 58 | 63 | 76 | 72 | 62 | 104 | 151 | 116 | 205 | 119 | 31 |
-| % peak | 14 | 14 | 13 | 15 | 24 | 4 | 4 | 7 | 5 | 10 | 91 |
-
-Batched (14336 x 4096): q4_k M=16 150 us, q6_k M=16 209 us; q4_k M=512 952 us (dequantize kernel ~870 us + cuBLAS).
-So these kernels are correct but compute-bound far below the memory roofline: a dense bf16 GEMV is 2-6x faster.
-The sm_90 SASS shows where the time goes: a cross-lane `tl.sum` every step (q4_k: ~220 SHFL per thread per step),
-shared-memory layout conversions for the `x` gather and the reshapes, and scale gathers replicated across threads.
-Next steps: accumulate `[BN, KP]` and reduce once after the loop; compute `kk` in the tile's own layout; or repack
-at load time into planes (int32 quants `[N, K/8]`, fp16 scales per sub-block) so loads vectorize and no reshape
-is needed; integer dot products on int8-quantized `x` as llama.cpp does.
+All 10 block types are covered by all three kernels. They are correct but far from the memory roofline (a dense
+bf16 GEMV is faster; `results/NOTES.md` has the measurements and where the time goes), so the four types that are
+affine per 32 weights (q4_0, q4_1, q4_k, q8_0) are repacked into the W4A16 layout instead when a model is loaded on
+a GPU (`GGUFLinear.pack`); these kernels serve the others.
 """
 import math
 import os
@@ -460,7 +445,7 @@ def gguf_mm(x, qweight, qtype, N, K, out_dtype=None, bm=None, bn=None, num_warps
     assert x.shape[1] == K, x.shape
     x = x.contiguous()
     wq, wb, wpr, bpr, meta = _plan(qweight, qtype, N, K)
-    bm = bm or 16  # measured on H200: M=64 took 994 us with BM=32 (8 warps, spills) against 150 us for M=16 with BM=16
+    bm = bm or 16  # 16 rows per program: 32 needs 8 warps and spills registers
     bn = bn or (16 if _INTERPRET else 32)
     num_warps = num_warps or 4
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)

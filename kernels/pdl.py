@@ -5,17 +5,12 @@ running. Every such kernel calls `pdl_wait(PDL)` before its first read *or write
 (`griddepcontrol.wait` returns once the predecessor grid has completed and its writes are visible; since the
 predecessor itself waited on its own predecessor, the whole chain before it is complete too), then
 `pdl_launch(PDL)` (its successor may be scheduled once all of this grid's programs have got there). Launching
-after the wait keeps the chain at most one kernel ahead; launching at entry let several kernels' programs pile up,
-prefetching, and measured slower for q4_k (H200, Llama-3-8B batch 1: 284 against 294 tok/s without PDL). Only
-weights, which no kernel writes, may be read before the wait: the quantized GEMVs issue their first weight loads
-there. In a CUDA graph this hides each kernel's launch latency and ramp behind the tail of the previous one
-(about 290 kernels per Llama-3-8B decode step). A kernel launched without the attribute (cuBLAS, PyTorch ops) is
-ordered as usual.
-
-Measured (H200, Llama-3-8B decode, batch 1, `results/h200_marlin.csv` at fe9f5bc against 596f61c without PDL):
-W4A16 334.6 -> 360.3 tok/s, FP8 335.7 -> 363.0, bf16 215.9 -> 218.7 (its matmuls are cuBLAS, only the small
-kernels use PDL). The group-32 GEMV (q4_k, q4_0, q8_0 repacks) launches without it: with PDL q4_k measured 289.0
-against 293.8 without; batch 16 and above (the `tl.dot` kernels, no PDL) are unchanged within noise.
+after the wait keeps the chain at most one kernel ahead, rather than letting several kernels' programs pile up,
+prefetching. Only weights, which no kernel writes, may be read before the wait: the quantized GEMVs issue their
+first weight loads there. In a CUDA graph this hides each kernel's launch latency and ramp behind the tail of the
+previous one (a Llama-3-8B decode step is about 290 kernels). A kernel launched without the attribute (cuBLAS,
+PyTorch ops) is ordered as usual. The group-32 GEMV (q4_k, q4_0, q8_0 repacks) launches without PDL, where it
+gained nothing (`results/NOTES.md`).
 
 Off under the Triton interpreter, before sm_90, and with the environment variable `CVLLM_PDL=0`. Launchers take
 `pdl=True` to force the kernels' PDL code paths (the interpreter then skips only the two instructions), so the CPU

@@ -41,7 +41,7 @@ def apply_rotary_ref(q, k, positions, cos_sin_cache, head_dim: int, is_neox: boo
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, n_heads, i1, i2, r_ok, cos, sin, BLOCK_H: tl.constexpr):
+def rotate_heads(x_ptr, stride_h, n_heads, i1, i2, r_ok, cos, sin, BLOCK_H: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = (h < n_heads) & r_ok[None, :]
     p1 = x_ptr + h * stride_h + i1[None, :]
@@ -53,7 +53,7 @@ def _rotate_heads(x_ptr, stride_h, n_heads, i1, i2, r_ok, cos, sin, BLOCK_H: tl.
 
 
 @triton.jit
-def _rotary_pairs(cs_row_ptr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX: tl.constexpr):
+def rotary_pairs(cs_row_ptr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX: tl.constexpr):
     "The rotated pairs' indices `(i1, i2)`, their mask, and `cos`, `sin` `[1, BLOCK_R]` of one position's cache row."
     r = tl.arange(0, BLOCK_R)
     r_ok = r < HALF
@@ -74,10 +74,10 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, strid
                    BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    i1, i2, r_ok, cos, sin = _rotary_pairs(cache_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
+    i1, i2, r_ok, cos, sin = rotary_pairs(cache_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
+    rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HQ)
     if HAS_K:
-        _rotate_heads(k_ptr + t * stride_kt, stride_kh, n_k_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HK)
+        rotate_heads(k_ptr + t * stride_kt, stride_kh, n_k_heads, i1, i2, r_ok, cos, sin, BLOCK_H=BLOCK_HK)
 
 
 def _strides(x, head_dim):

@@ -23,6 +23,7 @@ try:
 except ImportError:  # package not installed (e.g. a bare GPU box): import the kernels folder itself
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from kernels import paged_attention as pa
+from cvllm_lab.kernels.kv_cache import SCALE_MIN
 paged_attention, paged_attention_ref = pa.paged_attention, pa.paged_attention_ref
 reshape_and_cache, reshape_and_cache_ref = pa.reshape_and_cache, pa.reshape_and_cache_ref
 
@@ -274,7 +275,7 @@ def test_reshape_and_cache_fp8(dtype):
         x = x[keep].float()
         rows = c.view(-1, Hkv, D)[slots[keep]].float()
         s = sc.view(-1, Hkv)[slots[keep]]
-        torch.testing.assert_close(s, (x.abs().amax(-1).clamp_min(pa.SCALE_MIN) / 448), rtol=1e-6, atol=0)
+        torch.testing.assert_close(s, (x.abs().amax(-1).clamp_min(SCALE_MIN) / 448), rtol=1e-6, atol=0)
         assert rows.abs().amax(-1)[x.abs().amax(-1) > 0].eq(448).all()  # each row's max lands on e4m3's max
         # nearest e4m3 value: half a step, 2^-4 relative (normals) or 2^-10 * scale (subnormals below 2^-6)
         err = (rows * s[..., None] - x).abs()
