@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 import torch
+from fastcore.basics import patch
 from ..config import EngineConfig
 from ..utils.context import ForwardContext, bind_kv_cache, set_forward_context
 from .request import Request
@@ -17,36 +18,9 @@ from ..layers.sampler import Sampler, topk_logprobs
 from ..weights.loader import load_model, ModelSource
 
 # %% auto #0
-__all__ = ['CPU_KV_CACHE_BYTES', 'ModelRunnerOutput', 'StepHandle', 'ModelRunner']
+__all__ = ['CPU_KV_CACHE_BYTES', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-CPU_KV_CACHE_BYTES = 1 << 30
-
-@dataclass
-class ModelRunnerOutput:
-    "Per request: the sampled token and its log-probs; prompt log-probs for positions computed this step."
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict | None] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
-
-@dataclass
-class StepHandle:
-    """A launched step. `tokens`: the sampled ids still on the device (row i is `reqs[i]`), with a pinned host copy
-    on its way (`host`, done at `event`), when no request needs host-side sampling; else `output` is ready."""
-    reqs: list[Request]
-    tokens: torch.Tensor | None = None
-    host: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
-    output: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        "The step's output (waits for the device-to-host copy of the token ids: the step's only sync)."
-        if self.output is None:
-            if self.event is not None: self.event.synchronize()
-            ids = (self.tokens if self.host is None else self.host)[:len(self.reqs)].tolist()
-            self.output = ModelRunnerOutput({r.request_id: t for r, t in zip(self.reqs, ids)})
-        return self.output
-
 class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
@@ -80,171 +54,230 @@ class ModelRunner:
         scale = 4 if self.fp8_kv else 0
         return sum(2 * self.block_size * a.num_kv_heads * (a.head_dim * es + scale) for a in self.model.attention_layers())
 
-    def determine_num_blocks(self) -> int:
-        cfg = self.cfg
-        if cfg.num_gpu_blocks_override: return cfg.num_gpu_blocks_override
-        if cfg.kv_cache_memory: return max(1, cfg.kv_cache_memory // self.bytes_per_block)
-        if self.device.type != 'cuda': return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
-        torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        self.profile_run()
-        activation = torch.cuda.max_memory_allocated() - base
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        budget = ((free - activation) * cfg.gpu_memory_fraction if cfg.gpu_memory_fraction
-                  else total * cfg.gpu_memory_utilization - (total - free) - activation)
-        if budget < self.bytes_per_block:
-            raise RuntimeError(f"No GPU memory left for the KV cache (weights and activations use "
-                               f"{(total - free + activation) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
-        return int(budget // self.bytes_per_block)
+# %% ../../nbs/50_model_runner.ipynb #245dafdb
+CPU_KV_CACHE_BYTES = 1 << 30
 
-    @torch.inference_mode()
-    def profile_run(self):
-        "A forward of `max_num_batched_tokens` tokens (one sequence) with a scratch cache, to measure peak memory."
-        T, bs = self.cfg.max_num_batched_tokens, self.block_size
-        T = min(T, self.cfg.max_model_len)
-        nb = -(-T // bs)
-        bind_kv_cache(self.model, nb, bs, self.cfg.kv_cache_torch_dtype, self.device)
-        ctx = ForwardContext(torch.arange(T, device=self.device), torch.tensor([0, T], dtype=torch.int32, device=self.device),
-                             torch.tensor([T], dtype=torch.int32, device=self.device),
-                             torch.arange(nb, dtype=torch.int32, device=self.device)[None], T, T)
+@patch
+def determine_num_blocks(self: ModelRunner) -> int:
+    cfg = self.cfg
+    if cfg.num_gpu_blocks_override: return cfg.num_gpu_blocks_override
+    if cfg.kv_cache_memory: return max(1, cfg.kv_cache_memory // self.bytes_per_block)
+    if self.device.type != 'cuda': return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
+    torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    self.profile_run()
+    activation = torch.cuda.max_memory_allocated() - base
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    budget = ((free - activation) * cfg.gpu_memory_fraction if cfg.gpu_memory_fraction
+              else total * cfg.gpu_memory_utilization - (total - free) - activation)
+    if budget < self.bytes_per_block:
+        raise RuntimeError(f"No GPU memory left for the KV cache (weights and activations use "
+                           f"{(total - free + activation) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
+    return int(budget // self.bytes_per_block)
+
+@patch
+@torch.inference_mode()
+def profile_run(self: ModelRunner):
+    "A forward of `max_num_batched_tokens` tokens (one sequence) with a scratch cache, to measure peak memory."
+    T, bs = self.cfg.max_num_batched_tokens, self.block_size
+    T = min(T, self.cfg.max_model_len)
+    nb = -(-T // bs)
+    bind_kv_cache(self.model, nb, bs, self.cfg.kv_cache_torch_dtype, self.device)
+    ctx = ForwardContext(torch.arange(T, device=self.device), torch.tensor([0, T], dtype=torch.int32, device=self.device),
+                         torch.tensor([T], dtype=torch.int32, device=self.device),
+                         torch.arange(nb, dtype=torch.int32, device=self.device)[None], T, T)
+    with set_forward_context(ctx):
+        h = self.model(torch.zeros(T, dtype=torch.long, device=self.device), torch.arange(T, device=self.device))
+        self.model.compute_logits(h[:min(T, self.cfg.max_num_seqs)])
+    for a in self.model.attention_layers(): a.kv_cache = a.kv_scale = None
+    torch.cuda.synchronize()
+
+# %% ../../nbs/50_model_runner.ipynb #dd529c99
+@dataclass(slots=True)
+class InputBatch:
+    "The host side of one step: flat token rows, their attention metadata, and the rows that need logits."
+    # built positionally, in field order: a keyword call costs more on the per-step host path
+    input_ids: np.ndarray | torch.Tensor        # [num_tokens] int64
+    positions: np.ndarray | torch.Tensor        # [num_tokens] int64
+    slot_mapping: np.ndarray | torch.Tensor     # [num_tokens] int64: KV slot of each row
+    query_start_loc: np.ndarray | torch.Tensor  # [num_reqs + 1] int32: first row of each request
+    seq_lens: np.ndarray | torch.Tensor         # [num_reqs] int32: tokens in the cache after the step
+    block_tables: np.ndarray | torch.Tensor     # [num_reqs, max_blocks] int32, zero-padded
+    max_query_len: int
+    max_seq_len: int
+    sample_rows: list[int] | slice              # rows to sample (`slice(None)`: every row)
+    sample_reqs: list[Request]                  # the request of each sampled row
+    prompt_logprobs: list[tuple[Request, list[int], list[int]]]   # (request, rows, the prompt tokens they predict)
+
+# %% ../../nbs/50_model_runner.ipynb #d74792fd
+@patch
+def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
+    "Flat token batch, positions, attention metadata, and which rows need logits."
+    if so.total_num_scheduled_tokens == len(so.scheduled) and all(
+            r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in so.scheduled):
+        return self._prepare_decode(so)
+    bs, ids, pos, slots, qsl, seq_lens = self.block_size, [], [], [], [0], []
+    sample_rows, sample_reqs, plp = [], [], []
+    for r in so.scheduled:
+        n, c = so.num_scheduled_tokens[r.request_id], r.num_computed_tokens
+        bt = so.block_tables[r.request_id]
+        ids += r.all_token_ids[c:c + n]
+        pos += range(c, c + n)
+        slots += [bt[i // bs] * bs + i % bs for i in range(c, c + n)]
+        start = qsl[-1]; qsl.append(start + n); seq_lens.append(c + n)
+        if r.prompt_logprobs is not None:   # position p predicts prompt token p+1
+            ps = [p for p in range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))]
+            if ps: plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
+        if c + n == r.num_tokens: sample_rows.append(qsl[-1] - 1); sample_reqs.append(r)
+    max_blocks = max(len(so.block_tables[r.request_id]) for r in so.scheduled)
+    bt = np.zeros((len(so.scheduled), max_blocks), dtype=np.int32)
+    for i, r in enumerate(so.scheduled):
+        t = so.block_tables[r.request_id]; bt[i, :len(t)] = t
+    return InputBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                      torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
+                      torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(bt),
+                      max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max(seq_lens), sample_rows, sample_reqs, plp)
+
+# %% ../../nbs/50_model_runner.ipynb #b2687b71
+@patch
+def _prepare_decode(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
+    "Fast path of `prepare_inputs` for a batch where every request decodes one token."
+    bs, reqs = self.block_size, so.scheduled
+    cs = [r.num_computed_tokens for r in reqs]
+    tabs = [so.block_tables[r.request_id] for r in reqs]
+    bt = np.zeros((len(reqs), max(map(len, tabs))), dtype=np.int32)
+    for i, t in enumerate(tabs): bt[i, :len(t)] = t
+    B, pos = len(reqs), np.array(cs, dtype=np.int64)   # numpy, not torch: a step's host work is on the critical path
+    return InputBatch(np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64), pos,
+                      np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64),
+                      np.arange(B + 1, dtype=np.int32), (pos + 1).astype(np.int32), bt, 1, max(cs) + 1,
+                      slice(None), reqs, [])   # every row samples: no index tensor (its H2D copy would sync)
+
+# %% ../../nbs/50_model_runner.ipynb #2cc0dcdf
+@dataclass
+class ModelRunnerOutput:
+    "Per request: the sampled token and its log-probs; prompt log-probs for positions computed this step."
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict | None] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+
+@dataclass
+class StepHandle:
+    """A launched step. `tokens`: the sampled ids still on the device (row i is `reqs[i]`), with a pinned host copy
+    on its way (`host`, done at `event`), when no request needs host-side sampling; else `output` is ready."""
+    reqs: list[Request]
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        "The step's output (waits for the device-to-host copy of the token ids: the step's only sync)."
+        if self.output is None:
+            if self.event is not None: self.event.synchronize()
+            ids = (self.tokens if self.host is None else self.host)[:len(self.reqs)].tolist()
+            self.output = ModelRunnerOutput({r.request_id: t for r, t in zip(self.reqs, ids)})
+        return self.output
+
+# %% ../../nbs/50_model_runner.ipynb #af4167d1
+@patch
+@torch.inference_mode()
+def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
+    """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
+    sampling (log-probs, logits processors, penalties, min_tokens), nothing waits for the device: the handle
+    holds the token ids on the device. `prev_tokens` (async scheduling): the input ids of a decode step, still
+    on the device, overriding the host's (placeholders)."""
+    b = self.prepare_inputs(so)
+    if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
+        raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
+    if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
+        hidden = self._run_graph(b, prev_tokens)
+    else:
+        t = lambda x: torch.as_tensor(x).to(self.device)
+        ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
+                             b.max_query_len, b.max_seq_len)
+        ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
+        with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
+    sample_rows, sample_reqs = b.sample_rows, b.sample_reqs
+    if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
+        tokens = self.sampler.sample_tokens(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+        if not self.tok_host: return StepHandle(sample_reqs, tokens)
+        host = self.tok_host[self.tok_i]; self.tok_i ^= 1
+        host[:len(sample_reqs)].copy_(tokens, non_blocking=True)
+        ev = torch.cuda.Event(); ev.record()
+        return StepHandle(sample_reqs, tokens, host, ev)
+    out = ModelRunnerOutput()
+    for r, rows, targets in b.prompt_logprobs:
+        lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
+        out.prompt_logprobs[r.request_id] = topk_logprobs(lp, torch.tensor(targets, device=lp.device),
+                                                          r.sampling_params.prompt_logprobs)
+    if sample_reqs:
+        s = self.sampler(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+        for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
+            out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp
+    return StepHandle(sample_reqs, output=out)
+
+@patch
+def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
+    "Run one scheduled step, sample, and wait for the tokens."
+    return self.launch(so).result()
+
+# %% ../../nbs/50_model_runner.ipynb #35fb1778
+@patch
+def graph_sizes(self: ModelRunner) -> list[int]:
+    "Batch-size buckets that get a CUDA graph: 1, 2, 4, 8, then steps of 8 up to `max_num_seqs`."
+    m = self.cfg.max_num_seqs
+    return sorted({s for s in [1, 2, 4, 8] + list(range(16, m + 1, 8)) if s <= m} | {m})
+
+# %% ../../nbs/50_model_runner.ipynb #95be7158
+@patch
+@torch.inference_mode()
+def capture_cudagraphs(self: ModelRunner, progress: bool = True):
+    "Capture one decode graph per bucket over persistent input buffers."
+    sizes, dev = self.graph_sizes(), self.device
+    n, nblk = sizes[-1], -(-self.cfg.max_model_len // self.block_size)
+    # graph inputs: rows of one int64 buffer (ids, positions, slots, seq_lens) filled by one pinned copy per step
+    self.g_in = torch.tensor([[0], [0], [-1], [1]], device=dev).repeat(1, n)
+    self.g_ids, self.g_pos, self.g_slots = self.g_in[0], self.g_in[1], self.g_in[2]
+    self.g_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)    # the kernels' int32, one cast per step
+    self.g_bt = torch.zeros(n, nblk, dtype=torch.int32, device=dev)
+    self.g_qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    self.g_staging = torch.zeros(4, n, dtype=torch.long).pin_memory()
+    self.g_bt_staging = torch.zeros(n, nblk, dtype=torch.int32).pin_memory()
+    self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()   # cheap host writes
+    self.g_hidden, self.g_hidden_short, pool = {}, {}, None
+    from tqdm.auto import tqdm
+    from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
+    self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
+    todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
+    todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
+    for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
+        ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[:bs], 1, L)
         with set_forward_context(ctx):
-            h = self.model(torch.zeros(T, dtype=torch.long, device=self.device), torch.arange(T, device=self.device))
-            self.model.compute_logits(h[:min(T, self.cfg.max_num_seqs)])
-        for a in self.model.attention_layers(): a.kv_cache = a.kv_scale = None
-        torch.cuda.synchronize()
+            for _ in range(2): self.model(self.g_ids[:bs], self.g_pos[:bs])   # warm-up (Triton autotune/compile)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool): h = self.model(self.g_ids[:bs], self.g_pos[:bs])
+        pool = g.pool()
+        if L == self.cfg.max_model_len: self.graphs[bs], self.g_hidden[bs] = g, h
+        else: self.short_graphs[bs], self.g_hidden_short[bs] = g, h
+    torch.cuda.synchronize()
 
-    def graph_sizes(self) -> list[int]:
-        "Batch-size buckets that get a CUDA graph: 1, 2, 4, 8, then steps of 8 up to `max_num_seqs`."
-        m = self.cfg.max_num_seqs
-        return sorted({s for s in [1, 2, 4, 8] + list(range(16, m + 1, 8)) if s <= m} | {m})
-
-    @torch.inference_mode()
-    def capture_cudagraphs(self, progress: bool = True):
-        "Capture one decode graph per bucket over persistent input buffers."
-        sizes, dev = self.graph_sizes(), self.device
-        n, nblk = sizes[-1], -(-self.cfg.max_model_len // self.block_size)
-        # graph inputs: rows of one int64 buffer (ids, positions, slots, seq_lens) filled by one pinned copy per step
-        self.g_in = torch.tensor([[0], [0], [-1], [1]], device=dev).repeat(1, n)
-        self.g_ids, self.g_pos, self.g_slots = self.g_in[0], self.g_in[1], self.g_in[2]
-        self.g_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)    # the kernels' int32, one cast per step
-        self.g_bt = torch.zeros(n, nblk, dtype=torch.int32, device=dev)
-        self.g_qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.g_staging = torch.zeros(4, n, dtype=torch.long).pin_memory()
-        self.g_bt_staging = torch.zeros(n, nblk, dtype=torch.int32).pin_memory()
-        self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()   # cheap host writes
-        self.g_hidden, self.g_hidden_short, pool = {}, {}, None
-        from tqdm.auto import tqdm
-        from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
-        self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
-        todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
-        todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
-        for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
-            ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[:bs], 1, L)
-            with set_forward_context(ctx):
-                for _ in range(2): self.model(self.g_ids[:bs], self.g_pos[:bs])   # warm-up (Triton autotune/compile)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool): h = self.model(self.g_ids[:bs], self.g_pos[:bs])
-            pool = g.pool()
-            if L == self.cfg.max_model_len: self.graphs[bs], self.g_hidden[bs] = g, h
-            else: self.short_graphs[bs], self.g_hidden_short[bs] = g, h
-        torch.cuda.synchronize()
-
-    def _run_graph(self, ids, pos, slots, seq_lens, bt, prev_tokens=None, max_seq_len=None) -> torch.Tensor:
-        "Replay the smallest bucket that holds the batch (its short-context graph if it has one and the batch fits)."
-        B = len(ids)
-        bs = next(s for s in sorted(self.graphs) if s >= B)
-        short = bs in self.short_graphs and max_seq_len is not None and max_seq_len <= self.short_len
-        st, w = self.g_staging_np, bt.shape[1]
-        st[0, :B] = ids; st[1, :B] = pos; st[2, :B] = slots; st[3, :B] = seq_lens
-        st[0, B:bs] = 0; st[2, B:bs] = -1; st[3, B:bs] = 1      # padding rows: token 0, write nothing, attend to 1 slot
-        self.g_bt_staging_np[:B, :w] = bt
-        self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
-        self.g_bt[:B, :w].copy_(self.g_bt_staging[:B, :w], non_blocking=True)
-        self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
-        if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
-        if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
-        self.graphs[bs].replay()
-        return self.g_hidden[bs][:B]
-
-    def _prepare_decode(self, so: SchedulerOutput):
-        "Fast path of `prepare_inputs` for a batch where every request decodes one token."
-        bs, reqs = self.block_size, so.scheduled
-        cs = [r.num_computed_tokens for r in reqs]
-        tabs = [so.block_tables[r.request_id] for r in reqs]
-        bt = np.zeros((len(reqs), max(map(len, tabs))), dtype=np.int32)
-        for i, t in enumerate(tabs): bt[i, :len(t)] = t
-        B, pos = len(reqs), np.array(cs, dtype=np.int64)   # numpy, not torch: a step's host work is on the critical path
-        host = dict(ids=np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64), pos=pos,
-                    slots=np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64),
-                    qsl=np.arange(B + 1, dtype=np.int32), seq_lens=(pos + 1).astype(np.int32),
-                    bt=bt, max_query_len=1, max_seq_len=max(cs) + 1)
-        return host, slice(None), reqs, []   # every row samples: no index tensor (its H2D copy would sync)
-
-    def prepare_inputs(self, so: SchedulerOutput):
-        "Flat token batch, positions, forward context, and which rows need logits."
-        if so.total_num_scheduled_tokens == len(so.scheduled) and all(
-                r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in so.scheduled):
-            return self._prepare_decode(so)
-        bs, ids, pos, slots, qsl, seq_lens = self.block_size, [], [], [], [0], []
-        sample_rows, sample_reqs, plp = [], [], []
-        for r in so.scheduled:
-            n, c = so.num_scheduled_tokens[r.request_id], r.num_computed_tokens
-            bt = so.block_tables[r.request_id]
-            ids += r.all_token_ids[c:c + n]
-            pos += range(c, c + n)
-            slots += [bt[i // bs] * bs + i % bs for i in range(c, c + n)]
-            start = qsl[-1]; qsl.append(start + n); seq_lens.append(c + n)
-            if r.prompt_logprobs is not None:   # position p predicts prompt token p+1
-                ps = [p for p in range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))]
-                if ps: plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
-            if c + n == r.num_tokens: sample_rows.append(qsl[-1] - 1); sample_reqs.append(r)
-        max_blocks = max(len(so.block_tables[r.request_id]) for r in so.scheduled)
-        bt = np.zeros((len(so.scheduled), max_blocks), dtype=np.int32)
-        for i, r in enumerate(so.scheduled):
-            t = so.block_tables[r.request_id]; bt[i, :len(t)] = t
-        host = dict(ids=torch.tensor(ids, dtype=torch.long), pos=torch.tensor(pos, dtype=torch.long),
-                    slots=torch.tensor(slots, dtype=torch.long), qsl=torch.tensor(qsl, dtype=torch.int32),
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32), bt=torch.from_numpy(bt),
-                    max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max_seq_len=max(seq_lens))
-        return host, sample_rows, sample_reqs, plp
-
-    @torch.inference_mode()
-    def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
-        """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
-        sampling (log-probs, logits processors, penalties, min_tokens), nothing waits for the device: the handle
-        holds the token ids on the device. `prev_tokens` (async scheduling): the input ids of a decode step, still
-        on the device, overriding the host's (placeholders)."""
-        h, sample_rows, sample_reqs, plp = self.prepare_inputs(so)
-        if prev_tokens is not None and (h['max_query_len'] != 1 or len(prev_tokens) != len(h['ids'])):
-            raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
-        if self.graphs and h['max_query_len'] == 1 and not plp and len(so.scheduled) <= max(self.graphs):
-            hidden = self._run_graph(h['ids'], h['pos'], h['slots'], h['seq_lens'], h['bt'], prev_tokens,
-                                     h['max_seq_len'])
-        else:
-            t = lambda k: torch.as_tensor(h[k]).to(self.device)
-            ctx = ForwardContext(t('slots'), t('qsl'), t('seq_lens'), t('bt'), h['max_query_len'], h['max_seq_len'])
-            ids = t('ids') if prev_tokens is None else prev_tokens.to(torch.long)
-            with set_forward_context(ctx): hidden = self.model(ids, t('pos'))
-        if not plp and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
-            tokens = self.sampler.sample_tokens(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
-            if not self.tok_host: return StepHandle(sample_reqs, tokens)
-            host = self.tok_host[self.tok_i]; self.tok_i ^= 1
-            host[:len(sample_reqs)].copy_(tokens, non_blocking=True)
-            ev = torch.cuda.Event(); ev.record()
-            return StepHandle(sample_reqs, tokens, host, ev)
-        out = ModelRunnerOutput()
-        for r, rows, targets in plp:
-            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
-            out.prompt_logprobs[r.request_id] = topk_logprobs(lp, torch.tensor(targets, device=lp.device),
-                                                              r.sampling_params.prompt_logprobs)
-        if sample_reqs:
-            s = self.sampler(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
-            for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
-                out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp
-        return StepHandle(sample_reqs, output=out)
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        "Run one scheduled step, sample, and wait for the tokens."
-        return self.launch(so).result()
+@patch
+def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    "Replay the smallest bucket that holds the batch (its short-context graph if it has one and the batch fits)."
+    B = len(b.input_ids)
+    bs = next(s for s in sorted(self.graphs) if s >= B)
+    short = bs in self.short_graphs and b.max_seq_len <= self.short_len
+    st, w = self.g_staging_np, b.block_tables.shape[1]
+    st[0, :B] = b.input_ids; st[1, :B] = b.positions; st[2, :B] = b.slot_mapping; st[3, :B] = b.seq_lens
+    st[0, B:bs] = 0; st[2, B:bs] = -1; st[3, B:bs] = 1      # padding rows: token 0, write nothing, attend to 1 slot
+    self.g_bt_staging_np[:B, :w] = b.block_tables
+    self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
+    self.g_bt[:B, :w].copy_(self.g_bt_staging[:B, :w], non_blocking=True)
+    self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
+    if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
+    if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
+    self.graphs[bs].replay()
+    return self.g_hidden[bs][:B]
