@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools, time
 from dataclasses import dataclass, field
 import torch
+from fastcore.basics import patch
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
@@ -49,7 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
 
-# %% ../../nbs/51_llm_engine.ipynb #bc2fb9a6
+# %% ../../nbs/51_llm_engine.ipynb #bd622e48
 class LLMEngine:
     "Tokenizes, schedules, runs and detokenizes requests over a paged KV cache."
     def __init__(self, cfg: EngineConfig, progress: bool = True):
@@ -78,174 +79,189 @@ class LLMEngine:
         self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
 
-    # ---- requests in ----
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
-        if isinstance(prompt, dict):
-            if 'prompt_token_ids' in prompt: return prompt.get('prompt'), list(prompt['prompt_token_ids'])
-            prompt = prompt['prompt']
-        if isinstance(prompt, str):
-            if self.tokenizer is None: raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init=True): give token ids")
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt): return None, list(prompt)
-        raise ValueError(f"A prompt must be text, a list of token ids, or a dict; got {type(prompt).__name__}")
-
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        "Validate and queue a request (fanned out into `params.n` samples); returns its id."
-        params = params or SamplingParams()
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.parents: raise ValueError(f"Request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
-        self.validate(ids, params)
-        if self.tokenizer is None and (params.detokenize or params.stop):
-            params = params.clone(detokenize=False, stop=None) if not params.stop else None
-            if params is None: raise ValueError("Stop strings need a tokenizer (skip_tokenizer_init=True)")
-        max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
-        children = []
-        for i in range(params.n):
-            procs = params.logits_processors   # stateful processors (grammars): one copy per sample
-            if procs and i > 0: procs = [q.clone() if hasattr(q, 'clone') else q for q in procs]
-            p = params.clone(n=1, max_tokens=max_tokens, logits_processors=procs,
-                             seed=None if params.seed is None else params.seed + i,
-                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            cid = request_id if params.n == 1 else f'{i}_{request_id}'
-            r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, arrival_time, text)
-            r.parent_id, r.index = request_id, i
-            self.detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
-            children.append(r)
-        self.parents[request_id], self.prompts[request_id] = children, text
-        for r in children: self.scheduler.add_request(r)
-        self.counters['prompt_tokens'] += len(ids)
-        return request_id
-
-    def validate(self, ids: list[int], params: SamplingParams):
-        if not ids: raise ValueError("The prompt is empty")
-        if len(ids) > self.cfg.max_model_len:
-            raise ValueError(f"The prompt has {len(ids)} tokens, more than max_model_len={self.cfg.max_model_len}")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad: raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        for k in ('logprobs', 'prompt_logprobs'):
-            v = getattr(params, k)
-            if v is not None and v > self.cfg.max_logprobs:
-                raise ValueError(f"{k}={v} exceeds max_logprobs={self.cfg.max_logprobs}")
-
-    def abort_request(self, request_ids):
-        "Stop requests now and free their KV blocks."
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            for r in self.parents.pop(rid, []):
-                self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
-                self.detok.pop(r.request_id, None)
-            self.prompts.pop(rid, None)
-        self._drop_stale_pending()
-
     def has_unfinished_requests(self) -> bool: return bool(self.parents)
     def get_num_unfinished_requests(self) -> int: return len(self.parents)
-
-    # ---- one step ----
-    def step(self) -> list[RequestOutput]:
-        "Schedule, run and sample one batch (with async scheduling, launch the next one first); outputs of every request that changed."
-        if self._pending is not None: (so, handle), self._pending = self._pending, None
-        else:
-            so = self.scheduler.schedule()
-            if so.is_empty: return []
-            handle = self.runner.launch(so) if self.cfg.async_scheduling else None
-        try:
-            res = self.runner.execute_model(so) if handle is None else None
-            self.scheduler.update_from_output(so)
-            if handle is not None:
-                self._schedule_ahead(so, handle)
-                res = handle.result()
-        except BaseException:
-            self._pending = None
-            raise
-        touched = {}
-        for r in so.scheduled:
-            if r.is_finished: continue
-            if r.request_id in res.prompt_logprobs: r.prompt_logprobs += self._decode_lps(res.prompt_logprobs[r.request_id])
-            if r.request_id in res.sampled:
-                self._append_token(r, res.sampled[r.request_id], res.logprobs.get(r.request_id))
-                touched[r.parent_id] = True
-        self._drop_stale_pending()
-        if self.final_only: return [self._output(p) for p in touched if all(r.is_finished for r in self.parents[p])]
-        return [self._output(pid) for pid in touched]
-
-    def _schedule_ahead(self, so, handle):
-        "Async scheduling: launch the next decode step now, fed with this step's tokens on the device, when it is certain."
-        sched, live = self.scheduler, [r for r in so.scheduled if not r.is_finished]
-        if handle.tokens is None or sched.waiting or not live or live != sched.running or handle.reqs != so.scheduled: return
-        bs, need = self.cfg.block_size, 0
-        for r in live:
-            sp = r.sampling_params
-            if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
-            if not Sampler.host_free(r, ahead=1): return
-            need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
-        if need > self.kv.num_free_blocks: return
-        for r in live: r.append_placeholder()
-        nxt = sched.schedule()
-        assert nxt.scheduled == live and not nxt.preempted and nxt.total_num_scheduled_tokens == len(live), nxt
-        rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
-        tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
-        self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
-        self.num_steps_ahead += 1
-
-    def _drop_stale_pending(self):
-        "Forget a step launched ahead whose requests have all finished (its results would be dropped anyway)."
-        if self._pending is not None and all(r.is_finished for r in self._pending[0].scheduled): self._pending = None
-
-    def _decode_lps(self, lps: list[dict]) -> list[dict]:
-        if self.tokenizer is None: return lps
-        for d in lps:
-            for t, lp in d.items(): lp.decoded_token = self.tokenizer.decode([t])
-        return lps
-
-    def _append_token(self, r: Request, tok: int, lp):
-        sp = r.sampling_params
-        if r.has_placeholder: r.resolve_placeholder(tok)
-        else: r.append_output_token(tok)
-        self.counters['generation_tokens'] += 1
-        if lp is not None:
-            r.logprobs.append(self._decode_lps([lp])[0]); r.cumulative_logprob += lp[tok].logprob
-        status, reason = None, None
-        past_min = r.num_output_tokens >= sp.min_tokens
-        if past_min and not sp.ignore_eos and tok in r.eos_token_ids: status = RequestStatus.FINISHED_STOPPED
-        elif past_min and tok in sp.stop_token_ids: status, reason = RequestStatus.FINISHED_STOPPED, tok
-        is_stop_token = status is not None
-        d = self.detok[r.request_id]
-        hit = None if d is None else d.update(tok, r.num_output_tokens,
-                                              decode=sp.detokenize and (not is_stop_token or sp.include_stop_str_in_output))
-        if status is None and hit is not None: status, reason = RequestStatus.FINISHED_STOPPED, hit
-        if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.cfg.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH_CAPPED
-        if status is not None:
-            r.stop_reason = reason
-            r.finished_time = time.time()
-            self.scheduler.finish(r, status)
-            self.counters['requests_finished'] += 1
-
-    def _output(self, pid: str) -> RequestOutput:
-        children = self.parents[pid]
-        outs = []
-        for r in children:
-            d = self.detok[r.request_id]
-            outs.append(CompletionOutput(r.index, '' if d is None else d.visible_text(r.is_finished), list(r.output_token_ids),
-                                         r.cumulative_logprob if r.logprobs is not None else None,
-                                         list(r.logprobs) if r.logprobs is not None else None,
-                                         r.finish_reason, r.stop_reason))
-        first = children[0]
-        done = all(r.is_finished for r in children)
-        out = RequestOutput(pid, self.prompts[pid], first.prompt_token_ids, first.prompt_logprobs, outs, done,
-                            max(first.num_cached_tokens, 0),
-                            dict(arrival_time=first.arrival_time, first_token_time=first.first_token_time,
-                                 finished_time=getattr(first, 'finished_time', None),
-                                 num_preemptions=sum(r.num_preemptions for r in children)))
-        if done:
-            for r in children: self.detok.pop(r.request_id, None)
-            del self.parents[pid]; self.prompts.pop(pid, None)
-        return out
 
     def stats(self) -> dict:
         "Numbers for metrics: queue sizes, KV usage, prefix-cache hits, token counters."
         return dict(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     kv_cache_usage=self.kv.usage, prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
                     num_preemptions=self.scheduler.num_preemptions, **self.counters)
+
+# %% ../../nbs/51_llm_engine.ipynb #d15bdfe8
+@patch
+def tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
+    "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
+    if isinstance(prompt, dict):
+        if 'prompt_token_ids' in prompt: return prompt.get('prompt'), list(prompt['prompt_token_ids'])
+        prompt = prompt['prompt']
+    if isinstance(prompt, str):
+        if self.tokenizer is None: raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init=True): give token ids")
+        return prompt, self.tokenizer(prompt).input_ids
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt): return None, list(prompt)
+    raise ValueError(f"A prompt must be text, a list of token ids, or a dict; got {type(prompt).__name__}")
+
+@patch
+def add_request(self: LLMEngine, request_id: str | None, prompt, params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> str:
+    "Validate and queue a request (fanned out into `params.n` samples); returns its id."
+    params = params or SamplingParams()
+    request_id = str(next(self._ids)) if request_id is None else str(request_id)
+    if request_id in self.parents: raise ValueError(f"Request id {request_id!r} is already in use")
+    text, ids = self.tokenize(prompt)
+    self.validate(ids, params)
+    if self.tokenizer is None and (params.detokenize or params.stop):
+        params = params.clone(detokenize=False, stop=None) if not params.stop else None
+        if params is None: raise ValueError("Stop strings need a tokenizer (skip_tokenizer_init=True)")
+    max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
+    children = []
+    for i in range(params.n):
+        procs = params.logits_processors   # stateful processors (grammars): one copy per sample
+        if procs and i > 0: procs = [q.clone() if hasattr(q, 'clone') else q for q in procs]
+        p = params.clone(n=1, max_tokens=max_tokens, logits_processors=procs,
+                         seed=None if params.seed is None else params.seed + i,
+                         prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+        cid = request_id if params.n == 1 else f'{i}_{request_id}'
+        r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, arrival_time, text)
+        r.parent_id, r.index = request_id, i
+        self.detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
+        children.append(r)
+    self.parents[request_id], self.prompts[request_id] = children, text
+    for r in children: self.scheduler.add_request(r)
+    self.counters['prompt_tokens'] += len(ids)
+    return request_id
+
+@patch
+def validate(self: LLMEngine, ids: list[int], params: SamplingParams):
+    "Refuse an empty or too long prompt, token ids outside the vocabulary, more log-probs than `max_logprobs`."
+    if not ids: raise ValueError("The prompt is empty")
+    if len(ids) > self.cfg.max_model_len:
+        raise ValueError(f"The prompt has {len(ids)} tokens, more than max_model_len={self.cfg.max_model_len}")
+    bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    if bad: raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+    for k in ('logprobs', 'prompt_logprobs'):
+        v = getattr(params, k)
+        if v is not None and v > self.cfg.max_logprobs:
+            raise ValueError(f"{k}={v} exceeds max_logprobs={self.cfg.max_logprobs}")
+
+@patch
+def _output(self: LLMEngine, pid: str) -> RequestOutput:
+    "The `RequestOutput` of parent request `pid` so far; a finished one is forgotten."
+    children = self.parents[pid]
+    outs = []
+    for r in children:
+        d = self.detok[r.request_id]
+        outs.append(CompletionOutput(r.index, '' if d is None else d.visible_text(r.is_finished), list(r.output_token_ids),
+                                     r.cumulative_logprob if r.logprobs is not None else None,
+                                     list(r.logprobs) if r.logprobs is not None else None,
+                                     r.finish_reason, r.stop_reason))
+    first = children[0]
+    done = all(r.is_finished for r in children)
+    out = RequestOutput(pid, self.prompts[pid], first.prompt_token_ids, first.prompt_logprobs, outs, done,
+                        max(first.num_cached_tokens, 0),
+                        dict(arrival_time=first.arrival_time, first_token_time=first.first_token_time,
+                             finished_time=getattr(first, 'finished_time', None),
+                             num_preemptions=sum(r.num_preemptions for r in children)))
+    if done:
+        for r in children: self.detok.pop(r.request_id, None)
+        del self.parents[pid]; self.prompts.pop(pid, None)
+    return out
+
+# %% ../../nbs/51_llm_engine.ipynb #3d78ff30
+@patch
+def abort_request(self: LLMEngine, request_ids):
+    "Stop requests now and free their KV blocks."
+    for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        for r in self.parents.pop(rid, []):
+            self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            self.detok.pop(r.request_id, None)
+        self.prompts.pop(rid, None)
+    self._drop_stale_pending()
+
+@patch
+def _drop_stale_pending(self: LLMEngine):
+    "Forget a step launched ahead whose requests have all finished (its results would be dropped anyway)."
+    if self._pending is not None and all(r.is_finished for r in self._pending[0].scheduled): self._pending = None
+
+# %% ../../nbs/51_llm_engine.ipynb #9ae6aefd
+@patch
+def step(self: LLMEngine) -> list[RequestOutput]:
+    "Schedule, run and sample one batch (with async scheduling, launch the next one first); outputs of every request that changed."
+    if self._pending is not None: (so, handle), self._pending = self._pending, None
+    else:
+        so = self.scheduler.schedule()
+        if so.is_empty: return []
+        handle = self.runner.launch(so) if self.cfg.async_scheduling else None
+    try:
+        res = self.runner.execute_model(so) if handle is None else None
+        self.scheduler.update_from_output(so)
+        if handle is not None:
+            self._schedule_ahead(so, handle)
+            res = handle.result()
+    except BaseException:
+        self._pending = None
+        raise
+    touched = {}
+    for r in so.scheduled:
+        if r.is_finished: continue
+        if r.request_id in res.prompt_logprobs: r.prompt_logprobs += self._decode_lps(res.prompt_logprobs[r.request_id])
+        if r.request_id in res.sampled:
+            self._append_token(r, res.sampled[r.request_id], res.logprobs.get(r.request_id))
+            touched[r.parent_id] = True
+    self._drop_stale_pending()
+    if self.final_only: return [self._output(p) for p in touched if all(r.is_finished for r in self.parents[p])]
+    return [self._output(pid) for pid in touched]
+
+@patch
+def _append_token(self: LLMEngine, r: Request, tok: int, lp):
+    sp = r.sampling_params
+    if r.has_placeholder: r.resolve_placeholder(tok)
+    else: r.append_output_token(tok)
+    self.counters['generation_tokens'] += 1
+    if lp is not None:
+        r.logprobs.append(self._decode_lps([lp])[0]); r.cumulative_logprob += lp[tok].logprob
+    status, reason = None, None
+    past_min = r.num_output_tokens >= sp.min_tokens
+    if past_min and not sp.ignore_eos and tok in r.eos_token_ids: status = RequestStatus.FINISHED_STOPPED
+    elif past_min and tok in sp.stop_token_ids: status, reason = RequestStatus.FINISHED_STOPPED, tok
+    is_stop_token = status is not None
+    d = self.detok[r.request_id]
+    hit = None if d is None else d.update(tok, r.num_output_tokens,
+                                          decode=sp.detokenize and (not is_stop_token or sp.include_stop_str_in_output))
+    if status is None and hit is not None: status, reason = RequestStatus.FINISHED_STOPPED, hit
+    if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.cfg.max_model_len):
+        status = RequestStatus.FINISHED_LENGTH_CAPPED
+    if status is not None:
+        r.stop_reason = reason
+        r.finished_time = time.time()
+        self.scheduler.finish(r, status)
+        self.counters['requests_finished'] += 1
+
+@patch
+def _decode_lps(self: LLMEngine, lps: list[dict]) -> list[dict]:
+    "Fill in each log-prob's `decoded_token` (when there is a tokenizer)."
+    if self.tokenizer is None: return lps
+    for d in lps:
+        for t, lp in d.items(): lp.decoded_token = self.tokenizer.decode([t])
+    return lps
+
+# %% ../../nbs/51_llm_engine.ipynb #3b0b9641
+@patch
+def _schedule_ahead(self: LLMEngine, so, handle):
+    "Async scheduling: launch the next decode step now, fed with this step's tokens on the device, when it is certain."
+    sched, live = self.scheduler, [r for r in so.scheduled if not r.is_finished]
+    if handle.tokens is None or sched.waiting or not live or live != sched.running or handle.reqs != so.scheduled: return
+    bs, need = self.cfg.block_size, 0
+    for r in live:
+        sp = r.sampling_params
+        if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
+        if not Sampler.host_free(r, ahead=1): return
+        need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
+    if need > self.kv.num_free_blocks: return
+    for r in live: r.append_placeholder()
+    nxt = sched.schedule()
+    assert nxt.scheduled == live and not nxt.preempted and nxt.total_num_scheduled_tokens == len(live), nxt
+    rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
+    tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
+    self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
+    self.num_steps_ahead += 1

@@ -8,6 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/scheduler.html.md"""
 from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
+from fastcore.basics import patch
 from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 
@@ -47,60 +48,67 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int: return len(self.waiting) + len(self.running)
 
-    def _num_new(self, req: Request, num_computed: int, budget: int) -> int:
-        n = req.num_tokens - num_computed
-        if self.prefill_chunk_size > 0: n = min(n, self.prefill_chunk_size)
-        return min(n, budget)
+# %% ../../nbs/11_scheduler.ipynb #71604ad5
+@patch
+def _num_new(self: Scheduler, req: Request, num_computed: int, budget: int) -> int:
+    n = req.num_tokens - num_computed
+    if self.prefill_chunk_size > 0: n = min(n, self.prefill_chunk_size)
+    return min(n, budget)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput):
-        self.kv.free(victim)
-        victim.status, victim.num_computed_tokens = RequestStatus.PREEMPTED, 0
-        victim.num_preemptions += 1; self.num_preemptions += 1
-        self.waiting.appendleft(victim)
-        out.preempted.append(victim)
+@patch
+def _preempt(self: Scheduler, victim: Request, out: SchedulerOutput):
+    self.kv.free(victim)
+    victim.status, victim.num_computed_tokens = RequestStatus.PREEMPTED, 0
+    victim.num_preemptions += 1; self.num_preemptions += 1
+    self.waiting.appendleft(victim)
+    out.preempted.append(victim)
 
-    def schedule(self) -> SchedulerOutput:
-        "Pick this step's requests and token counts."
-        out, budget = SchedulerOutput(), self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._num_new(req, req.num_computed_tokens, budget)
-            if n <= 0: i += 1; continue
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()        # the newest running request
-                self._preempt(victim, out)
-                if victim is req: break
-            else:
-                out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
-                budget -= n; i += 1
-        if not out.preempted:   # don't admit new work in a step that had to preempt
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                n = self._num_new(req, num_hit, budget)
-                if self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit: break  # must fit whole
-                if not self.kv.allocate_slots(req, n, hit_blocks): break
-                self.waiting.popleft()
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0: req.num_cached_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
-                budget -= n
-        out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r in out.scheduled}
-        return out
+@patch
+def schedule(self: Scheduler) -> SchedulerOutput:
+    "Pick this step's requests and token counts."
+    out, budget = SchedulerOutput(), self.max_num_batched_tokens
+    i = 0
+    while i < len(self.running) and budget > 0:
+        req = self.running[i]
+        n = self._num_new(req, req.num_computed_tokens, budget)
+        if n <= 0: i += 1; continue
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running.pop()        # the newest running request
+            self._preempt(victim, out)
+            if victim is req: break
+        else:
+            out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
+            budget -= n; i += 1
+    if not out.preempted:   # don't admit new work in a step that had to preempt
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = self._num_new(req, num_hit, budget)
+            if self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit: break  # must fit whole
+            if not self.kv.allocate_slots(req, n, hit_blocks): break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0: req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+    out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r in out.scheduled}
+    return out
 
-    def update_from_output(self, out: SchedulerOutput):
-        "Advance `num_computed_tokens` by what the step computed."
-        for req in out.scheduled:
-            if req.status == RequestStatus.RUNNING: req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+# %% ../../nbs/11_scheduler.ipynb #b62d45bc
+@patch
+def update_from_output(self: Scheduler, out: SchedulerOutput):
+    "Advance `num_computed_tokens` by what the step computed."
+    for req in out.scheduled:
+        if req.status == RequestStatus.RUNNING: req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
 
-    def finish(self, req: Request, status: RequestStatus):
-        "Retire a request (stopped, length-capped or aborted) and free its blocks at once."
-        if req.is_finished: return
-        req.status = status
-        if req in self.running: self.running.remove(req)
-        elif req in self.waiting: self.waiting.remove(req)
-        self.kv.free(req)
-        self.requests.pop(req.request_id, None)
+@patch
+def finish(self: Scheduler, req: Request, status: RequestStatus):
+    "Retire a request (stopped, length-capped or aborted) and free its blocks at once."
+    if req.is_finished: return
+    req.status = status
+    if req in self.running: self.running.remove(req)
+    elif req in self.waiting: self.waiting.remove(req)
+    self.kv.free(req)
+    self.requests.pop(req.request_id, None)
