@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ['CONFIG_DIR', 'device_key', 'load_configs', 'configs_for']
+__all__ = ['CONFIG_DIR', 'device_key', 'load_configs', 'configs_for', 'dump_configs']
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
 _INT_KEY = re.compile(r'^-?\d+(,-?\d+)*$')
 
@@ -58,3 +58,20 @@ def _device_name(device: torch.device) -> str:
 def configs_for(kernel: str, device: torch.device) -> dict:
     "The tables of `kernel` for the GPU model of the torch `device` (`default.json` off CUDA)."
     return load_configs(kernel, _device_name(device))
+
+
+def _jkey(k) -> str:
+    return ','.join(map(str, k)) if isinstance(k, tuple) else str(k)
+
+
+def dump_configs(tables: dict) -> str:
+    """Tables (as `load_configs` returns them) as the JSON text of a config file, one config per line (the inverse
+    of `load_configs`; tuners write their results with it)."""
+    out = []
+    for name, t in tables.items():
+        if isinstance(t, dict) and t and all(isinstance(v, dict) for v in t.values()):
+            inner = ',\n'.join(f'    {json.dumps(_jkey(k))}: {json.dumps(v)}' for k, v in t.items())
+            out.append(f'  {json.dumps(name)}: {{\n{inner}\n  }}')
+        else:
+            out.append(f'  {json.dumps(name)}: {json.dumps(t)}')
+    return '{\n' + ',\n'.join(out) + '\n}\n'

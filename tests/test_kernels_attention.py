@@ -2,7 +2,7 @@
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes; the reference itself against a naive
 per-token loop. CUDA (`-m cuda`): real sizes (32 q heads, 8 KV heads, D=128, bf16, contexts up to 8k, batch
-64) and a CUDA-graph replay. `python tests/test_kernels_attention.py bench` times decode on a GPU.
+64) and a CUDA-graph replay. `python -m benchmarks.kernels.bench_attention` times decode on a GPU.
 
 FP8 KV cache (float8_e4m3fn rows, one fp32 scale per token and KV head): the write kernel equals the reference
 bit for bit; attention over an FP8 cache is checked tightly against the fp32 reference on the dequantized cache
@@ -428,42 +428,3 @@ def test_cuda_graph_fp8_decode_replay():
         torch.cuda.synchronize()
         want = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, k_scale=ks, v_scale=vs)
         assert_close(out, want, torch.bfloat16)
-
-
-def _median_us(f, reps):
-    "Median over `reps` runs of the GPU time between two CUDA events around `f()`, in microseconds."
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[reps // 2]
-
-
-def bench_decode(batches=(1, 16, 64), contexts=(1024, 2048, 4096), reps=20):
-    """Decode `paged_attention` at the 8B shape (32 q heads, 8 KV heads, D=128, bf16, block 16): median of
-    `reps` timed calls after warm-up, launched eagerly and replayed from a CUDA graph; GB/s counts K+V reads."""
-    H, Hkv, D, bs = 32, 8, 128, 16
-    print(f'{"batch":>5} {"ctx":>5} {"splits":>6} {"eager us":>9} {"graph us":>9} {"GB/s":>6}')
-    for B in batches:
-        for L in contexts:
-            torch.manual_seed(0)
-            q, kc, vc, qsl, sl, bt = make_batch([1] * B, [L - 1] * B, H, Hkv, D, bs, torch.bfloat16, extra_blocks=0)
-            out = torch.empty_like(q)
-            f = lambda: paged_attention(q, kc, vc, qsl, sl, bt, D ** -0.5, max_query_len=1, max_seq_len=L, out=out)
-            for _ in range(3): f()
-            torch.cuda.synchronize()
-            eager = _median_us(f, reps)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g): f()
-            graph = _median_us(g.replay, reps)
-            gbs = 2 * B * L * Hkv * D * 2 / graph / 1e3
-            splits = pa._default_num_splits(q, B, Hkv, L)
-            print(f'{B:>5} {L:>5} {splits:>6} {eager:>9.1f} {graph:>9.1f} {gbs:>6.0f}')
-
-
-if __name__ == '__main__' and sys.argv[1:] == ['bench']:
-    bench_decode()

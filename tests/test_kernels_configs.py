@@ -39,3 +39,11 @@ def test_device_file_replaces_the_tables_it_names(tmp_path, monkeypatch):
         assert tuned.load_configs('demo') == {'default': {'bn': 16}, 'shapes': {(1, 2): {'bn': 8}}}
     finally:
         tuned.load_configs.cache_clear()
+
+
+def test_dump_configs_is_the_inverse_of_load():
+    "Tuners write their tables with `dump_configs`: the shipped files are in exactly that format."
+    for d in tuned.CONFIG_DIR.iterdir():
+        if not d.is_dir(): continue
+        for f in d.glob('*.json'):
+            assert tuned.dump_configs(tuned._parse(json.loads(f.read_text()))) == f.read_text(), f

@@ -1,7 +1,7 @@
 """GGUF matmul kernels (cvllm_lab.kernels.gguf_matmul) against the dequantize + fp32 matmul reference.
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes, every block type.
-CUDA (`-m cuda`): real sizes. `python tests/test_kernels_gguf.py bench` times the GEMV at M=1 (and a few more) on a GPU.
+CUDA (`-m cuda`): real sizes. `python -m benchmarks.kernels.bench_gguf` times them on a GPU.
 """
 import os
 import sys
@@ -120,82 +120,3 @@ def test_gguf_linear_cuda():
         for xs in (x[:, :1], x):  # decode (M=3, GEMV) and a small batch (M=21, tl.dot)
             y = mc(xs.cuda().bfloat16())
             assert y.dtype == torch.bfloat16 and _rel(y.float().cpu(), ref[:, :xs.shape[1]]) < 2e-2
-
-# ------------------------------------------------------------------------------------------- GPU benchmark
-
-def _graph_time(fn, n_inner=16, reps=10):
-    "Median time per call (s) of `fn(i)` for i in range(n_inner), captured in a CUDA graph (no launch overhead)."
-    for i in range(n_inner): fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for i in range(n_inner): fn(i)  # warm the stream
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            for i in range(n_inner): fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / n_inner)
-    return sorted(times)[len(times) // 2]
-
-
-def bench(types=None, sweep=('q4k', 'q6k', 'q4_0', 'q8_0'), peak=4.2e12):
-    "GEMV at M=1 for 4096x14336 / 14336x4096 weights per type: time and GB/s of quantized bytes read."
-    types = [parse_qtype(t) for t in (types or KERNEL_TYPES)]
-    sweep = {parse_qtype(t) for t in sweep}
-    dev = 'cuda'
-    print(f"device: {torch.cuda.get_device_name()}, peak read bandwidth assumed {peak / 1e12:.1f} TB/s")
-    print(f"{'type':6} {'N x K':>12} {'MB':>7} {'us':>8} {'GB/s':>7} {'%peak':>6}  config")
-    copies = 8  # rotate over 8 weight copies (> L2) so every call reads from HBM
-    for (N, K) in ((4096, 14336), (14336, 4096)):
-        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-        wd = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(4)]
-        tt = _graph_time(lambda i: x @ wd[i % 4].T)
-        print(f"{'bf16':6} {f'{N}x{K}':>12} {N * K * 2 / 1e6:7.1f} {tt * 1e6:8.1f} {N * K * 2 / tt / 1e9:7.0f} "
-              f"{N * K * 2 / tt / peak * 100:5.0f}%  torch x @ W.T (cuBLAS)")
-        del wd
-        for t in types:
-            q0 = random_blocks(t, N, K, generator=torch.Generator().manual_seed(0)).to(dev)
-            qs = [q0] + [q0.roll(i, 0).contiguous() for i in range(1, copies)]
-            nbytes = q0.numel()
-            ref = gguf_matmul_ref(x, q0, t, N, K).float()
-            cfgs = [dict()]
-            if t in sweep:
-                cfgs += [dict(bn=bn, num_warps=nw) for bn, nw in ((8, 4), (16, 8), (32, 4), (32, 8))] + [dict(split_k=1)]
-            best = None
-            for cfg in cfgs:
-                try:
-                    err = _rel(gguf_gemv(x, q0, t, N, K, **cfg), ref)
-                    assert err < 1e-2, err
-                    tt = _graph_time(lambda i: gguf_gemv(x, qs[i % copies], t, N, K, **cfg))
-                except Exception as e:  # report and go on: one call has to cover everything
-                    print(f"{t.name:6} {f'{N}x{K}':>12} FAILED {cfg}: {str(e)[:300]}")
-                    continue
-                line = (f"{t.name:6} {f'{N}x{K}':>12} {nbytes / 1e6:7.1f} {tt * 1e6:8.1f} {nbytes / tt / 1e9:7.0f} "
-                        f"{nbytes / tt / peak * 100:5.0f}%  {cfg or 'default'}")
-                print(line, flush=True)
-                best = min(best or (tt, cfg), (tt, cfg), key=lambda v: v[0])
-            if len(cfgs) > 1 and best: print(f"{'':6} best: {best[1] or 'default'}")
-            del qs
-    # batched paths, one type each
-    for t, M in (('q4k', 16), ('q6k', 16), ('q4k', 64), ('q4k', 512)):
-        t = parse_qtype(t)
-        N, K = 14336, 4096
-        q = random_blocks(t, N, K, generator=torch.Generator().manual_seed(1)).to(dev)
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        wd = dequantize(q, t, dtype=torch.bfloat16)
-        try:
-            assert _rel(gguf_matmul(x, q, t, N, K), x.float() @ wd.float().T) < 2e-2
-            tt = _graph_time(lambda i: gguf_matmul(x, q, t, N, K), n_inner=8)
-            td = _graph_time(lambda i: x @ wd.T, n_inner=8)
-            print(f"{t.name:6} M={M:<4} {N}x{K}: gguf_matmul {tt * 1e6:8.1f} us, bf16 cuBLAS {td * 1e6:8.1f} us")
-        except Exception as e:
-            print(f"{t.name} M={M} FAILED: {str(e)[:300]}")
-
-
-if __name__ == '__main__' and sys.argv[1:2] == ['bench']:
-    bench()

@@ -2,7 +2,7 @@
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes. CUDA (`-m cuda`): the Llama-3-8B shapes, the
 layers (`W4A16Linear`, packed `GGUFLinear`, `FP8Linear`) and `quantize_model` on the GPU.
-`python tests/bench_quant.py` times them (M=1 GEMV sweep, batched, prefill) on a GPU.
+`python -m benchmarks.kernels.bench_quant` times them on a GPU (`benchmarks/README.md`).
 """
 import os
 

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: per-kernel GPU time of Llama-3-8B decode steps (dummy weights, CUDA graphs) from
-torch.profiler, per step, and the wall time per step. `python tests/profile_decode.py [quantization] [batch]`
-(default marlin 1). Set `CVLLM_PDL=0` for kernel times without PDL's early-launch waits (with PDL a kernel's time
-includes waiting for its predecessor)."""
+torch.profiler, per step, and the wall time per step. `python -m benchmarks.profile_decode [quantization] [batch]`
+from the repository root (default marlin 1; the model is `conf/model/llama3_8b.yaml`). Set `CVLLM_PDL=0` for kernel
+times without PDL's early-launch waits (with PDL a kernel's time includes waiting for its predecessor)."""
 import sys, collections, yaml, torch
 from pathlib import Path
 from cvllm_lab import LLM

@@ -1,102 +1,43 @@
-"""Time the quantized matmul kernels on a GPU: `python tests/bench_quant.py [OUT_DIR] [--budget SECONDS] [--sweep PARTS]`.
+"""Time the quantized matmul kernels on a GPU:
+`python -m benchmarks.kernels.bench_quant [OUT_DIR] [--budget SECONDS] [--sweep PARTS] [--fmts F,..] [--prefill] [--dry]`.
 
 Each timing is a CUDA graph of calls that rotate over enough copies of the weight (>= 256 MB in all) that every
-call reads its weight from HBM, not L2; reported: microseconds per call and the achieved bandwidth for the bytes
-of the quantized weight (and scales) against the device's 4.2 TB/s (H200 measured copy bandwidth). Every swept
-config is also checked against the dequantize + fp32 matmul reference (rows that disagree are printed, not kept).
+call reads its weight from HBM, not L2 (`common.time_fn`); reported: microseconds per call and the achieved bandwidth
+for the bytes of the quantized weight (and scales) against the device's 4.2 TB/s (H200 measured copy bandwidth).
+Every swept config is also checked against the dequantize + fp32 matmul reference (rows that disagree are printed,
+not kept).
 
-1. config sweeps (`--sweep` picks parts, comma separated; default all, `none` for none) on the Llama-3-8B shapes:
-   `w1` W4A16 g128 M=1 (GEMV variants 2d/3d and the tensor-core kernel, block N, K-tiles per iteration, warps,
-   split-K), `pf1` the GEMV with and without register prefetch, `w16` / `w16b` / `w64` / `w64b` W4A16 M=16 / 64 (tl.dot
-   kernel), `f1` / `f16` FP8 M=1 / 16, `q4k` the packed q4_k (group 32) GEMV with and without prefetch. All configs are compiled first by parallel worker processes (Triton's disk cache), then timed.
+1. config sweeps of the batched kernels (`--sweep` picks parts, comma separated; default `w16b`, `none` for none)
+   on the Llama-3-8B shapes: `w16` / `w16b` / `w64` / `w64b` W4A16 M=16 / 64 (tl.dot kernel), `f1` / `f16` FP8
+   M=1 / 16. All configs are compiled first by parallel worker processes (Triton's disk cache), then timed. The M = 1
+   W4A16 GEMV has its own tuner, `benchmarks.kernels.tune_w4a16_gemv`.
 2. the formats with their default configs at M = 1, 16, 64: bf16 (cuBLAS), W4A16 g128, q4_k / q8_0 / q4_0 packed,
-   FP8, q4_k / q6_k raw GGUF bytes; prefill (M = 2048),
+   FP8, q4_k / q6_k raw GGUF bytes; prefill (M = 2048) with `--prefill`,
 3. an estimate of Llama-3-8B decode tok/s from the per-layer times (32 layers x 4 matmuls + the bf16 LM head).
 Results go to OUT_DIR/bench_quant.json and .csv; the summary is printed. `--dry` runs every part on the CPU
 under the Triton interpreter at shapes divided by 32 (a check of this script, not a measurement).
 """
+from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+from benchmarks.kernels.common import DRY, L3_8B, LM_HEAD, PEAK, XDT, arg as _arg, time_fn
+
 import csv
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-PEAK = 4.2e12
-L3_8B = {'qkv': (6144, 4096), 'o': (4096, 4096), 'gate_up': (28672, 4096), 'down': (4096, 14336)}
-LM_HEAD = (128256, 4096)
 T0 = time.time()
-XDT = torch.bfloat16   # the interpreter's tl.dot has no bf16: the dry run uses fp16
-
-DRY = '--dry' in sys.argv
-if DRY:
-    os.environ['TRITON_INTERPRET'] = '1'
-    XDT = torch.float16
-    L3_8B = {k: (n // 32, max(256, k_ // 32 // 256 * 256)) for k, (n, k_) in L3_8B.items()}   # k-quants: K % 256 == 0
-    LM_HEAD = (LM_HEAD[0] // 64, LM_HEAD[1] // 32)
-
-
-def _arg(name, default):
-    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
-
-
-def kernel_copy(path):
-    "A copy of `kernels/w4a16.py` (e.g. from an older commit) loaded as its own module, for A/B timings."
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('w4a16_old', path)
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-    return mod
-
-
-def gemv_case(name, N, K, group=128, sym=True, device='cuda'):
-    """One M = 1 W4A16 case of the GEMV scripts: packed random weights `p = (qweight, scales, offsets)`, a bf16 x and
-    its fp32 reference output, the packed bytes, an argument maker for `time_fn` (fresh x, weight copies) and the
-    activation fused into gate_up."""
-    from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
-    m = W4A16Linear.from_float(torch.randn(N, K, device=device) * 0.02, group, 4, sym=sym)
-    p = (m.qweight, m.scales, m.offsets)
-    x = torch.randn(1, K, device=device, dtype=torch.bfloat16)
-    r = x.float() @ dequantize_packed_ref(*p, 4, group, N, K).T
-    nb = sum(t.numel() * t.element_size() for t in p)
-    args = lambda i: (torch.randn(1, K, device=device, dtype=torch.bfloat16),) + tuple(t.clone() for t in p)
-    return p, x, r, nb, args, 'silu_and_mul' if name == 'gate_up' else None
-
-
-def time_fn(make_args, fn, nbytes, reps=10):
-    "Median microseconds per call of fn(*args) over rotating weight copies, in a CUDA graph."
-    if DRY:
-        a = make_args(0); t = time.time(); fn(*a); return (time.time() - t) * 1e6
-    copies = max(2, min(16, math.ceil(256e6 / nbytes)))
-    argsets = [make_args(i) for i in range(copies)]
-    for a in argsets[:2]: fn(*a)  # compile / warm up
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for a in argsets: fn(*a)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for a in argsets: fn(*a)
-    for _ in range(3): g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / copies)
-    return statistics.median(ts)
 
 
 # ------------------------------------------------------------------------------------------------ the sweep
 
 def _splits(tiles, progs, multiple, targets, sms):
     "Distinct split-K values that bring progs * split nearest below each target (in SMs)."
-    from cvllm_lab.kernels.w4a16 import _pick_split
-    return sorted({_pick_split(tiles, -(-int(t * sms) // progs), multiple) for t in targets})
+    from cvllm_lab.kernels.split_k import pick_split
+    return sorted({pick_split(tiles, -(-int(t * sms) // progs), multiple) for t in targets})
 
 
 def sweep_jobs(parts, sms):
@@ -106,33 +47,6 @@ def sweep_jobs(parts, sms):
     for name, (N, K) in L3_8B.items():
         tiles = -(-K // 128)
         kb = tiles
-        if 'w1' in parts:
-            gemv = [('3d', 16, 4, 4), ('3d', 16, 8, 4), ('3d', 32, 4, 4), ('3d', 32, 8, 8), ('3d', 64, 4, 8), ('3d', 32, 2, 4),
-                    ('3d', 16, 2, 2), ('3d', 64, 8, 8), ('2d', 64, 4, 4), ('2d', 32, 4, 4)]
-            for var, bn, tpi, nw in gemv:
-                if small: bn, nw = 8, 1
-                for sk in _splits(tiles, -(-N // bn), tpi, (1, 2, 4, 8), sms):
-                    for ns in ((1, 3) if (var, bn, tpi) == ('3d', 32, 4) and tiles // sk > tpi else (1,)):
-                        jobs.append(dict(part='gemv_sweep', fmt='w4a16', op='gemv', N=N, K=K, M=1, bits=4, group=128,
-                                         cfg=f'{var}-bn{bn}-tpi{tpi}-w{nw}-sk{sk}-ns{ns}',
-                                         kw=dict(variant=var, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, num_stages=ns)))
-            for bn, nw, ns in [(64, 4, 2), (64, 4, 4), (128, 4, 3), (32, 4, 3)]:
-                if small: bn = 16
-                for sk in _splits(tiles, -(-N // bn), 1, (2, 4), sms):
-                    jobs.append(dict(part='gemv_sweep', fmt='w4a16', op='gemv', N=N, K=K, M=1, bits=4, group=128,
-                                     cfg=f'dot-bn{bn}-w{nw}-sk{sk}-ns{ns}',
-                                     kw=dict(variant='dot', bn=bn, num_warps=nw, split_k=sk, num_stages=ns)))
-        for mode in [m for m in ('pf1', 'q4k') if m in parts and (m == 'pf1' or name in ('down', 'gate_up'))]:
-            # register prefetch (pf) on and off around the call-1 winners
-            group, fmt, part = (128, 'w4a16', 'gemv_sweep') if mode == 'pf1' else (32, 'q4k:packed', 'gemv_sweep_q4k')
-            for var, bn, tpi, nw in [('3d', 16, 4, 4), ('3d', 32, 4, 4), ('3d', 64, 8, 8), ('2d', 64, 4, 4), ('2d', 32, 4, 4),
-                                     ('3d', 32, 2, 4), ('3d', 16, 2, 2), ('2d', 64, 2, 4), ('2d', 128, 4, 8)]:
-                if small: bn, nw = 8, 1
-                for sk in _splits(tiles, -(-N // bn), tpi, (1, 2, 4, 8), sms):
-                    for pf in ((0, 1) if tiles // sk >= 2 * tpi else (0,)):
-                        jobs.append(dict(part=part, fmt=fmt, op='gemv', N=N, K=K, M=1, bits=4, group=group,
-                                         cfg=f'{var}-bn{bn}-tpi{tpi}-w{nw}-sk{sk}-ns1' + ('-pf' if pf else ''),
-                                         kw=dict(variant=var, bn=bn, tpi=tpi, num_warps=nw, split_k=sk, num_stages=1, prefetch=pf)))
         if 'w64b' in parts:
             for bn, nw, ns in [(256, 4, 3), (256, 8, 3), (128, 4, 4)]:
                 if small: bn = 16
@@ -200,7 +114,7 @@ def call(job, args):
 
 def _compile_worker(jobs):
     "Run each job once (compiles it into Triton's disk cache); returns the number of failures."
-    dev = torch.device('cpu' if DRY else 'cuda')
+    dev = C.DEVICE
     cache, bad = {}, 0
     for j in jobs:
         key = (j['op'][:3], j['N'], j['K'], j['M'], j.get('group'))
@@ -214,34 +128,20 @@ def _compile_worker(jobs):
     return bad
 
 
-def precompile(jobs, workers, deadline):
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    jobs = sorted(jobs, key=lambda j: (j['op'], j['N'], j['K'], j['M']))
-    chunks = [jobs[i::workers] for i in range(workers)]
-    t = time.time()
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context('spawn')) as ex:
-        futs = [ex.submit(_compile_worker, c) for c in chunks if c]
-        done, pending = cf.wait(futs, timeout=max(1, deadline - time.time()))
-        for f in pending: f.cancel()
-        bad = sum(f.result() for f in done)
-    print(f'precompiled {len(jobs)} configs with {workers} workers in {time.time() - t:.0f} s '
-          f'({bad} failed, {len(pending)} chunks unfinished)', flush=True)
-
-
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith('--') else '.'
     os.makedirs(out_dir, exist_ok=True)
     budget = float(_arg('--budget', 200))
-    parts = _arg('--sweep', 'pf1,w16b,q4k').split(',')
+    parts = _arg('--sweep', 'w16b').split(',')
     from cvllm_lab.kernels import w4a16 as KW, fp8_matmul as KF, gguf_matmul as KG
-    from cvllm_lab.quant.w4a16 import W4A16Linear, dequantize_packed_ref
+    from cvllm_lab.kernels.fp8_layout import dequantize_fp8_block
+    from cvllm_lab.kernels.w4a16 import dequantize_packed_ref
+    from cvllm_lab.quant.fp8 import quantize_fp8_block
     from cvllm_lab.quant.gguf import GGUFLinear, random_blocks
-    from cvllm_lab.quant.fp8 import quantize_fp8_block, dequantize_fp8_block
-    dev = torch.device('cpu' if DRY else 'cuda')
-    sms = 132 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
-    print('dry run' if DRY else torch.cuda.get_device_name(), torch.__version__, 'triton', __import__('triton').__version__,
-          'SMs', sms, flush=True)
+    from cvllm_lab.quant.w4a16 import W4A16Linear
+    dev = C.DEVICE
+    sms = C.num_sms()
+    print(C.device_name(), torch.__version__, 'triton', __import__('triton').__version__, 'SMs', sms, flush=True)
     rows = []
 
     def rec(part, fmt, N, K, M, cfg, us, nbytes):
@@ -257,7 +157,10 @@ def main():
     # 1. sweeps: compile everything in parallel, then time shape by shape on real (quantized) weights
     jobs = [] if parts == ['none'] else sweep_jobs(parts, sms)
     if jobs:
-        precompile(jobs, 2 if DRY else min(15, (os.cpu_count() or 2) - 1), T0 + budget * 0.45)
+        jobs = sorted(jobs, key=lambda j: (j['op'], j['N'], j['K'], j['M']))
+        bad = C.precompile(_compile_worker, jobs, 2 if DRY else min(15, (os.cpu_count() or 2) - 1),
+                           max(1, T0 + budget * 0.45 - time.time()))
+        print(f'{sum(bad)} configs failed to compile', flush=True)
     if '--wait-pid' in sys.argv:   # e.g. the GPU tests, run alongside the compile phase: let them finish first
         pid = int(_arg('--wait-pid', 0))
         while os.path.exists(f'/proc/{pid}') and time.time() - T0 < budget * 0.6: time.sleep(0.5)
@@ -372,7 +275,7 @@ def main():
             est.append(e)
             print('ESTIMATE', json.dumps(e), flush=True)
     with open(f'{out_dir}/bench_quant.json', 'w') as f:
-        json.dump(dict(rows=rows, best=list(best.values()), estimates=est, device='dry' if DRY else torch.cuda.get_device_name()), f, indent=1)
+        json.dump(dict(rows=rows, best=list(best.values()), estimates=est, device=C.device_name()), f, indent=1)
     if rows:
         with open(f'{out_dir}/bench_quant.csv', 'w', newline='') as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
