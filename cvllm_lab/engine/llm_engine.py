@@ -68,7 +68,8 @@ class LLMEngine:
             raise ValueError(f"The KV cache holds {self.runner.num_tokens_capacity} tokens, fewer than max_model_len="
                              f"{cfg.max_model_len}: give it more memory or lower max_model_len")
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
+                                   cfg.max_model_len)
         self.vocab_size = self.hf_config.vocab_size
         self.parents: dict[str, list[Request]] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -194,47 +195,45 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         handle = self.runner.launch(so) if self.cfg.async_scheduling else None
     try:
         res = self.runner.execute_model(so) if handle is None else None
-        self.scheduler.update_from_output(so)
+        self.scheduler.update_computed(so)
         if handle is not None:
             self._schedule_ahead(so, handle)
             res = handle.result()
     except BaseException:
         self._pending = None
         raise
+    if res.prompt_logprobs:
+        for r in so.scheduled:
+            if not r.is_finished and r.request_id in res.prompt_logprobs:
+                r.prompt_logprobs += self._decode_lps(res.prompt_logprobs[r.request_id])
     touched = {}
-    for r in so.scheduled:
-        if r.is_finished: continue
-        if r.request_id in res.prompt_logprobs: r.prompt_logprobs += self._decode_lps(res.prompt_logprobs[r.request_id])
-        if r.request_id in res.sampled:
-            self._append_token(r, res.sampled[r.request_id], res.logprobs.get(r.request_id))
-            touched[r.parent_id] = True
+    for r in self.scheduler.update_from_output(so, res.sampled):
+        self._process_token(r, res.logprobs.get(r.request_id))
+        touched[r.parent_id] = True
     self._drop_stale_pending()
     if self.final_only: return [self._output(p) for p in touched if all(r.is_finished for r in self.parents[p])]
     return [self._output(pid) for pid in touched]
 
+_RUNNING, _STOPPED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED   # looked up once: enum lookups are slow per token
+
 @patch
-def _append_token(self: LLMEngine, r: Request, tok: int, lp):
-    sp = r.sampling_params
-    if r.has_placeholder: r.resolve_placeholder(tok)
-    else: r.append_output_token(tok)
+def _process_token(self: LLMEngine, r: Request, lp):
+    "The text side of the token the scheduler just appended to `r`: log-probs, detokenization, stop strings."
+    tok, sp, status = r.output_token_ids[-1], r.sampling_params, r.status   # status: the scheduler's verdict
     self.counters['generation_tokens'] += 1
     if lp is not None:
         r.logprobs.append(self._decode_lps([lp])[0]); r.cumulative_logprob += lp[tok].logprob
-    status, reason = None, None
-    past_min = r.num_output_tokens >= sp.min_tokens
-    if past_min and not sp.ignore_eos and tok in r.eos_token_ids: status = RequestStatus.FINISHED_STOPPED
-    elif past_min and tok in sp.stop_token_ids: status, reason = RequestStatus.FINISHED_STOPPED, tok
-    is_stop_token = status is not None
+    stopped = status is _STOPPED                              # by EOS or a stop token id
     d = self.detok[r.request_id]
     hit = None if d is None else d.update(tok, r.num_output_tokens,
-                                          decode=sp.detokenize and (not is_stop_token or sp.include_stop_str_in_output))
-    if status is None and hit is not None: status, reason = RequestStatus.FINISHED_STOPPED, hit
-    if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.cfg.max_model_len):
-        status = RequestStatus.FINISHED_LENGTH_CAPPED
-    if status is not None:
-        r.stop_reason = reason
+                                          decode=sp.detokenize and (not stopped or sp.include_stop_str_in_output))
+    if hit is not None and not stopped:                       # a stop string
+        r.stop_reason = hit
+        if status is _RUNNING: self.scheduler.finish(r, _STOPPED)
+        else: r.status = _STOPPED                             # also on the token that reached max_tokens
+        status = _STOPPED
+    if status is not _RUNNING:
         r.finished_time = time.time()
-        self.scheduler.finish(r, status)
         self.counters['requests_finished'] += 1
 
 @patch

@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/scheduler.html.md"""
 
 # %% ../../nbs/11_scheduler.ipynb #4887e250
 from __future__ import annotations
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from fastcore.basics import patch
@@ -33,9 +34,9 @@ class SchedulerOutput:
 class Scheduler:
     "Continuous batching with chunked prefill, prefix caching and preemption by recompute."
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int = 8192):
+                 prefill_chunk_size: int = 8192, max_model_len: int = sys.maxsize):
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
-        self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_chunk_size, self.max_model_len = prefill_chunk_size, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -98,10 +99,29 @@ def schedule(self: Scheduler) -> SchedulerOutput:
 
 # %% ../../nbs/11_scheduler.ipynb #b62d45bc
 @patch
-def update_from_output(self: Scheduler, out: SchedulerOutput):
-    "Advance `num_computed_tokens` by what the step computed."
+def update_computed(self: Scheduler, out: SchedulerOutput):
+    "Advance `num_computed_tokens` by what the step computes."
     for req in out.scheduled:
         if req.status == RequestStatus.RUNNING: req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+
+@patch
+def update_from_output(self: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    "Append each request's sampled token and retire the requests it finishes; the requests that got a token."
+    new = []
+    for r in out.scheduled:
+        tok = sampled.get(r.request_id)
+        if tok is None or r.is_finished: continue
+        if r.has_placeholder: r.resolve_placeholder(tok)
+        else: r.append_output_token(tok)
+        new.append(r)
+        sp, status = r.sampling_params, None
+        if r.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and tok in r.eos_token_ids: status = RequestStatus.FINISHED_STOPPED
+            elif tok in sp.stop_token_ids: status, r.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        if status is not None: self.finish(r, status)
+    return new
 
 @patch
 def finish(self: Scheduler, req: Request, status: RequestStatus):
