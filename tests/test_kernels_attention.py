@@ -8,31 +8,17 @@ FP8 KV cache (float8_e4m3fn rows, one fp32 scale per token and KV head): the wri
 bit for bit; attention over an FP8 cache is checked tightly against the fp32 reference on the dequantized cache
 (the dtype's usual tolerance) and loosely against attention over the unquantized K/V (FP8_LOOSE below).
 """
-import os
-import pathlib
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before the kernels are defined
-
-try:
-    from cvllm_lab.kernels import paged_attention as pa
-except ImportError:  # package not installed (e.g. a bare GPU box): import the kernels folder itself
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from kernels import paged_attention as pa
+from cvllm_lab.kernels import paged_attention as pa
 from cvllm_lab.kernels.kv_cache import SCALE_MIN
 paged_attention, paged_attention_ref = pa.paged_attention, pa.paged_attention_ref
 reshape_and_cache, reshape_and_cache_ref = pa.reshape_and_cache, pa.reshape_and_cache_ref
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 
-
-def cuda(f):
-    "Real-size test: needs a CUDA GPU (select with `-m cuda`)."
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')(f))
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -342,7 +328,7 @@ def test_fp8_write_then_attend():
 
 # ------------------------------------------------------------------------------------------------ CUDA, real sizes
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('bs', [16, 32])
 def test_cuda_decode_real_sizes(dtype, bs):
@@ -358,7 +344,7 @@ def test_cuda_decode_real_sizes(dtype, bs):
     assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), dtype)
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize('dtype,D', [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 128)])
 def test_cuda_prefill_real_sizes(dtype, D):
     "Long prefill, chunked prefill behind a long cached prefix, and decodes, in one batch."
@@ -370,7 +356,7 @@ def test_cuda_prefill_real_sizes(dtype, D):
     assert_close(out, paged_attention_ref(*args, scale=D ** -0.5, sliding_window=1024), dtype)
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_graph_decode_replay():
     "Capture decode once with static max_seq_len; replay with new lengths and queries written into the inputs."
     torch.manual_seed(12)
@@ -393,7 +379,7 @@ def test_cuda_graph_decode_replay():
         assert_close(out, paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5), torch.bfloat16)
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_cuda_fp8_real_sizes(dtype):
     "FP8 cache at the 8B shape: decode of 64 sequences up to 8k, two long ones (many splits), a mixed prefill batch."
@@ -407,7 +393,7 @@ def test_cuda_fp8_real_sizes(dtype):
         assert_fp8_loose(out, paged_attention_ref(*exact, scale=128 ** -0.5))
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_graph_fp8_decode_replay():
     "FP8 decode captured once: the scales are device tensors, so replays with new lengths read the right ones."
     torch.manual_seed(14)

@@ -3,27 +3,17 @@
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes, every block type.
 CUDA (`-m cuda`): real sizes. `python -m benchmarks.kernels.bench_gguf` times them on a GPU.
 """
-import os
-import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before triton is imported
+from helpers import rel_err as _rel
 
 from cvllm_lab.kernels.gguf_matmul import (KERNEL_TYPES, gguf_dequantize, gguf_gemv, gguf_matmul, gguf_matmul_ref,
                                            gguf_mm)
 from cvllm_lab.kernels.gguf_layout import dequantize, parse_qtype
 from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
-interp = pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='CPU tests run the Triton interpreter')
 IDS = [t.name.lower() for t in KERNEL_TYPES]
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _weights(t, N, K, seed, device='cpu'):
@@ -35,7 +25,7 @@ def _weights(t, N, K, seed, device='cpu'):
 
 # ------------------------------------------------------------------------------------------- CPU (interpreter)
 
-@interp
+@pytest.mark.interp
 @pytest.mark.parametrize('t', KERNEL_TYPES, ids=IDS)
 def test_kernels_cpu(t):
     N, K = 64, 512
@@ -56,7 +46,7 @@ def test_kernels_cpu(t):
     assert _rel(gguf_mm(x, q, t, N, K, split_k=2), gguf_matmul_ref(x.float(), q, t, N, K)) < 2e-3
 
 
-@interp
+@pytest.mark.interp
 @pytest.mark.parametrize('t', ['q4_0', 'q8_0', 'q5_1'])
 def test_legacy_odd_shapes_cpu(t):
     "Row lengths that are not a multiple of 256 (fewer 32-blocks per step), N not a multiple of the tile."
@@ -68,7 +58,7 @@ def test_legacy_odd_shapes_cpu(t):
             assert _rel(gguf_matmul(x, q, t, N, K), gguf_matmul_ref(x, q, t, N, K)) < 1e-5
 
 
-@interp
+@pytest.mark.interp
 def test_prefill_path_and_errors_cpu():
     t, N, K = 'q4k', 16, 256
     q = _weights(t, N, K, 5)
@@ -86,7 +76,6 @@ MAIN = ('q4_0', 'q4_1', 'q8_0', 'q4k', 'q6k')
 
 
 @pytest.mark.cuda
-@cuda
 @pytest.mark.parametrize('t', KERNEL_TYPES, ids=IDS)
 def test_kernels_cuda(t):
     shapes = SHAPES if t.name.lower().replace('_k', 'k') in MAIN else SHAPES[:1]
@@ -108,7 +97,6 @@ def test_kernels_cuda(t):
 
 
 @pytest.mark.cuda
-@cuda
 def test_gguf_linear_cuda():
     import copy
     lin = torch.nn.Linear(4096, 1024, bias=True)

@@ -4,35 +4,25 @@ CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes. CUDA (`-m cuda`
 layers (`W4A16Linear`, packed `GGUFLinear`, `FP8Linear`) and `quantize_model` on the GPU.
 `python -m benchmarks.kernels.bench_quant` times them on a GPU (`benchmarks/README.md`).
 """
-import os
 
 import pytest
 import torch
+from helpers import rel_err as _rel
 
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before triton is imported
-
-from cvllm_lab.kernels.w4a16 import w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref, w4a16_mm, w4a16_tc
-from cvllm_lab.kernels.split_k import workspaces
-from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.kernels.activation import silu_and_mul_ref
-from cvllm_lab.kernels.w4a16 import dequantize_packed_ref
-from cvllm_lab.quant.w4a16 import W4A16Linear
-from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
+from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.kernels.gguf_layout import PACKED_TYPES, dequantize
+from cvllm_lab.kernels.split_k import workspaces
+from cvllm_lab.kernels.w4a16 import (dequantize_packed_ref, w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref,
+                                     w4a16_mm, w4a16_tc)
+from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
 from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
-interp = pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='CPU tests run the Triton interpreter')
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from cvllm_lab.quant.w4a16 import W4A16Linear
 
 
 def _gemv_tol(bits, group):
     """Relative error bound of the M = 1 GEMV against the fp32 reference. 4-bit groups >= 64 take the fields where
-    they lie in the word (`_field_slot`, 1 + q * 2**-12 at worst) with x scaled by up to 2**8: with bf16 x every
+    they lie in the word (`field_slot`, 1 + q * 2**-12 at worst) with x scaled by up to 2**8: with bf16 x every
     product and partial sum is exact in fp32 (~3e-6 measured, from the reference's own rounding), with fp32 x (these
     tests) the products round at 2**-12 of a weight's term, ~1e-4 of the output (the activation's cancellation
     included); the other paths are exact up to fp32 sums."""
@@ -56,7 +46,7 @@ IDS = [f'{b}bit-g{g}-{"sym" if s else "asym"}' for b, g, s in CONFIGS]
 
 # ------------------------------------------------------------------------------------------- CPU (interpreter)
 
-@interp
+@pytest.mark.interp
 @pytest.mark.parametrize('bits,group,sym', CONFIGS, ids=IDS)
 def test_w4a16_cpu(bits, group, sym):
     tol = _gemv_tol(bits, group)
@@ -111,7 +101,7 @@ def test_w4a16_cpu(bits, group, sym):
     assert _ws_clean()
 
 
-@interp
+@pytest.mark.interp
 @pytest.mark.parametrize('group,sym', [(128, True), (128, False), (-1, False)], ids=['g128-sym', 'g128-asym', 'per-channel'])
 def test_w4a16_tc_cpu(group, sym):
     "The tensor-core kernel (its plain-Triton dequantization: the interpreter runs no PTX), fp16 x as in its tl.dot."
@@ -130,7 +120,7 @@ def test_w4a16_tc_cpu(group, sym):
         with pytest.raises(ValueError, match='_tc_kernel'): w4a16_tc(torch.randn(3, 256, dtype=dt), *args)
 
 
-@interp
+@pytest.mark.interp
 def test_w4a16_prefill_shapes_and_errors_cpu():
     args = _packed(24, 256, 4, 128, True, 1)
     x = torch.randn(2, 70, 256)                                 # M=140 > MM_MAX_M: dequantize kernel + matmul
@@ -142,7 +132,7 @@ def test_w4a16_prefill_shapes_and_errors_cpu():
     with pytest.raises(ValueError, match='nh'): w4a16_gemv(torch.randn(1, 256), *args, nh=3)
 
 
-@interp
+@pytest.mark.interp
 @pytest.mark.parametrize('t', PACKED_TYPES, ids=[t.name.lower() for t in PACKED_TYPES])
 def test_gguf_packed_cpu(t):
     "GGUF q4_0/q4_1/q4_k/q8_0 repacked to the W4A16 layout (group 32): the kernels match GGUF dequantization."
@@ -163,7 +153,7 @@ def _fp8(N, K, seed, device='cpu'):
     return w.to(device), s.to(device)
 
 
-@interp
+@pytest.mark.interp
 def test_fp8_cpu():
     for N, K in ((64, 256), (40, 200), (136, 384)):
         w, s = _fp8(N, K, N)
@@ -191,7 +181,6 @@ def test_fp8_cpu():
 SHAPES = [(4096, 14336), (14336, 4096), (6144, 4096), (576, 576)]
 
 
-@cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize('N,K', SHAPES)
 @pytest.mark.parametrize('bits,group,sym', [(4, 128, True), (4, 32, False), (8, 32, True)], ids=['4-g128-sym', '4-g32-asym', '8-g32'])
@@ -227,7 +216,6 @@ def test_w4a16_cuda(bits, group, sym, N, K):
     assert _ws_clean()
 
 
-@cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize('N,K', SHAPES)
 def test_fp8_cuda(N, K):
@@ -249,7 +237,6 @@ def test_fp8_cuda(N, K):
     assert _ws_clean()
 
 
-@cuda
 @pytest.mark.cuda
 def test_layers_and_quantize_model_cuda():
     "The quantized layers on CUDA agree with their CPU paths; quantize_model packs GGUF types on CUDA."
@@ -273,7 +260,6 @@ def test_layers_and_quantize_model_cuda():
     assert model.model.layers[0]['proj'].packed is not None
 
 
-@cuda
 @pytest.mark.cuda
 def test_fuse_mlp_act_cuda():
     "A quantized Llama with the activation in the gate/up GEMV (`fuse_mlp_act=True`) generates what the unfused one does."
