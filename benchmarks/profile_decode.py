@@ -1,13 +1,13 @@
 """Where a decode step's time goes: per-kernel GPU time of Llama-3-8B decode steps (dummy weights, CUDA graphs) from
 torch.profiler, per step, and the wall time per step. `python -m benchmarks.profile_decode [quantization] [batch]`
-from the repository root (default marlin 1; the model is `conf/model/llama3_8b.yaml`). Set `CVLLM_PDL=0` for kernel
+from the repository root (default w4a16 1; the model is `conf/model/llama3_8b.yaml`). Set `CVLLM_PDL=0` for kernel
 times without PDL's early-launch waits (with PDL a kernel's time includes waiting for its predecessor)."""
 import sys, collections, yaml, torch
 from pathlib import Path
 from cvllm_lab import LLM
 from cvllm_lab.sampling_params import SamplingParams
 from cvllm_lab.bench.sweep import model_dir
-quant = sys.argv[1] if len(sys.argv) > 1 else 'marlin'
+quant = sys.argv[1] if len(sys.argv) > 1 else 'w4a16'
 B = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 mcfg = yaml.safe_load(open('conf/model/llama3_8b.yaml'))
 llm = LLM(str(model_dir(mcfg)), load_format='dummy', skip_tokenizer_init=True, quantization=quant,

@@ -245,7 +245,7 @@ def test_layers_and_quantize_model_cuda():
     lin = Linear(1024, [512, 256, 256], bias=True)
     torch.nn.init.normal_(lin.weight, std=0.02); torch.nn.init.normal_(lin.bias)
     x = torch.randn(3, 1024)
-    for method in ('marlin', 'fp8', 'q4k', 'q8_0', 'q4_0', 'q6k', 'q2k'):
+    for method in ('w4a16', 'fp8', 'q4k', 'q8_0', 'q4_0', 'q6k', 'q2k'):
         q = quantize_linear(lin, method)
         ref = q(x)
         qc = quantize_linear(lin.cuda(), method, pack=True)
@@ -272,7 +272,7 @@ def test_fuse_mlp_act_cuda():
                                  num_attention_heads=8, num_key_value_heads=2, architectures=['LlamaForCausalLM'])).save_pretrained(d)
     prompts = [{'prompt_token_ids': list(range(3, 3 + n))} for n in (5, 40)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    for method in ('marlin', 'q4k'):
+    for method in ('w4a16', 'q4k'):
         outs = []
         for fuse in (False, True):
             llm = LLM(d, progress=False, device='cuda', dtype='bfloat16', skip_tokenizer_init=True, quantization=method,

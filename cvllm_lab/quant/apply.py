@@ -1,4 +1,4 @@
-"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `marlin` W4A16, `fp8`) and the loading of quantized checkpoints (GPTQ, AWQ, FP8, GGUF kept quantized) into the same layers.
+"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`) and the loading of quantized checkpoints (GPTQ, AWQ, FP8, GGUF kept quantized) into the same layers.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 
@@ -20,19 +20,21 @@ from .w4a16 import W4A16Linear, gptq_to_levels, awq_to_levels
 from .fp8 import FP8Linear
 
 # %% auto #0
-__all__ = ['ISQ_NAMES', 'METHODS', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'resolve_method', 'gguf_type_for', 'quantize_linear',
-           'quantize_model', 'fuse_mlp_act', 'ConcatLinear', 'normalize_quant_config', 'checkpoint_quantization',
-           'GGUFRaw', 'finalize_collector', 'load_quantized']
+__all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'resolve_method', 'gguf_type_for',
+           'quantize_linear', 'quantize_model', 'fuse_mlp_act', 'ConcatLinear', 'normalize_quant_config',
+           'checkpoint_quantization', 'GGUFRaw', 'finalize_collector', 'load_quantized']
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
-METHODS = ISQ_NAMES + ('marlin', 'fp8')
+METHODS = ISQ_NAMES + ('w4a16', 'fp8')
+METHOD_ALIASES = {'marlin': 'w4a16'}   # candle-vllm's `--isq marlin` is our W4A16
 KQUANT_FALLBACK = {GT.Q2_K: GT.Q4_0, GT.Q3_K: GT.Q4_0, GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0}
 
 def resolve_method(method: str):
-    "`'marlin'`, `'fp8'`, or a `GGMLQuantizationType` for a GGUF type name; ValueError listing the choices otherwise."
+    "`'w4a16'` (also for its alias `'marlin'`), `'fp8'`, or a `GGMLQuantizationType` for a GGUF type name; ValueError listing the choices otherwise."
     m = str(method).strip().lower()
-    if m in ('marlin', 'fp8'): return m
+    m = METHOD_ALIASES.get(m, m)
+    if m in ('w4a16', 'fp8'): return m
     try: t = parse_qtype(m)
     except (ValueError, TypeError): t = None
     if t is None or t not in QUANT_TYPES:
@@ -52,7 +54,7 @@ def quantize_linear(lin: Linear, method, pack: bool = False) -> QuantLinear:
     "A quantized copy of `lin` (same shards, bias, device)."
     m = resolve_method(method) if isinstance(method, str) else method
     with torch.no_grad():
-        if m == 'marlin': return W4A16Linear.from_linear(lin, group=128, bits=4, sym=True)
+        if m == 'w4a16': return W4A16Linear.from_linear(lin, group=128, bits=4, sym=True)
         if m == 'fp8': return FP8Linear.from_linear(lin)
         q = GGUFLinear.from_linear(lin, gguf_type_for(m, lin.input_size))
         return q.pack() if pack else q

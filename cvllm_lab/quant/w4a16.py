@@ -1,4 +1,4 @@
-"""Our Marlin-style layout for 4-bit (and 8-bit) integer weights with group-wise fp16 scales and offsets, its packing, round-to-nearest quantization, repacking of GPTQ and AWQ checkpoint tensors, and `W4A16Linear`.
+"""Our packed W4A16 layout for 4-bit (and 8-bit) integer weights with group-wise fp16 scales and offsets, its packing, round-to-nearest quantization, repacking of GPTQ and AWQ checkpoint tensors, and `W4A16Linear`.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/w4a16.html.md"""
 
@@ -144,7 +144,7 @@ class W4A16Linear(QuantLinear):
         return silu_and_mul_ref(y, interleaved=True)
 
     def is_sym(self) -> bool:
-        """Whether the offsets are `-8 * scales` (4-bit symmetric: GPTQ sym, `--isq marlin`), checked on the first
+        """Whether the offsets are `-8 * scales` (4-bit symmetric: GPTQ sym, `--isq w4a16`), checked on the first
         call (a device sync, before CUDA graphs are captured); the GEMV then reads no offsets."""
         if getattr(self, '_sym', None) is None:
             self._sym = self.bits == 4 and torch.equal(self.offsets, -8 * self.scales)
