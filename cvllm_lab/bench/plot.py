@@ -57,6 +57,7 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
 
 # %% ../../nbs/63_bench_plot.ipynb #b1a40908
 _REF_PRECISION = {'fp8': 'fp8-w8a8-dynamic'}   # vLLM's table name for the FP8 rows
+_CANDLE_PRECISION = {'w4a16': 'marlin', 'marlin': 'marlin'}   # candle-vllm's name for the 4-bit format (old rows: marlin)
 
 def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = 'Llama-3-8B') -> Path:
     "Decode tok/s vs batch size for every weight format of `shape`, with rooflines and the reference figures."
@@ -69,7 +70,7 @@ def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = '
     for i, (q, g) in enumerate(res.groupby('quant', sort=False)):
         col = f'C{i}'
         g = g.groupby('batch_size', as_index=False).agg(decode_tok_s=('decode_tok_s', 'max'), roofline_tok_s=('roofline_tok_s', 'max'))
-        name = 'bf16' if q == 'none' else q
+        name = 'bf16' if q == 'none' else _CANDLE_PRECISION.get(q, q)
         ax.plot(g.batch_size, g.decode_tok_s, 'o-', color=col, label=f'cvllm_lab {name}')
         ax.plot(g.batch_size, g.roofline_tok_s, ':', color=col, lw=1)
         v = vllm[(vllm['shape'] == shape) & (vllm.precision == _REF_PRECISION.get(q, 'bf16' if q == 'none' else q))]
