@@ -13,7 +13,7 @@ from .openai.api_server import ServerConfig
 from .openai.protocol import DEFAULT_MAX_N
 from ..quant.apply import METHODS
 
-CHECKPOINT_QUANT = ('gptq', 'awq', 'fp8', 'gguf', 'marlin')  # `marlin`: a GPTQ/AWQ checkpoint, or in situ
+CHECKPOINT_QUANT = ('gptq', 'awq', 'fp8', 'gguf', 'w4a16', 'marlin')  # `marlin`: a GPTQ/AWQ checkpoint, or in situ
 from .openai.reasoning import REASONING_TAGS
 from .openai.tool_parsers import TOOL_PARSERS
 

@@ -160,7 +160,7 @@ def checkpoint_quant_config(src: ModelSource, hf_config, quantization: str | Non
         if not src.is_gguf: raise ValueError(f"quantization='gguf' needs a .gguf model, got {src.root}")
         return {'method': 'gguf'}
     qcfg = checkpoint_quantization(src, hf_config)
-    if qcfg and q not in (None, qcfg['method']) and not (q == 'marlin' and qcfg['method'] in ('gptq', 'awq')):
+    if qcfg and q not in (None, qcfg['method']) and not (q in ('marlin', 'w4a16') and qcfg['method'] in ('gptq', 'awq')):
         raise ValueError(f"{src.root} is already quantized ({qcfg['method']}); quantization={quantization!r} cannot be applied to it")
     return qcfg
 
