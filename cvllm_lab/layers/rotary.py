@@ -1,4 +1,4 @@
-"""RoPE with a precomputed cos/sin cache: plain, linear, Llama-3 scaled and YaRN, frequencies taken from `transformers`' own RoPE init functions.
+"""RoPE with a precomputed cos/sin cache: plain, linear, Llama-3, YaRN and LongRoPE frequencies (from `transformers`' own RoPE init functions), partial rotary and the NeoX or GPT-J pair layout; `positions` index the cache, q and k are rotated per head.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/rotary.html.md"""
 
@@ -13,34 +13,48 @@ from torch import nn
 __all__ = ['rope_parameters', 'compute_inv_freq', 'RotaryEmbedding']
 
 # %% ../../nbs/21_rotary.ipynb #808d8494
-def rope_parameters(config) -> dict:
-    "`{'rope_type', 'rope_theta', ...}` from a HF config, for transformers 4.x (`rope_scaling`) and 5.x (`rope_parameters`)."
-    p = dict(getattr(config, 'rope_parameters', None) or {})
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """`{'rope_type', 'rope_theta', 'partial_rotary_factor', ...}` from a HF config, for transformers 4.x
+    (`rope_scaling`, top-level fields) and 5.x (`rope_parameters`, nested by layer type where `layer_type` picks one)."""
+    p = getattr(config, 'rope_parameters', None) or {}
+    p = dict(p[layer_type] if layer_type is not None else p)
     if not p:
         p = dict(getattr(config, 'rope_scaling', None) or {})
         p.setdefault('rope_theta', getattr(config, 'rope_theta', 10000.0))
     p['rope_type'] = p.get('rope_type', p.get('type', 'default')) or 'default'
+    if p['rope_type'] == 'su': p['rope_type'] = 'longrope'   # Phi-3's first name for LongRoPE
+    p.setdefault('partial_rotary_factor', getattr(config, 'partial_rotary_factor', None) or 1.0)
+    if p['rope_type'] == 'longrope':
+        p.setdefault('original_max_position_embeddings', getattr(config, 'original_max_position_embeddings', None)
+                     or config.max_position_embeddings)
     return p
 
-def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float, int]:
-    "`(inv_freq, attention_factor, rotary_dim)` for the config's RoPE scheme."
-    p = rope_parameters(config)
-    rot = int(head_dim * getattr(config, 'partial_rotary_factor', 1.0))
+def compute_inv_freq(config, head_dim: int, max_position: int | None = None,
+                     layer_type: str | None = None) -> tuple[torch.Tensor, float, int]:
+    """`(inv_freq, attention_factor, rotary_dim)` for the config's RoPE scheme. LongRoPE takes its long factors iff
+    `max_position` (the engine's `max_model_len`) exceeds `original_max_position_embeddings`."""
+    p = rope_parameters(config, layer_type)
+    rot = int(head_dim * p['partial_rotary_factor'])
     if p['rope_type'] == 'default':
         return 1.0 / (p['rope_theta'] ** (torch.arange(0, rot, 2, dtype=torch.float) / rot)), 1.0, rot
-    if p['rope_type'] in ('dynamic', 'longrope'):
+    if p['rope_type'] == 'dynamic':
         raise NotImplementedError(f"RoPE type {p['rope_type']!r} changes with sequence length; not supported yet")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if p['rope_type'] not in ROPE_INIT_FUNCTIONS: raise ValueError(f"Unknown RoPE type {p['rope_type']!r}")
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[p['rope_type']](config, None)
+    kw = {} if layer_type is None else {'layer_type': layer_type}
+    if p['rope_type'] == 'longrope':
+        orig = p['original_max_position_embeddings']
+        kw['seq_len'] = orig + 1 if max_position is not None and max_position > orig else None
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[p['rope_type']](config, None, **kw)
     return inv_freq.float(), float(factor), 2 * inv_freq.numel()
 
 # %% ../../nbs/21_rotary.ipynb #0055b002
 class RotaryEmbedding(nn.Module):
-    "Rotates q and k by position using a `[max_position, rotary_dim]` cos/sin cache."
-    def __init__(self, config, head_dim: int, max_position: int, is_neox: bool = True):
+    """Rotates the first `rotary_dim` dims of each q and k head by position, from a `[max_position, rotary_dim]`
+    cos/sin cache; `is_neox` pairs halves (HF Llama), otherwise neighbours (GPT-J, GLM-4)."""
+    def __init__(self, config, head_dim: int, max_position: int, is_neox: bool = True, layer_type: str | None = None):
         super().__init__()
-        inv_freq, factor, self.rotary_dim = compute_inv_freq(config, head_dim)
+        inv_freq, factor, self.rotary_dim = compute_inv_freq(config, head_dim, max_position, layer_type)
         self.head_dim, self.is_neox = head_dim, is_neox
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None]
         self.register_buffer('cos_sin_cache', torch.cat([freqs.cos() * factor, freqs.sin() * factor], -1), persistent=False)
