@@ -21,8 +21,15 @@ selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 wei
 `EM` is a static upper bound (`T*k + min(E, T*k) * (block_m - 1)`, rounded up to block_m), so nothing here
 synchronizes with the host and the whole path can be captured in a CUDA graph.
 
-Launch configs come from `DEFAULT_CONFIGS` (a small-M one for decode and a large-M one for prefill) or the
-caller's `config` dict; tuned per-device JSON configs will replace these defaults once they are tuned on a GPU.
+Launch configs are data: `configs/fused_moe/<device>.json` (`kernels/tuned.py`), table `default` keyed by the
+token bucket `M` (1, 2, 4, ..., 4096: the smallest bucket >= T, else the largest), table `shapes` keyed by
+`E,H,I,top_k,M` for shapes tuned on their own (`benchmarks/kernels/tune_fused_moe.py` writes both), and one small
+`interpret` config for CPU runs under the Triton interpreter. The caller's `config` dict overrides any key.
+
+FP8 experts (W8A16): `w13`/`w2` may be `float8_e4m3fn` with block scales `[E, ceil(N/128), ceil(K/128)]` (one per
+128 x 128 block of each expert, as block-FP8 checkpoints store `weight_scale_inv`); the kernel loads each weight tile
+in FP8, scales it in registers by its block's scale and runs the dot in the activation dtype, so only FP8 bytes
+cross memory.
 """
 import os
 
@@ -32,27 +39,31 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.activation import silu_and_mul
+from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
-           'default_config', 'DEFAULT_CONFIGS', 'ALIGN_ONE_PROGRAM_MAX']
+           'get_config', 'm_bucket', 'M_BUCKETS', 'dequantize_experts_fp8', 'ALIGN_ONE_PROGRAM_MAX']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 
-# Untuned starting points. 'small_m': few assignments per expert (decode), so short tiles along M and wide
-# K tiles to stream the weights; 'large_m': prefill, square-ish tiles with GROUP_M swizzling for L2 reuse.
-DEFAULT_CONFIGS = {
-    'small_m': dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
-    'large_m': dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-    'interpret': dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
-}
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)   # token counts the config tables are keyed by
 # assignments (T * top_k) up to which one Triton program aligns them (a first guess, to tune with the configs)
 ALIGN_ONE_PROGRAM_MAX = 1024
+FP8_BLOCK = 128
 
 
-def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
-    "The default launch config for `num_tokens` tokens: small-M while an expert gets about 16 assignments or fewer."
-    if _INTERPRET: return dict(DEFAULT_CONFIGS['interpret'])
-    per_expert = num_tokens * top_k / max(num_experts, 1)
-    return dict(DEFAULT_CONFIGS['small_m' if per_expert <= 16 else 'large_m'])
+def m_bucket(num_tokens: int) -> int:
+    "The config bucket of `num_tokens`: the smallest of `M_BUCKETS` >= it, else the largest."
+    return next((b for b in M_BUCKETS if b >= num_tokens), M_BUCKETS[-1])
+
+
+def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+               device: torch.device | str = 'cpu') -> dict:
+    "The launch config for `num_tokens` tokens at this expert shape: a tuned shape row, else the bucket's default."
+    tables = configs_for('fused_moe', torch.device(device))
+    if _INTERPRET: return dict(tables['interpret'])
+    b = m_bucket(num_tokens)
+    row = tables.get('shapes', {}).get((num_experts, hidden, inter, top_k, b))
+    return dict(row if row is not None else tables['default'][b])
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -61,10 +72,19 @@ def _renormalized(topk_weights):
     return topk_weights / topk_weights.sum(dim=-1, keepdim=True)
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False):
+def dequantize_experts_fp8(w, scale, dtype=torch.float32):
+    "Block-FP8 experts `w [E, N, K]` e4m3 with `scale [E, ceil(N/128), ceil(K/128)]` -> `[E, N, K]` in `dtype`."
+    E, N, K = w.shape
+    s = scale.float().repeat_interleave(FP8_BLOCK, 1)[:, :N].repeat_interleave(FP8_BLOCK, 2)[:, :, :K]
+    return (w.float() * s).to(dtype)
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False, w13_scale=None, w2_scale=None):
     """Plain-PyTorch MoE, a loop over experts, in fp32; returns `[T, H]` in `x`'s dtype.
-    `renormalize` divides each token's `topk_weights` by their sum first."""
+    `renormalize` divides each token's `topk_weights` by their sum first; `w13_scale`/`w2_scale`: FP8 experts."""
     T, H = x.shape
+    if w13_scale is not None: w13 = dequantize_experts_fp8(w13, w13_scale)
+    if w2_scale is not None: w2 = dequantize_experts_fp8(w2, w2_scale)
     w = topk_weights.float()
     if renormalize: w = _renormalized(w)
     xf, out = x.float(), torch.zeros(T, H, dtype=torch.float32, device=x.device)
@@ -174,12 +194,15 @@ def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
 # ------------------------------------------------------------------------------------------------ grouped GEMM
 
 @triton.jit
-def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, bs_ptr,
                       N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                      stride_bse, stride_bsn, stride_bsk,
                       A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     """c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of one
-    block of `sorted_ids` (one expert) and one block of N columns."""
+    block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
+    scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -200,12 +223,17 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (assign // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    if B_SCALE:
+        bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if B_SCALE:   # dequantize the FP8 tile in registers
+            s = tl.load(bs_ptrs + ((kb * BLOCK_K) // 128) * stride_bsk, mask=mask_n, other=0.0)
+            b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
@@ -216,34 +244,43 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_div: int, mul_routed: bool, cfg):
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_div: int, mul_routed: bool, cfg,
+                  w_scale=None):
     "out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`."
     N, K = w.shape[1], w.shape[2]
     em = sorted_ids.numel()
     grid = (triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
-    _fused_moe_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, ntpp,
+    bs = w_scale if w_scale is not None else topk_weights          # any pointer: unused without B_SCALE
+    bss = w_scale.stride() if w_scale is not None else (0, 0, 0)
+    _fused_moe_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, bs,
                             N, K, em, out.shape[0], a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-                            A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
-                            PRECISION='ieee' if a.dtype == torch.float32 else 'tf32',
+                            *bss, A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
+                            PRECISION='ieee' if a.dtype == torch.float32 else 'tf32', B_SCALE=w_scale is not None,
                             BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
                             GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
     return out
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, renormalize: bool = False):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, renormalize: bool = False,
+              w13_scale=None, w2_scale=None):
     """`fused_moe_ref` with two grouped-GEMM Triton launches (see the module docstring).
 
     `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
-    `config` overrides the keys of `default_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+    `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages);
+    `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]` scales.
     The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32. Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     k = topk_ids.shape[1]
     assert w13.shape[2] == H and w2.shape == (E, H, two_i // 2), (x.shape, w13.shape, w2.shape)
     assert topk_ids.shape == topk_weights.shape == (T, k), (topk_ids.shape, topk_weights.shape)
-    assert x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype, w2.dtype)
+    for w, sc in ((w13, w13_scale), (w2, w2_scale)):
+        if sc is None: assert w.dtype == x.dtype, (x.dtype, w.dtype)
+        else: assert w.dtype == torch.float8_e4m3fn and sc.shape == (E, -(-w.shape[1] // FP8_BLOCK), -(-w.shape[2] // FP8_BLOCK)), (w.dtype, sc.shape)
     if T == 0: return x.new_empty(0, H)
-    cfg = {**default_config(T, E, k), **(config or {})}
+    cfg = {**get_config(T, E, H, two_i // 2, k, x.device), **(config or {})}
+    if w13_scale is not None or w2_scale is not None:   # a K-tile must lie inside one 128-wide scale block
+        cfg['BLOCK_K'] = min(cfg['BLOCK_K'], FP8_BLOCK)
     if x.stride(-1) != 1: x = x.contiguous()
     if w13.stride(-1) != 1: w13 = w13.contiguous()
     if w2.stride(-1) != 1: w2 = w2.contiguous()
@@ -253,8 +290,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
 
     inter13 = x.new_empty(T * k, two_i)
-    _grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg)
+    _grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg,
+                  w_scale=w13_scale)
     inter = silu_and_mul(inter13)                   # non-interleaved: gate = [:, :I], up = [:, I:]
     out_k = x.new_empty(T * k, H)
-    _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, a_row_div=1, mul_routed=True, cfg=cfg)
+    _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, a_row_div=1, mul_routed=True, cfg=cfg,
+                  w_scale=w2_scale)
     return out_k.view(T, k, H).sum(dim=1)

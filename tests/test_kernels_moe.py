@@ -4,33 +4,20 @@
 `transformers`' Qwen2-MoE / Qwen3-MoE / Mixtral blocks, and the invariants of `moe_align_block_size`. CPU runs the
 kernel under TRITON_INTERPRET=1 at small sizes; `-m cuda` runs the Qwen3-30B-A3B expert shape in bf16.
 """
-import os
-import pathlib
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')  # must be set before the kernels are defined
-
-try:
-    from cvllm_lab.kernels import fused_moe as fm
-except ImportError:  # package not installed (e.g. a bare GPU box): import the kernels folder itself
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from kernels import fused_moe as fm
+from cvllm_lab.kernels import fused_moe as fm
+from cvllm_lab.kernels import tuned
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 # max |fused - ref| / max |ref|: fp32 differs only by summation order; fp16/bf16 round the two intermediates
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-def cuda(f):
-    "Real-size test: needs a CUDA GPU (select with `-m cuda`)."
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')(f))
+cuda = pytest.mark.cuda
 
 
 def rel_err(a, b):
+    "max |a - b| / max |b| (the tolerances above are in this measure)."
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
@@ -77,12 +64,43 @@ def test_fused_moe_ragged_shapes_and_configs(config):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_fused_moe_empty_and_default_configs(monkeypatch):
+def test_fused_moe_empty_and_configs_by_bucket(monkeypatch, tmp_path):
     x, w13, w2, tw, ids = problem(0, 8, 2, 64, 32, torch.float32)
     assert fm.fused_moe(x, w13, w2, tw, ids).shape == (0, 64)
+    assert [fm.m_bucket(t) for t in (1, 3, 16, 17, 300, 4096, 9000)] == [1, 4, 16, 32, 512, 4096, 4096]
+    tables = tuned.load_configs('fused_moe')
+    assert set(tables['default']) == set(fm.M_BUCKETS)
     monkeypatch.setattr(fm, '_INTERPRET', False)
-    assert fm.default_config(1, 128, 8) == fm.DEFAULT_CONFIGS['small_m']      # decode
-    assert fm.default_config(512, 128, 8) == fm.DEFAULT_CONFIGS['large_m']    # prefill
+    assert fm.get_config(1, 128, 2048, 768, 8) == tables['default'][1]         # decode
+    assert fm.get_config(3000, 128, 2048, 768, 8) == tables['default'][4096]   # prefill
+    # a shape row wins over the bucket default
+    d = tmp_path / 'fused_moe'
+    d.mkdir()
+    row = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=2, num_stages=2)
+    (d / 'default.json').write_text(tuned.dump_configs({**tables, 'shapes': {(128, 2048, 768, 8, 64): row}}))
+    monkeypatch.setattr(tuned, 'CONFIG_DIR', tmp_path)
+    tuned.load_configs.cache_clear()
+    try:
+        assert fm.get_config(50, 128, 2048, 768, 8) == row
+        assert fm.get_config(50, 64, 2048, 768, 8) == tables['default'][64]
+    finally:
+        tuned.load_configs.cache_clear()
+
+
+def test_fused_moe_fp8_experts():
+    "Block-FP8 experts (per-expert 128 x 128 scales) through the kernel = the reference on the dequantized weights."
+    from cvllm_lab.quant.fp8 import quantize_fp8_block
+    x, w13, w2, tw, ids = problem(7, 4, 2, 160, 136, torch.float32, seed=3)   # ragged: N, K not multiples of 128
+    (q13, s13), (q2, s2) = [map(torch.stack, zip(*[quantize_fp8_block(w[e].cpu()) for e in range(4)])) for w in (w13, w2)]
+    q13, s13, q2, s2 = (t.to(DEV) for t in (q13, s13, q2, s2))
+    assert s13.shape == (4, 3, 2) and s2.shape == (4, 2, 2)
+    ref = fm.fused_moe_ref(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2)
+    assert 1e-3 < rel_err(ref, fm.fused_moe_ref(x, w13, w2, tw, ids)) < 0.1      # FP8 rounding, nothing worse
+    out = fm.fused_moe(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2, config=dict(BLOCK_K=32, BLOCK_N=32))
+    assert rel_err(out, ref) < TOL[torch.float32]
+    s13_bad = s13.clone()
+    s13_bad[:, 1] *= 2                                    # one row block of scales wrong: the test notices
+    assert rel_err(fm.fused_moe_ref(x, q13, q2, tw, ids, w13_scale=s13_bad, w2_scale=s2), ref) > 1e-2
 
 
 # ------------------------------------------------------------------------------------------------ alignment
@@ -188,5 +206,5 @@ def test_fused_moe_qwen3_30b_a3b_shape(T):
     ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
     err = rel_err(fm.fused_moe(x, w13, w2, tw, ids), ref)
     assert err < TOL[torch.bfloat16], f'max rel error {err:.2e}'
-    for cfg in fm.DEFAULT_CONFIGS['small_m'], fm.DEFAULT_CONFIGS['large_m']:   # both defaults at every size
+    for cfg in (tuned.load_configs('fused_moe')['default'][b] for b in (1, 4096)):   # decode and prefill configs
         assert rel_err(fm.fused_moe(x, w13, w2, tw, ids, config=cfg), ref) < TOL[torch.bfloat16]
