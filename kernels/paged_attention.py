@@ -33,6 +33,10 @@ FP8 KV cache (`kv_cache_dtype='fp8'`, written by `kv_cache`): the caches are `fl
 The attention kernel folds the key scales into the fp32 scores, `s_j = (q . k8_j) * ks_j` (the same sum, one
 multiply per score), and dequantizes each V tile in fp32 before `P @ V`, which runs in q's dtype. The cache writes
 (`reshape_and_cache`, `rotary_and_cache`) live in `kv_cache` and are re-exported here.
+
+Logit soft-capping (`softcap`, Gemma 2's `attn_logit_softcapping`): each score becomes `cap * tanh(s / cap)`
+before the causal / sliding-window mask and the softmax; the kernel applies it to the log2-unit scores as
+`cap log2(e) tanh(s / (cap log2(e)))`, the same map, behind a constexpr flag (no cost when off).
 """
 import functools
 import math
@@ -55,9 +59,10 @@ __all__ = ['paged_attention', 'paged_attention_ref', 'MIN_KEYS_PER_SPLIT', 'resh
 # Reference
 # ---------------------------------------------------------------------------------------------------------------
 
-def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window):
+def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None):
     """Masked attention of a padded batch in fp32: `q` `[B, H, M, D]`, `k`/`v` `[B, Hkv, L, D]`,
-    `qpos` `[B, M]` absolute query positions, `kv_len` `[B]`. Returns `[B, H, M, D]` fp32."""
+    `qpos` `[B, M]` absolute query positions, `kv_len` `[B]`. Returns `[B, H, M, D]` fp32.
+    `softcap`: scores become `softcap * tanh(scores / softcap)` before the mask (Gemma 2)."""
     B, H, M, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -68,6 +73,10 @@ def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window):
     # GQA without copying K/V: the G heads sharing a KV head become G*M rows of that head
     qg = q.float().reshape(B, Hkv, G * M, D)
     mg = mask[:, None, None].expand(B, 1, G, M, L).reshape(B, 1, G * M, L)
+    if softcap:   # SDPA has no soft-capping: scores, cap, mask, softmax written out
+        s = qg @ k.float().transpose(-1, -2) * scale
+        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mg, float('-inf'))
+        return (s.softmax(-1) @ v.float()).reshape(B, H, M, D)
     o = torch.nn.functional.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=mg, scale=scale)
     return o.reshape(B, H, M, D)
 
@@ -87,12 +96,13 @@ REF_SCORE_BUDGET = 1 << 26  # fp32 scores per query chunk of the reference's pre
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                         sliding_window: int | None = None, max_query_len: int | None = None,
-                        max_seq_len: int | None = None, k_scale=None, v_scale=None):
+                        max_seq_len: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None):
     """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]`.
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
     chunks that keep the score matrix small. Rows past `query_start_loc[-1]` are zero. `max_query_len` and
     `max_seq_len` are accepted for parity with `paged_attention` and not needed here. FP8 caches are read
-    through their per-row scales `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`."""
+    through their per-row scales `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`. `softcap` (Gemma 2's
+    `attn_logit_softcapping`): each score `s` becomes `softcap * tanh(s / softcap)`."""
     if k_cache.dtype == FP8_DTYPE: assert k_scale is not None and v_scale is not None, "an FP8 cache needs its scales"
     T, H, D = q.shape
     qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
@@ -107,7 +117,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         rows = query_start_loc[idx].long()
         k = _gather_kv(k_cache, block_tables[idx], L, k_scale)
         v = _gather_kv(v_cache, block_tables[idx], L, v_scale)
-        o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window)
+        o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap)
         out[rows] = o[:, :, 0].to(q.dtype)
     for b in range(B):
         n = q_lens[b]
@@ -121,7 +131,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
             v = _gather_kv(v_cache, block_tables[b:b + 1], L, v_scale)
             qpos = torch.arange(ctx + s, ctx + e, device=dev)[None]
             qc = q[qsl[b] + s:qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
-            o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window)
+            o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap)
             out[qsl[b] + s:qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
@@ -136,6 +146,7 @@ def _paged_attention_kernel(
         qsl_ptr, seq_lens_ptr, block_tables_ptr,
         k_scale_ptr, v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
         qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
+        softcap,  # logit soft-cap (SOFTCAP only), in natural units
         num_seqs, head_dim, num_kv_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
@@ -151,6 +162,7 @@ def _paged_attention_kernel(
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
         FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
+        SOFTCAP: tl.constexpr,  # tanh soft-capping of the scores (Gemma 2)
         PDL: tl.constexpr):
     pdl_wait(PDL)
     pdl_launch(PDL)
@@ -232,6 +244,9 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
             if FP8_KV:
                 s = s * k_scale[None, :]  # q . (k8 * ks) = (q . k8) * ks
+            if SOFTCAP:  # cap * tanh(x / cap) on natural-unit scores x = s / log2(e), back in log2 units;
+                # tanh(y) = 1 - 2 / (e^2y + 1) saturates to +-1 without inf / inf; applied before the mask
+                s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.math.exp2(s * (2.0 / softcap)) + 1.0))
             visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
@@ -311,7 +326,7 @@ DECODE_MAX_QUERY_LEN = 8  # batches whose longest query is at most this many tok
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                     sliding_window: int | None = None, max_query_len: int | None = None,
                     max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, softcap: float | None = None):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
 
@@ -360,14 +375,15 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         part_m = part_l = part_acc = out  # unused
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q, qk_scale, B, D, Hkv,
+        query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q, qk_scale,
+        float(softcap or 1.0), B, D, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), H * splits, splits,
         QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
         TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
-        FP8_KV=fp8, num_warps=warps, num_stages=stages, **pdl_kw(q.device))
+        FP8_KV=fp8, SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages, **pdl_kw(q.device))
     if split:
         _merge_splits_kernel[(T, H)](
             out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,

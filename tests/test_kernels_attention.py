@@ -45,8 +45,8 @@ def make_batch(q_lens, ctx_lens, H, Hkv, D, block_size, dtype, device=DEV, extra
     return [q, k_cache, v_cache] + [t.to(device) for t in (qsl, sl, bt)]
 
 
-def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, window=None):
-    "Token by token: gather the visible keys through the block table, softmax in fp64."
+def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, window=None, softcap=None):
+    "Token by token: gather the visible keys through the block table, softmax in fp64 (scores soft-capped first)."
     T, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -60,7 +60,9 @@ def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, win
             v = torch.stack([v_cache[p, j % bs] for p, j in zip(blk, keys)]).double()
             kh = k.repeat_interleave(H // Hkv, 1)
             vh = v.repeat_interleave(H // Hkv, 1)
-            w = torch.softmax(torch.einsum('hd,nhd->hn', q[i].double(), kh) * scale, -1)
+            sc = torch.einsum('hd,nhd->hn', q[i].double(), kh) * scale
+            if softcap: sc = softcap * torch.tanh(sc / softcap)
+            w = torch.softmax(sc, -1)
             out[i] = torch.einsum('hn,nhd->hd', w, vh)
     return out
 
@@ -131,16 +133,18 @@ def test_rotary_and_cache(is_neox, rot_dim, kv):
 
 # ------------------------------------------------------------------------------------------------ reference itself
 
-@pytest.mark.parametrize('window', [None, 7])
-def test_reference_matches_naive_loop(window, monkeypatch):
+@pytest.mark.parametrize('window,softcap', [(None, None), (7, None), (None, 2.0), (7, 2.0)])
+def test_reference_matches_naive_loop(window, softcap, monkeypatch):
     torch.manual_seed(1)
     monkeypatch.setattr(pa, 'REF_SCORE_BUDGET', 4 * 30)  # tiny query chunks: exercise the chunked path too
     # decode, prefill from scratch, chunked prefill over a cached prefix, a 1-token-context decode
     args = make_batch([1, 9, 5, 1, 3], [20, 0, 13, 0, 30], H=4, Hkv=2, D=16, block_size=4,
                       dtype=torch.float32, device='cpu')
-    ref = paged_attention_ref(*args, scale=0.25, sliding_window=window)
-    naive = naive_attention(*args, scale=0.25, window=window)
+    ref = paged_attention_ref(*args, scale=0.25, sliding_window=window, softcap=softcap)
+    naive = naive_attention(*args, scale=0.25, window=window, softcap=softcap)
     assert (ref.double() - naive).abs().max() < 1e-5
+    if softcap:  # the cap changed the result (scores of N(0, 1) q, k at scale 0.25 reach well past 2)
+        assert (ref - paged_attention_ref(*args, scale=0.25, sliding_window=window)).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------------ paged_attention
@@ -164,6 +168,23 @@ def test_sliding_window(window):
     dec = make_batch([1, 1, 1], [50, 90, 3], 4, 2, 32, 16, torch.float32)
     ref = paged_attention_ref(*dec, scale=0.2, sliding_window=window)
     assert_close(paged_attention(*dec, scale=0.2, sliding_window=window, num_kv_splits=3), ref, torch.float32)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('window', [None, 6])
+def test_softcap(dtype, window):
+    "Gemma 2's tanh soft-capping of the scores: prefill + chunked + decode batch, and split-KV decode."
+    torch.manual_seed(8)
+    args = make_batch([21, 1, 9], [0, 40, 17], 4, 2, 32, 16, dtype)
+    args[0] = (args[0].float() * 3).to(dtype)  # large scores, so that the cap bites
+    out = paged_attention(*args, scale=0.5, sliding_window=window, softcap=5.0)
+    ref = paged_attention_ref(*args, scale=0.5, sliding_window=window, softcap=5.0)
+    assert_close(out, ref, dtype)
+    assert (ref.float() - paged_attention_ref(*args, scale=0.5, sliding_window=window).float()).abs().max() > 0.1
+    dec = make_batch([1, 1, 1], [50, 90, 3], 4, 2, 32, 16, dtype)
+    dec[0] = (dec[0].float() * 3).to(dtype)
+    out = paged_attention(*dec, scale=0.5, sliding_window=window, softcap=5.0, num_kv_splits=3)
+    assert_close(out, paged_attention_ref(*dec, scale=0.5, sliding_window=window, softcap=5.0), dtype)
 
 
 @pytest.mark.parametrize('splits', [1, 3, 8])
@@ -354,6 +375,17 @@ def test_cuda_prefill_real_sizes(dtype, D):
     assert_close(out, paged_attention_ref(*args, scale=D ** -0.5), dtype)
     out = paged_attention(*args, scale=D ** -0.5, sliding_window=1024)
     assert_close(out, paged_attention_ref(*args, scale=D ** -0.5, sliding_window=1024), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('window', [None, 4096])
+def test_cuda_softcap_gemma2_sizes(window):
+    "Gemma 2 2B's attention shape (8 heads, 4 KV heads, D=256, cap 50) in bf16: prefill, chunked, decode."
+    torch.manual_seed(12)
+    args = make_batch([3000, 1, 700, 1], [0, 6000, 5000, 9], 8, 4, 256, 16, torch.bfloat16)
+    args[0] = (args[0].float() * 8).bfloat16()
+    out = paged_attention(*args, scale=256 ** -0.5, sliding_window=window, softcap=50.0)
+    assert_close(out, paged_attention_ref(*args, scale=256 ** -0.5, sliding_window=window, softcap=50.0), torch.bfloat16)
 
 
 @pytest.mark.cuda
