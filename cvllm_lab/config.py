@@ -66,6 +66,9 @@ class EngineConfig:
     fuse_mlp_act: bool = True                # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
+    max_num_queued_requests: int | None = None  # waiting requests the scheduler holds before add_request raises QueueFullError
+    scheduling_policy: str = 'fcfs'          # 'fcfs' | 'priority' (a request's `priority`: lower runs first)
+    generation_config: str = 'auto'          # default sampling: 'auto' (the model's generation_config.json) | 'vllm' | a folder
     hf_overrides: dict = field(default_factory=dict)
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
@@ -94,6 +97,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
                              + (" (fp8_e5m2 is not built)" if self.kv_cache_dtype == 'fp8_e5m2' else ''))
+        if self.scheduling_policy not in ('fcfs', 'priority'):
+            raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; use fcfs or priority")
+        if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
+            raise ValueError(f"max_num_queued_requests must be >= 1 (or None: no limit), got {self.max_num_queued_requests}")
         return self
 
     @property
