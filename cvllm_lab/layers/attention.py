@@ -24,10 +24,10 @@ def get_attention_backend(name: str):
 class Attention(nn.Module):
     "Paged multi-head / grouped-query attention over this layer's slice of the KV cache."
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, backend: str = 'torch'):
+                 sliding_window: int | None = None, backend: str = 'torch', logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.sliding_window = sliding_window
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap   # soft-cap: Gemma 2
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None   # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]
@@ -55,5 +55,5 @@ class Attention(nn.Module):
                              ctx.slot_mapping, ks, vs)
         o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, self.scale,
                           sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
-                          max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs)
+                          max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
         return o.reshape(T, self.num_heads * self.head_dim)
