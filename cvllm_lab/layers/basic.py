@@ -1,4 +1,4 @@
-"""RMSNorm (with the fused residual add), SiLU-and-mul, and linear layers that load separate checkpoint tensors into one merged matmul.
+"""RMSNorm (with the fused residual add; Gemma's `1 + w` form), SiLU-and-mul and GELU-and-mul, and linear layers that load separate checkpoint tensors into one merged matmul.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/layers.html.md"""
 
@@ -11,7 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['RMSNorm', 'SiluAndMul', 'Linear']
+__all__ = ['RMSNorm', 'GemmaRMSNorm', 'SiluAndMul', 'GeluAndMul', 'Linear']
 
 # %% ../../nbs/20_layers.ipynb #c9add231
 def _use_triton(x: torch.Tensor) -> bool: return x.is_cuda
@@ -35,6 +35,33 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
+# %% ../../nbs/20_layers.ipynb #e17f49a7
+class GemmaRMSNorm(nn.Module):
+    "Gemma's RMSNorm: scale `1 + w` applied in fp32 (HF's order); `forward(x, residual)` as `RMSNorm`'s."
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(hidden_size))
+        self._scale = None   # (key of the weight it was computed from, fp32 1 + w): the CUDA kernels' weight
+
+    def _norm(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        "fp32 `1 + w`, recomputed when the weight's storage or version changes (a loader resets `_scale`)."
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._scale is None or self._scale[0] != key: self._scale = (key, 1.0 + self.weight.detach().float())
+        return self._scale[1]
+
+    def forward(self, x, residual=None):
+        if _use_triton(x):
+            from cvllm_lab.kernels import norm as K
+            if residual is None: return K.rms_norm(x, self.scale(), self.eps)
+            return K.fused_add_rms_norm(x, residual, self.scale(), self.eps)
+        if residual is None: return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
 # %% ../../nbs/20_layers.ipynb #9e4f8a1a
 class SiluAndMul(nn.Module):
     "`silu(x[..., :d]) * x[..., d:]` for the merged gate/up output."
@@ -44,6 +71,17 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+# %% ../../nbs/20_layers.ipynb #b1b8d5d1
+class GeluAndMul(nn.Module):
+    "`gelu(x[..., :d]) * x[..., d:]` (GeGLU); `approximate='tanh'` is Gemma's `gelu_pytorch_tanh`."
+    def __init__(self, approximate: str = 'tanh'):
+        super().__init__()
+        self.approximate = approximate
+    def forward(self, x):
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+    def extra_repr(self): return f"approximate={self.approximate!r}"
 
 # %% ../../nbs/20_layers.ipynb #e19e9390
 class Linear(nn.Module):
