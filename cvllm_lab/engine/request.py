@@ -43,14 +43,17 @@ class Request:
     "A request's tokens, progress, sampling settings and results."
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids=(), block_size: int = 16, arrival_time: float | None = None,
-                 prompt: str | None = None):
+                 prompt: str | None = None, priority: int = 0):
         if not prompt_token_ids: raise ValueError("The prompt is empty: give at least one token")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         self.request_id, self.prompt, self.sampling_params = request_id, prompt, sampling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.eos_token_ids, self.block_size = frozenset(eos_token_ids), block_size
         self.arrival_time = arrival_time or time.time()
+        self.priority = priority             # the priority policy runs lower values first (vLLM's meaning)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling (-1: not scheduled yet)

@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/scheduler.html.md"""
 
 # %% ../../nbs/11_scheduler.ipynb #4887e250
 from __future__ import annotations
-import sys
+import bisect, sys
 from collections import deque
 from dataclasses import dataclass, field
 from fastcore.basics import patch
@@ -14,7 +14,7 @@ from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 
 # %% auto #0
-__all__ = ['SchedulerOutput', 'Scheduler']
+__all__ = ['SchedulerOutput', 'QueueFullError', 'Scheduler']
 
 # %% ../../nbs/11_scheduler.ipynb #fda1a5aa
 @dataclass
@@ -31,20 +31,44 @@ class SchedulerOutput:
     def is_empty(self) -> bool: return not self.scheduled
 
 # %% ../../nbs/11_scheduler.ipynb #03bd9460
+class QueueFullError(RuntimeError):
+    "The waiting queue already holds `max_num_queued_requests` requests; try again later (the server answers 503)."
+
+_KEY = lambda r: (r.priority, r.arrival_time)   # the priority policy's order: lower priority value, then earlier arrival
+
 class Scheduler:
     "Continuous batching with chunked prefill, prefix caching and preemption by recompute."
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int = 8192, max_model_len: int = sys.maxsize):
+                 prefill_chunk_size: int = 8192, max_model_len: int = sys.maxsize,
+                 max_num_queued_requests: int | None = None, policy: str = 'fcfs'):
+        if policy not in ('fcfs', 'priority'): raise ValueError(f"Unknown scheduling policy {policy!r}; use fcfs or priority")
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_size, self.max_model_len = prefill_chunk_size, max_model_len
+        self.max_num_queued_requests, self.policy = max_num_queued_requests, policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
-    def add_request(self, req: Request):
-        self.waiting.append(req)
-        self.requests[req.request_id] = req
+    def add_request(self, req: Request | list[Request]):
+        "Queue a request, or the samples of one (all or none); `QueueFullError` when the waiting queue is full."
+        reqs = [req] if isinstance(req, Request) else list(req)
+        if self.policy == 'fcfs' and (bad := next((r.priority for r in reqs if r.priority != 0), 0)):
+            raise ValueError(f"priority={bad} needs the priority scheduling policy (this engine schedules fcfs)")
+        cap = self.max_num_queued_requests
+        if cap is not None:
+            if len(reqs) > cap: raise ValueError(f"{len(reqs)} sequences can never fit a waiting queue of {cap}")
+            if len(self.waiting) + len(reqs) > cap:
+                raise QueueFullError(f"The waiting queue is full ({len(self.waiting)} of max_num_queued_requests={cap})")
+        for r in reqs:
+            self._enqueue(r)
+            self.requests[r.request_id] = r
+
+    def _enqueue(self, req: Request, front: bool = False):
+        "fcfs: the back of the queue (the front for a preempted request); priority: its place in `(priority, arrival)` order."
+        if self.policy == 'priority': self.waiting.insert(bisect.bisect_right(self.waiting, _KEY(req), key=_KEY), req)
+        elif front: self.waiting.appendleft(req)
+        else: self.waiting.append(req)
 
     @property
     def num_unfinished(self) -> int: return len(self.waiting) + len(self.running)
@@ -57,12 +81,16 @@ def _num_new(self: Scheduler, req: Request, num_computed: int, budget: int) -> i
     return min(n, budget)
 
 @patch
-def _preempt(self: Scheduler, victim: Request, out: SchedulerOutput):
+def _preempt(self: Scheduler, out: SchedulerOutput) -> Request:
+    "Free the blocks of a running request (fcfs: the newest; priority: the highest `(priority, arrival)`) and requeue it."
+    victim = self.running.pop() if self.policy == 'fcfs' else max(self.running, key=_KEY)
+    if self.policy == 'priority': self.running.remove(victim)
     self.kv.free(victim)
     victim.status, victim.num_computed_tokens = RequestStatus.PREEMPTED, 0
     victim.num_preemptions += 1; self.num_preemptions += 1
-    self.waiting.appendleft(victim)
+    self._enqueue(victim, front=True)
     out.preempted.append(victim)
+    return victim
 
 @patch
 def schedule(self: Scheduler) -> SchedulerOutput:
@@ -74,8 +102,9 @@ def schedule(self: Scheduler) -> SchedulerOutput:
         n = self._num_new(req, req.num_computed_tokens, budget)
         if n <= 0: i += 1; continue
         while not self.kv.allocate_slots(req, n):
-            victim = self.running.pop()        # the newest running request
-            self._preempt(victim, out)
+            victim = self._preempt(out)
+            if victim.request_id in out.num_scheduled_tokens:   # priority: scheduled earlier in this step; undo it
+                out.scheduled.remove(victim); budget += out.num_scheduled_tokens.pop(victim.request_id); i -= 1
             if victim is req: break
         else:
             out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
