@@ -186,7 +186,7 @@ def fp8_gemm(x, weight, scale, N, K, cfg=None, act_group=128, fused=None, out_dt
         raise ValueError(f"weight must be contiguous float8_e4m3fn [{N}, {K}], got {weight.dtype} {tuple(weight.shape)}")
     layout = scale_layout(scale, N, K)
     cfg = cfg or {}
-    fused = cfg.get('fused', True) if fused is None else fused
+    fused = cfg.get('fused', act_group is not None) if fused is None else fused
     if layout == 'block' and act_group is None:
         raise ValueError("block-scaled weights need activations quantized per 1 x 128 group (act_group=128)")
     if fused and act_group is None: raise ValueError("the fused activation quantization is per 1 x 128 group")

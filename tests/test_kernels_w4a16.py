@@ -1,4 +1,4 @@
-"""W4A16 (packed 4/8-bit) and block-FP8 matmul kernels against their dequantize + fp32 matmul references.
+"""W4A16 (packed 4/8-bit) matmul kernels against their dequantize + fp32 matmul references (FP8: `test_kernels_fp8.py`).
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small sizes. CUDA (`-m cuda`): the Llama-3-8B shapes, the
 layers (`W4A16Linear`, packed `GGUFLinear`, `FP8Linear`) and `quantize_model` on the GPU.
@@ -10,12 +10,10 @@ import torch
 from helpers import rel_err as _rel
 
 from cvllm_lab.kernels.activation import silu_and_mul_ref
-from cvllm_lab.kernels.fp8_matmul import fp8_gemv, fp8_matmul, fp8_matmul_ref, fp8_mm
 from cvllm_lab.kernels.gguf_layout import PACKED_TYPES, dequantize
 from cvllm_lab.kernels.split_k import workspaces
 from cvllm_lab.kernels.w4a16 import (dequantize_packed_ref, w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref,
                                      w4a16_mm, w4a16_tc)
-from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block
 from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
 from cvllm_lab.quant.w4a16 import W4A16Linear
 
@@ -147,35 +145,6 @@ def test_gguf_packed_cpu(t):
         assert _rel(y, ref) < (2e-3 if t.name == 'Q4_K' else 1e-5), (t.name, M, _rel(y, ref))
 
 
-def _fp8(N, K, seed, device='cpu'):
-    g = torch.Generator().manual_seed(seed)
-    w, s = quantize_fp8_block(torch.randn(N, K, generator=g) * 0.05)
-    return w.to(device), s.to(device)
-
-
-@pytest.mark.interp
-def test_fp8_cpu():
-    for N, K in ((64, 256), (40, 200), (136, 384)):
-        w, s = _fp8(N, K, N)
-        for M in (1, 3, 17):
-            x = torch.randn(M, K)
-            y = fp8_matmul(x, w, s, N, K)
-            assert y.shape == (M, N) and _rel(y, fp8_matmul_ref(x, w, s, N, K)) < 1e-5, (N, K, M)
-    w, s = _fp8(32, 512, 1)
-    x = torch.randn(1, 512)
-    ref = fp8_matmul_ref(x, w, s, 32, 512)
-    for tpi, split in ((1, 4), (2, 2), (4, 1)):
-        for pdl in (False, True):                               # PDL: the first iteration's weights before the wait
-            assert _rel(fp8_gemv(x, w, s, 32, 512, tpi=tpi, split_k=split, pdl=pdl), ref) < 1e-5, (tpi, split, pdl)
-    for M in (5, 17):
-        x = torch.randn(M, 512).half()
-        assert _rel(fp8_mm(x, w, s, 32, 512, split_k=2), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
-        assert _rel(fp8_mm(x, w, s, 32, 512, split_k=4, bn=16), fp8_matmul_ref(x.float(), w, s, 32, 512)) < 2e-3
-    assert _ws_clean()
-    x = torch.randn(140, 512)                                    # prefill path
-    assert _rel(fp8_matmul(x, w, s, 32, 512), fp8_matmul_ref(x, w, s, 32, 512)) < 1e-5
-
-
 # ------------------------------------------------------------------------------------------- CUDA
 
 SHAPES = [(4096, 14336), (14336, 4096), (6144, 4096), (576, 576)]
@@ -217,27 +186,6 @@ def test_w4a16_cuda(bits, group, sym, N, K):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize('N,K', SHAPES)
-def test_fp8_cuda(N, K):
-    if True:
-        w, s = _fp8(N, K, N, 'cuda')
-        wd = fp8_matmul_ref(torch.eye(K, device='cuda'), w, s, N, K).T
-        for M in (1, 3, 16, 64, 300):
-            x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
-            y = fp8_matmul(x, w, s, N, K)
-            assert _rel(y, x.float() @ wd.T) < 1e-2, (N, K, M)
-        kb = (K + 127) // 128
-        x = torch.randn(1, K, device='cuda')
-        for bn, tpi, sk in ((16, 2, 1), (32, 1, 4), (8, 4, 2)):
-            if kb % (sk * tpi) == 0:
-                assert _rel(fp8_gemv(x, w, s, N, K, bn=bn, tpi=tpi, split_k=sk), x @ wd.T) < 1e-5, (N, K, bn, tpi, sk)
-        x = torch.randn(16, K, device='cuda', dtype=torch.bfloat16)
-        for sk in (2, 4):
-            if kb % sk == 0: assert _rel(fp8_mm(x, w, s, N, K, split_k=sk), x.float() @ wd.T) < 1e-2, (N, K, sk)
-    assert _ws_clean()
-
-
-@pytest.mark.cuda
 def test_layers_and_quantize_model_cuda():
     "The quantized layers on CUDA agree with their CPU paths; quantize_model packs GGUF types on CUDA."
     from cvllm_lab.layers.basic import Linear
@@ -252,7 +200,8 @@ def test_layers_and_quantize_model_cuda():
         lin.cpu()
         for M in (1, 3):
             y = qc(x[:M].cuda().bfloat16()).float().cpu()
-            assert _rel(y, ref[:M]) < 2e-2, (method, M, _rel(y, ref[:M]))
+            tol = 8e-2 if method == 'fp8' and M > 1 else 2e-2   # W8A8: x in e4m3 too, ~4% on random data
+            assert _rel(y, ref[:M]) < tol, (method, M, _rel(y, ref[:M]))
     model = torch.nn.Module()
     model.model = torch.nn.Module()
     model.model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({'proj': Linear(512, 256)})]).cuda()

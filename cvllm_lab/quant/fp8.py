@@ -1,4 +1,4 @@
-"""Block-wise FP8 (e4m3, 128 x 128 blocks) weights as Qwen3-FP8 / DeepSeek-V3 checkpoints store them: quantization, dequantization and `FP8Linear`.
+"""FP8 (e4m3) weights, per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv`) or per output channel (per-channel and per-tensor `weight_scale`): quantization, dequantization and `FP8Linear`, whose forward runs the batch-1 W8A16 GEMV or quantizes the activations to FP8 and runs the FP8 tensor-core GEMM (`kernels.fp8_matmul`).
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/fp8.html.md"""
 
@@ -11,7 +11,7 @@ from ..kernels.fp8_layout import BLOCK, dequantize_fp8_block
 from .base import QuantLinear
 
 # %% auto #0
-__all__ = ['FP8_MAX', 'quantize_fp8_block', 'FP8Linear']
+__all__ = ['FP8_MAX', 'quantize_fp8_block', 'quantize_fp8_channel', 'FP8Linear']
 
 # %% ../../nbs/44_fp8.ipynb #ad64a59f
 FP8_MAX = 448.0
@@ -29,43 +29,70 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK):
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
+# %% ../../nbs/44_fp8.ipynb #ae54296a
+def quantize_fp8_channel(w: torch.Tensor, per_tensor: bool = False):
+    "Float `w [N, K]` -> (`float8_e4m3fn [N, K]`, fp32 scales `[N]`): one scale per row (or one for all, repeated)."
+    wf = w.float()
+    amax = wf.abs().amax(1) if not per_tensor else wf.abs().amax().expand(w.shape[0])
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).contiguous()
+    return (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous(), scale
+
 # %% ../../nbs/44_fp8.ipynb #a1f72602
+def _channel_scale(scale: torch.Tensor, N: int) -> torch.Tensor:
+    "A per-tensor (one value) or per-channel (`[N]`, `[N, 1]`) checkpoint scale as fp32 `[N]`."
+    s = scale.float().reshape(-1)
+    return s.expand(N).contiguous() if s.numel() == 1 else s
+
 class FP8Linear(QuantLinear):
-    "`y = x @ W.T + b` with `W` block-wise FP8: `weight` `float8_e4m3fn [N, K]`, `weight_scale_inv` `fp32 [N/128, K/128]`."
+    """`y = x @ W.T + b` with `W` in FP8: `weight` `float8_e4m3fn [N, K]` and `weight_scale_inv` `fp32 [N/128, K/128]`
+    (`block=True`) or `weight_scale` `fp32 [N]` (`block=False`, per channel)."""
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False, shard_ids=None,
-                 device=None, bias_dtype=torch.float32):
+                 device=None, bias_dtype=torch.float32, block: bool = True):
         super().__init__(in_features, out_features, bias, shard_ids, device, bias_dtype)
         N, K = self.output_size, in_features
+        self.block = block
         self.register_buffer('weight', torch.zeros(N, K, dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer('weight_scale_inv', torch.ones(-(-N // BLOCK), -(-K // BLOCK), dtype=torch.float32, device=device))
+        if block: self.register_buffer('weight_scale_inv', torch.ones(-(-N // BLOCK), -(-K // BLOCK), dtype=torch.float32, device=device))
+        else: self.register_buffer('weight_scale', torch.ones(N, dtype=torch.float32, device=device))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        "The weight's scale buffer, in the layout the kernels read."
+        return self.weight_scale_inv if self.block else self.weight_scale
 
     @classmethod
     def from_fp8(cls, weight, scale, bias=None, out_features=None, shard_ids=None) -> 'FP8Linear':
-        "From checkpoint tensors (`weight` e4m3 `[N, K]`, `weight_scale_inv` `[N/128, K/128]`)."
+        """From checkpoint tensors: `weight` e4m3 `[N, K]` and its scale, `[ceil(N/128), ceil(K/128)]` (128 x 128
+        blocks), `[N]` / `[N, 1]` (per channel) or one value (per tensor)."""
         N, K = weight.shape
+        block = scale.ndim == 2 and tuple(scale.shape) == (-(-N // BLOCK), -(-K // BLOCK)) != (N, 1)
         m = cls(K, out_features or N, bias is not None, shard_ids, weight.device,
-                bias.dtype if bias is not None else torch.float32)
-        m.weight.copy_(weight); m.weight_scale_inv.copy_(scale.float())
+                bias.dtype if bias is not None else torch.float32, block=block)
+        m.weight.copy_(weight)
+        m.scale.copy_(scale.float() if block else _channel_scale(scale, N))
         m._set_bias(bias)
         return m
 
     @classmethod
-    def from_float(cls, weight, bias=None, out_features=None, shard_ids=None) -> 'FP8Linear':
-        "In-situ quantization of a float weight `[out, in]`."
-        return cls.from_fp8(*quantize_fp8_block(weight.detach()), bias, out_features, shard_ids)
+    def from_float(cls, weight, bias=None, out_features=None, shard_ids=None, block: bool = True) -> 'FP8Linear':
+        "In-situ quantization of a float weight `[out, in]`, in 128 x 128 blocks or per channel."
+        q = quantize_fp8_block(weight.detach()) if block else quantize_fp8_channel(weight.detach())
+        return cls.from_fp8(*q, bias, out_features, shard_ids)
 
     @classmethod
-    def from_linear(cls, lin) -> 'FP8Linear':
-        return cls.from_float(lin.weight, lin.bias, lin.output_sizes, lin.shard_ids)
+    def from_linear(cls, lin, block: bool = True) -> 'FP8Linear':
+        return cls.from_float(lin.weight, lin.bias, lin.output_sizes, lin.shard_ids, block)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        if not self.block: return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, dtype)
 
     def forward(self, x):
         if x.is_cuda:
             from cvllm_lab.kernels.fp8_matmul import fp8_matmul
-            return self._add_bias(fp8_matmul(x, self.weight, self.weight_scale_inv, self.output_size, self.input_size))
+            return self._add_bias(fp8_matmul(x, self.weight, self.scale, self.output_size, self.input_size))
         return super().forward(x)
 
     def extra_repr(self):
-        return f"in={self.input_size}, out={self.output_sizes}, fp8 e4m3 128x128 blocks, bias={self.bias is not None}"
+        lay = '128x128 blocks' if self.block else 'per-channel scales'
+        return f"in={self.input_size}, out={self.output_sizes}, fp8 e4m3 {lay}, bias={self.bias is not None}"
