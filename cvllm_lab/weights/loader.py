@@ -109,13 +109,19 @@ _GGUF_BLOCK = {'attn_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layer
                'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
                'attn_output': 'self_attn.o_proj', 'attn_q_norm': 'self_attn.q_norm', 'attn_k_norm': 'self_attn.k_norm',
                'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj'}
+# Gemma 2/3 blocks have four norms: llama.cpp's ffn_norm is the pre-feedforward one there
+_GGUF_GEMMA_BLOCK = {**_GGUF_BLOCK, 'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
+                     'post_ffw_norm': 'post_feedforward_layernorm'}
+_GGUF_ARCH_BLOCK = {'gemma2': _GGUF_GEMMA_BLOCK, 'gemma3': _GGUF_GEMMA_BLOCK}
+_GGUF_NORM_PLUS_ONE = ('gemma', 'gemma2', 'gemma3')   # llama.cpp stores Gemma's norm weights as 1 + w
 
-def gguf_to_hf_name(name: str) -> str | None:
-    "llama.cpp tensor name -> HF name (None for tensors we don't use, e.g. `rope_freqs`)."
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    "llama.cpp tensor name -> HF name for GGUF architecture `arch` (None for tensors we don't use, e.g. `rope_freqs`)."
     for pat, hf in _GGUF_NAMES:
         if re.fullmatch(pat, name): return hf
+    block = _GGUF_ARCH_BLOCK.get(arch, _GGUF_BLOCK)
     m = re.fullmatch(r'blk\.(\d+)\.(\w+)\.(weight|bias)', name)
-    if m and m[2] in _GGUF_BLOCK: return f'model.layers.{m[1]}.{_GGUF_BLOCK[m[2]]}.{m[3]}'
+    if m and m[2] in block: return f'model.layers.{m[1]}.{block[m[2]]}.{m[3]}'
     return None
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -133,7 +139,7 @@ def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool
     except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     arch = reader.fields['general.architecture'].contents() if 'general.architecture' in reader.fields else None
     for t in tqdm(reader.tensors, desc=f'Loading {path.name}', disable=not progress):
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, arch)
         if name is None: continue
         raw = keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_LINEAR_SUFFIXES)
         try:
@@ -144,6 +150,7 @@ def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool
         except Exception as e: raise ValueError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from e
         if arch == 'llama' and t.name.endswith(('attn_q.weight', 'attn_k.weight')):  # row permutation: fine on block rows
             w = unpermute_qk(w, config.num_attention_heads if 'attn_q' in t.name else config.num_key_value_heads)
+        if arch in _GGUF_NORM_PLUS_ONE and name.endswith('norm.weight'): w = w - 1   # back to HF's w (as transformers does)
         yield name, (GGUFRaw(w.contiguous(), t.tensor_type, (w.shape[0], cols)) if raw else w)
 
 def iterate_weights(src: ModelSource, config, progress: bool = True, keep_quantized: bool = False):
