@@ -11,7 +11,8 @@ from pathlib import Path
 from .sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['gguf_cache_dir', 'load_tokenizer', 'eos_token_ids', 'apply_chat_template', 'IncrementalDetokenizer']
+__all__ = ['GEMMA_CHAT_TEMPLATE', 'DEFAULT_CHAT_TEMPLATES', 'END_OF_TURN_TOKENS', 'gguf_cache_dir', 'default_chat_template',
+           'load_tokenizer', 'eos_token_ids', 'apply_chat_template', 'IncrementalDetokenizer']
 
 # %% ../nbs/35_tokenizer.ipynb #9508b72c
 def gguf_cache_dir(path: Path, what: str) -> Path:
@@ -20,26 +21,53 @@ def gguf_cache_dir(path: Path, what: str) -> Path:
     root = Path(os.environ.get('CVLLM_LAB_CACHE', Path.home() / '.cache' / 'cvllm_lab'))
     return root / what / f"{Path(path).name}-{st.st_size}-{st.st_mtime_ns}"
 
+# Gemma's chat template (google/gemma-3-*-it tokenizer_config.json, text parts only): for GGUFs that ship none
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+# a template for a tokenizer without one, picked by the turn tokens its vocabulary has
+DEFAULT_CHAT_TEMPLATES = [(('<start_of_turn>', '<end_of_turn>'), GEMMA_CHAT_TEMPLATE)]
+# tokens that close a turn: when the chat template writes one, it also ends a generation (llama.cpp's end-of-generation set)
+END_OF_TURN_TOKENS = ('<end_of_turn>', '<|im_end|>', '<|eot_id|>', '<|end|>')
+
+def default_chat_template(tokenizer) -> str | None:
+    "The template of `DEFAULT_CHAT_TEMPLATES` whose tokens are all in `tokenizer`'s vocabulary, if any."
+    vocab = tokenizer.get_vocab()
+    return next((t for toks, t in DEFAULT_CHAT_TEMPLATES if all(x in vocab for x in toks)), None)
+
 def load_tokenizer(root: str | Path, gguf_file: str | None = None):
     "The HF tokenizer of a model folder or of a GGUF file in it (a GGUF's is converted once, then cached)."
     from transformers import AutoTokenizer
     try:
         if gguf_file is None: return AutoTokenizer.from_pretrained(str(root))
         cache = gguf_cache_dir(Path(root) / gguf_file, 'tokenizers')
-        if (cache / 'tokenizer_config.json').exists(): return AutoTokenizer.from_pretrained(str(cache))
-        tok = AutoTokenizer.from_pretrained(str(root), gguf_file=gguf_file)
-        try: tok.save_pretrained(str(cache))
-        except OSError: pass                       # a read-only home: just don't cache
+        if (cache / 'tokenizer_config.json').exists(): tok = AutoTokenizer.from_pretrained(str(cache))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(root), gguf_file=gguf_file)
+            try: tok.save_pretrained(str(cache))
+            except OSError: pass                   # a read-only home: just don't cache
+        if not tok.chat_template: tok.chat_template = default_chat_template(tok)   # e.g. Gemma GGUFs without one
         return tok
     except Exception as e: raise ValueError(f"Cannot load the tokenizer of {Path(root) / (gguf_file or '')}: {e}") from e
 
 def eos_token_ids(tokenizer, hf_config=None, root: str | Path | None = None) -> set[int]:
-    "All token ids that end a generation (tokenizer EOS, config and generation-config `eos_token_id`)."
+    """All token ids that end a generation: tokenizer EOS, config and generation-config `eos_token_id`, and the
+    end-of-turn token its chat template writes (Gemma's `<end_of_turn>`, which a GGUF does not list as EOS)."""
     ids = set()
     def add(x):
         if x is None: return
         ids.update(x if isinstance(x, (list, tuple, set)) else [x])
     add(tokenizer.eos_token_id); add(getattr(hf_config, 'eos_token_id', None))
+    template, vocab = getattr(tokenizer, 'chat_template', None), tokenizer.get_vocab()
+    if isinstance(template, str): add([vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab])
     if root is not None and (Path(root) / 'generation_config.json').exists():
         import json
         add(json.loads((Path(root) / 'generation_config.json').read_text()).get('eos_token_id'))
