@@ -21,7 +21,7 @@ from ..weights.loader import resolve_model_source, load_hf_config
 from ..tokenizer import load_tokenizer, eos_token_ids, IncrementalDetokenizer
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'LLMEngine']
+__all__ = ['CompletionOutput', 'RequestOutput', 'LLMEngine', 'tokenize_prompt']
 
 # %% ../../nbs/51_llm_engine.ipynb #e23a3878
 @dataclass
@@ -69,13 +69,15 @@ class LLMEngine:
                              f"{cfg.max_model_len}: give it more memory or lower max_model_len")
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
-                                   cfg.max_model_len)
+                                   cfg.max_model_len, cfg.max_num_queued_requests, cfg.scheduling_policy)
         self.vocab_size = self.hf_config.vocab_size
         self.parents: dict[str, list[Request]] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.prompts: dict[str, str | None] = {}
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)
         self.final_only = False     # True: step() returns only finished requests (the offline API; saves host time)
+        self.detokenize = True      # False: no text side at all (the engine core: the API process detokenizes)
+        self.last_scheduled: list[Request] = []   # the requests of the latest step (to find who made a step fail)
         self._ids = itertools.count()
         self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
@@ -90,22 +92,26 @@ class LLMEngine:
                     num_preemptions=self.scheduler.num_preemptions, **self.counters)
 
 # %% ../../nbs/51_llm_engine.ipynb #d15bdfe8
-@patch
-def tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
     if isinstance(prompt, dict):
         if 'prompt_token_ids' in prompt: return prompt.get('prompt'), list(prompt['prompt_token_ids'])
         prompt = prompt['prompt']
     if isinstance(prompt, str):
-        if self.tokenizer is None: raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init=True): give token ids")
-        return prompt, self.tokenizer(prompt).input_ids
+        if tokenizer is None: raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init=True): give token ids")
+        return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt): return None, list(prompt)
     raise ValueError(f"A prompt must be text, a list of token ids, or a dict; got {type(prompt).__name__}")
 
 @patch
+def tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
+    "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
+    return tokenize_prompt(self.tokenizer, prompt)
+
+@patch
 def add_request(self: LLMEngine, request_id: str | None, prompt, params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> str:
-    "Validate and queue a request (fanned out into `params.n` samples); returns its id."
+                arrival_time: float | None = None, priority: int = 0) -> str:
+    "Validate and queue a request (fanned out into `params.n` samples, each with `priority`); returns its id."
     params = params or SamplingParams()
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self.parents: raise ValueError(f"Request id {request_id!r} is already in use")
@@ -123,23 +129,28 @@ def add_request(self: LLMEngine, request_id: str | None, prompt, params: Samplin
                          seed=None if params.seed is None else params.seed + i,
                          prompt_logprobs=params.prompt_logprobs if i == 0 else None)
         cid = request_id if params.n == 1 else f'{i}_{request_id}'
-        r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, arrival_time, text)
+        r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, arrival_time, text, priority=priority)
         r.parent_id, r.index = request_id, i
-        self.detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
+        self.detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None and self.detokenize else None
         children.append(r)
     self.parents[request_id], self.prompts[request_id] = children, text
-    for r in children: self.scheduler.add_request(r)
+    try: self.scheduler.add_request(children)   # all samples or none (QueueFullError when the waiting queue is full)
+    except BaseException:
+        self._forget(request_id)
+        raise
     self.counters['prompt_tokens'] += len(ids)
     return request_id
 
 @patch
 def validate(self: LLMEngine, ids: list[int], params: SamplingParams):
-    "Refuse an empty or too long prompt, token ids outside the vocabulary, more log-probs than `max_logprobs`."
+    "Refuse an empty or too long prompt, prompt or stop token ids outside the vocabulary, more log-probs than `max_logprobs`."
     if not ids: raise ValueError("The prompt is empty")
     if len(ids) > self.cfg.max_model_len:
         raise ValueError(f"The prompt has {len(ids)} tokens, more than max_model_len={self.cfg.max_model_len}")
     bad = [t for t in ids if not 0 <= t < self.vocab_size]
     if bad: raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+    if bad: raise ValueError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
     for k in ('logprobs', 'prompt_logprobs'):
         v = getattr(params, k)
         if v is not None and v > self.cfg.max_logprobs:
@@ -163,10 +174,14 @@ def _output(self: LLMEngine, pid: str) -> RequestOutput:
                         dict(arrival_time=first.arrival_time, first_token_time=first.first_token_time,
                              finished_time=getattr(first, 'finished_time', None),
                              num_preemptions=sum(r.num_preemptions for r in children)))
-    if done:
-        for r in children: self.detok.pop(r.request_id, None)
-        del self.parents[pid]; self.prompts.pop(pid, None)
+    if done: self._forget(pid)
     return out
+
+@patch
+def _forget(self: LLMEngine, pid: str):
+    "Drop a finished parent request and its samples' detokenizers."
+    for r in self.parents.pop(pid, []): self.detok.pop(r.request_id, None)
+    self.prompts.pop(pid, None)
 
 # %% ../../nbs/51_llm_engine.ipynb #3d78ff30
 @patch
@@ -180,6 +195,18 @@ def abort_request(self: LLMEngine, request_ids):
     self._drop_stale_pending()
 
 @patch
+def stop_request(self: LLMEngine, request_id: str, index: int = 0):
+    "Finish sample `index` of a request as `'stop'` now (a stop string found by a detokenizer outside the engine)."
+    kids = self.parents.get(request_id)
+    if kids is None or index >= len(kids) or kids[index].is_finished: return
+    r = kids[index]
+    self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+    r.finished_time = time.time()
+    self.counters['requests_finished'] += 1
+    if all(k.is_finished for k in kids): self._forget(request_id)
+    self._drop_stale_pending()
+
+@patch
 def _drop_stale_pending(self: LLMEngine):
     "Forget a step launched ahead whose requests have all finished (its results would be dropped anyway)."
     if self._pending is not None and all(r.is_finished for r in self._pending[0].scheduled): self._pending = None
@@ -188,11 +215,19 @@ def _drop_stale_pending(self: LLMEngine):
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Schedule, run and sample one batch (with async scheduling, launch the next one first); outputs of every request that changed."
+    touched = self.step_parents()
+    if self.final_only: return [self._output(p) for p in touched if all(r.is_finished for r in self.parents[p])]
+    return [self._output(pid) for pid in touched]
+
+@patch
+def step_parents(self: LLMEngine) -> list[str]:
+    "One step without building outputs: the ids of the parent requests that got tokens (the engine core's step)."
     if self._pending is not None: (so, handle), self._pending = self._pending, None
     else:
         so = self.scheduler.schedule()
         if so.is_empty: return []
         handle = self.runner.launch(so) if self.cfg.async_scheduling else None
+    self.last_scheduled = so.scheduled
     try:
         res = self.runner.execute_model(so) if handle is None else None
         self.scheduler.update_computed(so)
@@ -211,8 +246,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         self._process_token(r, res.logprobs.get(r.request_id))
         touched[r.parent_id] = True
     self._drop_stale_pending()
-    if self.final_only: return [self._output(p) for p in touched if all(r.is_finished for r in self.parents[p])]
-    return [self._output(pid) for pid in touched]
+    return list(touched)
 
 _RUNNING, _STOPPED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED   # looked up once: enum lookups are slow per token
 
@@ -238,8 +272,8 @@ def _process_token(self: LLMEngine, r: Request, lp):
 
 @patch
 def _decode_lps(self: LLMEngine, lps: list[dict]) -> list[dict]:
-    "Fill in each log-prob's `decoded_token` (when there is a tokenizer)."
-    if self.tokenizer is None: return lps
+    "Fill in each log-prob's `decoded_token` (when there is a tokenizer and the engine does the text side)."
+    if self.tokenizer is None or not self.detokenize: return lps
     for d in lps:
         for t, lp in d.items(): lp.decoded_token = self.tokenizer.decode([t])
     return lps
