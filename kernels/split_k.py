@@ -99,11 +99,11 @@ def m_bucket(M):
 
 def batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages, split_k, target, out_dtype, what='K-tiles'):
     """Launch plan shared by the batched split-K kernels (one program per N-block, K-split, block of rows): the
-    block sizes, warps and stages (arguments over `cfg`), split-K (`cfg['split']` or programs per SM), the output
+    block sizes (`cfg['bm']`, else the row bucket up to 64), warps and stages (arguments over `cfg`), split-K (`cfg['split']` or programs per SM), the output
     and the workspace. Returns `bm, bn, num_warps, num_stages, split_k, out, ws, cnt`."""
     M = x.shape[0]
     default = bn is None and bm is None and target is None
-    bm = bm or (16 if _INTERPRET else max(16, min(m_bucket(M), 64)))
+    bm = bm or (16 if _INTERPRET else cfg.get('bm') or max(16, min(m_bucket(M), 64)))
     bn = bn or (32 if _INTERPRET else cfg['bn'])
     grid_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     if split_k is None:

@@ -11,7 +11,7 @@ inner loop is one FMA per weight and the scales are applied once per group.
 | rows M | kernel (module) | why |
 |---|---|---|
 | 1 (decode) | `_gemv_kernel` (`w4a16_gemv`) | memory- and issue-bound: an fp32 register tile per program, fields turned into floats in as few instructions as possible, x loads shared by two column tiles, register prefetch, split-K, PDL |
-| 2 .. `MM_MAX_M`, 4-bit, groups >= 128, 16-bit x | `_tc_kernel` (`w4a16_tc`) | tensor cores with the weights as the A operand, fields built by inline PTX straight into the MMA's registers (one instruction per weight): 16 rows cost what one does |
+| 2 .. `MM_MAX_M`, 4-bit, groups >= 128, 16-bit x | `_tc_kernel` (`w4a16_tc`) | tensor cores with the weights as the A operand, fields built by inline PTX straight into the MMA's registers (one instruction per weight; symmetric layers: `q - 8` with one more packed FMA per two weights, and no `sum(x)` or offsets): 16 rows cost what one does |
 | 2 .. `MM_MAX_M`, other formats | `_mm_kernel` (`w4a16_mm`) | one `tl.dot` per bit field with the exact `f`, scales on the group sums |
 | > `MM_MAX_M` (prefill) | `_dequant_kernel` (`w4a16_dequantize`) + cuBLAS | the dequantization is amortized over many rows |
 
@@ -37,13 +37,14 @@ def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=F
     `MM_MAX_M`: the tensor-core kernel where `tc_supported`, else the per-field `tl.dot` kernel; more: dequantize +
     cuBLAS).
     `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1.
-    `sym`: `offsets == -8 * scales` (4-bit symmetric; the GEMV then skips the offsets, `w4a16_gemv`)."""
+    `sym`: `offsets == -8 * scales` (4-bit symmetric; the GEMV and the tensor-core kernel then skip the offsets)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0: return x.new_empty(*lead, N // 2 if act else N)
     if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
-    if M <= MM_MAX_M and tc_supported(x2, bits, group, K): y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K)
+    if M <= MM_MAX_M and tc_supported(x2, bits, group, K):
+        y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K, sym=sym)
     elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32

@@ -95,14 +95,33 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
 
 
 @triton.jit
-def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr):
+def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr, SYM: tl.constexpr):
     """Bit field `J` of the int32 `words` as the MMA operand `f` in `DT`: `1 + q / 16` by `field_f` (ASM off), or
     with inline PTX two weights at a time as `1 + q / 128` (bf16) / `1 + q / 1024` (fp16): one PRMT gathers the
-    field's byte of two words into the two 16-bit halves, one LOP3 keeps the nibbles and ORs in 1.0 (`_tc_scale`)."""
+    field's byte of two words into the two 16-bit halves, one LOP3 keeps the nibbles and ORs in 1.0 (`_tc_scale`).
+    SYM: `q - 8` exactly (the symmetric weight over its scale), in PTX the nibbles ORed into 128.0 / 1024.0 (whose
+    last mantissa bit is worth 1) and one packed FMA adding -136 / -1032."""
     if ASM:
         B: tl.constexpr = J // 2
         SEL: tl.constexpr = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12)
         sel = tl.full(words.shape, SEL, tl.int32)
+        if SYM:
+            if DT == tl.bfloat16:
+                c1 = tl.full(words.shape, 0x43004300, tl.int32)
+                one = tl.full(words.shape, 0x3F803F80, tl.int32)
+                neg = tl.full(words.shape, -0x3CF73CF8, tl.int32)        # 0xC308C308: -136, -136 in bf16
+                FMA: tl.constexpr = "fma.rn.bf16x2"
+            else:
+                c1 = tl.full(words.shape, 0x64006400, tl.int32)
+                one = tl.full(words.shape, 0x3C003C00, tl.int32)
+                neg = tl.full(words.shape, -0x1BF71BF8, tl.int32)        # 0xE408E408: -1032, -1032 in fp16
+                FMA: tl.constexpr = "fma.rn.f16x2"
+            SHR: tl.constexpr = "shr.b32 p, p, 4; " if J % 2 == 1 else ""
+            f = tl.inline_asm_elementwise("{ .reg .b32 p; prmt.b32 p, $1, $2, $3; " + SHR +
+                                          "lop3.b32 p, p, 0x000F000F, $5, 0xEA; " + FMA + " $0, p, $7, $9; }",
+                                          "=r,r,r,r,r,r,r,r,r,r,r", [words, sel, c1, one, neg], dtype=tl.int16,
+                                          is_pure=True, pack=2)
+            return f.to(DT, bitcast=True)
         if DT == tl.bfloat16:
             c1 = tl.full(words.shape, 0x3F803F80, tl.int32)
         else:
@@ -116,17 +135,21 @@ def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr):
                                           "=r,r,r,r,r,r,r", [words, sel, c1], dtype=tl.int16, is_pure=True, pack=2)
         return f.to(DT, bitcast=True)
     else:
-        return field_f(words, J, 4, ONE).to(DT)
+        f = field_f(words, J, 4, ONE)
+        if SYM:
+            f = (f - 1.0) * 16.0 - 8.0
+        return f.to(DT)
 
 
 @triton.jit
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+               SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SYM: tl.constexpr):
     """Tensor-core W4A16 for 1 <= M <= BM (4-bit, groups >= 128): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`.
     The weights are the MMA's A operand: the `[BN, 16]` word tile (transposed view of the packed layout) goes to the
     dot-operand layout once per K-tile and each bit field is dequantized there to the exact `f = 1 + q / 16` in x's
-    dtype; x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`)."""
+    dtype; x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`).
+    SYM (offsets = -8 scales): `f = q - 8`, so the group sums only take the scale: no `sum(x)`, no offsets read."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -155,17 +178,25 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                 xt = tl.load(xp + kb + j * 16, mask=mmask[None, :], other=0.0)
             else:
                 xt = tl.load(xp + kb + j * 16, mask=mmask[None, :] & ((kb + j * 16 + rc) < K)[:, None], other=0.0)
-            d = tl.dot(_tc_field(words, j, xt.dtype, ONE, ASM), xt, d)
-            xs += xt.to(tl.float32)
+            d = tl.dot(_tc_field(words, j, xt.dtype, ONE, ASM, SYM), xt, d)
+            if not SYM:
+                xs += xt.to(tl.float32)
         go = kb // G
-        if EVEN_N:
+        if SYM:
+            if EVEN_N:
+                s = tl.load(s_ptr + go * N + rn).to(tl.float32)
+            else:
+                s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32)
+            acc += d * s[:, None]
+        elif EVEN_N:
             s = tl.load(s_ptr + go * N + rn).to(tl.float32) * FS
             o = tl.load(o_ptr + go * N + rn).to(tl.float32) - s
         else:
             s = tl.load(s_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) * FS
             o = tl.load(o_ptr + go * N + rn, mask=nmask, other=0.0).to(tl.float32) - s
-        acc += d * s[:, None]
-        acc += o[:, None] * tl.sum(xs, 0)[None, :]
+        if not SYM:
+            acc += d * s[:, None]
+            acc += o[:, None] * tl.sum(xs, 0)[None, :]
     optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
     store_out(acc, optr, nmask[:, None] & mmask[None, :], ws_ptr + rm[None, :] * N + rn[:, None],
                cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
@@ -226,9 +257,10 @@ def tc_supported(x, bits, group, K) -> bool:
 
 
 def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             num_stages=None, split_k=None, target=None, pdl=None, asm=None):
+             num_stages=None, split_k=None, target=None, pdl=None, asm=None, sym=False):
     """`x` `[M, K]` (16-bit) @ W.T -> `[M, N]` with the tensor-core kernel `_tc_kernel` (4-bit, groups >= 128): one
-    program per (N-block, K-split, block of up to 64 rows). `asm`: the inline-PTX dequantization (default: on a GPU)."""
+    program per (N-block, K-split, block of `bm` rows; configs per row bucket). `asm`: the inline-PTX
+    dequantization (default: on a GPU); `sym`: `offsets == -8 * scales` (the offsets are then not read)."""
     M = x.shape[0]
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -241,10 +273,11 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     cfg = T['shapes'].get((N, K, b), T['default'])
     bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype)
+    if cfg.get('sym') is False: sym = False          # a config may keep the general path for symmetric layers
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, F32_ONE,
         G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k,
-        ASM=(not _INTERPRET) if asm is None else bool(asm), num_warps=num_warps, num_stages=num_stages,
+        ASM=(not _INTERPRET) if asm is None else bool(asm), SYM=bool(sym), num_warps=num_warps, num_stages=num_stages,
         **pdl_kw(x.device, pdl))
     return out
 

@@ -109,9 +109,10 @@ def test_w4a16_tc_cpu(group, sym):
             x = torch.randn(M, K).half()
             ref = w4a16_matmul_ref(x.float(), *args)
             for split in (1, 2):
-                y = w4a16_tc(x, *args, split_k=split)
-                assert y.shape == (M, N) and y.dtype == torch.float16 and _rel(y, ref) < 2e-3, (N, K, M, split)
-            if M > 1: assert _rel(w4a16_matmul(x, *args), ref) < 2e-3   # w4a16_matmul's pick for M > 1
+                for sp in {False, sym}:                                 # symmetric layers: q - 8 in the MMA
+                    y = w4a16_tc(x, *args, split_k=split, sym=sp)
+                    assert y.shape == (M, N) and y.dtype == torch.float16 and _rel(y, ref) < 2e-3, (N, K, M, split, sp)
+            if M > 1: assert _rel(w4a16_matmul(x, *args, sym=sym), ref) < 2e-3   # w4a16_matmul's pick for M > 1
     assert _ws_clean()
     for bits, g, dt in ((8, 128, torch.float16), (4, 32, torch.float16), (4, 128, torch.float32)):
         args = _packed(32, 256, bits, g, True, 0)
@@ -163,11 +164,19 @@ def test_w4a16_cuda(bits, group, sym, N, K):
         ref = x.float() @ w.T
         y = w4a16_matmul(x, *args)                                 # the defaults of each path
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
+        if sym: assert _rel(w4a16_matmul(x, *args, sym=True), ref) < 1e-2, (N, K, M)   # as W4A16Linear calls it
         if M == 16 and tiles % 4 == 0:                             # batched kernels with split-K
             assert _rel(w4a16_mm(x, *args, split_k=4, bn=64), ref) < 1e-2, (N, K, M)
             if bits == 4 and group == 128:                         # tensor cores: wgmma (4 warps), mma.sync (2), plain dequant
                 for bn, nw, asm in ((64, 4, True), (128, 2, True), (128, 4, False)):
-                    assert _rel(w4a16_tc(x, *args, split_k=4, bn=bn, num_warps=nw, asm=asm), ref) < 1e-2, (N, K, bn, nw, asm)
+                    for sp in {False, sym}:                        # symmetric: q - 8 by PTX (or plain Triton)
+                        y = w4a16_tc(x, *args, split_k=4, bn=bn, num_warps=nw, asm=asm, sym=sp)
+                        assert _rel(y, ref) < 1e-2, (N, K, bn, nw, asm, sp)
+                for bm, bn in ((16, 256), (32, 128)):
+                    assert _rel(w4a16_tc(x, *args, bm=bm, bn=bn, sym=sym), ref) < 1e-2, (N, K, bm, bn)
+        if M == 64 and bits == 4 and group == 128:                 # 32 and 64 rows per program, both paths
+            for bm, sp in ((32, sym), (64, sym), (64, False)):
+                assert _rel(w4a16_tc(x, *args, bm=bm, bn=128, sym=sp), ref) < 1e-2, (N, K, bm, sp)
     x = torch.randn(1, K, device='cuda')
     assert _rel(w4a16_matmul(x, *args), x @ w.T) < _gemv_tol(bits, group)   # fp32 in: no bf16 rounding
     xb = x.bfloat16()                                                   # bf16 in, fp32 out: exact products and sums
