@@ -7,28 +7,26 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/protocol.html.md"""
 # %% ../../../nbs/70_protocol.ipynb #f581e43d
 from __future__ import annotations
 import json, math, re, time, uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_serializer, model_validator)
+from .request_checks import (INT64, ErrorInfo, ErrorResponse, OpenAIBaseModel, RequestBody, StrictModel,
+                                                         StructuredOutputsParams, error_body, find_lone_surrogate, validation_error_body)
 
 # %% auto #0
-__all__ = ['DEFAULT_MAX_N', 'SAMPLING_DEFAULTS', 'FinishReason', 'CompletionChunk', 'SSE_DONE', 'OpenAIBaseModel', 'FunctionCall',
+__all__ = ['DEFAULT_MAX_N', 'TokenId', 'SAMPLING_DEFAULTS', 'FinishReason', 'CompletionChunk', 'SSE_DONE', 'FunctionCall',
            'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam', 'FunctionDef', 'Tool', 'FunctionName',
            'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions', 'ChatCompletionRequest',
-           'CompletionRequest', 'to_sampling_kwargs', 'ErrorInfo', 'ErrorResponse', 'error_body',
-           'validation_error_body', 'TopLogprob', 'ChatLogprobToken', 'ChatLogprobs', 'CompletionLogprobs',
-           'PromptTokensDetails', 'CompletionTokensDetails', 'UsageInfo', 'ChatMessage', 'ChatChoice',
-           'ChatCompletionResponse', 'DeltaFunctionCall', 'DeltaToolCall', 'DeltaMessage', 'ChatChunkChoice',
-           'ChatCompletionChunk', 'CompletionChoice', 'CompletionResponse', 'ModelCard', 'ModelList', 'sse']
+           'CompletionRequest', 'to_sampling_kwargs', 'TopLogprob', 'ChatLogprobToken', 'ChatLogprobs',
+           'CompletionLogprobs', 'PromptTokensDetails', 'CompletionTokensDetails', 'UsageInfo', 'ChatMessage',
+           'ChatChoice', 'ChatCompletionResponse', 'DeltaFunctionCall', 'DeltaToolCall', 'DeltaMessage',
+           'ChatChunkChoice', 'ChatCompletionChunk', 'CompletionChoice', 'CompletionResponse', 'ModelCard', 'ModelList',
+           'sse']
 
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
-DEFAULT_MAX_N = 16  # largest `n` accepted unless the server passes `context={"max_n": ...}` to validation
+DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
 
-class OpenAIBaseModel(BaseModel):
-    "Base of request bodies: unknown fields are kept in `model_extra` instead of failing the request."
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-class FunctionCall(BaseModel):
+class FunctionCall(StrictModel):
     "A function call made by the model; `arguments` is a JSON text."
     name: str
     arguments: str
@@ -37,13 +35,13 @@ def random_id(prefix: str = "", n: int = 32) -> str:
     "`prefix` + `n` random hex digits."
     return prefix + uuid.uuid4().hex[:n]
 
-class ToolCall(BaseModel):
+class ToolCall(StrictModel):
     "One tool call in an assistant message (request history or response)."
     id: str = Field(default_factory=lambda: random_id("call_", 24))
     type: Literal["function"] = "function"
     function: FunctionCall
 
-class TextPart(BaseModel):
+class TextPart(StrictModel):
     type: Literal["text"] = "text"
     text: str
 
@@ -90,34 +88,34 @@ def _loads_or_str(s: str):
     except ValueError: return s
 
 # %% ../../../nbs/70_protocol.ipynb #ce2dde18
-class FunctionDef(BaseModel):
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-class Tool(BaseModel):
+class Tool(StrictModel):
     "A tool the model may call (only `function` tools exist)."
     type: Literal["function"] = "function"
     function: FunctionDef
 
-class FunctionName(BaseModel):
+class FunctionName(StrictModel):
     name: str
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictModel):
     "`tool_choice` that forces one named function."
     type: Literal["function"] = "function"
     function: FunctionName
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(StrictModel):
     "The `json_schema` member of `response_format`; the schema itself is under the key `schema`."
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True, allow_inf_nan=False)
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -127,38 +125,55 @@ class ResponseFormat(BaseModel):
             raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
         return self
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
+
 # %% ../../../nbs/70_protocol.ipynb #3115be6a
-class _SamplingRequest(OpenAIBaseModel):
+TokenId = Annotated[int, Field(ge=0, lt=INT64)]
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+class _SamplingRequest(RequestBody):
+    UNSUPPORTED: ClassVar[dict] = {   # vLLM/OpenAI fields that change the output and are not built: refused unless default
+        "use_beam_search": (None, False), "best_of": (None, 1), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
+        "bad_words": (None, []), "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "prompt_embeds": (None,),
+        "return_tokens_as_token_ids": (None, False), "spaces_between_special_tokens": (None, True), "guided_whitespace_pattern": (None,),
+        "functions": (None, []), "function_call": (None, "none"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"])}
     model: str | None = None
     n: int = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=INT64)
     min_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-2**63, lt=2**64)
+    seed: int | None = Field(None, ge=-INT64, lt=2 * INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=INT64)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    priority: int = Field(0, ge=-INT64, lt=INT64)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None   # accepted and ignored: it names an implementation (ours is llguidance)
     user: str | None = None
 
     @field_validator("n")
     @classmethod
     def _check_n(cls, v, info: ValidationInfo):
-        mx = (info.context or {}).get("max_n", DEFAULT_MAX_N)
+        mx = (info.context or {}).get("max_n", INT64 - 1)
         if not 1 <= v <= mx: raise ValueError(f"n must be between 1 and {mx}, got {v}")
         return v
 
@@ -170,9 +185,14 @@ class _SamplingRequest(OpenAIBaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v: raise ValueError("logit_bias is not supported by this server")
-        return v
+    def _check_logit_bias(cls, v):
+        "Keys are token ids written as strings; biases are clamped to [-100, 100] as OpenAI and vLLM do."
+        if v is None: return v
+        out = {}
+        for k, b in v.items():
+            if not k.isdigit() or int(k) >= INT64: raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            out[str(int(k))] = min(max(b, -100.0), 100.0)
+        return out
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -181,6 +201,9 @@ class _SamplingRequest(OpenAIBaseModel):
         mx = self.max_new_tokens
         if mx is not None and self.min_tokens > mx:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({mx})")
+        given = [k for k in ("structured_outputs", *_GUIDED) if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type != "text": given.insert(0, "response_format")
+        if len(given) > 1: raise ValueError(f"give one way to constrain the output, not {' and '.join(given)}")
         return self
 
     @property
@@ -188,12 +211,25 @@ class _SamplingRequest(OpenAIBaseModel):
         "Whether a stream ends with a usage chunk."
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def structured(self) -> dict | None:
+        "vLLM's structured outputs as `{kind: value}` (from `structured_outputs` or a `guided_*` field), or None."
+        if self.structured_outputs is not None: return self.structured_outputs.spec()
+        for k in _GUIDED:
+            if getattr(self, k) is not None: return {k.removeprefix("guided_"): getattr(self, k)}
+        return None
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
 # %% ../../../nbs/70_protocol.ipynb #cbb6884b
 class ChatCompletionRequest(_SamplingRequest):
     "Body of `POST /v1/chat/completions`."
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    UNSUPPORTED: ClassVar[dict] = {**_SamplingRequest.UNSUPPORTED, "echo": (None, False), "prompt_logprobs": (None,)}
+    max_tokens: int | None = Field(None, ge=1, lt=INT64)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -238,12 +274,12 @@ class ChatCompletionRequest(_SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 # %% ../../../nbs/70_protocol.ipynb #c1987b27
-def _is_ids(x) -> bool: return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+def _is_ids(x) -> bool: return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT64 for t in x)
 
 class CompletionRequest(_SamplingRequest):
     "Body of `POST /v1/completions`."
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, lt=INT64)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -276,12 +312,13 @@ class CompletionRequest(_SamplingRequest):
 SAMPLING_DEFAULTS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
 
 def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, default_max_tokens: int,
-                       defaults: dict | None = None) -> dict:
+                       defaults: dict | None = None, max_tokens_cap: int | None = None) -> dict:
     "Keyword arguments for `SamplingParams` (vLLM names) from a validated request."
     dflt = {**SAMPLING_DEFAULTS, **(defaults or {})}
     pick = lambda k: dflt[k] if getattr(request, k) is None else getattr(request, k)
     want = request.max_new_tokens
-    max_tokens = default_max_tokens if want is None else min(want, default_max_tokens)
+    max_tokens = min(default_max_tokens, dflt.get("max_tokens") or default_max_tokens) if want is None else want
+    if max_tokens_cap is not None: max_tokens = min(max_tokens, max_tokens_cap)
     if isinstance(request, ChatCompletionRequest):
         logprobs, prompt_logprobs = ((request.top_logprobs or 0) if request.logprobs else None), None
     else:
@@ -296,36 +333,6 @@ def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, defau
         max_tokens=max_tokens, min_tokens=min(request.min_tokens, max_tokens), ignore_eos=request.ignore_eos,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output)
-
-# %% ../../../nbs/70_protocol.ipynb #3af2e6f3
-class ErrorInfo(BaseModel):
-    message: str
-    type: str = "BadRequestError"
-    param: str | None = None
-    code: int = 400
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-def error_body(message: str, type: str = "BadRequestError", param: str | None = None, code: int = 400) -> dict:
-    "The JSON error body OpenAI clients understand."
-    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
-
-_TAG = re.compile(r"[\[\]\- ,'\"]|^(str|int|float|bool|dict|list|none)$")  # pydantic's union-member tags
-
-def _loc(loc) -> str:
-    return ".".join(str(p) for p in loc if isinstance(p, int) or not _TAG.search(str(p)))
-
-def validation_error_body(exc: ValidationError) -> dict:
-    "A 400 error body for a request that failed validation; `param` is the first offending field."
-    errs = exc.errors(include_url=False)
-    msgs = []
-    for e in errs:
-        m = e["msg"].removeprefix("Value error, ")
-        where = _loc(e["loc"])
-        msgs.append(f"{where}: {m}" if where else m)
-    param = _loc(errs[0]["loc"]) if errs else None
-    return error_body("; ".join(dict.fromkeys(msgs)), param=param or None)
 
 # %% ../../../nbs/70_protocol.ipynb #02f79fcc
 FinishReason = Literal["stop", "length", "tool_calls"]
