@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from fastcore.basics import patch, patch_to
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 import cvllm_lab
-from ...sampling_params import SamplingParams
+from ...sampling_params import SamplingParams, diff_sampling_param
+from ...engine.scheduler import QueueFullError
 from ...tokenizer import apply_chat_template
 from ...engine.llm_engine import RequestOutput, CompletionOutput
 from ...engine.async_llm_engine import AsyncLLMEngine, EngineError, EngineObserver, RequestStream
@@ -24,7 +25,8 @@ from .protocol import (
     DEFAULT_MAX_N, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatMessageParam, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, NamedToolChoice, UsageInfo,
-    error_body, random_id, sse, to_sampling_kwargs, validation_error_body)
+    RequestBody, error_body, random_id, sse, to_sampling_kwargs, validation_error_body)
+from .request_checks import BodyLimit
 from .reasoning import ReasoningParser
 from .tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, tool_choice_schema
 from .metrics import ServerMetrics
@@ -34,8 +36,8 @@ from .streams import (ClientGone, SSEResponse, last_output, merge_streams, strea
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
 # %% auto #0
-__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'adapt_messages', 'pick_tool_parser', 'OpenAIServing', 'build_app',
-           'TokenizeRequest', 'DetokenizeRequest']
+__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'TokenizeRequest', 'DetokenizeRequest', 'adapt_messages',
+           'pick_tool_parser', 'OpenAIServing', 'build_app']
 
 # %% ../../../nbs/77_api_server.ipynb #716098ce
 STATIC_DIR = Path(__file__).parent / 'static' if '__file__' in globals() else Path('../cvllm_lab/entrypoints/openai/static')
@@ -50,20 +52,30 @@ class ServerConfig:
     max_gen_tokens: int | None = None     # cap on a request's max_tokens (candle-vllm's --max-gen-tokens)
     max_n: int = DEFAULT_MAX_N
     max_prompts: int = 64                 # prompts per /v1/completions request
+    max_request_body_bytes: int = 16 << 20  # a larger body is a 413, refused before (or while) it is read
     ui: bool = False                      # serve the chat page at /
 
 class APIError(Exception):
-    "An error sent to the client in OpenAI's shape."
-    def __init__(self, message: str, status: int = 400, type: str = 'BadRequestError', param: str | None = None):
+    "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code or None; `headers`, e.g. Retry-After)."
+    def __init__(self, message: str, status: int = 400, type: str = 'BadRequestError', param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.type, self.param = status, type, param
+        self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.type, self.param, self.status), self.status)
+        return JSONResponse(error_body(str(self), self.type, self.param, self.code), self.status, headers=self.headers)
 
-def _validation_error(e: ValidationError) -> APIError:
-    b = validation_error_body(e)['error']
-    return APIError(b['message'], param=b['param'])
+class TokenizeRequest(RequestBody):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+class DetokenizeRequest(RequestBody):
+    model: str | None = None
+    tokens: list[int]
 
 # %% ../../../nbs/77_api_server.ipynb #5a784891
 _TOOLS_PROMPT = ("You can call functions. Their signatures (JSON schema) are:\n<tools>\n{tools}\n</tools>\n"
@@ -109,19 +121,20 @@ class OpenAIServing:
         rp = cfg.reasoning_parser
         self.reasoning = ('qwen3' if '<think>' in self.template else None) if rp == 'auto' else rp
         self.max_n = max(1, min(cfg.max_n, eng.cfg.max_num_seqs))
+        self.vocab_size, self.policy = eng.vocab_size, eng.cfg.scheduling_policy
+        self.defaults = diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf)
+        # no token spells more characters than the longest in the vocabulary, so a longer text can't fit the context
+        self.max_prompt_chars = self.max_model_len * max(len(t or '') for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok)))))
 
-    async def parse(self, request: Request, cls):
-        "Body -> validated request model (400 for malformed JSON or invalid fields)."
-        body = await request.body()
-        try: data = json.loads(body)
-        except Exception as e: raise APIError(f"Malformed JSON body: {e}") from None
-        if not isinstance(data, dict): raise APIError("The request body must be a JSON object")
-        try: return cls.model_validate(data, context={'max_n': self.max_n})
-        except ValidationError as e: raise _validation_error(e) from None
+    def check(self, req):
+        "What the request models can't know: the served model names and this server's largest `n`."
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(f"The model {req.model!r} does not exist; this server serves {self.model_names}", param='model', code='model_not_found')
+        if not 1 <= getattr(req, 'n', 1) <= self.max_n: raise APIError(f"n must be between 1 and {self.max_n}, got {req.n}", param='n')
 
-    def check_model(self, name: str | None):
-        if name is not None and name not in self.model_names:
-            raise APIError(f"The model {name!r} does not exist; this server serves {self.model_names}", param='model')
+    def too_long(self, n: int, what: str, param: str) -> APIError:
+        return APIError(f"The {what} {n} tokens, more than this model's maximum context length of {self.max_model_len} tokens "
+                        "allows (at least one token must be generated)", param=param, code='context_length_exceeded')
 
 # %% ../../../nbs/77_api_server.ipynb #13a4701e
 def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastAPI:
@@ -137,27 +150,33 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     app = FastAPI(title='cvllm_lab OpenAI-compatible server', version=cvllm_lab.__version__, lifespan=lifespan)
     app.state.serving, app.state.metrics = srv, metrics
     if cfg.api_key: app.add_middleware(_APIKey, key=cfg.api_key)
+    app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError): return e.response()
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e):
+        bad = next((x for x in e.errors() if x.get('type') == 'json_invalid'), None)
+        if bad: return JSONResponse(error_body(f"Malformed JSON body: {bad.get('ctx', {}).get('error', '')}"), 400)
+        return JSONResponse(validation_error_body(e.errors()), 400)
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        kind = {404: 'NotFoundError', 405: 'MethodNotAllowed'}.get(e.status_code, 'BadRequestError')
-        return JSONResponse(error_body(str(e.detail), kind, code=e.status_code), e.status_code)
+        kind = {404: 'NotFoundError', 405: 'MethodNotAllowed', 413: 'RequestTooLargeError'}.get(e.status_code, 'BadRequestError')
+        return JSONResponse(error_body(str(e.detail), kind), e.status_code)
     @app.exception_handler(ClientGone)
     async def _gone(request, e): return Response(status_code=499)
     @app.exception_handler(EngineError)
     async def _engine_error(request, e):
-        return JSONResponse(error_body(str(e), 'InternalServerError', code=500), 500)
+        return JSONResponse(error_body(str(e), 'InternalServerError'), 500)
     @app.exception_handler(Exception)
     async def _internal(request, e):
         log.exception("Unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"Internal server error: {e!r}", 'InternalServerError', code=500), 500)
+        return JSONResponse(error_body(f"Internal server error: {e!r}", 'InternalServerError'), 500)
 
     @app.post('/v1/chat/completions')
-    async def chat(request: Request): return await srv.chat(request)
+    async def chat(req: ChatCompletionRequest, request: Request): return await srv.chat(req, request)
     @app.post('/v1/completions')
-    async def completions(request: Request): return await srv.completion(request)
+    async def completions(req: CompletionRequest, request: Request): return await srv.completion(req, request)
     @app.get('/v1/models')
     async def models():
         return ModelList(data=[ModelCard(id=n, root=str(aengine.engine.src.root / (aengine.engine.src.gguf_file or '')),
@@ -165,7 +184,7 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     @app.get('/health')
     async def health():
         if aengine.dead is not None or (aengine._task is not None and aengine._task.done()):
-            return JSONResponse(error_body(f'The engine loop stopped: {aengine.dead!r}', 'ServiceUnavailable', code=503), 503)
+            return JSONResponse(error_body(f'The engine loop stopped: {aengine.dead!r}', 'ServiceUnavailable'), 503)
         return Response(status_code=200)
     @app.get('/version')
     async def version(): return {'version': cvllm_lab.__version__}
@@ -173,9 +192,9 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     async def prometheus(): return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post('/tokenize')
-    async def tokenize(request: Request): return await srv.tokenize(request)
+    async def tokenize(req: TokenizeRequest): return await srv.tokenize(req)
     @app.post('/detokenize')
-    async def detokenize(request: Request): return await srv.detokenize(request)
+    async def detokenize(req: DetokenizeRequest): return await srv.detokenize(req)
 
     if cfg.ui:
         @app.get('/', include_in_schema=False)
@@ -185,7 +204,9 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
 # %% ../../../nbs/77_api_server.ipynb #456cccb6
 @patch
 def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    "The prompt text and token ids of a chat request."
+    "The prompt text and token ids of a chat request (blocking: the handlers run it in a worker thread)."
+    if (n := sum(len(m.text) for m in req.messages)) > self.max_prompt_chars:
+        raise self.too_long(n, f"messages have {n} characters, so more than {self.max_model_len} tokens: more than", 'messages')
     tools = req.template_tools()
     msgs = adapt_messages(req.template_messages(), tools, self.template)
     kw = {k: v for k, v in (req.chat_template_kwargs or {}).items()
@@ -195,9 +216,7 @@ def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple[str, list[i
                                      continue_final_message=req.continue_final_message, **kw)
     except Exception as e: raise APIError(f"Cannot apply the chat template: {e}", param='messages') from None
     ids = self.tok(prompt, add_special_tokens=False).input_ids
-    if len(ids) >= self.max_model_len:
-        raise APIError(f"The messages have {len(ids)} tokens, more than this model's maximum context length of "
-                       f"{self.max_model_len} tokens allows (at least one token must be generated)", param='messages')
+    if len(ids) >= self.max_model_len: raise self.too_long(len(ids), 'messages have', 'messages')
     return prompt, ids
 
 # %% ../../../nbs/77_api_server.ipynb #4aaf4d2e
@@ -206,25 +225,40 @@ def sampling_params(self: OpenAIServing, req, n_prompt: int, procs: list | None,
     room = self.max_model_len - n_prompt
     if room < 1:
         raise APIError(f"The prompt has {n_prompt} tokens, which leaves no room to generate within this model's "
-                       f"maximum context length of {self.max_model_len} tokens", param=param)
-    cap = room if self.cfg.max_gen_tokens is None else min(room, self.cfg.max_gen_tokens)
-    kw = to_sampling_kwargs(req, cap)
+                       f"maximum context length of {self.max_model_len} tokens", param=param, code='context_length_exceeded')
+    if (want := req.max_new_tokens) is not None and want > room:   # vLLM's check and message
+        raise APIError(f"'max_tokens' or 'max_completion_tokens' is too large: {want}. This model's maximum context length is "
+                       f"{self.max_model_len} tokens and your request has {n_prompt} input tokens ({want} > {self.max_model_len} - {n_prompt}).",
+                       param='max_completion_tokens' if getattr(req, 'max_completion_tokens', None) else 'max_tokens', code='context_length_exceeded')
+    kw = to_sampling_kwargs(req, room, self.defaults, self.cfg.max_gen_tokens)
     if kw['seed'] is not None: kw['seed'] %= 2**63
     if procs: kw['logits_processors'] = procs
-    try: return SamplingParams(**kw)
-    except ValueError as e: raise APIError(str(e)) from None
+    try: return SamplingParams(**kw).validate_for_vocab(self.vocab_size)
+    except ValueError as e: raise APIError(str(e), param=str(e).split(' ', 1)[0] if str(e).split(' ', 1)[0] in kw else None) from None
 
 @patch
-async def logits_processor(self: OpenAIServing, response_format, tool_schema):
-    if tool_schema is None and (response_format is None or response_format.type == 'text'): return None
-    from cvllm_lab.entrypoints.openai.structured import make_logits_processor
-    try: return await asyncio.to_thread(make_logits_processor, self.tok, response_format, tool_schema,
-                                        eos_token_ids=self.eos_token_ids)
-    except ValueError as e: raise APIError(str(e), param='response_format' if tool_schema is None else 'tools') from None
+async def logits_processors(self: OpenAIServing, req, tool_schema) -> list:
+    "`logit_bias`/`allowed_token_ids` and a grammar (response_format, structured outputs or a forced tool call) as processors."
+    procs, bias, allowed = [], req.logit_bias_ids, req.allowed_token_ids
+    for name, ids in (('logit_bias', bias), ('allowed_token_ids', allowed)):
+        if bad := [t for t in ids or [] if t >= self.vocab_size]:
+            raise APIError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=name)
+    from cvllm_lab.entrypoints.openai.structured import TokenBiasProcessor, make_logits_processor
+    if bias or allowed: procs.append(TokenBiasProcessor(bias, allowed))
+    rf, st = req.response_format, req.structured
+    if tool_schema is None and st is None and (rf is None or rf.type == 'text'): return procs
+    param = 'tools' if tool_schema is not None else 'response_format' if st is None else \
+        'structured_outputs' if req.structured_outputs is not None else next(k for k in ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar') if getattr(req, k) is not None)
+    try: return procs + [await asyncio.to_thread(make_logits_processor, self.tok, rf, tool_schema, eos_token_ids=self.eos_token_ids, structured=st)]
+    except ValueError as e: raise APIError(str(e), param=param) from None
 
 @patch
-async def add(self: OpenAIServing, prompt, ids, params, rid) -> RequestStream:
-    try: return await self.aengine.add_request({'prompt': prompt, 'prompt_token_ids': ids}, params, rid)
+async def add(self: OpenAIServing, prompt, ids, params, rid, priority: int = 0) -> RequestStream:
+    "Hand a request to the engine: a full queue is a 503 with Retry-After, the engine's ValueError a 400."
+    if priority and self.policy != 'priority':
+        raise APIError("priority needs the priority scheduling policy (--scheduling-policy priority)", param='priority')
+    try: return await self.aengine.add_request({'prompt': prompt, 'prompt_token_ids': ids}, params, rid, **({'priority': priority} if priority else {}))
+    except QueueFullError as e: raise APIError(str(e), 503, 'ServiceUnavailableError', headers={'Retry-After': '1'}) from None
     except ValueError as e: raise APIError(str(e)) from None
 
 @patch
@@ -242,22 +276,20 @@ class _ChatCtx:
     reasoning: ReasoningParser | None
 
 @patch
-async def chat(self: OpenAIServing, request: Request) -> Response:
-    req = await self.parse(request, ChatCompletionRequest)
-    self.check_model(req.model)
-    prompt, ids = self.render(req)
+async def chat(self: OpenAIServing, req: ChatCompletionRequest, request: Request) -> Response:
+    self.check(req)
+    prompt, ids = await asyncio.to_thread(self.render, req)
     forced = req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice)
     parser = None
     if req.tools and req.tool_choice != 'none':
         parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
     try: schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
     except ValueError as e: raise APIError(str(e), param='tool_choice') from None
-    proc = await self.logits_processor(req.response_format, schema)
-    params = self.sampling_params(req, len(ids), [proc] if proc else None, 'messages')
+    params = self.sampling_params(req, len(ids), await self.logits_processors(req, schema), 'messages')
     reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
     ctx = _ChatCtx(req, prompt, parser, reasoning)
     rid = random_id('chatcmpl-')
-    stream = await self.add(prompt, ids, params, rid)
+    stream = await self.add(prompt, ids, params, rid, req.priority)
     if req.stream: return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
     try: out = await unless_disconnected(request, last_output(stream))
     finally: stream.close()
@@ -332,23 +364,31 @@ async def chat_events(self: OpenAIServing, ctx: _ChatCtx, stream: RequestStream,
 
 # %% ../../../nbs/77_api_server.ipynb #bbe7b2f3
 @patch
-async def completion(self: OpenAIServing, request: Request) -> Response:
-    req = await self.parse(request, CompletionRequest)
-    self.check_model(req.model)
+def prompt_ids(self: OpenAIServing, prompts: list) -> list[tuple[str | None, list[int]]]:
+    "`(text, token ids)` of each prompt, checked against the context and the vocabulary (blocking: run in a thread)."
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and len(p) > self.max_prompt_chars:
+            raise self.too_long(len(p), f"prompt has {len(p)} characters, so more than {self.max_model_len} tokens: more than", 'prompt')
+        text, ids = (p, self.tok(p).input_ids) if isinstance(p, str) else (None, list(p))
+        if len(ids) >= self.max_model_len: raise self.too_long(len(ids), 'prompt has', 'prompt')
+        if bad := [t for t in ids if t >= self.vocab_size]:
+            raise APIError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}", param='prompt')
+        out.append((text, ids))
+    return out
+
+@patch
+async def completion(self: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
+    self.check(req)
     prompts = req.prompts()
     if len(prompts) * req.n > self.cfg.max_prompts:
         raise APIError(f"At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}", param='prompt')
     items = []
-    for p in prompts:
-        text, ids = (p, self.tok(p).input_ids) if isinstance(p, str) else (None, list(p))
-        if len(ids) >= self.max_model_len:
-            raise APIError(f"The prompt has {len(ids)} tokens, more than this model's maximum context length of "
-                           f"{self.max_model_len} tokens allows (at least one token must be generated)", param='prompt')
-        proc = await self.logits_processor(req.response_format, None)
-        items.append((text, ids, self.sampling_params(req, len(ids), [proc] if proc else None, 'prompt')))
+    for text, ids in await asyncio.to_thread(self.prompt_ids, prompts):
+        items.append((text, ids, self.sampling_params(req, len(ids), await self.logits_processors(req, None), 'prompt')))
     rid, streams = random_id('cmpl-'), []
     try:
-        for k, (text, ids, params) in enumerate(items): streams.append(await self.add(text, ids, params, f'{rid}-{k}'))
+        for k, (text, ids, params) in enumerate(items): streams.append(await self.add(text, ids, params, f'{rid}-{k}', req.priority))
     except BaseException:
         for s in streams: s.close()
         raise
@@ -429,26 +469,16 @@ async def completion_events(self: OpenAIServing, req: CompletionRequest, items, 
     except Exception as e: yield stream_error(e)
     yield SSE_DONE
 
-# %% ../../../nbs/77_api_server.ipynb #e831ce49
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
-
 # %% ../../../nbs/77_api_server.ipynb #d5433cc2
 @patch
-async def tokenize(self: OpenAIServing, request: Request):
+async def tokenize(self: OpenAIServing, req: TokenizeRequest):
     "vLLM's /tokenize: a prompt, or chat messages through the chat template -> token ids."
-    req = await self.parse(request, TokenizeRequest)
-    self.check_model(req.model)
+    self.check(req)
     if (req.prompt is None) == (req.messages is None): raise APIError("Give exactly one of prompt and messages", param='prompt')
+    return await asyncio.to_thread(self._tokenize, req)
+
+@patch
+def _tokenize(self: OpenAIServing, req: TokenizeRequest):
     if req.prompt is not None:
         ids = self.tok(req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens).input_ids
     else:
@@ -461,23 +491,22 @@ async def tokenize(self: OpenAIServing, request: Request):
     return res
 
 @patch
-async def detokenize(self: OpenAIServing, request: Request):
+async def detokenize(self: OpenAIServing, req: DetokenizeRequest):
     "vLLM's /detokenize: token ids -> text."
-    req = await self.parse(request, DetokenizeRequest)
-    self.check_model(req.model)
-    V = self.aengine.engine.vocab_size
+    self.check(req)
+    V = self.vocab_size
     if bad := [t for t in req.tokens if not 0 <= t < V]: raise APIError(f"Token ids out of range [0, {V}): {bad[:5]}", param='tokens')
     return {'prompt': self.tok.decode(req.tokens)}
 
 # %% ../../../nbs/77_api_server.ipynb #0e2c5d1a
 class _APIKey:
-    "ASGI middleware: `Authorization: Bearer <key>` required on the API routes (not on /health, /metrics, the UI)."
-    def __init__(self, app, key: str): self.app, self.key = app, f'Bearer {key}'.encode()
+    "ASGI middleware: `Authorization: Bearer <key>` (the scheme in any case) on the API routes (not /health, /metrics, the UI)."
+    def __init__(self, app, key: str): self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(('/v1', '/tokenize', '/detokenize')):
-            got = dict(scope['headers']).get(b'authorization', b'')
-            if not hmac.compare_digest(got, self.key):
-                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError', code=401)
+            scheme, _, token = dict(scope['headers']).get(b'authorization', b'').partition(b' ')
+            if scheme.lower() != b'bearer' or not hmac.compare_digest(token.strip(), self.key):
+                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError', code='invalid_api_key')
                 return await JSONResponse(body, 401)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/metrics.html.md"""
 
 # %% ../../../nbs/75_metrics.ipynb #4f96beff
 from __future__ import annotations
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ...engine.async_llm_engine import AsyncLLMEngine, EngineObserver
 
@@ -24,12 +24,17 @@ class ServerMetrics(EngineObserver):
         self.ttft = h('cvllm:time_to_first_token_seconds', 'Time from arrival to the first generated token.')
         self.itl = h('cvllm:inter_token_latency_seconds', 'Time between two generated tokens of a request.')
         self.e2e = h('cvllm:e2e_request_latency_seconds', 'Time from arrival to the last token of a finished request.')
+        self.success = Counter('cvllm:request_success', 'Requests that finished (stop or length); n samples count once.',
+                               ['model_name', 'finished_reason'], registry=self.registry)
         self.registry.register(self)
 
     def first_token(self, ttft): self.ttft.observe(ttft)
     def tokens(self, itl, n):
         for _ in range(n): self.itl.observe(itl)
-    def finished(self, output, e2e): self.e2e.observe(e2e)
+    def finished(self, output, e2e):
+        self.e2e.observe(e2e)
+        reason = next((o.finish_reason for o in output.outputs if o.finish_reason != 'abort'), None)
+        if reason is not None: self.success.labels(self.model_name, reason).inc()
 
     def collect(self):
         "Gauges and counters from the engine's latest stats (called by prometheus_client at scrape time)."
@@ -43,7 +48,6 @@ class ServerMetrics(EngineObserver):
                              ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.', s.get('prefix_cache_hits', 0)),
                              ('prompt_tokens', 'Prompt tokens of accepted requests.', s.get('prompt_tokens', 0)),
                              ('generation_tokens', 'Generated tokens.', s.get('generation_tokens', 0)),
-                             ('request_success', 'Sequences that finished (stop or length).', s.get('requests_finished', 0)),
                              ('num_preemptions', 'Sequences preempted for lack of KV blocks.', s.get('num_preemptions', 0)),
                              ('request_aborted', 'Requests aborted (client went away).', c['aborted']),
                              ('engine_step_errors', 'Engine steps that raised.', c['step_errors'])):

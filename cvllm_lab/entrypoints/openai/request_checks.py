@@ -10,10 +10,12 @@ import re
 from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+from fastapi import HTTPException
+from starlette.responses import JSONResponse
 
 # %% auto #0
 __all__ = ['INT64', 'StrictModel', 'OpenAIBaseModel', 'fail', 'find_lone_surrogate', 'RequestBody', 'StructuredOutputsParams',
-           'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body']
+           'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body', 'BodyLimit']
 
 # %% ../../../nbs/69_request_checks.ipynb #0dfa59df
 INT64 = 2**63       # integers must fit in 64 bits (the engine keeps ids, seeds and top-k in int64 tensors)
@@ -111,3 +113,24 @@ def validation_error_body(exc: ValidationError | list[dict]) -> dict:
         msgs.append(f"{where}: {m}" if where else m)
     param = _loc(errs[0]["loc"]) if errs else None
     return error_body("; ".join(dict.fromkeys(msgs)), param=param or None)
+
+# %% ../../../nbs/69_request_checks.ipynb #8174a849
+class BodyLimit:
+    "ASGI middleware: a request body over `limit` bytes is a 413, from `Content-Length` before reading, else while reading."
+    def __init__(self, app, limit: int): self.app, self.limit = app, limit
+
+    def message(self) -> str: return f"The request body is larger than this server's limit of {self.limit} bytes"
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http': return await self.app(scope, receive, send)
+        n = dict(scope['headers']).get(b'content-length', b'')
+        if n.isdigit() and int(n) > self.limit:
+            return await JSONResponse(error_body(self.message(), 'RequestTooLargeError'), 413)(scope, receive, send)
+        seen = 0
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get('body', b''))
+            if seen > self.limit: raise HTTPException(413, self.message())
+            return msg
+        await self.app(scope, counted, send)
