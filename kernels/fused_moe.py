@@ -83,15 +83,15 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False,
     """Plain-PyTorch MoE, a loop over experts, in fp32; returns `[T, H]` in `x`'s dtype.
     `renormalize` divides each token's `topk_weights` by their sum first; `w13_scale`/`w2_scale`: FP8 experts."""
     T, H = x.shape
-    if w13_scale is not None: w13 = dequantize_experts_fp8(w13, w13_scale)
-    if w2_scale is not None: w2 = dequantize_experts_fp8(w2, w2_scale)
     w = topk_weights.float()
     if renormalize: w = _renormalized(w)
     xf, out = x.float(), torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         t, j = torch.where(topk_ids == e)
-        gate, up = (xf[t] @ w13[e].float().T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[e].float().T
+        w13e = w13[e].float() if w13_scale is None else dequantize_experts_fp8(w13[e:e + 1], w13_scale[e:e + 1])[0]
+        w2e = w2[e].float() if w2_scale is None else dequantize_experts_fp8(w2[e:e + 1], w2_scale[e:e + 1])[0]
+        gate, up = (xf[t] @ w13e.T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2e.T
         out.index_add_(0, t, y * w[t, j, None])
     return out.to(x.dtype)
 
