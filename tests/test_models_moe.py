@@ -1,0 +1,116 @@
+"""MoE models through the engine: the Qwen3-30B-A3B bench shape (conf/model/qwen3_30b_a3b.yaml) built with dummy
+weights at a shrunken scale on the CPU, and, on a GPU (`-m cuda`), the fused-kernel path of a tiny random Qwen3-MoE
+against `transformers` and the real shape's decode with CUDA graphs."""
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cvllm_lab import LLM, SamplingParams
+from cvllm_lab.layers.fused_moe import FusedMoE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_model_dir(shrink: dict | None = None) -> Path:
+    "A folder with the bench shape's config.json (as `bench.sweep.model_dir` writes it), with `shrink` applied."
+    from transformers import AutoConfig
+    hf = dict(yaml.safe_load((ROOT / 'conf/model/qwen3_30b_a3b.yaml').read_text())['hf_config'])
+    hf.update(shrink or {})
+    d = Path(tempfile.mkdtemp())
+    AutoConfig.for_model(hf.pop('model_type'), **hf).save_pretrained(d)
+    return d
+
+
+SHRINK = dict(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, intermediate_size=96, num_experts=16,
+              vocab_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def test_bench_shape_builds_with_dummy_weights():
+    "The bench config's fields survive (top-8, renormalized, QK-norm, GQA); batched = each alone."
+    llm = LLM(str(bench_model_dir(SHRINK)), load_format='dummy', skip_tokenizer_init=True, dtype='float32',
+              progress=False, max_model_len=256, kv_cache_memory=8 << 20, block_size=4, prefill_chunk_size=8,
+              max_num_batched_tokens=16)
+    model = llm.engine.runner.model
+    assert type(model).__name__ == 'Qwen3MoeForCausalLM'
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == 2 and all((m.num_experts, m.top_k, m.renormalize) == (16, 8, True) for m in moes)
+    assert moes[0].w13_weight.shape == (16, 64, 64) and moes[0].w2_weight.shape == (16, 64, 32)
+    assert model.model.layers[0].self_attn.q_norm is not None
+    for p in model.parameters():   # every weight filled by the dummy loader
+        assert p.abs().max() <= 1e-3 and p.abs().max() > 0
+    g = torch.Generator().manual_seed(0)
+    prompts = [{'prompt_token_ids': torch.randint(0, 512, (n,), generator=g).tolist()} for n in (3, 19, 11)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert all(len(t) == 6 for t in together)
+    assert together == [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_bench_shape_config_is_the_real_one():
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(bench_model_dir())
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == \
+           (48, 128, 8, 2048, 768, 32, 4, 128, 151936)
+    assert cfg.norm_topk_prob and cfg.decoder_sparse_step == 1 and not cfg.mlp_only_layers
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('quantization', [None, 'fp8'])
+def test_qwen3_moe_fused_kernel_through_engine(quantization):
+    """A tiny random Qwen3-MoE on CUDA (Triton attention, fused MoE kernel, CUDA graphs) in fp32 against
+    `transformers` on the CPU: prompt log-probs and 12 greedy tokens (FP8 in bf16: top-1 agreement)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from cvllm_lab.config import default_model_path
+    from cvllm_lab.tokenizer import load_tokenizer
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=128,
+                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=256,
+                         eos_token_id=None, bos_token_id=None, architectures=['Qwen3MoeForCausalLM'])
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if 'norm' in n: p.normal_(0, 0.5)
+            elif 'gate.weight' in n: p.normal_(0, 0.3)
+    d = Path(tempfile.mkdtemp())
+    hf.save_pretrained(d)
+    gg = default_model_path()
+    load_tokenizer(gg.parent, gg.name).save_pretrained(d)
+    llm = LLM(str(d), device='cuda', dtype='float32' if quantization is None else 'bfloat16', progress=False,
+              quantization=quantization, block_size=16, prefill_chunk_size=16, max_num_batched_tokens=32,
+              kv_cache_memory=64 << 20, max_num_seqs=8)
+    moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == 2 and all((m.quant_method is None) == (quantization is None) for m in moes), \
+        'in-situ quantization must reach the experts (quant.apply.quantize_model -> quant.moe.quantize_moe)'
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 41, 23)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=-1, ignore_eos=True),
+                        use_tqdm=False)
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)[:-1]
+            got = torch.tensor([[d[t].logprob for t in range(256)] for d in o.prompt_logprobs[1:]])
+            if quantization is None:
+                torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+                gen = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+                assert o.outputs[0].token_ids == gen[0, len(p):].tolist()
+            else:
+                assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.cuda
+def test_qwen3_30b_a3b_decode_on_gpu():
+    "The real shape in bf16 with dummy weights: builds, captures CUDA graphs, decodes a batch of 64."
+    llm = LLM(str(bench_model_dir()), load_format='dummy', skip_tokenizer_init=True, progress=False,
+              max_model_len=2048, max_num_seqs=64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{'prompt_token_ids': torch.randint(0, 151936, (64,), generator=g).tolist()} for _ in range(64)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert llm.engine.runner.graphs, 'decode ran without CUDA graphs'
