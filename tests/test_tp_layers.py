@@ -158,6 +158,7 @@ def check_collectives(rank, n):
     got = ps.tensor_model_parallel_gather(torch.tensor([rank]), dst=0, dim=0)
     assert (got.tolist() == list(range(n))) if rank == 0 else got is None
     assert ps.broadcast_object({'step': 7} if rank == 0 else None) == {'step': 7}
+    assert ps.tensor_model_parallel_min(100 - rank) == 101 - n
 
 
 def check_layers(rank, n, ck):
