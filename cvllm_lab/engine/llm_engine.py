@@ -76,7 +76,6 @@ class LLMEngine:
         self.prompts: dict[str, str | None] = {}
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)
         self.final_only = False     # True: step() returns only finished requests (the offline API; saves host time)
-        self.detokenize = True      # False: no text side at all (the engine core: the API process detokenizes)
         self.last_scheduled: list[Request] = []   # the requests of the latest step (to find who made a step fail)
         self._ids = itertools.count()
         self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
@@ -110,8 +109,10 @@ def tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
 
 @patch
 def add_request(self: LLMEngine, request_id: str | None, prompt, params: SamplingParams | None = None,
-                arrival_time: float | None = None, priority: int = 0) -> str:
+                arrival_time: float | None = None, priority: int = 0, detokenize: bool = True) -> str:
     "Validate and queue a request (fanned out into `params.n` samples, each with `priority`); returns its id."
+    # detokenize=False: no text side for this request (no text, stop strings or decoded log-probs): the engine core's
+    # requests, whose text the API process makes
     params = params or SamplingParams()
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self.parents: raise ValueError(f"Request id {request_id!r} is already in use")
@@ -131,7 +132,7 @@ def add_request(self: LLMEngine, request_id: str | None, prompt, params: Samplin
         cid = request_id if params.n == 1 else f'{i}_{request_id}'
         r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, arrival_time, text, priority=priority)
         r.parent_id, r.index = request_id, i
-        self.detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None and self.detokenize else None
+        self.detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None and detokenize else None
         children.append(r)
     self.parents[request_id], self.prompts[request_id] = children, text
     try: self.scheduler.add_request(children)   # all samples or none (QueueFullError when the waiting queue is full)
@@ -240,7 +241,8 @@ def step_parents(self: LLMEngine) -> list[str]:
     if res.prompt_logprobs:
         for r in so.scheduled:
             if not r.is_finished and r.request_id in res.prompt_logprobs:
-                r.prompt_logprobs += self._decode_lps(res.prompt_logprobs[r.request_id])
+                lps = res.prompt_logprobs[r.request_id]
+                r.prompt_logprobs += lps if self.detok.get(r.request_id) is None else self._decode_lps(lps)
     touched = {}
     for r in self.scheduler.update_from_output(so, res.sampled):
         self._process_token(r, res.logprobs.get(r.request_id))
@@ -255,10 +257,10 @@ def _process_token(self: LLMEngine, r: Request, lp):
     "The text side of the token the scheduler just appended to `r`: log-probs, detokenization, stop strings."
     tok, sp, status = r.output_token_ids[-1], r.sampling_params, r.status   # status: the scheduler's verdict
     self.counters['generation_tokens'] += 1
+    d = self.detok[r.request_id]                              # None: no text side (no tokenizer, or detokenize=False)
     if lp is not None:
-        r.logprobs.append(self._decode_lps([lp])[0]); r.cumulative_logprob += lp[tok].logprob
+        r.logprobs.append(lp if d is None else self._decode_lps([lp])[0]); r.cumulative_logprob += lp[tok].logprob
     stopped = status is _STOPPED                              # by EOS or a stop token id
-    d = self.detok[r.request_id]
     hit = None if d is None else d.update(tok, r.num_output_tokens,
                                           decode=sp.detokenize and (not stopped or sp.include_stop_str_in_output))
     if hit is not None and not stopped:                       # a stop string
@@ -272,8 +274,8 @@ def _process_token(self: LLMEngine, r: Request, lp):
 
 @patch
 def _decode_lps(self: LLMEngine, lps: list[dict]) -> list[dict]:
-    "Fill in each log-prob's `decoded_token` (when there is a tokenizer and the engine does the text side)."
-    if self.tokenizer is None or not self.detokenize: return lps
+    "Fill in each log-prob's `decoded_token` (when there is a tokenizer)."
+    if self.tokenizer is None: return lps
     for d in lps:
         for t, lp in d.items(): lp.decoded_token = self.tokenizer.decode([t])
     return lps

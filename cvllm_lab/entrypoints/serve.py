@@ -1,4 +1,4 @@
-"""`python -m cvllm_lab.entrypoints.serve`: parse vLLM's and candle-vllm's flags, load the engine, run the OpenAI-compatible server under uvicorn.
+"""`python -m cvllm_lab.entrypoints.serve`: parse vLLM's and candle-vllm's flags, start the engine-core process (it loads the model and runs the busy loop), run the OpenAI-compatible server under uvicorn in this, the API process.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/serve.html.md"""
 
@@ -159,14 +159,13 @@ def main(argv: list[str] | None = None):
     logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO) if args.uvicorn_log_level != 'trace' else 5,
                         format='%(levelname)s %(name)s: %(message)s')
     import uvicorn
-    from cvllm_lab.engine.llm_engine import LLMEngine
     from cvllm_lab.engine.async_llm_engine import AsyncLLMEngine
     from cvllm_lab.entrypoints.openai.api_server import build_app
     print(f"cvllm-serve: loading {ecfg.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    try: engine = LLMEngine(ecfg, progress=True)
+    try: aengine = AsyncLLMEngine.from_config(ecfg, num_threads=args.threads, progress=True)   # the engine-core process
     except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"cvllm-serve: error: {e}", file=sys.stderr); sys.exit(1)
-    app = build_app(AsyncLLMEngine(engine), scfg)
+    app = build_app(aengine, scfg)
     srv = app.state.serving
     print(f"cvllm-serve: serving {srv.model_names} (max_model_len {srv.max_model_len}) on http://{args.host}:{args.port}"
           + (" with the chat page at /" if scfg.ui else ""), file=sys.stderr, flush=True)

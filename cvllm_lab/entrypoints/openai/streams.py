@@ -10,7 +10,7 @@ import asyncio, logging
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from ...engine.async_llm_engine import EngineError, RequestStream
+from ...engine.async_llm_engine import EngineError, EngineDeadError, RequestStream
 from ...engine.llm_engine import RequestOutput
 from .protocol import error_body, sse
 
@@ -42,7 +42,8 @@ class SSEResponse(StreamingResponse):
 class ClientGone(Exception): pass
 
 def stream_error(e: Exception) -> str:
-    "The last event of a stream that failed after it started."
+    "The last event of a stream that failed after it started (503 when the engine core is gone, else 500)."
+    if isinstance(e, EngineDeadError): return sse(error_body(str(e), 'ServiceUnavailable', code=503))
     if not isinstance(e, EngineError): log.exception("Stream failed")
     return sse(error_body(str(e) if isinstance(e, EngineError) else f"Internal server error: {e!r}", 'InternalServerError', code=500))
 
