@@ -37,6 +37,7 @@ class FakeRunner:
     "A model runner stand-in: per request, its fingerprint, summed over the ranks (so divided back by the size)."
     def __init__(self, worker, fail=None):
         self.rank, self.fail, self.steps = worker.rank, fail, 0
+        self.num_blocks = 9                                     # what the executor reports as the KV pool
 
     def execute_model(self, so):
         self.steps += 1
@@ -82,6 +83,7 @@ def test_executor_runs_scheduled_steps_on_two_ranks():
     with MultiprocExecutor(WORLD, FakeRunner, 'cpu', block_size=4, step_timeout_s=60) as ex:
         assert [i['rank'] for i in ex.infos] == [0, 1] and all(i['world_size'] == WORLD for i in ex.infos)
         assert ex.collective_rpc('ping', 5) == [(0, 5), (1, 5)]
+        assert ex.num_blocks == 9 and ex.collective_rpc('num_blocks') == [9, 9]
         assert drive(ex.execute_model) > 10
     assert not any(p.is_alive() for p in ex.procs)
     with pytest.raises(WorkerError, match='shut down'): ex.collective_rpc('ping', 1)
