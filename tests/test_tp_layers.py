@@ -9,6 +9,7 @@ and every result is compared, in fp32, with the unsharded computation over the s
   logits must match the single-process model within 1e-5.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -142,13 +143,17 @@ def reference_logits(w, ids, pos, lens):
 
 
 class Checkpoint:
-    "The safetensors file: lazy slices (what the sharded loaders read) and whole tensors (the reference)."
-    def __init__(self, fh): self.fh, self.names = fh, list(fh.keys())
+    "The safetensors file: lazy slices (what the sharded loaders read) and whole tensors (the reference), on `device`."
+    def __init__(self, fh, device='cpu'): self.fh, self.names, self.device = fh, list(fh.keys()), device
     def slice(self, name): return self.fh.get_slice(name)
-    def tensor(self, name): return self.fh.get_tensor(name)
+    def tensor(self, name): return self.fh.get_tensor(name).to(self.device)
 
 
 # ---- what each rank checks ----
+
+ATOL = 1e-5   # fp32; the CUDA run (NCCL) allows 1e-4 for its different matmul order
+
+def close(a, b, **kw): torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 def check_collectives(rank, n):
     x = torch.full((2, 3), float(rank + 1))
@@ -167,11 +172,10 @@ def check_layers(rank, n, ck):
     col = ColumnParallelLinear(16, 12, bias=True, gather_output=True)
     col.weight_loader(col.weight, ck.slice('t.col.weight')); col.weight_loader(col.bias, ck.slice('t.col.bias'))
     assert col.weight.shape == (12 // n, 16)
-    torch.testing.assert_close(col(x), F.linear(x, t('t.col.weight'), t('t.col.bias')), atol=1e-5, rtol=0)
+    close(col(x), F.linear(x, t('t.col.weight'), t('t.col.bias')))
     row = RowParallelLinear(24, 16, bias=True)
     row.weight_loader(row.weight, ck.slice('t.row.weight')); row.weight_loader(row.bias, ck.slice('t.row.bias'))
-    torch.testing.assert_close(row(xr.chunk(n, -1)[rank].contiguous()), F.linear(xr, t('t.row.weight'), t('t.row.bias')),
-                               atol=1e-5, rtol=0)
+    close(row(xr.chunk(n, -1)[rank].contiguous()), F.linear(xr, t('t.row.weight'), t('t.row.bias')))
     p, D = 'model.layers.0.self_attn.', CFG['head_dim']
     qkv = QKVParallelLinear(16, D, CFG['heads'], CFG['kv_heads'], bias=True)
     for s in 'qkv':
@@ -179,10 +183,10 @@ def check_layers(rank, n, ck):
     q, k, v = qkv(x).split(qkv.output_sizes, -1)
     full = {s: F.linear(x, t(f'{p}{s}_proj.weight'), t(f't.{s}.bias')).view(7, -1, D) for s in 'qkv'}
     nh, rep = CFG['heads'] // n, max(1, n // CFG['kv_heads'])
-    torch.testing.assert_close(q.view(7, -1, D), full['q'][:, rank * nh:(rank + 1) * nh], atol=1e-5, rtol=0)
+    close(q.view(7, -1, D), full['q'][:, rank * nh:(rank + 1) * nh])
     kv = slice(rank // rep * qkv.num_kv_heads, (rank // rep + 1) * qkv.num_kv_heads)
-    torch.testing.assert_close(k.view(7, -1, D), full['k'][:, kv], atol=1e-5, rtol=0)
-    torch.testing.assert_close(v.view(7, -1, D), full['v'][:, kv], atol=1e-5, rtol=0)
+    close(k.view(7, -1, D), full['k'][:, kv])
+    close(v.view(7, -1, D), full['v'][:, kv])
     assert qkv.num_kv_head_replicas == rep
     emb = VocabParallelEmbedding(CFG['vocab'], 16, padding_size=8)
     emb.weight_loader(emb.weight, ck.slice('model.embed_tokens.weight'))
@@ -191,9 +195,9 @@ def check_layers(rank, n, ck):
     head = ParallelLMHead(CFG['vocab'], 16, padding_size=8)
     head.weight_loader(head.weight, ck.slice('lm_head.weight'))
     ref = x @ t('lm_head.weight').T
-    torch.testing.assert_close(head.compute_logits(x, gather_to_all=True), ref, atol=1e-5, rtol=0)
+    close(head.compute_logits(x, gather_to_all=True), ref)
     got = head.compute_logits(x)
-    if rank == 0: torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    if rank == 0: close(got, ref)
     else: assert got is None
 
 
@@ -208,17 +212,22 @@ def check_model(rank, n, ck):
         logits = m.lm_head.compute_logits(m(ids, pos, LENS))
     if rank == 0:
         ref = reference_logits({k: ck.tensor(k) for k in ck.names}, ids, pos, LENS)
-        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+        close(logits, ref)
     else: assert logits is None
 
 
-def _rank_main(rank, n, port, path):
+def _rank_main(rank, n, port, path, device='cpu'):
+    global ATOL
     torch.set_num_threads(1)
-    ps.init_distributed(ps.DistInit(rank, n, rank, '127.0.0.1', port), 'cpu', timeout_s=60)
+    if device == 'cuda':
+        device, ATOL = f'cuda:{rank}', 1e-4
+        torch.set_default_device(device)          # every tensor and layer of the checks on this rank's GPU
+    ps.init_distributed(ps.DistInit(rank, n, rank, '127.0.0.1', port), device, timeout_s=60)
     try:
         assert (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()) == (rank, n)
+        if device != 'cpu': assert os.environ['NCCL_NVLS_ENABLE'] == '0' and os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'] == '1'
         with safe_open(path, framework='pt') as fh:
-            ck = Checkpoint(fh)
+            ck = Checkpoint(fh, device)
             check_collectives(rank, n)
             check_layers(rank, n, ck)
             check_model(rank, n, ck)
@@ -230,6 +239,16 @@ def test_tp_layers_match_unsharded(n, tmp_path):
     path = str(tmp_path / 'tiny.safetensors')
     save_file(full_weights(), path)
     mp.spawn(_rank_main, args=(n, ps.free_port(), path), nprocs=n, join=True)
+
+
+@pytest.mark.cuda
+def test_tp_layers_nccl(tmp_path):
+    "The same checks over NCCL, one GPU per rank (2 GPUs, 4 where there are 4)."
+    n = 4 if torch.cuda.device_count() >= 4 else 2
+    if torch.cuda.device_count() < 2: pytest.skip('needs 2 GPUs')
+    path = str(tmp_path / 'tiny.safetensors')
+    save_file(full_weights(), path)
+    mp.spawn(_rank_main, args=(n, ps.free_port(), path, 'cuda'), nprocs=n, join=True)
 
 
 def test_reference_is_the_model_at_tp1(tmp_path):

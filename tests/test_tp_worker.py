@@ -9,6 +9,7 @@ one that dies, one that hangs, each a `WorkerError` naming the worker, never a h
 """
 import functools
 import os
+import subprocess
 import sys
 import time
 import zlib
@@ -36,7 +37,7 @@ def fingerprint(view) -> int:
 class FakeRunner:
     "A model runner stand-in: per request, its fingerprint, summed over the ranks (so divided back by the size)."
     def __init__(self, worker, fail=None):
-        self.rank, self.fail, self.steps = worker.rank, fail, 0
+        self.rank, self.fail, self.steps, self.device = worker.rank, fail, 0, worker.device
         self.num_blocks = 9                                     # what the executor reports as the KV pool
 
     def execute_model(self, so):
@@ -47,13 +48,16 @@ class FakeRunner:
             if kind == 'exit': os._exit(7)
             if kind == 'hang': time.sleep(3600)
         views = runner_view(so)
-        t = torch.tensor([fingerprint(v) for v in views] + [self.rank], dtype=torch.long)
+        t = torch.tensor([fingerprint(v) for v in views] + [self.rank], dtype=torch.long, device=self.device)
         ps.tensor_model_parallel_all_reduce(t)
         n = ps.get_tensor_model_parallel_world_size()
         assert int(t[-1]) == n * (n - 1) // 2                 # every rank took part
         return {v[0]: int(x) // n for v, x in zip(views, t[:-1].tolist())}
 
     def ping(self, x): return (self.rank, x)
+
+    def env(self): return {k: os.environ.get(k) for k in ('NCCL_NVLS_ENABLE', 'TORCH_SYMM_MEM_DISABLE_MULTICAST', 'NVSHMEM_DISABLE_NVLS',
+                                                          'CUDA_VISIBLE_DEVICES')}
 
 
 def drive(execute, n_reqs=6, seed=0):
@@ -102,6 +106,19 @@ def test_executor_failures_are_errors_not_hangs(kind, match):
     ex.shutdown()
 
 
+@pytest.mark.cuda
+def test_executor_on_gpus_with_nccl():
+    "Two GPU workers (NCCL), chosen by device ids as candle-vllm's --d: steps, NVLink multicast off in the workers."
+    if torch.cuda.device_count() < 2: pytest.skip('needs 2 GPUs')
+    ids = [torch.cuda.device_count() - 1, 0]                 # a non-trivial --d order
+    with MultiprocExecutor(WORLD, FakeRunner, 'cuda', device_ids=ids, block_size=4, step_timeout_s=120) as ex:
+        assert [i['device'] for i in ex.infos] == ['cuda:0', 'cuda:1']
+        for e in ex.collective_rpc('env'):
+            assert e == {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1',
+                         'CUDA_VISIBLE_DEVICES': ','.join(map(str, ids))}
+        assert drive(ex.execute_model) > 10
+
+
 def _torchrun_rank(rank, port, q):
     "What torchrun's processes do: rank 0 drives (engine + worker 0), rank 1 serves steps."
     try:
@@ -123,3 +140,33 @@ def test_torchrun_driver_broadcasts_steps():
     mp.spawn(_torchrun_rank, args=(ps.free_port(), q), nprocs=WORLD, join=True)
     kind, steps = q.get()
     assert kind == 'ok' and steps > 10
+
+
+def _torchrun_main():
+    "Run by `torchrun` (below): the process's place comes from torchrun's environment, as on a real cluster."
+    init = ps.DistInit.from_env()
+    w = Worker(init, 'cpu', block_size=4, timeout_s=30)
+    w.init_device(); w.load_model(FakeRunner)
+    try:
+        if init.rank == 0:
+            ex = DriverExecutor(w)
+            print(f'steps={drive(ex.execute_model)} world={ex.world_size}', flush=True)
+            ex.shutdown()
+        else: worker_busy_loop(w)
+    finally: ps.destroy_distributed()
+
+
+def test_two_nodes_on_one_host_with_torchrun(tmp_path):
+    "`torchrun --nnodes 2 --node-rank R` twice on the loopback, one process per 'node': the multi-node launch."
+    port = ps.free_port()
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': os.path.dirname(__file__) + os.pathsep + os.environ.get('PYTHONPATH', '')}
+    procs = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--nproc-per-node', '1',
+                               '--node-rank', str(r), '--master-addr', '127.0.0.1', '--master-port', str(port),
+                               __file__, '--torchrun'], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert 'world=2' in outs[0] and int(outs[0].split('steps=')[1].split()[0]) > 10, outs[0]
+
+
+if __name__ == '__main__' and '--torchrun' in sys.argv: _torchrun_main()
