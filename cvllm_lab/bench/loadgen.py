@@ -101,11 +101,16 @@ def summarize(results: list[RequestResult], duration: float, **info) -> dict:
 
 def request_bodies(model: str, endpoint: str = "chat", num_requests: int = 64, prompt_tokens: int = 128,
                    max_tokens: int = 128, temperature: float = 0.0, ignore_eos: bool = True,
-                   include_usage: bool = True, seed: int = 0, extra_body: dict | None = None) -> list[dict]:
-    "The JSON bodies of a run's requests."
+                   include_usage: bool = True, seed: int = 0, extra_body: dict | None = None,
+                   dataset: str = "words", vocab_size: int = 32000) -> list[dict]:
+    """The JSON bodies of a run's requests. `dataset='words'`: prompts of random common words (about
+    `prompt_tokens` tokens); `'random'`: exactly `prompt_tokens` random token ids below `vocab_size` (completions only;
+    vLLM's `--dataset-name random`, without its decode/re-encode round trip)."""
+    if dataset not in ("words", "random"): raise ValueError(f"unknown dataset {dataset!r}; use words or random")
+    if dataset == "random" and endpoint == "chat": raise ValueError("dataset 'random' sends token ids: use endpoint 'completions'")
     rng, out = random.Random(seed), []
     for _ in range(num_requests):
-        prompt = make_prompt(prompt_tokens, rng)
+        prompt = make_prompt(prompt_tokens, rng) if dataset == "words" else [rng.randrange(100, vocab_size) for _ in range(prompt_tokens)]
         b = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
         b |= {"messages": [{"role": "user", "content": prompt}]} if endpoint == "chat" else {"prompt": prompt}
         if include_usage: b["stream_options"] = {"include_usage": True}
@@ -153,8 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dataset", choices=("words", "random"), default="words",
+                    help="words: random common words; random: exact-length random token ids (completions)")
+    ap.add_argument("--vocab-size", type=int, default=32000, help="random dataset: token ids are drawn below this")
+    ap.add_argument("--prompt-tokens", "--input-len", type=int, default=128)
+    ap.add_argument("--max-tokens", "--output-len", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--include-usage", action=argparse.BooleanOptionalAction, default=True)
@@ -167,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     rep = run_load(a.base_url, a.model, a.endpoint, a.concurrency, a.num_requests, api_key=a.api_key,
                    timeout=a.timeout, progress=not a.no_progress, prompt_tokens=a.prompt_tokens,
                    max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
-                   include_usage=a.include_usage, seed=a.seed)
+                   include_usage=a.include_usage, seed=a.seed,
+                   dataset=a.dataset, vocab_size=a.vocab_size)
     print(json.dumps(rep, default=float) if a.json else pd.DataFrame([rep]).T.to_string(header=False))
     return rep
 
