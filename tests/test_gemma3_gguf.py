@@ -67,23 +67,31 @@ def test_logits_match_transformers(llm, hf):
 def test_gguf_blocks_kept_quantized(gguf_path, llm):
     "`quantization='gguf'` runs the Q4_K / Q5_0 / Q6_K / Q8_0 blocks as they are: the same greedy tokens as the float load."
     from cvllm_lab import LLM, SamplingParams
+    from cvllm_lab.layers.basic import Linear
     from cvllm_lab.quant.base import QuantLinear
     q = LLM(str(gguf_path), quantization='gguf', max_model_len=1024, progress=False)
-    assert sum(isinstance(m, QuantLinear) for m in q.engine.runner.model.modules()) == 18 * 4
+    layers = q.engine.runner.model.model.layers
+    assert not any(type(m) is Linear for m in layers.modules())      # no decoder linear left in float
+    assert any(isinstance(m, QuantLinear) for m in layers.modules())
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     a, b = (x.generate(TEXT, sp, use_tqdm=False)[0].outputs[0] for x in (q, llm))
     assert a.token_ids == b.token_ids
     assert max(abs(da[t].logprob - db[t].logprob) for da, db in zip(a.logprobs, b.logprobs) for t in da.keys() & db.keys()) < 1e-2
 
 
+# the GGUF is of the base model (google/gemma-3-270m, not -it): one example exchange shows it the turn format
+ONE_SHOT = [{'role': 'user', 'content': 'What is the capital of Germany?'},
+            {'role': 'assistant', 'content': 'The capital of Germany is Berlin.'}] + QUESTION
+
+
 def test_chat_through_the_server(gguf_path):
-    "The OpenAI server started on the GGUF answers a question sanely (greedy) and stops at Gemma's end of turn."
+    "The OpenAI server started on the GGUF answers a question sanely (greedy), through Gemma's chat template."
     openai = pytest.importorskip('openai')
     from _serverproc import ServerProcess
     with ServerProcess('--model', str(gguf_path), '--max-model-len', '1024', '--mem', '64', timeout=600) as s:
         c = openai.OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=300)
         model = c.models.list().data[0].id
-        r = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=48, temperature=0)
+        r = c.chat.completions.create(model=model, messages=ONE_SHOT, max_tokens=24, temperature=0)
     text = r.choices[0].message.content
-    assert 'Paris' in text, text
+    assert text.startswith('The capital of France is Paris'), text
     assert '<end_of_turn>' not in text and '<start_of_turn>' not in text, text
