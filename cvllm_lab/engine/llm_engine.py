@@ -150,8 +150,7 @@ def validate(self: LLMEngine, ids: list[int], params: SamplingParams):
         raise ValueError(f"The prompt has {len(ids)} tokens, more than max_model_len={self.cfg.max_model_len}")
     bad = [t for t in ids if not 0 <= t < self.vocab_size]
     if bad: raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-    bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-    if bad: raise ValueError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
+    params.validate_for_vocab(self.vocab_size)
     for k in ('logprobs', 'prompt_logprobs'):
         v = getattr(params, k)
         if v is not None and v > self.cfg.max_logprobs:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from tqdm.auto import tqdm
 from ..config import EngineConfig
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, diff_sampling_param
 from ..engine.llm_engine import LLMEngine, RequestOutput
 from ..tokenizer import apply_chat_template
 
@@ -28,11 +28,16 @@ class LLM:
 
     def get_tokenizer(self): return self.engine.tokenizer
 
+    def default_sampling_params(self) -> SamplingParams:
+        "What a call without sampling params uses: the model's generation config (`EngineConfig.generation_config`)."
+        e = self.engine
+        return SamplingParams(**diff_sampling_param(e.cfg.generation_config, e.src.root, e.src.is_gguf))
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         "Generate for one prompt or a list of prompts; outputs in input order."
         if _is_single_prompt(prompts): prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or self.default_sampling_params()] * len(prompts)
         if len(params) != len(prompts): raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
         try:

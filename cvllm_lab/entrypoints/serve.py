@@ -60,6 +60,12 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before reading this one's tokens (default: on for CUDA)")
     g.add_argument('--threads', type=int, help="PyTorch intra-op threads on CPU (1 is often fastest on a busy small box)")
+    g.add_argument('--max-num-queued-requests', type=int,
+                   help="waiting requests before new ones get 503 + Retry-After (default: no limit)")
+    g.add_argument('--scheduling-policy', default='fcfs', choices=['fcfs', 'priority'],
+                   help="priority: a request's lower `priority` runs first (ties by arrival)")
+    g.add_argument('--generation-config', default='auto',
+                   help="default sampling: auto (the model's generation_config.json; GGUF: conservative defaults), vllm (none), or a folder")
     g = p.add_argument_group('server')
     g.add_argument('--host', default='0.0.0.0')
     g.add_argument('--port', '--p', type=int, default=8000)
@@ -71,6 +77,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="split <think> reasoning into reasoning_content (auto: when the chat template uses <think>)")
     g.add_argument('--max-gen-tokens', type=int, help="candle-vllm: cap on generated tokens per request")
     g.add_argument('--max-n', type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for")
+    g.add_argument('--max-request-body-bytes', type=int, default=16 << 20, help="larger request bodies get 413")
     g.add_argument('--ui-server', action='store_true', help="serve the built-in chat web page at /")
     g.add_argument('--uvicorn-log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug', 'trace'])
     g.add_argument('--disable-uvicorn-access-log', action='store_true')
@@ -142,10 +149,13 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
                         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_fraction=args.gpu_memory_fraction,
                         kv_cache_memory=args.mem << 20 if args.mem else None, enforce_eager=args.enforce_eager,
                         async_scheduling=args.async_scheduling,
-                        max_logprobs=args.max_logprobs, hf_overrides=overrides, quantization=quant, kv_cache_dtype=kv_dtype)
+                        max_logprobs=args.max_logprobs, hf_overrides=overrides, quantization=quant, kv_cache_dtype=kv_dtype,
+                        max_num_queued_requests=args.max_num_queued_requests, scheduling_policy=args.scheduling_policy,
+                        generation_config=args.generation_config)
     scfg = ServerConfig(served_model_names=list(args.served_model_name or []), api_key=args.api_key, tool_parser=args.tool_parser,
                         reasoning_parser=None if args.reasoning_parser == 'none' else args.reasoning_parser,
-                        max_gen_tokens=args.max_gen_tokens, max_n=args.max_n, ui=args.ui_server)
+                        max_gen_tokens=args.max_gen_tokens, max_n=args.max_n, ui=args.ui_server,
+                        max_request_body_bytes=args.max_request_body_bytes)
     return ecfg, scfg
 
 # %% ../../nbs/78_serve.ipynb #323c18a4

@@ -20,7 +20,7 @@ from ...sampling_params import SamplingParams, diff_sampling_param
 from ...engine.scheduler import QueueFullError
 from ...tokenizer import apply_chat_template
 from ...engine.llm_engine import RequestOutput, CompletionOutput
-from ...engine.async_llm_engine import AsyncLLMEngine, EngineError, EngineObserver, RequestStream
+from ...engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineObserver, RequestStream
 from .protocol import (
     DEFAULT_MAX_N, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatMessageParam, CompletionChoice, CompletionLogprobs,
@@ -165,6 +165,9 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
         return JSONResponse(error_body(str(e.detail), kind), e.status_code)
     @app.exception_handler(ClientGone)
     async def _gone(request, e): return Response(status_code=499)
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request, e):   # the engine core is gone: the server can't serve, tell clients so
+        return JSONResponse(error_body(str(e), 'ServiceUnavailable', code=503), 503)
     @app.exception_handler(EngineError)
     async def _engine_error(request, e):
         return JSONResponse(error_body(str(e), 'InternalServerError'), 500)

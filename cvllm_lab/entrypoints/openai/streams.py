@@ -45,7 +45,7 @@ def stream_error(e: Exception) -> str:
     "The last event of a stream that failed after it started (503 when the engine core is gone, else 500)."
     if isinstance(e, EngineDeadError): return sse(error_body(str(e), 'ServiceUnavailable', code=503))
     if not isinstance(e, EngineError): log.exception("Stream failed")
-    return sse(error_body(str(e) if isinstance(e, EngineError) else f"Internal server error: {e!r}", 'InternalServerError', code=500))
+    return sse(error_body(str(e) if isinstance(e, EngineError) else f"Internal server error: {e!r}", 'InternalServerError'))
 
 async def unless_disconnected(request: Request, coro):
     "Await `coro`; if the client disconnects first, cancel it and raise `ClientGone`."
