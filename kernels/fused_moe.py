@@ -4,7 +4,11 @@ An MoE block maps each token `t` of `x [T, H]` to `sum_j w_tj * expert_{e_tj}(x_
 with `expert_e(x) = (silu(x @ gate_e.T) * (x @ up_e.T)) @ down_e.T`. The weights are stacked per expert as vLLM and
 `transformers` store them: `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`.
 
-Data flow of `fused_moe` (T tokens, top-k, assignments `a = t * k + j` of the flattened `topk_ids`):
+Routing (`select_experts`): softmax, top-k and renormalization in one launch on the GPU (`fused_moe_router`).
+Few tokens (the config row of the bucket has a `decode` entry) take the decode path of `fused_moe_decode`: one
+GEMV per weight matrix, each (token, expert) pair its own row group, SiLU-and-mul and the weighted top-k sum in
+the epilogues, no alignment. Otherwise, the grouped GEMMs (T tokens, top-k, assignments `a = t * k + j` of the
+flattened `topk_ids`):
 
     topk_ids [T, k] --flatten--> [T*k] --moe_align_block_size(block_m)-->   (one Triton program for decode sizes)
         sorted_token_ids  [EM]  assignment indices grouped by expert, each expert's run padded with the sentinel
@@ -13,8 +17,12 @@ Data flow of `fused_moe` (T tokens, top-k, assignments `a = t * k + j` of the fl
         num_tokens_post_padded  where the real blocks end (later blocks exit at once)
     launch 1  _fused_moe_kernel  rows x[a // k]  @ w13[expert].T  -> inter13 [T*k, 2I]   (stored at row a)
               silu_and_mul                                          -> inter   [T*k, I]
+              (config `ACT`: the tile computes its gate and up columns together and writes inter directly)
     launch 2  _fused_moe_kernel  rows inter[a]   @ w2[expert].T * w_a -> out_k [T*k, H]
               out_k.view(T, k, H).sum(1)                            -> out     [T, H]
+
+Config `SWAP` makes the weight tile the MMA's M side (`acc.T = W_tile @ x_tile.T`), so an expert with a few rows
+fills the N side of the instruction rather than wasting a 64-row M side on padding.
 
 Blocks exist only for experts with at least one assignment, so a decode step (few tokens) reads only the
 selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 weight slices are touched.
@@ -22,14 +30,15 @@ selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 wei
 synchronizes with the host and the whole path can be captured in a CUDA graph.
 
 Launch configs are data: `configs/fused_moe/<device>.json` (`kernels/tuned.py`), table `default` keyed by the
-token bucket `M` (1, 2, 4, ..., 4096: the smallest bucket >= T, else the largest), table `shapes` keyed by
+token bucket `M` (1, 2, 4, ..., 8192: the smallest bucket >= T, else the largest), table `shapes` keyed by
 `E,H,I,top_k,M` for shapes tuned on their own (`benchmarks/kernels/tune_fused_moe.py` writes both), and one small
-`interpret` config for CPU runs under the Triton interpreter. The caller's `config` dict overrides any key.
+`interpret` config for CPU runs under the Triton interpreter. A row's optional keys: `ACT`, `SWAP` (0/1) and
+`decode` (the decode path's launch sizes; see `fused_moe_decode`). The caller's `config` dict overrides any key.
 
 FP8 experts (W8A16): `w13`/`w2` may be `float8_e4m3fn` with block scales `[E, ceil(N/128), ceil(K/128)]` (one per
 128 x 128 block of each expert, as block-FP8 checkpoints store `weight_scale_inv`); the kernel loads each weight tile
 in FP8, scales it in registers by its block's scale and runs the dot in the activation dtype, so only FP8 bytes
-cross memory.
+cross memory. They always take the grouped GEMMs.
 """
 import os
 
@@ -39,13 +48,15 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.activation import silu_and_mul
+from cvllm_lab.kernels.fused_moe_decode import fused_moe_decode
+from cvllm_lab.kernels.fused_moe_router import FUSED_TOPK_MAX_EXPERTS, fused_topk
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
            'get_config', 'm_bucket', 'M_BUCKETS', 'dequantize_experts_fp8', 'ALIGN_ONE_PROGRAM_MAX']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)   # token counts the config tables are keyed by
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)   # token counts the config tables are keyed by
 # assignments (T * top_k) up to which one Triton program aligns them (a first guess, to tune with the configs)
 ALIGN_ONE_PROGRAM_MAX = 1024
 FP8_BLOCK = 128
@@ -96,13 +107,16 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False,
     return out.to(x.dtype)
 
 
-def select_experts(router_logits, top_k: int, renormalize: bool, scoring: str = 'softmax'):
+def select_experts(router_logits, top_k: int, renormalize: bool, scoring: str = 'softmax', use_kernel=None):
     """Router as `transformers`' Qwen2/3-MoE (`norm_topk_prob`) and Mixtral (always renormalized) write it: softmax
     in fp32 over the experts, top-k, optionally the k weights divided by their sum.
     `router_logits [T, E]` -> `topk_weights [T, k]` fp32 (Qwen's router casts them back to the logits' dtype;
     we keep fp32 for the kernel), `topk_ids [T, k]` int32. `scoring='softmax'` only
-    (DeepSeek's sigmoid scoring with a correction bias is not implemented yet)."""
+    (DeepSeek's sigmoid scoring with a correction bias is not implemented yet). On CUDA (or `use_kernel=True`) one
+    Triton launch, `fused_moe_router.fused_topk`; elsewhere (or `use_kernel=False`) the PyTorch ops below."""
     if scoring != 'softmax': raise NotImplementedError(f'scoring={scoring!r}: only softmax routing is implemented')
+    if use_kernel is None: use_kernel = router_logits.is_cuda and router_logits.shape[-1] <= FUSED_TOPK_MAX_EXPERTS
+    if use_kernel: return fused_topk(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize: topk_weights = _renormalized(topk_weights)
@@ -198,11 +212,13 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
                       N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                       stride_bse, stride_bsn, stride_bsk,
                       A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                      B_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of one
     block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
-    scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block)."""
+    scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block).
+    `ACT`: `b` holds 2N rows (gate, then up); the tile computes both and writes `silu(gate) * up`.
+    `SWAP`: the weight tile is the MMA's M side (`acc.T [BN, BM] = b [BN, K] @ a.T`), for few rows per expert."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -221,33 +237,68 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (assign // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    rows = (assign // A_ROW_DIV) * stride_am
+    b_cols = b_ptr + expert * stride_be + offs_n.to(tl.int64) * stride_bn
+    if SWAP:   # a.T [BK, BM], b [BN, BK]
+        a_ptrs = a_ptr + rows[None, :] + offs_k[:, None]
+        b_ptrs = b_cols[:, None] + offs_k[None, :] * stride_bk
+    else:      # a [BM, BK], b.T [BK, BN]
+        a_ptrs = a_ptr + rows[:, None] + offs_k[None, :]
+        b_ptrs = b_cols[None, :] + offs_k[:, None] * stride_bk
+    up_off = N * stride_bn                             # ACT: the up rows start N rows below the gate rows
     if B_SCALE:
         bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn
+        bs2_ptrs = bs_ptr + expert * stride_bse + ((offs_n + N) // 128) * stride_bsn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if B_SCALE:   # dequantize the FP8 tile in registers
-            s = tl.load(bs_ptrs + ((kb * BLOCK_K) // 128) * stride_bsk, mask=mask_n, other=0.0)
-            b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        mask_k = offs_k < K - kb * BLOCK_K
+        if SWAP:
+            a = tl.load(a_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            bmask = mask_n[:, None] & mask_k[None, :]
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            bmask = mask_k[:, None] & mask_n[None, :]
+        b = tl.load(b_ptrs, mask=bmask, other=0.0)
+        if ACT:
+            b2 = tl.load(b_ptrs + up_off, mask=bmask, other=0.0)
+        if B_SCALE:   # dequantize the FP8 tiles in registers
+            kq = ((kb * BLOCK_K) // 128) * stride_bsk
+            s = tl.load(bs_ptrs + kq, mask=mask_n, other=0.0)
+            b = (b.to(tl.float32) * (s[:, None] if SWAP else s[None, :])).to(a.dtype)
+            if ACT:
+                s2 = tl.load(bs2_ptrs + kq, mask=mask_n, other=0.0)
+                b2 = (b2.to(tl.float32) * (s2[:, None] if SWAP else s2[None, :])).to(a.dtype)
+        if SWAP:
+            acc = tl.dot(b, a, acc, input_precision=PRECISION)
+            if ACT:
+                acc2 = tl.dot(b2, a, acc2, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if ACT:
+                acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
 
+    if ACT:
+        acc = acc * tl.sigmoid(acc) * acc2
     if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + assign, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + assign[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tw = tl.load(topk_w_ptr + assign, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * (tw[None, :] if SWAP else tw[:, None])
+    if SWAP:
+        c_ptrs = c_ptr + assign[None, :] * stride_cm + offs_n[:, None]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        c_ptrs = c_ptr + assign[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_div: int, mul_routed: bool, cfg,
-                  w_scale=None):
-    "out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`."
-    N, K = w.shape[1], w.shape[2]
+                  w_scale=None, act: bool = False):
+    """out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`;
+    `act`: w holds gate rows then up rows and out gets `silu(gate) * up` (half of w's rows wide)."""
+    N, K = w.shape[1] // (2 if act else 1), w.shape[2]
     em = sorted_ids.numel()
     grid = (triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
     bs = w_scale if w_scale is not None else topk_weights          # any pointer: unused without B_SCALE
@@ -256,6 +307,7 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_d
                             N, K, em, out.shape[0], a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                             *bss, A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
                             PRECISION='ieee' if a.dtype == torch.float32 else 'tf32', B_SCALE=w_scale is not None,
+                            ACT=act, SWAP=bool(cfg.get('SWAP', 0)),
                             BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
                             GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
     return out
@@ -263,12 +315,14 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_d
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, renormalize: bool = False,
               w13_scale=None, w2_scale=None):
-    """`fused_moe_ref` with two grouped-GEMM Triton launches (see the module docstring).
+    """`fused_moe_ref` in Triton: the decode path (`fused_moe_decode`, two GEMV launches) where the config row of
+    the token bucket has a `decode` entry, else the grouped GEMMs (see the module docstring).
 
     `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
-    `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages);
-    `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]` scales.
-    The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32. Returns `[T, H]` in `x`'s dtype."""
+    `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, ACT,
+    SWAP, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
+    scales (grouped path only). The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
+    Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     k = topk_ids.shape[1]
@@ -279,7 +333,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
         else: assert w.dtype == torch.float8_e4m3fn and sc.shape == (E, -(-w.shape[1] // FP8_BLOCK), -(-w.shape[2] // FP8_BLOCK)), (w.dtype, sc.shape)
     if T == 0: return x.new_empty(0, H)
     cfg = {**get_config(T, E, H, two_i // 2, k, x.device), **(config or {})}
-    if w13_scale is not None or w2_scale is not None:   # a K-tile must lie inside one 128-wide scale block
+    fp8 = w13_scale is not None or w2_scale is not None
+    if fp8:   # a K-tile must lie inside one 128-wide scale block
         cfg['BLOCK_K'] = min(cfg['BLOCK_K'], FP8_BLOCK)
     if x.stride(-1) != 1: x = x.contiguous()
     if w13.stride(-1) != 1: w13 = w13.contiguous()
@@ -287,12 +342,18 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
     tw = topk_weights.float()
     if renormalize: tw = _renormalized(tw)
     tw = tw.contiguous()
+    if cfg.get('decode') and not fp8: return fused_moe_decode(x, w13, w2, tw, topk_ids, cfg['decode'])
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
 
-    inter13 = x.new_empty(T * k, two_i)
-    _grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg,
-                  w_scale=w13_scale)
-    inter = silu_and_mul(inter13)                   # non-interleaved: gate = [:, :I], up = [:, I:]
+    if cfg.get('ACT'):                              # silu(gate) * up in the first GEMM's epilogue
+        inter = x.new_empty(T * k, two_i // 2)
+        _grouped_gemm(x, w13, inter, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg,
+                      w_scale=w13_scale, act=True)
+    else:
+        inter13 = x.new_empty(T * k, two_i)
+        _grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg,
+                      w_scale=w13_scale)
+        inter = silu_and_mul(inter13)               # non-interleaved: gate = [:, :I], up = [:, I:]
     out_k = x.new_empty(T * k, H)
     _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, a_row_div=1, mul_routed=True, cfg=cfg,
                   w_scale=w2_scale)

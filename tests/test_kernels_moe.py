@@ -1,14 +1,18 @@
-"""Fused MoE (cvllm_lab.kernels.fused_moe): router, alignment by expert, and the two grouped-GEMM launches.
+"""Fused MoE (cvllm_lab.kernels.fused_moe*): router, alignment by expert, the grouped-GEMM launches (with and
+without SiLU-and-mul in the first GEMM's epilogue, weight tile on either MMA side) and the two-GEMV decode path.
 
-`fused_moe` against the loop-over-experts reference `fused_moe_ref`, the reference and the router against
-`transformers`' Qwen2-MoE / Qwen3-MoE / Mixtral blocks, and the invariants of `moe_align_block_size`. CPU runs the
-kernel under TRITON_INTERPRET=1 at small sizes; `-m cuda` runs the Qwen3-30B-A3B expert shape in bf16.
+`fused_moe` and `fused_moe_decode` against the loop-over-experts reference `fused_moe_ref`, `fused_topk` against the
+PyTorch router, the reference and the router against `transformers`' Qwen2-MoE / Qwen3-MoE / Mixtral blocks, and
+the invariants of `moe_align_block_size`. CPU runs the kernels under TRITON_INTERPRET=1 at small sizes;
+`-m cuda` runs the Qwen3-30B-A3B expert shape in bf16 through every path.
 """
 import pytest
 import torch
 
 from cvllm_lab.kernels import fused_moe as fm
 from cvllm_lab.kernels import tuned
+from cvllm_lab.kernels.fused_moe_decode import fused_moe_decode
+from cvllm_lab.kernels.fused_moe_router import fused_topk
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 # max |fused - ref| / max |ref|: fp32 differs only by summation order; fp16/bf16 round the two intermediates
@@ -64,10 +68,69 @@ def test_fused_moe_ragged_shapes_and_configs(config):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1)]
+
+
+@pytest.mark.parametrize('variant', GROUPED)
+@pytest.mark.parametrize('T,E,k,H,I', [(3, 8, 2, 64, 32), (17, 16, 4, 80, 24)])
+def test_fused_moe_grouped_variants(T, E, k, H, I, variant):
+    "SiLU-and-mul in the first GEMM's epilogue (`ACT`) and the weight tile as the MMA's M side (`SWAP`), ragged too."
+    x, w13, w2, tw, ids = problem(T, E, k, H, I, torch.float32, seed=T + H)
+    ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
+    out = fm.fused_moe(x, w13, w2, tw, ids, config={**variant, 'decode': None})
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+DECODE = [dict(BN1=16, BK1=32, BN2=16, BK2=32, SPLIT2=1), dict(BN1=8, BK1=64, BN2=32, BK2=16, SPLIT2=2),
+          dict(BN1=32, BK1=16, BN2=8, BK2=64, SPLIT2=4, W1=2, W2=2)]
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+@pytest.mark.parametrize('cfg', DECODE)
+@pytest.mark.parametrize('T,E,k,H,I', [(1, 8, 2, 64, 32), (3, 16, 4, 80, 24), (2, 16, 4, 64, 48)])
+def test_fused_moe_decode_matches_ref(T, E, k, H, I, cfg, dtype):
+    """The two-GEMV decode path: each (token, expert) pair its own row group, SiLU-and-mul and the weighted top-k
+    sum in the epilogues, the experts of a token split over programs (`SPLIT2`, summed in the workspace);
+    ragged H and I (masked K tails), a split that does not divide k (falls back to one)."""
+    x, w13, w2, tw, ids = problem(T, E, k, H, I, dtype, seed=T * 7 + I)
+    ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
+    out = fused_moe_decode(x, w13, w2, tw, ids, cfg)
+    assert out.shape == (T, H) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    # through fused_moe: a `decode` entry in the config takes this path, with raw weights renormalized first
+    _, _, _, raw, ids2 = problem(T, E, k, H, I, dtype, seed=T * 7 + I, renormalize=False)
+    assert rel_err(fm.fused_moe(x, w13, w2, raw, ids2, config={'decode': cfg}, renormalize=True), ref) < TOL[dtype]
+    # the workspace is left at zero (the next call, or a replayed CUDA graph, starts clean)
+    from cvllm_lab.kernels.split_k import workspaces
+    assert all(int(ws.count_nonzero()) == 0 and int(cnt.count_nonzero()) == 0 for ws, cnt in workspaces())
+
+
+@pytest.mark.parametrize('T,E,k', [(1, 8, 2), (5, 60, 4), (33, 128, 8), (3, 200, 6), (2, 8, 8)])
+@pytest.mark.parametrize('renormalize', [True, False])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_fused_topk_matches_select_experts(T, E, k, renormalize, dtype):
+    "One-launch softmax + top-k + renormalization = the PyTorch router (ids exactly, weights to fp32 rounding)."
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = (torch.randn(T, E, generator=g) * 3).to(DEV, dtype)
+    ref_w, ref_ids = fm.select_experts(logits, k, renormalize, use_kernel=False)
+    w, ids = fused_topk(logits, k, renormalize)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == ids.shape == (T, k)
+    torch.testing.assert_close(w.cpu(), ref_w.cpu(), rtol=1e-5, atol=1e-6)
+    probs = torch.softmax(logits.float(), -1)
+    torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()), rtol=0, atol=0)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()                          # k distinct experts
+    if dtype == torch.float32: assert torch.equal(ids.cpu(), ref_ids.cpu())      # (bf16 logits tie; fp32 don't)
+    if renormalize: torch.testing.assert_close(w.sum(-1).cpu(), torch.ones(T), rtol=0, atol=1e-5)
+    assert torch.equal(fm.select_experts(logits, k, renormalize, use_kernel=True)[1], ids)
+    # a row's result does not depend on its neighbours (rows per program)
+    w1, ids1 = fused_topk(logits, k, renormalize, rows=1)
+    assert torch.equal(ids1, ids) and torch.equal(w1, w)
+
+
 def test_fused_moe_empty_and_configs_by_bucket(monkeypatch, tmp_path):
     x, w13, w2, tw, ids = problem(0, 8, 2, 64, 32, torch.float32)
     assert fm.fused_moe(x, w13, w2, tw, ids).shape == (0, 64)
-    assert [fm.m_bucket(t) for t in (1, 3, 16, 17, 300, 4096, 9000)] == [1, 4, 16, 32, 512, 4096, 4096]
+    assert [fm.m_bucket(t) for t in (1, 3, 16, 17, 300, 4096, 5000, 9000)] == [1, 4, 16, 32, 512, 4096, 8192, 8192]
     tables = tuned.load_configs('fused_moe')
     assert set(tables['default']) == set(fm.M_BUCKETS)
     monkeypatch.setattr(fm, '_INTERPRET', False)
@@ -96,8 +159,10 @@ def test_fused_moe_fp8_experts():
     assert s13.shape == (4, 3, 2) and s2.shape == (4, 2, 2)
     ref = fm.fused_moe_ref(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2)
     assert 1e-3 < rel_err(ref, fm.fused_moe_ref(x, w13, w2, tw, ids)) < 0.1      # FP8 rounding, nothing worse
-    out = fm.fused_moe(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2, config=dict(BLOCK_K=32, BLOCK_N=32))
-    assert rel_err(out, ref) < TOL[torch.float32]
+    for extra in ({}, dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1)):   # (FP8 experts never take the decode path)
+        out = fm.fused_moe(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2,
+                           config=dict(BLOCK_K=32, BLOCK_N=32, decode=DECODE[0], **extra))
+        assert rel_err(out, ref) < TOL[torch.float32], extra
     s13_bad = s13.clone()
     s13_bad[:, 1] *= 2                                    # one row block of scales wrong: the test notices
     assert rel_err(fm.fused_moe_ref(x, q13, q2, tw, ids, w13_scale=s13_bad, w2_scale=s2), ref) > 1e-2
@@ -198,13 +263,54 @@ def test_experts_match_transformers(arch):
 
 # ------------------------------------------------------------------------------------------------ GPU, real size
 
+REAL = (128, 8, 2048, 768)   # Qwen3-30B-A3B's experts: E, top-k, hidden, moe_intermediate
+
+
 @cuda
-@pytest.mark.parametrize('T', [1, 64, 512])
+@pytest.mark.parametrize('T', [1, 4, 64, 512, 8192])
 def test_fused_moe_qwen3_30b_a3b_shape(T):
-    "Qwen3-30B-A3B's experts: 128 of them, top-8, hidden 2048, moe_intermediate 768, bf16."
-    x, w13, w2, tw, ids = problem(T, 128, 8, 2048, 768, torch.bfloat16, seed=T)
+    "Qwen3-30B-A3B's experts in bf16 through every path: the tuned row, the decode GEMVs, ACT and SWAP, fresh configs."
+    E, k, H, I = REAL
+    x, w13, w2, tw, ids = problem(T, E, k, H, I, torch.bfloat16, seed=T)
     ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
     err = rel_err(fm.fused_moe(x, w13, w2, tw, ids), ref)
     assert err < TOL[torch.bfloat16], f'max rel error {err:.2e}'
-    for cfg in (tuned.load_configs('fused_moe')['default'][b] for b in (1, 4096)):   # decode and prefill configs
-        assert rel_err(fm.fused_moe(x, w13, w2, tw, ids, config=cfg), ref) < TOL[torch.bfloat16]
+    rows = tuned.load_configs('fused_moe')['default']
+    cfgs = [{**rows[b], 'decode': None} for b in (1, 256, 4096)]
+    cfgs += [{**rows[b], 'decode': None, 'ACT': 1, 'SWAP': s} for b in (1, 256) for s in (0, 1)]
+    cfgs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, ACT=1, decode=None)]
+    if T <= 64: cfgs += [{'decode': d} for d in ({}, dict(BN1=8, BK1=512, BN2=8, BK2=256, SPLIT2=1, W1=8, W2=4))]
+    for cfg in cfgs:
+        assert rel_err(fm.fused_moe(x, w13, w2, tw, ids, config=cfg), ref) < TOL[torch.bfloat16], cfg
+
+
+@cuda
+@pytest.mark.parametrize('T', [1, 8192])
+def test_fused_topk_qwen3_30b_a3b_shape(T):
+    "The one-launch router on bf16 logits of 128 experts, top-8 renormalized, against the PyTorch ops."
+    logits = torch.randn(T, 128, device='cuda', dtype=torch.bfloat16) * 2
+    ref_w, ref_ids = fm.select_experts(logits, 8, True, use_kernel=False)
+    w, ids = fm.select_experts(logits, 8, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_fused_moe_decode_in_cuda_graph():
+    "The decode path (router kernel, two GEMVs, split workspace) replays in a CUDA graph on new inputs."
+    E, k, H, I = REAL
+    x, w13, w2, _, _ = problem(1, E, k, H, I, torch.bfloat16, seed=1)
+    logits = torch.randn(1, E, device='cuda')
+    cfg = {'decode': dict(SPLIT2=2)}
+    def step():
+        tw, ids = fm.select_experts(logits, k, True)
+        return fm.fused_moe(x, w13, w2, tw, ids, config=cfg)
+    step(); torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g): out = step()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x)); logits.copy_(torch.randn_like(logits) * 2)
+        g.replay(); torch.cuda.synchronize()
+        tw, ids = fm.select_experts(logits, k, True, use_kernel=False)
+        assert rel_err(out, fm.fused_moe_ref(x, w13, w2, tw, ids)) < TOL[torch.bfloat16]
