@@ -6,12 +6,14 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/forward_context.html.md"""
 
 # %% ../../nbs/12_forward_context.ipynb #be5991c4
 from __future__ import annotations
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 import torch
 
 # %% auto #0
-__all__ = ['ForwardContext', 'get_forward_context', 'set_forward_context', 'bind_kv_cache', 'prefill_context']
+__all__ = ['ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token', 'bind_kv_cache',
+           'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 @dataclass
@@ -43,10 +45,20 @@ def set_forward_context(ctx: ForwardContext):
     finally: _CTX = prev
 
 # %% ../../nbs/12_forward_context.ipynb #bc033ab3
+def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
+    "Cache bytes one token takes in attention `layer`: a row of its own `kv_cache_shape`, else K and V of every KV head."
+    es = torch.empty(0, dtype=dtype).element_size()
+    if hasattr(layer, 'kv_cache_shape'): return math.prod(layer.kv_cache_shape(1, 1)) * es
+    return 2 * layer.num_kv_heads * (layer.head_dim * es + (4 if dtype == torch.float8_e4m3fn else 0))
+
 def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.float32, device='cpu') -> list[torch.Tensor]:
     "Allocate every attention layer's paged cache (and its per-token scales for an FP8 cache); returns the caches."
     fp8 = dtype == torch.float8_e4m3fn
     for a in model.attention_layers():
+        if hasattr(a, 'kv_cache_shape'):   # a layer with its own layout (MLA's latent rows)
+            if fp8: raise NotImplementedError(f"{type(a).__name__}: no FP8 KV cache for this layer yet")
+            a.kv_cache, a.kv_scale = torch.zeros(a.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device), None
+            continue
         shape = (2, num_blocks, block_size, a.num_kv_heads)
         a.kv_cache = torch.zeros(*shape, a.head_dim, dtype=dtype, device=device)
         a.kv_scale = torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None
