@@ -80,7 +80,8 @@ def plot(df: pd.DataFrame, ref: pd.DataFrame, png: Path, title: str):
     for ax, c in zip(axes, conc):
         sub = both[both.concurrency == c].set_index('who')[lat].T
         sub.plot.bar(ax=ax, logy=True, rot=30); ax.set_title(f'concurrency {c}: latency (ms)')
-    both.pivot_table(index='concurrency', columns='who', values='out_tok_s').plot.bar(ax=axes[-1], rot=0)
+    both.pivot_table(index='concurrency', columns='who', values='out_tok_s').reindex(columns=list(dict.fromkeys(both.who)))\
+        .plot.bar(ax=axes[-1], rot=0)
     axes[-1].set_title('output tok/s')
     fig.suptitle(title); fig.tight_layout(); fig.savefig(png, dpi=110)
 
@@ -95,8 +96,10 @@ def main(argv=None):
     ap.add_argument('--out', default='results/serve.csv')
     ap.add_argument('--workdir', default='/tmp/cvllm_serve_load')
     ap.add_argument('--reference', default=str(ROOT / 'results/reference/vllm_serve_h200.csv'))
+    ap.add_argument('--plot-only', action='store_true', help='redraw the plot of --out from its CSV')
     ap.add_argument('server_args', nargs='*', help='extra server flags after --, e.g. -- --max-model-len 8192')
     a = ap.parse_args(argv)
+    if a.plot_only: return replot(Path(a.out), a.reference, a.model)
     work = Path(a.workdir); spec = write_dummy_model(a.model, work / a.model)
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
@@ -117,9 +120,17 @@ def main(argv=None):
         except subprocess.TimeoutExpired: proc.kill()
     df = pd.DataFrame(rows); out = Path(a.out); out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out, index=False)
-    ref = pd.read_csv(a.reference) if Path(a.reference).exists() else pd.DataFrame(columns=df.columns)
-    ref = ref[(ref.shape == spec['name']) & ref.gpu.apply(lambda g: str(g) in gpu)]
-    plot(df, ref, out.with_suffix('.png'), f"{spec['name']} bf16 (dummy), {a.input_len} in / {a.output_len} out, "
+    replot(out, a.reference, a.model)
+
+
+def replot(out: Path, reference: str, model: str):
+    "Plot the rows of `out` beside the reference rows of the same shape and GPU kind."
+    df = pd.read_csv(out)
+    spec = yaml.safe_load((ROOT / 'conf/model' / f'{model}.yaml').read_text())
+    gpu, commit, n_in, n_out = df.gpu[0], df.version[0], df.input_len[0], df.output_len[0]
+    ref = pd.read_csv(reference) if Path(reference).exists() else pd.DataFrame(columns=df.columns)
+    ref = ref[(ref['shape'] == spec['name']) & ref['gpu'].apply(lambda g: str(g) in gpu)]
+    plot(df, ref, out.with_suffix('.png'), f"{spec['name']} bf16 (dummy), {n_in} in / {n_out} out, "
          f"random ids, ignore_eos; {gpu}; cvllm_lab {commit}")
     print(pd.concat([ref, df]).drop(columns=['notes']).to_string(index=False))
 
