@@ -62,6 +62,13 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
     raise FileNotFoundError(f"{p}: no config.json and {'several' if ggufs else 'no'} .gguf files; give the model file or a HF folder")
 
 # %% ../../nbs/40_loader.ipynb #a0b0ce74
+def _gguf_moe_overrides(path: Path) -> dict:
+    "The MoE fields `transformers`' GGUF config reader leaves at defaults (expert width, top-k renormalization, Mixtral)."
+    import gguf
+    from cvllm_lab.quant.moe import gguf_moe_config_overrides
+    fields = gguf.GGUFReader(str(path)).fields
+    return gguf_moe_config_overrides({k: f.contents() for k, f in fields.items() if 'expert' in k or k == 'general.architecture'})
+
 def load_hf_config(src: ModelSource, overrides: dict | None = None):
     "The model's HF config (from config.json or the GGUF metadata), with `overrides` applied."
     from transformers import AutoConfig
@@ -71,6 +78,7 @@ def load_hf_config(src: ModelSource, overrides: dict | None = None):
             if (cache / 'config.json').exists(): cfg = AutoConfig.from_pretrained(str(cache))
             else:
                 cfg = AutoConfig.from_pretrained(str(src.root), gguf_file=src.gguf_file)
+                for k, v in _gguf_moe_overrides(src.root / src.gguf_file).items(): setattr(cfg, k, v)
                 try: cfg.save_pretrained(str(cache))
                 except OSError: pass
         else: cfg = AutoConfig.from_pretrained(str(src.root))
@@ -135,13 +143,14 @@ def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool
     import gguf
     from cvllm_lab.quant.gguf import QUANT_TYPES
     from cvllm_lab.quant.apply import GGUFRaw
+    from cvllm_lab.quant.moe import gguf_moe_name, GGUF_MOE_RAW_SUFFIXES
     try: reader = gguf.GGUFReader(str(path))
     except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     arch = reader.fields['general.architecture'].contents() if 'general.architecture' in reader.fields else None
     for t in tqdm(reader.tensors, desc=f'Loading {path.name}', disable=not progress):
-        name = gguf_to_hf_name(t.name, arch)
+        name = gguf_to_hf_name(t.name, arch) or gguf_moe_name(t.name)    # MoE experts come stacked [E, ...]
         if name is None: continue
-        raw = keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_LINEAR_SUFFIXES)
+        raw = keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_LINEAR_SUFFIXES + GGUF_MOE_RAW_SUFFIXES)
         try:
             if raw:
                 cols = int(t.shape[0])
@@ -195,6 +204,8 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     if cfg.quantization and not qcfg:
         from cvllm_lab.quant.apply import quantize_model
         quantize_model(model, cfg.quantization, progress)
+        from cvllm_lab.quant.moe import quantize_moe
+        quantize_moe(model, cfg.quantization)          # the experts of MoE layers, in the same format
     if cfg.fuse_mlp_act and (cfg.quantization or qcfg):
         from cvllm_lab.quant.apply import fuse_mlp_act
         fuse_mlp_act(model)   # CUDA: the packed gate/up GEMV writes silu(gate) * up
