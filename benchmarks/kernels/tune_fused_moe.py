@@ -1,25 +1,33 @@
-"""Tune the fused MoE kernel's launch configs per token bucket on a GPU and write them as data.
+"""Tune the fused MoE kernels' launch configs per token bucket on a GPU and write them as data.
 
-    python -m benchmarks.kernels.tune_fused_moe [--ms 1,2,4,...,4096] [--shape E,H,I,K] [--budget SECONDS]
+    python -m benchmarks.kernels.tune_fused_moe [--ms 1,2,4,...] [--shape E,H,I,K] [--budget SECONDS]
         [--limit N] [--workers N] [--out DIR] [--write] [--dry]
 
 The shape defaults to Qwen3-30B-A3B's experts: E = 128 experts, hidden H = 2048, moe_intermediate I = 768, top-K
-= 8, bf16. For every token count M of `--ms` (each stands for its bucket, `fused_moe.m_bucket`; default the twelve
-buckets 1 ... 4096) the candidates are a grid over BLOCK_M x BLOCK_N x BLOCK_K x GROUP_M x num_warps x
-num_stages, pruned by how many assignments an expert gets (`M * K / E`: tall tiles only where experts have rows
-to fill them, GROUP_M > 1 only where there are several M-blocks per expert). Routing is random (softmax top-K of
-random logits), as in a dummy-weight benchmark. Each candidate runs the whole `fused_moe` (alignment, both grouped
-GEMMs, SiLU-and-mul, the per-token sum), is checked against the loop-over-experts reference (max relative error
-< 3e-2), and is timed in a CUDA graph over rotating copies of the expert weights (each call reads its experts
-from HBM, `common.graph_time`). Candidates are compiled first by parallel workers. `--budget` (seconds, default
-600) stops the timing loop; buckets not reached keep their config.
+= 8, bf16. `--ms` lists token counts M in the order they are tuned (each stands for its bucket,
+`fused_moe.m_bucket`; default: the sweep's decode and prefill buckets first, then the rest). Per M:
 
-Written to `--out` (default `.`): `tune_fused_moe.csv` (every timing) and `<device>.json` holding the `default`
-table (bucket -> fastest config) and `shapes` rows `E,H,I,K,bucket` for this shape; `--write` writes it into
-`kernels/configs/fused_moe/` (the file `kernels/tuned.py` loads for this GPU). Printed: per bucket, microseconds
-of the current and the best config, and the expert weight bandwidth the best one reaches. `--dry`: a small
-shape, buckets 1 and 16, two candidates each, on the CPU under the Triton interpreter (a check of the script, not
-a measurement).
+- *grouped GEMMs*: a grid over BLOCK_M x BLOCK_N x BLOCK_K x GROUP_M x num_warps x num_stages x ACT (SiLU-and-mul
+  in the first GEMM's epilogue) x SWAP (weights as the MMA's M side), pruned by how many assignments an expert gets
+  (`M * K / E`: tall tiles only where experts have rows to fill them, SWAP only where they have few, GROUP_M > 1
+  only where there are several M-blocks per expert) and by shared memory and accumulator registers;
+- *decode path* (`fused_moe_decode`, where `M * K <= 128`): launch 1's sizes (BN1, BK1, W1) with launch 2 at its
+  default, then launch 2's (BN2, BK2, W2, SPLIT2) with launch 1 at its best.
+
+Routing is random (softmax top-K of random logits), as in a dummy-weight benchmark. Each candidate runs the whole
+`fused_moe` (alignment, both GEMMs, activation, the per-token sum; or the two GEMVs), is checked against the
+loop-over-experts reference (max relative error < 3e-2), and is timed in a CUDA graph over rotating copies of the
+expert weights (each call reads its experts from HBM, `common.graph_time`). Grouped candidates are compiled first
+by parallel workers. `--budget` (seconds, default 300) bounds the whole run (compilation gets at most half);
+buckets not reached keep their config.
+
+Written to `--out` (default `.`) after every bucket, so a run cut short keeps what it finished:
+`tune_fused_moe.csv` (every timing) and `<device>.json`, holding the `default` table (bucket -> fastest config; a
+`decode` entry where the decode path won) and `shapes` rows `E,H,I,K,bucket` for this shape; `--write` writes it
+into `kernels/configs/fused_moe/` (the file `kernels/tuned.py` loads for this GPU). Printed: per bucket,
+microseconds of the current config, the best grouped and the best decode candidates, and the bandwidth of the
+winner over the expert weights the routing selects. `--dry`: a small shape, buckets 1 and 16, two candidates of
+each kind, on the CPU under the Triton interpreter (a check of the script, not a measurement).
 """
 from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
@@ -34,23 +42,44 @@ import triton
 
 from cvllm_lab.kernels import tuned
 from cvllm_lab.kernels import fused_moe as fm
+from cvllm_lab.kernels.fused_moe_decode import DECODE_DEFAULT
 
 KERNEL = 'fused_moe'
 SHAPE = (16, 128, 64, 4) if C.DRY else (128, 2048, 768, 8)     # E, H, I, top-K
-KEYS = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'GROUP_M', 'num_warps', 'num_stages')
+KEYS = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'GROUP_M', 'num_warps', 'num_stages', 'ACT', 'SWAP')
+MS = (1, 2, 4, 64, 256, 8192, 16, 512, 4096, 128, 32, 8, 1024)   # the decode path's and the sweep's first
+DECODE_MAX_ASSIGNMENTS = 128
+SMEM = 220 * 1024
 
 
 def candidates(M, E, K):
-    "Configs to time for M tokens: the grid pruned by the assignments per expert."
+    "Grouped-GEMM configs to time for M tokens: the grid pruned by the assignments per expert and by resources."
     per_expert = M * K / E
-    bms = [16] if per_expert <= 16 else [16, 32, 64] if per_expert <= 64 else [32, 64, 128]
-    groups = [1] if per_expert <= 2 * max(bms) else [1, 16, 32]
+    bms = [16] if per_expert <= 8 else [16, 32] if per_expert <= 32 else [32, 64] if per_expert <= 128 else [64, 128]
+    groups = [1] if per_expert <= min(bms) else [1, 8]
     out = []
-    for bm, bn, bk, g, nw, ns in itertools.product(bms, (32, 64, 128, 256), (64, 128, 256), groups, (4, 8), (2, 3, 4, 5)):
-        if bm * bn >= 128 * 128 and nw == 4 or bm * bn <= 32 * 64 and nw == 8: continue
-        if bk == 256 and ns > 3: continue                       # shared memory
-        out.append(dict(zip(KEYS, (bm, bn, bk, g, nw, ns))))
+    for bm, bn, bk, g, ns, act, swap in itertools.product(bms, (32, 64, 128, 256), (32, 64, 128, 256), groups,
+                                                          (2, 3, 4), (0, 1), (0, 1)):
+        small = bm <= 32
+        if swap and not small or (bn == 256 or bk == 32) and small or (bn == 32 or bk == 256) and not small: continue
+        if ns == 2 and bk < 256: continue
+        nw = 4 if bm * bn * (1 + act) <= 64 * 128 else 8
+        if (bm * bk + bn * bk * (1 + act)) * 2 * ns > SMEM: continue                   # bf16 tiles per stage
+        if bm * bn * (1 + act) // (nw * 32) > 128: continue                            # fp32 accumulators per thread
+        out.append(dict(zip(KEYS, (bm, bn, bk, g, nw, ns, act, swap)), decode=None))
     return out
+
+
+def decode_stage1():
+    "Launch 1 (gate/up GEMV with SiLU-and-mul) sizes, launch 2 at its default."
+    return [{**DECODE_DEFAULT, 'BN1': bn, 'BK1': bk, 'W1': w} for bn, bk, w in
+            itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)) if bn * bk // (w * 32) <= 64]
+
+
+def decode_stage2(best1):
+    "Launch 2 (down GEMV with the weighted top-k sum) sizes, launch 1 at its best."
+    return [{**best1, 'BN2': bn, 'BK2': bk, 'W2': w, 'SPLIT2': s} for bn, bk, w, s in
+            itertools.product((4, 8, 16, 32), (128, 256), (2, 4, 8), (1, 2, 4, 8)) if bn * bk // (w * 32) <= 64]
 
 
 def problem(M, E, H, I, K, copies, device=None, dtype=None):
@@ -78,60 +107,91 @@ def _compile_worker(jobs):
     return bad
 
 
+def _row(cfg):
+    "A config as stored: grouped keys (ACT/SWAP only when on), plus `decode` where the decode path runs."
+    row = {k: v for k, v in cfg.items() if k != 'decode' and not (k in ('ACT', 'SWAP') and not v)}
+    if cfg.get('decode'): row['decode'] = dict(cfg['decode'])
+    return row
+
+
 def main():
     out_dir = C.arg('--out', '.')
     os.makedirs(out_dir, exist_ok=True)
     E, H, I, K = shape = tuple(int(v) for v in C.arg('--shape', ','.join(map(str, SHAPE))).split(','))
-    ms = [int(m) for m in C.arg('--ms', '1,16' if C.DRY else ','.join(map(str, fm.M_BUCKETS))).split(',')]
+    ms = [int(m) for m in C.arg('--ms', '1,16' if C.DRY else ','.join(map(str, MS))).split(',')]
     limit = int(C.arg('--limit', 2 if C.DRY else 0)) or None
-    budget = float(C.arg('--budget', 600))
+    budget = float(C.arg('--budget', 300))
+    t0 = time.time()
     dev_key = 'dry' if C.DRY else tuned.device_key(C.device_name())
     print(C.device_name(), torch.__version__, 'triton', triton.__version__, 'shape E,H,I,K =', shape, flush=True)
     plan = [(M, fm.get_config(M, E, H, I, K, C.DEVICE)) for M in ms]
     plan = [(M, cur, [c for c in candidates(M, E, K) if c != cur][:limit]) for M, cur in plan]
     if not C.DRY:
         jobs = [(shape, M, c) for M, cur, cs in plan for c in [cur] + cs]
-        C.precompile(_compile_worker, jobs, int(C.arg('--workers', min(12, (os.cpu_count() or 2) - 1))), timeout=budget)
+        jobs += [(shape, M, {'decode': d}) for M, _, _ in plan if M * K <= DECODE_MAX_ASSIGNMENTS
+                 for d in decode_stage1() + decode_stage2(DECODE_DEFAULT)]   # launch 2 compiles on its own
+        C.precompile(_compile_worker, jobs, int(C.arg('--workers', min(12, (os.cpu_count() or 2) - 1))),
+                     timeout=budget / 2)
     wbytes = E * 3 * H * I * torch.finfo(C.XDT).bits // 8
-    rows, best_per_bucket, t0 = [], {}, time.time()
+    rows, best_per_bucket = [], {}
     for M, cur, cs in plan:
         if time.time() - t0 > budget: print(f'budget spent: bucket {M} and later keep their configs'); break
         x, tw, ids, ws = problem(M, E, H, I, K, 1 if C.DRY else C.copies_for(wbytes))
         ref = fm.fused_moe_ref(x, *ws[0], tw, ids).float()
-        timed = []
-        for cfg in [cur] + cs:
-            try:
-                y = fm.fused_moe(x, *ws[0], tw, ids, config=cfg).float()
-                err = ((y - ref).abs().max() / ref.abs().max()).item()
-                if err > 3e-2: print('wrong result', M, cfg, f'{err:.2e}'); continue
-                if C.DRY:
-                    t = time.time(); fm.fused_moe(x, *ws[0], tw, ids, config=cfg); us = (time.time() - t) * 1e6
-                else:
-                    us = C.graph_time(lambda i: fm.fused_moe(x, *ws[i], tw, ids, config=cfg), len(ws)) * 1e6
-            except Exception as e:   # out of shared memory / registers
-                print('failed', M, cfg, repr(e)[:160]); continue
-            timed.append((us, cfg))
-            rows.append(dict(device=dev_key, E=E, H=H, I=I, K=K, M=M, bucket=fm.m_bucket(M), us=round(us, 2),
-                             current=cfg == cur, **cfg))
-        if not timed: continue
-        us_best, best = min(timed, key=lambda t: t[0])
-        us_cur = next((u for u, c in timed if c == cur), float('nan'))
-        used = min(E, M * K)   # experts a step reads (at most)
-        gbs = used / E * wbytes / (us_best * 1e-6) / 1e9
-        print(f'M={M:5d}  current {us_cur:9.1f} us  best {us_best:9.1f} us  ({gbs:7.0f} GB/s of expert weights)  {best}',
-              flush=True)
-        best_per_bucket[fm.m_bucket(M)] = best if us_best < 0.99 * us_cur else cur
+
+        def timed(cfgs, kind):
+            "(us, cfg) of each config that gives the reference's result."
+            res = []
+            for cfg in cfgs:
+                try:
+                    y = fm.fused_moe(x, *ws[0], tw, ids, config=cfg).float()
+                    err = ((y - ref).abs().max() / ref.abs().max()).item()
+                    if err > 3e-2: print('wrong result', M, cfg, f'{err:.2e}'); continue
+                    if C.DRY:
+                        t = time.time(); fm.fused_moe(x, *ws[0], tw, ids, config=cfg); us = (time.time() - t) * 1e6
+                    else:
+                        us = C.graph_time(lambda i: fm.fused_moe(x, *ws[i], tw, ids, config=cfg), len(ws)) * 1e6
+                except Exception as e:   # out of shared memory / registers
+                    print('failed', M, cfg, repr(e)[:160]); continue
+                res.append((us, cfg))
+                rows.append(dict(device=dev_key, E=E, H=H, I=I, K=K, M=M, bucket=fm.m_bucket(M), kind=kind,
+                                 us=round(us, 2), **{k: cfg.get(k) for k in KEYS}, decode=cfg.get('decode')))
+            return res
+
+        t_cur = timed([cur], 'current')
+        t_grp = timed(cs, 'grouped')
+        t_dec = []
+        if M * K <= DECODE_MAX_ASSIGNMENTS:
+            s1 = timed([{'decode': d} for d in decode_stage1()[:limit]], 'decode')
+            if s1:
+                best1 = min(s1, key=lambda t: t[0])[1]['decode']
+                t_dec = s1 + timed([{'decode': d} for d in decode_stage2(best1)[:limit]], 'decode')
+        if not (t_cur or t_grp or t_dec): continue
+        us_cur = t_cur[0][0] if t_cur else float('inf')
+        us_grp, grp = min(t_grp + t_cur, key=lambda t: t[0])
+        us_dec, dec = min(t_dec, key=lambda t: t[0]) if t_dec else (float('inf'), None)
+        best = {**grp, 'decode': dec['decode']} if us_dec < us_grp else grp
+        us_best = min(us_dec, us_grp)
+        selected = ids.unique().numel()   # experts this routing reads
+        gbs = selected / E * wbytes / (us_best * 1e-6) / 1e9
+        print(f'M={M:5d}  current {us_cur:8.1f} us  grouped {us_grp:8.1f} us  decode {us_dec:8.1f} us  '
+              f'({gbs:6.0f} GB/s of the {selected} selected experts)  {_row(best)}', flush=True)
+        if us_best < 0.99 * us_cur or not t_cur: best_per_bucket[fm.m_bucket(M)] = _row(best)
+        _write(out_dir, dev_key, shape, best_per_bucket, rows)
+
+
+def _write(out_dir, dev_key, shape, best_per_bucket, rows):
+    "The timings CSV and the device's config file with the buckets tuned so far."
     with open(os.path.join(out_dir, 'tune_fused_moe.csv'), 'w', newline='') as f:
         if rows:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader(); w.writerows(rows)
     tables = tuned.load_configs(KERNEL, dev_key)
     table = {'default': {**tables['default'], **best_per_bucket},
-             'shapes': {**tables.get('shapes', {}), **{(E, H, I, K, b): c for b, c in best_per_bucket.items()}}}
-    text = tuned.dump_configs(table)
+             'shapes': {**tables.get('shapes', {}), **{shape + (b,): c for b, c in best_per_bucket.items()}}}
     target = tuned.CONFIG_DIR / KERNEL if '--write' in sys.argv and not C.DRY else out_dir
-    with open(os.path.join(target, f'{dev_key}.json'), 'w') as f: f.write(text)
-    print('wrote', os.path.join(target, f'{dev_key}.json'))
+    with open(os.path.join(target, f'{dev_key}.json'), 'w') as f: f.write(tuned.dump_configs(table))
+    print('wrote', os.path.join(target, f'{dev_key}.json'), flush=True)
 
 
 if __name__ == '__main__':
