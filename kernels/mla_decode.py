@@ -47,9 +47,10 @@ def concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping):
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping[keep].long(), rows.to(kv_cache.dtype))
 
 
-def mla_decode_ref(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale):
+def mla_decode_ref(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale, max_seq_len: int | None = None):
     """Absorbed MLA decode in fp32: `q_nope [B, H, L]` (query already multiplied by `W_UK`), `q_pe [B, H, R]`, each
-    sequence's last query against its `seq_lens[b]` cached rows. Returns the latent output `[B, H, L]` in q's dtype."""
+    sequence's last query against its `seq_lens[b]` cached rows. Returns the latent output `[B, H, L]` in q's dtype.
+    `max_seq_len` is accepted for parity with `mla_decode` and not needed here."""
     B, H, L = q_nope.shape
     bs = kv_cache.shape[1]
     n = int(seq_lens.max()) if B else 0
