@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 
 # %% ../../nbs/50_model_runner.ipynb #f3766157
 from __future__ import annotations
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 from fastcore.basics import patch
@@ -15,7 +16,9 @@ from ..utils.context import ForwardContext, bind_kv_cache, set_forward_context
 from .request import Request
 from .scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, topk_logprobs
-from ..weights.loader import load_model, ModelSource
+from ..weights.loader import load_model, ModelSource, resolve_model_source
+from ..models.llama import LlamaForCausalLM
+from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 
 # %% auto #0
 __all__ = ['CPU_KV_CACHE_BYTES', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput', 'StepHandle']
@@ -25,7 +28,10 @@ class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
-        self.model = load_model(cfg, hf_config, src, progress)
+        self.cpu_fast = self.device.type == 'cpu' and os.environ.get('CVLLM_LAB_CPU_FAST_PATH', '1') != '0'
+        self.model = self._load(src, progress)
+        self.compute_logits, self.lm_head = self.model.compute_logits, None   # on CPU: see setup_cpu
+        if self.cpu_fast: self.setup_cpu()
         self.sampler = Sampler()
         self.block_size = cfg.block_size
         self.num_blocks = self.determine_num_blocks()
@@ -53,6 +59,26 @@ class ModelRunner:
         es = torch.tensor([], dtype=self.cfg.kv_cache_torch_dtype).element_size()
         scale = 4 if self.fp8_kv else 0
         return sum(2 * self.block_size * a.num_kv_heads * (a.head_dim * es + scale) for a in self.model.attention_layers())
+
+# %% ../../nbs/50_model_runner.ipynb #633fc49d
+@patch
+def _load(self: ModelRunner, src: ModelSource | None, progress: bool = True) -> torch.nn.Module:
+    "The model on `cfg.device`; on the CPU fast path a GGUF keeps its linears quantized (`self.gguf` says so)."
+    cfg, self.gguf = self.cfg, False
+    if self.cpu_fast and cfg.load_format != 'dummy' and cfg.quantization in (None, 'gguf'):
+        src = src or resolve_model_source(cfg.model)
+        if src.is_gguf: cfg, self.gguf = replace(cfg, quantization='gguf'), True
+    return load_model(cfg, self.hf_config, src, progress)
+
+@patch
+def setup_cpu(self: ModelRunner):
+    "Threads from the cores we may use, the CPU layers of notebook 42, and a GGUF model's LM head as q8_0 in int4 halves."
+    if 'OMP_NUM_THREADS' not in os.environ: torch.set_num_threads(cpu_threads())
+    self.cpu_layers = cpu_fast_path(self.model)
+    m = self.model
+    if self.gguf and isinstance(m, LlamaForCausalLM) and type(m).compute_logits is LlamaForCausalLM.compute_logits:
+        w = m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        if CPUInt4Linear.fits(*w.shape): self.lm_head = self.compute_logits = CPUInt4Linear.from_int8_blocks(w.float())
 
 # %% ../../nbs/50_model_runner.ipynb #245dafdb
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -89,7 +115,7 @@ def profile_run(self: ModelRunner):
                          torch.arange(nb, dtype=torch.int32, device=self.device)[None], T, T)
     with set_forward_context(ctx):
         h = self.model(torch.zeros(T, dtype=torch.long, device=self.device), torch.arange(T, device=self.device))
-        self.model.compute_logits(h[:min(T, self.cfg.max_num_seqs)])
+        self.compute_logits(h[:min(T, self.cfg.max_num_seqs)])
     for a in self.model.attention_layers(): a.kv_cache = a.kv_scale = None
     torch.cuda.synchronize()
 
@@ -201,7 +227,7 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
         with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
     sample_rows, sample_reqs = b.sample_rows, b.sample_reqs
     if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
-        tokens = self.sampler.sample_tokens(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+        tokens = self.sampler.sample_tokens(self.compute_logits(hidden[sample_rows]), sample_reqs)
         if not self.tok_host: return StepHandle(sample_reqs, tokens)
         host = self.tok_host[self.tok_i]; self.tok_i ^= 1
         host[:len(sample_reqs)].copy_(tokens, non_blocking=True)
@@ -209,11 +235,11 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
         return StepHandle(sample_reqs, tokens, host, ev)
     out = ModelRunnerOutput()
     for r, rows, targets in b.prompt_logprobs:
-        lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
+        lp = torch.log_softmax(self.compute_logits(hidden[rows]).float(), -1)
         out.prompt_logprobs[r.request_id] = topk_logprobs(lp, torch.tensor(targets, device=lp.device),
                                                           r.sampling_params.prompt_logprobs)
     if sample_reqs:
-        s = self.sampler(self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+        s = self.sampler(self.compute_logits(hidden[sample_rows]), sample_reqs)
         for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
             out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp
     return StepHandle(sample_reqs, output=out)
