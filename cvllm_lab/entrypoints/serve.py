@@ -24,8 +24,10 @@ __all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides
 # %% ../../nbs/78_serve.ipynb #a1b9ea84
 def make_parser() -> argparse.ArgumentParser:
     "The command line: vLLM's long flag names, candle-vllm's short names as aliases."
+    from cvllm_lab.models.registry import supported_architectures
     p = argparse.ArgumentParser(prog='cvllm-serve', allow_abbrev=False,
-                                description="OpenAI-compatible server for cvllm_lab (embedded SmolLM2-135M-Instruct by default).")
+                                description="OpenAI-compatible server for cvllm_lab (embedded SmolLM2-135M-Instruct by default).",
+                                epilog="Supported architectures: " + ", ".join(supported_architectures()))
     g = p.add_argument_group('model')
     g.add_argument('--model', '--m', dest='model', help="HF model folder or .gguf file (local paths only; default: the embedded model)")
     g.add_argument('--w', dest='weights', help="candle-vllm: weights folder (with --f: the GGUF file in it)")
