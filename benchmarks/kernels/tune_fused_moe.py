@@ -18,8 +18,8 @@ Routing is random (softmax top-K of random logits), as in a dummy-weight benchma
 `fused_moe` (alignment, both GEMMs, activation, the per-token sum; or the two GEMVs), is checked against the
 loop-over-experts reference (max relative error < 3e-2), and is timed in a CUDA graph over rotating copies of the
 expert weights (each call reads its experts from HBM, `common.graph_time`). Grouped candidates are compiled first
-by parallel workers. `--budget` (seconds, default 300) bounds the whole run (compilation gets at most half);
-buckets not reached keep their config.
+by parallel workers. `--budget` (seconds, default 300) bounds the whole run (compilation gets at most half; a bucket under way
+stops at 1.2 x the budget with the best of what it timed); buckets not reached keep their config.
 
 Written to `--out` (default `.`) after every bucket, so a run cut short keeps what it finished:
 `tune_fused_moe.csv` (every timing) and `<device>.json`, holding the `default` table (bucket -> fastest config; a
@@ -143,6 +143,7 @@ def main():
             "(us, cfg) of each config that gives the reference's result."
             res = []
             for cfg in cfgs:
+                if time.time() - t0 > budget * 1.2: print(f'budget spent inside bucket {M}'); break
                 try:
                     y = fm.fused_moe(x, *ws[0], tw, ids, config=cfg).float()
                     err = ((y - ref).abs().max() / ref.abs().max()).item()
