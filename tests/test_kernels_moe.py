@@ -287,12 +287,15 @@ def test_fused_moe_qwen3_30b_a3b_shape(T):
 @cuda
 @pytest.mark.parametrize('T', [1, 8192])
 def test_fused_topk_qwen3_30b_a3b_shape(T):
-    "The one-launch router on bf16 logits of 128 experts, top-8 renormalized, against the PyTorch ops."
-    logits = torch.randn(T, 128, device='cuda', dtype=torch.bfloat16) * 2
-    ref_w, ref_ids = fm.select_experts(logits, 8, True, use_kernel=False)
-    w, ids = fm.select_experts(logits, 8, True)
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    "The one-launch router on fp32 and bf16 logits of 128 experts, top-8 renormalized, against the PyTorch ops."
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(T, 128, device='cuda') * 2).to(dtype)
+        ref_w, ref_ids = fm.select_experts(logits, 8, True, use_kernel=False)
+        w, ids = fm.select_experts(logits, 8, True)
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+        probs = torch.softmax(logits.float(), -1)      # bf16 logits tie; the picks' probabilities must agree
+        torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()), rtol=0, atol=0)
+        if dtype == torch.float32: assert torch.equal(ids, ref_ids)
 
 
 @cuda
