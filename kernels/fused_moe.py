@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.activation import silu_and_mul
+from cvllm_lab.kernels.fused_moe_align import moe_align_block_size_grid
 from cvllm_lab.kernels.fused_moe_decode import fused_moe_decode
 from cvllm_lab.kernels.fused_moe_router import FUSED_TOPK_MAX_EXPERTS, fused_topk
 from cvllm_lab.kernels.tuned import configs_for
@@ -189,13 +190,14 @@ def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
     Returns `sorted_token_ids` int32 `[EM]` (assignment indices `t * k + j` in token order within an expert,
     sentinel `T*k` for padding and the unused tail), `expert_ids` int32 `[EM // block_m]` (-1 past the real blocks)
     and `num_tokens_post_padded` int32 `[1]`; no host synchronization. Up to `ALIGN_ONE_PROGRAM_MAX` assignments
-    (decode) one Triton program does it in one launch; above, the device-wide ops of `moe_align_block_size_ref`
-    (the same result), since the single program walks the assignments serially."""
+    (decode) one Triton program does it in one launch; above, three launches over chunks of assignments
+    (`fused_moe_align`; the same result), since the single program walks the assignments serially."""
     n = topk_ids.numel()
-    if n > ALIGN_ONE_PROGRAM_MAX or n == 0: return moe_align_block_size_ref(topk_ids, block_m, num_experts)
+    if n == 0: return moe_align_block_size_ref(topk_ids, block_m, num_experts)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous(): ids = ids.contiguous()
     em = _align_sizes(n, block_m, num_experts)
+    if n > ALIGN_ONE_PROGRAM_MAX: return moe_align_block_size_grid(ids, em, block_m, num_experts)
     sorted_ids = torch.empty(em, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(em // block_m, dtype=torch.int32, device=ids.device)
     ntpp = torch.empty(1, dtype=torch.int32, device=ids.device)

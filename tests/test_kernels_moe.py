@@ -170,15 +170,18 @@ def test_fused_moe_fp8_experts():
 
 # ------------------------------------------------------------------------------------------------ alignment
 
-@pytest.mark.parametrize('impl', ['triton', 'torch'])
+@pytest.mark.parametrize('impl', ['one_program', 'grid', 'torch'])
 @pytest.mark.parametrize('T,E,k,block_m', [(1, 8, 2, 16), (17, 8, 2, 16), (50, 16, 4, 16), (33, 8, 2, 4),
-                                           (1, 128, 8, 16), (300, 128, 8, 64), (40, 200, 6, 16)])
+                                           (1, 128, 8, 16), (300, 128, 8, 64), (40, 200, 6, 16), (700, 16, 4, 32),
+                                           (4100, 8, 4, 16)])
 def test_moe_align_block_size_invariants(T, E, k, block_m, impl, monkeypatch):
+    "One program (decode sizes), three launches over chunks (many assignments) and the PyTorch ops agree exactly."
     g = torch.Generator().manual_seed(T + E)
     ids = torch.randn(T, E, generator=g).topk(k, dim=-1).indices.to(torch.int32).to(DEV)
-    monkeypatch.setattr(fm, 'ALIGN_ONE_PROGRAM_MAX', 1 << 30 if impl == 'triton' else 0)
-    sorted_ids, expert_ids, ntpp = fm.moe_align_block_size(ids, block_m, E)
-    if impl == 'triton':   # the one-program kernel gives exactly the device-wide ops' result
+    monkeypatch.setattr(fm, 'ALIGN_ONE_PROGRAM_MAX', 1 << 30 if impl == 'one_program' else 0)
+    align = fm.moe_align_block_size_ref if impl == 'torch' else fm.moe_align_block_size
+    sorted_ids, expert_ids, ntpp = align(ids, block_m, E)
+    if impl != 'torch':   # the kernels give exactly the device-wide ops' result
         for a, b in zip((sorted_ids, expert_ids, ntpp), fm.moe_align_block_size_ref(ids.long(), block_m, E)):
             assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
     sorted_ids, expert_ids, ntpp, ids = sorted_ids.cpu(), expert_ids.cpu(), ntpp.cpu(), ids.cpu()
@@ -317,3 +320,12 @@ def test_fused_moe_decode_in_cuda_graph():
         g.replay(); torch.cuda.synchronize()
         tw, ids = fm.select_experts(logits, k, True, use_kernel=False)
         assert rel_err(out, fm.fused_moe_ref(x, w13, w2, tw, ids)) < TOL[torch.bfloat16]
+
+
+@cuda
+@pytest.mark.parametrize('T,block_m', [(256, 32), (8192, 64), (8192, 128)])
+def test_moe_align_grid_real_sizes(T, block_m):
+    "The three-launch alignment at a batch-256 decode step and a prefill chunk equals the PyTorch ops exactly."
+    ids = torch.randn(T, 128, device='cuda').topk(8, dim=-1).indices.to(torch.int32)
+    for a, b in zip(fm.moe_align_block_size(ids, block_m, 128), fm.moe_align_block_size_ref(ids, block_m, 128)):
+        assert torch.equal(a, b)
