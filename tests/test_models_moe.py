@@ -24,6 +24,15 @@ def bench_model_dir(shrink: dict | None = None) -> Path:
     return d
 
 
+def tiny_tokenizer(vocab_size: int):
+    "A word-level tokenizer over `vocab_size` ids (`<unk>`, `w1`, `w2`, ...), built offline: no model download."
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({'<unk>': 0, **{f'w{i}': i for i in range(1, vocab_size)}}, unk_token='<unk>'))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token='<unk>')
+
+
 SHRINK = dict(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, intermediate_size=96, num_experts=16,
               vocab_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
@@ -49,6 +58,18 @@ def test_bench_shape_builds_with_dummy_weights():
     assert together == [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
+def test_tiny_tokenizer_through_the_engine():
+    "The offline tokenizer saved beside a shrunken model: text prompts encode to its ids and outputs decode back."
+    d = bench_model_dir(SHRINK)
+    tiny_tokenizer(SHRINK['vocab_size']).save_pretrained(d)
+    llm = LLM(str(d), load_format='dummy', dtype='float32', progress=False, max_model_len=64,
+              kv_cache_memory=4 << 20, block_size=4)
+    out = llm.generate(['w5 w17 w600'], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [5, 17, 0]
+    ids = out.outputs[0].token_ids
+    assert len(ids) == 4 and out.outputs[0].text.split() == [('<unk>' if i == 0 else f'w{i}') for i in ids]
+
+
 def test_bench_shape_config_is_the_real_one():
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(bench_model_dir())
@@ -66,8 +87,6 @@ def test_qwen3_moe_fused_kernel_through_engine(quantization):
     """A tiny random Qwen3-MoE on CUDA (Triton attention, fused MoE kernel, CUDA graphs) in fp32 against
     `transformers` on the CPU: prompt log-probs and 12 greedy tokens (FP8 in bf16: top-1 agreement)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from cvllm_lab.config import default_model_path
-    from cvllm_lab.tokenizer import load_tokenizer
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=128,
                          num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=256,
@@ -80,8 +99,7 @@ def test_qwen3_moe_fused_kernel_through_engine(quantization):
             elif 'gate.weight' in n: p.normal_(0, 0.3)
     d = Path(tempfile.mkdtemp())
     hf.save_pretrained(d)
-    gg = default_model_path()
-    load_tokenizer(gg.parent, gg.name).save_pretrained(d)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(d)
     llm = LLM(str(d), device='cuda', dtype='float32' if quantization is None else 'bfloat16', progress=False,
               quantization=quantization, block_size=16, prefill_chunk_size=16, max_num_batched_tokens=32,
               kv_cache_memory=64 << 20, max_num_seqs=8)
