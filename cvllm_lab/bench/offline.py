@@ -11,7 +11,7 @@ import torch
 from ..sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['device_name', 'git_commit', 'bench_offline']
+__all__ = ['device_name', 'git_commit', 'bench_offline', 'bench_llamacpp']
 
 # %% ../../nbs/60_bench_offline.ipynb #afb80d65
 def device_name(device: str) -> str:
@@ -64,3 +64,27 @@ def bench_offline(llm, batch_size: int, prompt_len: int, output_len: int, runs: 
                 batch_size=B, prompt_len=P, output_len=O, runs=runs,
                 prefill_tok_s=B * P / t1, decode_tok_s=B * (O - 1) / decode_time,
                 ttft_ms=1000 * t1, ms_per_step=1000 * decode_time / (O - 1), e2e_s=tO)
+
+# %% ../../nbs/60_bench_offline.ipynb #124d242a
+def bench_llamacpp(path, batch_size: int, prompt_len: int, output_len: int, threads: int, runs: int = 3, seed: int = 0) -> dict:
+    "llama.cpp's prefill and batch-1 decode tok/s on the GGUF at `path` with `threads` threads (needs `llama_cpp`)."
+    import numpy as np
+    from llama_cpp import Llama
+    if batch_size != 1: raise ValueError("llama-cpp-python runs one sequence: batch_size must be 1")
+    P, O = prompt_len, output_len
+    n = -(-(P + O + 8) // 512) * 512     # its logits buffer holds n_batch rows: a whole run fits in one
+    llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n, n_batch=n, verbose=False)
+    rng = np.random.default_rng(seed)
+    def run(o):
+        llm.reset()
+        t0 = time.perf_counter(); llm.eval(rng.integers(10, llm.n_vocab(), P).tolist()); t1 = time.perf_counter()
+        for _ in range(o - 1): llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return t1 - t0, time.perf_counter() - t1
+    run(min(O, 8))                                                      # warm-up
+    pre, dec = zip(*(run(O) for _ in range(runs)))
+    tp, td = statistics.median(pre), statistics.median(dec)
+    import llama_cpp
+    return dict(device_name=device_name('cpu'), commit=git_commit(), model=os.path.basename(str(path)),
+                dtype=f'llama.cpp {llama_cpp.__version__}', attention_backend='llama.cpp', batch_size=1, prompt_len=P,
+                output_len=O, runs=runs, prefill_tok_s=P / tp, decode_tok_s=(O - 1) / td if O > 1 else float('nan'),
+                ttft_ms=1000 * tp, ms_per_step=1000 * td / max(O - 1, 1), e2e_s=tp + td)

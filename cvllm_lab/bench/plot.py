@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/bench_plot.html.md"""
 
 # %% ../../nbs/63_bench_plot.ipynb #9efc9327
 from __future__ import annotations
+import json
 from pathlib import Path
 import pandas as pd
 import matplotlib
@@ -13,7 +14,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
 # %% auto #0
-__all__ = ['gpu_kind', 'load_reference', 'plot_decode', 'plot_formats', 'plot_sweep']
+__all__ = ['gpu_kind', 'load_reference', 'plot_decode', 'plot_formats', 'plot_vs_llamacpp', 'plot_sweep']
 
 # %% ../../nbs/63_bench_plot.ipynb #e6b7176e
 _CANDLE_MODEL = {'Llama-3-8B': 'LLaMA', 'Mistral-7B': 'Mistral', 'Qwen3-8B': 'Qwen2/Qwen3 dense'}
@@ -36,6 +37,7 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
     "One panel per model shape: decode tok/s vs batch size, ours vs vLLM vs candle-vllm vs roofline."
     res = results[(results.error.fillna('') == '') & (results.quant == quant)]
     precision = 'bf16' if quant == 'none' else quant     # the reference tables' name for the weight format
+    ran = str(res.dtype.iloc[0]) if quant == 'none' and len(res) and 'dtype' in res else precision   # the title says what ran
     gpu = gpu_kind(res.device_name.iloc[0]) if len(res) else '?'
     vllm, candle = load_reference(ref_dir, gpu)
     shapes = list(dict.fromkeys(res['shape']))
@@ -50,7 +52,7 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
         c = candle[(candle.model == _CANDLE_MODEL.get(shape, shape)) & (candle.precision == precision)]
         if len(c): ax.plot(c.batch, c.tok_s, 'D', ms=8, label='candle-vllm (documented, Hopper)')
         ax.set_xscale('log', base=2); ax.set_yscale('log')
-        ax.set_xlabel('batch size'); ax.set_ylabel('decode tok/s'); ax.set_title(f'{shape} {precision} on {gpu}')
+        ax.set_xlabel('batch size'); ax.set_ylabel('decode tok/s'); ax.set_title(f'{shape} {ran} on {gpu}')
         ax.grid(True, which='both', alpha=.3); ax.legend(fontsize=8)
     fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
     return out
@@ -88,7 +90,32 @@ def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = '
     fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
     return out
 
+def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
+    "Bars per point (decode for each batch size, prefill for each prompt length): ours and llama.cpp's, naming the CPU."
+    res = results[results.error.fillna('') == '']
+    labels, ours, theirs = [], [], []
+    for (B, P, O), g in res.groupby(['batch_size', 'prompt_len', 'output_len'], sort=False):
+        pick = lambda q, col: g[g.quant == q][col].max() if (g.quant == q).any() else float('nan')
+        us = g[g.quant != 'llama.cpp']
+        if O >= 64:
+            labels.append(f'decode, {B} seq{"s" if B > 1 else ""}\n{P} -> {O} tokens')
+            ours.append(us.decode_tok_s.max()); theirs.append(pick('llama.cpp', 'decode_tok_s'))
+        else:
+            labels.append(f'prefill\n{P} tokens'); ours.append(us.prefill_tok_s.max()); theirs.append(pick('llama.cpp', 'prefill_tok_s'))
+    x = range(len(labels))
+    fig, ax = plt.subplots(figsize=(2.2 * len(labels) + 3, 4.5))
+    b1 = ax.bar([i - .2 for i in x], ours, .4, label='cvllm_lab (CPU fast path)')
+    b2 = ax.bar([i + .2 for i in x], theirs, .4, label='llama.cpp (llama-cpp-python, batch 1)')
+    for bars in (b1, b2): ax.bar_label(bars, fmt='%.0f', fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8); ax.set_ylabel('tok/s (decode: all sequences together)')
+    thr = json.loads(res[res.quant == 'llama.cpp'].config.iloc[0]).get('threads') if (res.quant == 'llama.cpp').any() else None
+    ax.set_title(f"{res['shape'].iloc[0]} on {res.device_name.iloc[0]}" + (f', {thr} threads' if thr else ''), fontsize=10)
+    ax.legend(fontsize=8); ax.grid(True, axis='y', alpha=.3)
+    fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
+    return out
+
 def plot_sweep(results: pd.DataFrame, ref_dir: Path, out: Path) -> Path:
-    "The plot that fits a sweep: formats side by side when it has several, else `plot_decode`."
+    "The plot that fits a sweep: ours against llama.cpp, formats side by side when it has several, else `plot_decode`."
+    if (results.quant == 'llama.cpp').any(): return plot_vs_llamacpp(results, out)
     q = results.quant.dropna().unique()
     return plot_formats(results, ref_dir, out, results['shape'].iloc[0]) if len(q) > 1 else plot_decode(results, ref_dir, out, q[0] if len(q) else 'none')

@@ -6,15 +6,16 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/bench_sweep.html.md"""
 
 # %% ../../nbs/61_bench_sweep.ipynb #f113e1cb
 from __future__ import annotations
-import itertools, json, time, traceback
+import importlib.util, itertools, json, os, time, traceback
 from pathlib import Path
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from .offline import bench_offline, device_name, git_commit
+from .offline import bench_offline, bench_llamacpp, device_name, git_commit
 
 # %% auto #0
-__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'roofline', 'run_sweep']
+__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'roofline', 'run_sweep', 'param_count', 'available_memory',
+           'check_memory', 'llamacpp_rows']
 
 # %% ../../nbs/61_bench_sweep.ipynb #e2b92cf5
 def measure_read_bandwidth(device: str, gib: float = 4.0, iters: int = 10) -> float:
@@ -65,11 +66,14 @@ def _load_group_cfg(conf_dir: Path, group: str, name: str | None, default: dict)
 
 def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
     """Bytes read per decode step, and the tok/s that the measured bandwidth allows. An embedding table that is not
-    also the LM head is gathered, not streamed: a step reads B of its rows."""
+    also the LM head (or whose LM head is a separate CPU copy, `runner.lm_head`) is gathered, not streamed: a step
+    reads B of its rows."""
     model = llm.engine.runner.model
     ts = {t.data_ptr(): t for t in model.state_dict().values()}   # parameters + persistent buffers (quantized weights), tied ones once
     wbytes = sum(t.numel() * t.element_size() for t in ts.values())
-    gathered = 0 if getattr(model, 'tie_word_embeddings', False) else sum(
+    head = getattr(llm.engine.runner, 'lm_head', None)   # the CPU fast path's own LM head: the table is only gathered
+    if head is not None: wbytes += head.weight_bytes()
+    gathered = 0 if getattr(model, 'tie_word_embeddings', False) and head is None else sum(
         m.weight.numel() * m.weight.element_size() * (1 - B / m.num_embeddings)
         for m in model.modules() if isinstance(m, torch.nn.Embedding))
     kv_tok = llm.engine.runner.bytes_per_block / llm.engine.cfg.block_size
@@ -92,6 +96,7 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
                    prompt_len=p['prompt_len'], output_len=p['output_len'], error='')
         try:
             k = (mcfg['name'], qcfg['name'], acfg['backend'])
+            if k != key: check_memory(mcfg, cfg['engine'])
             if k != key:
                 llm = key = None
                 if torch.cuda.is_available(): torch.cuda.empty_cache()
@@ -112,4 +117,51 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             pd.DataFrame([row]).to_csv(out, mode='a', header=not out.exists(), index=False)
+    if (cfg.get('sweep') or {}).get('llamacpp'): rows += llamacpp_rows(cfg, pts, conf_dir, out, sweep_name, progress)
     return pd.DataFrame(rows)
+
+# %% ../../nbs/61_bench_sweep.ipynb #46a6fdb5
+def param_count(hf: dict) -> int:
+    "Weights of a Llama-shaped model from its HF config dict (embeddings, attention, MLP; norms left out)."
+    h, L, V, I = hf['hidden_size'], hf['num_hidden_layers'], hf['vocab_size'], hf['intermediate_size']
+    H = hf['num_attention_heads']; Hkv = hf.get('num_key_value_heads') or H; D = hf.get('head_dim') or h // H
+    return V * h * (1 if hf.get('tie_word_embeddings') else 2) + L * (h * D * (2 * H + 2 * Hkv) + 3 * h * I)
+
+def available_memory() -> int:
+    "Bytes of memory available now (`MemAvailable`)."
+    try:
+        for line in open('/proc/meminfo'):
+            if line.startswith('MemAvailable:'): return int(line.split()[1]) * 1024
+    except OSError: pass
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
+
+def check_memory(mcfg: dict, engine: dict):
+    "On CPU, refuse (MemoryError) a dummy-weight model whose weights would not fit in the memory available."
+    dev = engine.get('device') or 'auto'
+    if (dev == 'auto' and torch.cuda.is_available()) or str(dev).startswith('cuda') or not mcfg.get('hf_config') or mcfg.get('path'): return
+    from cvllm_lab.config import resolve_dtype
+    need = param_count(mcfg['hf_config']) * resolve_dtype(engine.get('dtype') or 'auto', 'cpu').itemsize
+    have = available_memory()
+    if need > have: raise MemoryError(f"{mcfg['name']} on CPU needs ~{need / 2**30:.1f} GiB for its weights and "
+                                      f"{have / 2**30:.1f} GiB are available: run it on a GPU")
+
+# %% ../../nbs/61_bench_sweep.ipynb #3af766b7
+def llamacpp_rows(cfg: dict, pts: list[dict], conf_dir: Path, out: Path | None, sweep_name: str, progress: bool = True) -> list[dict]:
+    "llama.cpp's rows for the batch-1 GGUF points of a sweep (appended to `out`)."
+    rows = []
+    for p in pts:
+        mcfg = _load_group_cfg(conf_dir, 'model', p['model'], cfg['model'])
+        if p['batch_size'] != 1 or not str(model_dir(mcfg)).endswith('.gguf'): continue
+        row = dict(sweep=sweep_name, shape=mcfg['name'], quant='llama.cpp', batch_size=1, prompt_len=p['prompt_len'],
+                   output_len=p['output_len'], error='')
+        if importlib.util.find_spec('llama_cpp') is None:
+            row.update(error="llama_cpp not installed: pip install -e '.[llamacpp]'", commit=git_commit())
+        else:
+            try: row.update(bench_llamacpp(model_dir(mcfg), 1, p['prompt_len'], p['output_len'], torch.get_num_threads(), cfg.get('runs', 3)))
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {e}".splitlines()[0][:300], commit=git_commit())
+                if progress: traceback.print_exc()
+        row['config'] = json.dumps(dict(point=p, threads=torch.get_num_threads()), default=str)
+        rows.append(row)
+        if out is not None: pd.DataFrame([row]).to_csv(out, mode='a', header=not out.exists(), index=False)
+    return rows
