@@ -21,6 +21,8 @@ of latent rows is read once for all of them, and splits a sequence's keys over `
 | `_mla_merge_kernel` (num_splits > 1) | `(num_seqs, H)` | `out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s` |
 
 Grids depend only on `num_seqs`, `H` and the `max_seq_len` bound, so the launches can be captured in CUDA graphs.
+Launch configs (tile, warps, stages, split policy) per batch bucket are data: `configs/mla_decode/<device>.json`,
+written by `benchmarks/kernels/tune_mla_decode.py`.
 """
 import functools
 import math
@@ -30,10 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ['concat_and_cache_mla', 'concat_and_cache_mla_ref', 'mla_decode', 'mla_decode_ref', 'MIN_KEYS_PER_SPLIT']
+from cvllm_lab.kernels.tuned import configs_for
+
+__all__ = ['concat_and_cache_mla', 'concat_and_cache_mla_ref', 'mla_decode', 'mla_decode_ref', 'decode_config']
 
 _INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
-MIN_KEYS_PER_SPLIT = 256   # as paged_attention: a decode whose max_seq_len bound is at most this runs one split
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,18 +190,30 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(q, num_seqs, head_blocks, max_seq_len, max_splits=32):
-    "About four waves of programs, each covering >= MIN_KEYS_PER_SPLIT keys."
+def decode_config(num_seqs: int, device: torch.device) -> dict:
+    """The launch config of `mla_decode` for `num_seqs` sequences: the `decode` table's entry of the largest
+    bucket <= num_seqs in `configs/mla_decode/<device>.json` (`interpret` under the Triton interpreter). Fields:
+    `tile_n` keys per loop step, `num_warps`, `num_stages`, and the split-KV policy `min_keys` (keys per split at
+    least, counted against the `max_seq_len` bound) and `waves` (programs aimed at, in multiples of the SMs)."""
+    T = configs_for('mla_decode', device)
+    if _INTERPRET or device.type != 'cuda': return T['interpret']
+    table = T['decode']
+    return table[max([b for b in table if b <= num_seqs], default=min(table))]
+
+
+def _num_splits(q, num_seqs, head_blocks, max_seq_len, cfg, max_splits=32):
+    "About `waves` waves of programs, each covering >= `min_keys` keys of the `max_seq_len` bound."
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 8
-    want = triton.cdiv(4 * sms, max(1, num_seqs * head_blocks))
-    return max(1, min(want, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), max_splits))
+    want = triton.cdiv(cfg['waves'] * sms, max(1, num_seqs * head_blocks))
+    return max(1, min(want, triton.cdiv(max_seq_len, cfg['min_keys']), max_splits))
 
 
 def mla_decode(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale, max_seq_len: int | None = None,
-               num_kv_splits: int | None = None, out=None):
+               num_kv_splits: int | None = None, out=None, config: dict | None = None):
     """Triton `mla_decode_ref`: `q_nope [B, H, L]`, `q_pe [B, H, R]` (last dims contiguous), `kv_cache
     [num_blocks, block_size, L + R]` of q's dtype -> `[B, H, L]`. `max_seq_len` (an upper bound, read on the host;
-    computed with a sync when None) sets the number of KV splits; `num_kv_splits` overrides it."""
+    computed with a sync when None) sets the number of KV splits; `num_kv_splits` overrides it, `config` the tuned
+    launch config (`decode_config`)."""
     B, H, L = q_nope.shape
     R = q_pe.shape[-1]
     _, page, W = kv_cache.shape
@@ -206,13 +221,14 @@ def mla_decode(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale, max_seq_le
     if out is None: out = torch.empty(B, H, L, dtype=q_nope.dtype, device=q_nope.device)
     if B == 0: return out
     if max_seq_len is None: max_seq_len = int(seq_lens.max())
+    cfg = config or decode_config(B, q_nope.device)
     fp32 = q_nope.dtype == torch.float32
     dot_f32 = _INTERPRET and q_nope.dtype == torch.bfloat16   # the interpreter mis-multiplies bf16 dots
     block_h = 16 if H <= 16 or fp32 else 32
     head_blocks = triton.cdiv(H, block_h)
     block_l = triton.next_power_of_2(L)
-    splits = num_kv_splits or _num_splits(q_nope, B, head_blocks, max_seq_len)
-    tile_n = 16 if fp32 or block_l > 512 else 32
+    splits = num_kv_splits or _num_splits(q_nope, B, head_blocks, max_seq_len, cfg)
+    tile_n = min(cfg['tile_n'], 16) if fp32 or block_l > 512 else cfg['tile_n']   # fp32 tiles: registers
     if splits > 1:
         part_m = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)
         part_l = torch.empty_like(part_m)
@@ -225,7 +241,8 @@ def mla_decode(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale, max_seq_le
         out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, TILE_N=tile_n,
         SPLIT=splits > 1, PRECISION='ieee' if fp32 or dot_f32 else 'tf32', DOT_F32=dot_f32,
-        num_warps=4 if block_h * block_l <= 8192 else 8, num_stages=2)
+        num_warps=cfg['num_warps'] if block_h * block_l <= 8192 else max(8, cfg['num_warps']),
+        num_stages=cfg['num_stages'])
     if splits > 1:
         _mla_merge_kernel[(B, H)](out, part_acc, part_m, part_l, H, L, splits, out.stride(0), out.stride(1),
                                   SPLITS_P=triton.next_power_of_2(splits), BLOCK_L=block_l, num_warps=4)

@@ -1,4 +1,4 @@
-"""DeepSeek V2/V3's attention over a paged latent cache: hidden -> q (optionally through a q LoRA) and one compressed row per token, `[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, written to the cache by slot mapping -> prefill and mixed steps decompress K/V from the cached rows of their blocks through `kv_b_proj` and run paged attention; decode steps fold `W_UK` into the query, attend over the latent rows only (`kernels.mla_decode`) and apply `W_UV` after -> `o_proj`.
+"""DeepSeek V2/V3's attention over a paged latent cache: hidden -> q (optionally through a q LoRA) and one compressed row per token, `[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, written to the cache by slot mapping -> prefill rows decompress K/V from the cached rows of their sequences' blocks through `kv_b_proj` and run paged attention; decode rows (of decode and mixed steps) fold `W_UK` into the query, attend over the latent rows only (`kernels.mla_decode`) and apply `W_UV` after -> `o_proj`.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/mla.html.md"""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from ..utils.context import get_forward_context
+from ..utils.context import ForwardContext, get_forward_context
 from .basic import Linear, RMSNorm
 from .rotary import RotaryEmbedding, rope_parameters
 
@@ -95,8 +95,9 @@ def project(self: MLAAttention, positions, h):
     else: q, latent = self.q_proj(h), self.kv_a_proj_with_mqa(h)
     q = q.view(T, H, P + R)
     kv_c = self.kv_a_layernorm(latent[:, :L])
-    q_pe, k_pe = self.rotary_emb(positions, q[..., P:], latent[:, L:])   # CUDA: in place; CPU: rotated copies
-    q = torch.cat([q[..., :P], q_pe.view(T, H, R)], -1)
+    q_rot = q[..., P:]
+    q_pe, k_pe = self.rotary_emb(positions, q_rot, latent[:, L:])   # CUDA: in place; CPU: rotated copies
+    if q_pe is not q_rot: q = torch.cat([q[..., :P], q_pe.view(T, H, R)], -1)
     return q, kv_c, k_pe.view(T, R)
 
 @patch
@@ -111,10 +112,10 @@ def w_kv_b(self: MLAAttention, dtype) -> torch.Tensor:
 
 # %% ../../nbs/26_mla.ipynb #ad244ee7
 @patch
-def forward_decompressed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
+def forward_decompressed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
     """Attention of `q [T, H, P + R]` (any batch: prefill chunks, cached prefixes, decode rows) over K/V decompressed
-    from the cached latents of the blocks this step reads; returns `[T, H, V]`."""
-    ctx = get_forward_context()
+    from the cached latents of the blocks the batch of `ctx` (default: the step's) reads; returns `[T, H, V]`."""
+    ctx = ctx or get_forward_context()
     H, P, R, V, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     bs = self.kv_cache.shape[1]
     bt = ctx.block_tables[:, :-(-ctx.max_seq_len // bs)]
@@ -132,10 +133,11 @@ def forward_decompressed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
 
 # %% ../../nbs/26_mla.ipynb #c6bc319d
 @patch
-def forward_absorbed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
-    """Decode (one query per sequence) reading only the latent rows: `q_nope W_UK` per head, attention over the
-    cache as multi-query attention with key `[c | k_pe]` and value `c`, then `W_UV`; returns `[B, H, V]`."""
-    ctx = get_forward_context()
+def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    """Decode (one query per sequence of `ctx`, default: the step's) reading only the latent rows: `q_nope W_UK`
+    for all heads in one batched matmul, attention over the cache as multi-query attention with key `[c | k_pe]`
+    and value `c`, then `W_UV`; returns `[B, H, V]`."""
+    ctx = ctx or get_forward_context()
     P, V = self.qk_nope_head_dim, self.v_head_dim
     w = self.w_kv_b(q.dtype)
     w_uk, w_uv = w[:, :P], w[:, P:]                                                  # [H, P, L], [H, V, L]
@@ -145,9 +147,33 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [B, H, V]
 
 @patch
+def forward_mixed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
+    """A step with prefill rows: its one-query sequences (decodes) take the absorbed path, the others are
+    decompressed from their own blocks only; returns `[T, H, V]`. Reads the query lengths on the host (one sync;
+    the decompressed path's `torch.unique` syncs anyway)."""
+    ctx = get_forward_context()
+    qsl = ctx.query_start_loc.tolist()
+    n = [b - a for a, b in zip(qsl, qsl[1:])]
+    dec = [i for i, k in enumerate(n) if k == 1]
+    if not dec: return self.forward_decompressed(q)
+    pre = [i for i, k in enumerate(n) if k > 1]
+    o = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+    t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=q.device)
+    sub = lambda seqs, sub_qsl, max_q: ForwardContext(ctx.slot_mapping, t(sub_qsl, torch.int32), ctx.seq_lens[seqs],
+                                                      ctx.block_tables[seqs], max_q, ctx.max_seq_len)   # the step's bound
+    d_rows = t([qsl[i] for i in dec])
+    o[d_rows] = self.forward_absorbed(q[d_rows], sub(t(dec), list(range(len(dec) + 1)), 1))
+    if pre:
+        rows = t([r for i in pre for r in range(qsl[i], qsl[i + 1])])
+        p_qsl = [0]
+        for i in pre: p_qsl.append(p_qsl[-1] + n[i])
+        o[rows] = self.forward_decompressed(q[rows], sub(t(pre), p_qsl, max(n[i] for i in pre)))
+    return o
+
+@patch
 def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     ctx = get_forward_context()
     q, kv_c, k_pe = self.project(positions, h)
     self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping)
-    o = self.forward_absorbed(q) if ctx.max_query_len == 1 else self.forward_decompressed(q)
+    o = self.forward_absorbed(q) if ctx.max_query_len == 1 else self.forward_mixed(q)
     return self.o_proj(o.reshape(h.shape[0], -1))
