@@ -66,3 +66,9 @@ def test_make_docs(tmp_path):
     pages = {p.stem for p in site.glob('*.html')}
     assert {p.stem for p in (ROOT / 'nbs').glob('*.ipynb')} <= pages and 'index' in pages
     assert 'def check_error' not in (site / '77_api_server.html').read_text()
+    # every module docstring's `Docs:` link names a page the build produced (its markdown twin)
+    links = {m.group(1) for f in (ROOT / 'cvllm_lab').rglob('*.py')
+             if (m := re.search(r'Docs: https?://[^\s"]+/([^/\s"]+\.html\.md)', f.read_text()))}
+    assert len(links) > 40 and not [l for l in links if not (site / l).exists()]
+    reg = (site / 'registry.html.md').read_text()
+    assert reg.startswith('# Model registry') and '```python' in reg and '#|' not in reg

@@ -8,7 +8,9 @@ Steps: copy every nbs/*.ipynb into a build folder with nbdev's directives applie
 directive lines such as `#| export` / `#| default_exp` stripped, emptied cells dropped); the README becomes the
 home page; a generated mkdocs.yml has one API page per module (the module's notebook, under its package) and
 the notebooks that export nothing under "Notebooks"; then `mkdocs build`. Notebooks are not executed: the site
-shows the outputs stored in them (nbdev-clean keeps them empty, so it shows code and prose).
+shows the outputs stored in them (nbdev-clean keeps them empty, so it shows code and prose). Each notebook is also
+written as plain markdown at the address nbdev puts in its module's docstring (`Docs: .../<name>.html.md`, the
+number prefix dropped), for readers and tools that want the chapter as text.
 """
 from __future__ import annotations
 import argparse, json, os, re, shutil, subprocess, sys
@@ -47,6 +49,21 @@ def clean_notebook(nb: dict) -> tuple[dict, str | None, str]:
     return {**nb, 'cells': cells}, module, title
 
 
+def notebook_markdown(nb: dict) -> str:
+    "A cleaned notebook as markdown: markdown cells as they are, code cells fenced."
+    parts = []
+    for c in nb['cells']:
+        src = ''.join(c.get('source', '')).strip('\n')
+        if src: parts.append(src if c['cell_type'] == 'markdown' else f'```python\n{src}\n```')
+    return '\n\n'.join(parts) + '\n'
+
+
+def md_name(nb_file: str) -> str:
+    "The file nbdev's docstring link names for a notebook: `32_registry.ipynb` -> `registry.html.md`."
+    from nbdev.config import nbpath2html
+    return f'{nbpath2html(Path(nb_file)).as_posix()}.md'
+
+
 def mkdocs_yml(site_name: str, nav: list, site_dir: Path) -> str:
     cfg = {
         'site_name': site_name, 'site_dir': str(site_dir), 'docs_dir': 'docs', 'use_directory_urls': False,
@@ -71,11 +88,12 @@ def build(nbs: Path = ROOT / 'nbs', readme: Path = ROOT / 'README.md', build_dir
     home = readme.read_text() if readme.exists() else '# cvllm_lab\n'
     (docs / 'index.md').write_text(home)
     packages: dict[str, list] = {}
-    notebooks = []
+    notebooks, markdown = [], {}
     for f in sorted(nbs.glob('*.ipynb')):
         if only and not any(o in f.name for o in only): continue
         nb, module, title = clean_notebook(json.loads(f.read_text()))
         (docs / f.name).write_text(json.dumps(nb, indent=1))
+        markdown[md_name(f.name)] = notebook_markdown(nb)
         if module:
             pkg, _, name = module.rpartition('.')
             packages.setdefault(pkg or 'cvllm_lab', []).append({f'{module.split(".")[-1]} — {title or name}': f.name})
@@ -86,6 +104,7 @@ def build(nbs: Path = ROOT / 'nbs', readme: Path = ROOT / 'README.md', build_dir
     yml.write_text(mkdocs_yml('cvllm_lab', nav, site_dir.resolve()))
     if run:
         subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '-f', str(yml)], check=True, cwd=build_dir, env=_ENV)
+        for name, text in markdown.items(): (site_dir / name).write_text(text)
     return yml
 
 
