@@ -22,7 +22,20 @@ flattened `topk_ids`):
               out_k.view(T, k, H).sum(1)                            -> out     [T, H]
 
 Config `SWAP` makes the weight tile the MMA's M side (`acc.T = W_tile @ x_tile.T`), so an expert with a few rows
-fills the N side of the instruction rather than wasting a 64-row M side on padding.
+fills the N side of the instruction rather than wasting a 64-row M side on padding. For prefill (many rows per
+expert) the row layout is a config choice too:
+
+| key      | launch 1 reads            | launch 1 writes / launch 2 reads         | cost                         |
+|----------|---------------------------|------------------------------------------|------------------------------|
+| (none)   | x[a // k] (gathered rows) | inter [T*k, I], rows a (gathered)        | -                            |
+| `SORTED` | x[a // k]                 | inter [EM, I], row = position (contiguous) | padding rows of inter      |
+| `XSORT`  | x_sorted [EM, H] (contiguous), gathered once by `moe_permute` | as above | one extra pass over x*k |
+
+`down` (a dict) gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SWAP (BLOCK_M is shared:
+the blocks come from one alignment); launch 1's N is I (or 2I) and K is H, launch 2's the other way round. The
+kernel loads without masks where K is a multiple of BLOCK_K: padding rows read a real row and are never stored,
+columns past N wrap around. Launch 2 writes each assignment's weighted output at its own row, so the per-token sum
+is one read of `out_k` (no atomics, no fp32 scratch).
 
 Blocks exist only for experts with at least one assignment, so a decode step (few tokens) reads only the
 selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 weight slices are touched.
@@ -54,7 +67,7 @@ from cvllm_lab.kernels.fused_moe_router import FUSED_TOPK_MAX_EXPERTS, fused_top
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
-           'get_config', 'm_bucket', 'M_BUCKETS', 'dequantize_experts_fp8', 'ALIGN_ONE_PROGRAM_MAX']
+           'get_config', 'm_bucket', 'M_BUCKETS', 'dequantize_experts_fp8', 'ALIGN_ONE_PROGRAM_MAX', 'moe_permute']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)   # token counts the config tables are keyed by
@@ -214,13 +227,18 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
                       N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                       stride_bse, stride_bsn, stride_bsk,
                       A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                      B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, A_SORTED: tl.constexpr,
+                      C_SORTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of one
     block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
     scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block).
     `ACT`: `b` holds 2N rows (gate, then up); the tile computes both and writes `silu(gate) * up`.
-    `SWAP`: the weight tile is the MMA's M side (`acc.T [BN, BM] = b [BN, K] @ a.T`), for few rows per expert."""
+    `SWAP`: the weight tile is the MMA's M side (`acc.T [BN, BM] = b [BN, K] @ a.T`), for few rows per expert.
+    `A_SORTED` / `C_SORTED`: `a` / `c` is in sorted order (row = position in `sorted_ids`, `[EM, .]`), so the
+    tile's rows are contiguous; else row `a // A_ROW_DIV` / `a`. Loads are unmasked but for a ragged K (`EVEN_K`
+    false): padding rows read a real row (or the padding of a sorted buffer) and are never stored, and columns
+    past N wrap around."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -238,9 +256,13 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    offs_bn = offs_n % N                               # wrapped: the weight loads need no N mask
     offs_k = tl.arange(0, BLOCK_K)
-    rows = (assign // A_ROW_DIV) * stride_am
-    b_cols = b_ptr + expert * stride_be + offs_n.to(tl.int64) * stride_bn
+    if A_SORTED:
+        rows = offs_m.to(tl.int64) * stride_am
+    else:
+        rows = (tl.minimum(assign, num_valid - 1) // A_ROW_DIV) * stride_am
+    b_cols = b_ptr + expert * stride_be + offs_bn.to(tl.int64) * stride_bn
     if SWAP:   # a.T [BK, BM], b [BN, BK]
         a_ptrs = a_ptr + rows[None, :] + offs_k[:, None]
         b_ptrs = b_cols[:, None] + offs_k[None, :] * stride_bk
@@ -249,28 +271,30 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
         b_ptrs = b_cols[None, :] + offs_k[:, None] * stride_bk
     up_off = N * stride_bn                             # ACT: the up rows start N rows below the gate rows
     if B_SCALE:
-        bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn
-        bs2_ptrs = bs_ptr + expert * stride_bse + ((offs_n + N) // 128) * stride_bsn
+        bs_ptrs = bs_ptr + expert * stride_bse + (offs_bn // 128) * stride_bsn
+        bs2_ptrs = bs_ptr + expert * stride_bse + ((offs_bn + N) // 128) * stride_bsn
 
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        mask_k = offs_k < K - kb * BLOCK_K
-        if SWAP:
-            a = tl.load(a_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-            bmask = mask_n[:, None] & mask_k[None, :]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            if ACT:
+                b2 = tl.load(b_ptrs + up_off)
         else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            bmask = mask_k[:, None] & mask_n[None, :]
-        b = tl.load(b_ptrs, mask=bmask, other=0.0)
-        if ACT:
-            b2 = tl.load(b_ptrs + up_off, mask=bmask, other=0.0)
+            mask_k = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_k[:, None] if SWAP else mask_k[None, :], other=0.0)
+            bmask = mask_k[None, :] if SWAP else mask_k[:, None]
+            b = tl.load(b_ptrs, mask=bmask, other=0.0)
+            if ACT:
+                b2 = tl.load(b_ptrs + up_off, mask=bmask, other=0.0)
         if B_SCALE:   # dequantize the FP8 tiles in registers
             kq = ((kb * BLOCK_K) // 128) * stride_bsk
-            s = tl.load(bs_ptrs + kq, mask=mask_n, other=0.0)
+            s = tl.load(bs_ptrs + kq)
             b = (b.to(tl.float32) * (s[:, None] if SWAP else s[None, :])).to(a.dtype)
             if ACT:
-                s2 = tl.load(bs2_ptrs + kq, mask=mask_n, other=0.0)
+                s2 = tl.load(bs2_ptrs + kq)
                 b2 = (b2.to(tl.float32) * (s2[:, None] if SWAP else s2[None, :])).to(a.dtype)
         if SWAP:
             acc = tl.dot(b, a, acc, input_precision=PRECISION)
@@ -288,28 +312,59 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     if MUL_ROUTED_WEIGHT:
         tw = tl.load(topk_w_ptr + assign, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * (tw[None, :] if SWAP else tw[:, None])
+    c_rows = offs_m.to(tl.int64) if C_SORTED else assign
     if SWAP:
-        c_ptrs = c_ptr + assign[None, :] * stride_cm + offs_n[:, None]
+        c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
     else:
-        c_ptrs = c_ptr + assign[:, None] * stride_cm + offs_n[None, :]
+        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, a_row_div: int, mul_routed: bool, cfg,
-                  w_scale=None, act: bool = False):
-    """out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`;
-    `act`: w holds gate rows then up rows and out gets `silu(gate) * up` (half of w's rows wide)."""
+@triton.jit
+def _moe_permute_kernel(x_ptr, out_ptr, sorted_ids_ptr, ntpp_ptr, num_valid, H, stride_x, stride_o,
+                        TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    "out[p] = x[sorted_ids[p] // TOP_K] for the real positions `p` of BLOCK_R rows; padding rows are left as they are."
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R >= tl.load(ntpp_ptr):
+        return
+    assign = tl.load(sorted_ids_ptr + offs_r).to(tl.int64)
+    mask_r = assign < num_valid
+    src = x_ptr + (assign // TOP_K)[:, None] * stride_x
+    dst = out_ptr + offs_r.to(tl.int64)[:, None] * stride_o
+    for h in range(0, H, BLOCK_H):
+        offs_h = h + tl.arange(0, BLOCK_H)
+        m = mask_r[:, None] & (offs_h < H)[None, :]
+        tl.store(dst + offs_h[None, :], tl.load(src + offs_h[None, :], mask=m), mask=m)
+
+
+def moe_permute(x, sorted_ids, ntpp, top_k: int):
+    "`x [T, H]` gathered into expert order: `[EM, H]`, row p = x[sorted_ids[p] // top_k] (padding rows unset)."
+    em, H = sorted_ids.numel(), x.shape[1]
+    out = x.new_empty(em, H)
+    _moe_permute_kernel[(triton.cdiv(em, 16),)](x, out, sorted_ids, ntpp, x.shape[0] * top_k, H, x.stride(0),
+                                               out.stride(0), TOP_K=top_k, BLOCK_R=16,
+                                               BLOCK_H=min(1024, triton.next_power_of_2(H)), num_warps=4)
+    return out
+
+
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_valid: int, a_row_div: int,
+                  mul_routed: bool, cfg, w_scale=None, act: bool = False, a_sorted: bool = False,
+                  c_sorted: bool = False):
+    """out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`
+    (`num_valid` of them); `act`: w holds gate rows then up rows and out gets `silu(gate) * up` (half of w's rows
+    wide); `a_sorted` / `c_sorted`: `a` / `out` rows are positions in `sorted_ids` instead."""
     N, K = w.shape[1] // (2 if act else 1), w.shape[2]
     em = sorted_ids.numel()
     grid = (triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
     bs = w_scale if w_scale is not None else topk_weights          # any pointer: unused without B_SCALE
     bss = w_scale.stride() if w_scale is not None else (0, 0, 0)
     _fused_moe_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, bs,
-                            N, K, em, out.shape[0], a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+                            N, K, em, num_valid, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                             *bss, A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
                             PRECISION='ieee' if a.dtype == torch.float32 else 'tf32', B_SCALE=w_scale is not None,
-                            ACT=act, SWAP=bool(cfg.get('SWAP', 0)),
+                            ACT=act, SWAP=bool(cfg.get('SWAP', 0)), A_SORTED=a_sorted, C_SORTED=c_sorted,
+                            EVEN_K=K % cfg['BLOCK_K'] == 0,
                             BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
                             GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
     return out
@@ -322,7 +377,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
 
     `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
     `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, ACT,
-    SWAP, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
+    SWAP, SORTED, XSORT, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
     scales (grouped path only). The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
     Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape
@@ -346,17 +401,21 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
     tw = tw.contiguous()
     if cfg.get('decode') and not fp8: return fused_moe_decode(x, w13, w2, tw, topk_ids, cfg['decode'])
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
-
+    n, em, I = T * k, sorted_ids.numel(), two_i // 2
+    cfg2 = {**cfg, **cfg.get('down', {}), 'BLOCK_M': cfg['BLOCK_M']}     # the down GEMM's own tile, same blocks
+    if fp8: cfg2['BLOCK_K'] = min(cfg2['BLOCK_K'], FP8_BLOCK)
+    srt = bool(cfg.get('SORTED'))                   # the intermediate in sorted order: [EM, I], contiguous tiles
+    xs = bool(cfg.get('XSORT'))                     # x gathered into sorted order once, before the first GEMM
+    a1 = moe_permute(x, sorted_ids, ntpp, k) if xs else x
+    gemm1 = dict(num_valid=n, a_row_div=k, mul_routed=False, cfg=cfg, w_scale=w13_scale, a_sorted=xs, c_sorted=srt)
     if cfg.get('ACT'):                              # silu(gate) * up in the first GEMM's epilogue
-        inter = x.new_empty(T * k, two_i // 2)
-        _grouped_gemm(x, w13, inter, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg,
-                      w_scale=w13_scale, act=True)
+        inter = x.new_empty(em if srt else n, I)
+        _grouped_gemm(a1, w13, inter, tw, sorted_ids, expert_ids, ntpp, act=True, **gemm1)
     else:
-        inter13 = x.new_empty(T * k, two_i)
-        _grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, a_row_div=k, mul_routed=False, cfg=cfg,
-                      w_scale=w13_scale)
+        inter13 = x.new_empty(em if srt else n, two_i)
+        _grouped_gemm(a1, w13, inter13, tw, sorted_ids, expert_ids, ntpp, **gemm1)
         inter = silu_and_mul(inter13)               # non-interleaved: gate = [:, :I], up = [:, I:]
-    out_k = x.new_empty(T * k, H)
-    _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, a_row_div=1, mul_routed=True, cfg=cfg,
-                  w_scale=w2_scale)
+    out_k = x.new_empty(n, H)                       # each assignment's weighted expert output at row t * k + j
+    _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True,
+                  cfg=cfg2, w_scale=w2_scale, a_sorted=srt)
     return out_k.view(T, k, H).sum(dim=1)

@@ -68,17 +68,32 @@ def test_fused_moe_ragged_shapes_and_configs(config):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1)]
+GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1),
+           dict(SORTED=1), dict(XSORT=1), dict(ACT=1, SORTED=1, XSORT=1, GROUP_M=2),
+           dict(SORTED=1, SWAP=1, down=dict(BLOCK_N=16, BLOCK_K=64, GROUP_M=2, num_warps=2, SWAP=0)),
+           dict(ACT=1, down=dict(BLOCK_N=64, BLOCK_K=16, SWAP=1))]
 
 
 @pytest.mark.parametrize('variant', GROUPED)
 @pytest.mark.parametrize('T,E,k,H,I', [(3, 8, 2, 64, 32), (17, 16, 4, 80, 24)])
 def test_fused_moe_grouped_variants(T, E, k, H, I, variant):
-    "SiLU-and-mul in the first GEMM's epilogue (`ACT`) and the weight tile as the MMA's M side (`SWAP`), ragged too."
+    """SiLU-and-mul in the first GEMM's epilogue (`ACT`), the weight tile as the MMA's M side (`SWAP`), the
+    intermediate in sorted order (`SORTED`), x permuted into expert order (`XSORT`), the down GEMM's own tile
+    (`down`); ragged too."""
     x, w13, w2, tw, ids = problem(T, E, k, H, I, torch.float32, seed=T + H)
     ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
     out = fm.fused_moe(x, w13, w2, tw, ids, config={**variant, 'decode': None})
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_moe_permute_rows():
+    "x gathered into expert order: each real position holds its assignment's token row, exactly."
+    x, _, _, _, ids = problem(13, 8, 2, 80, 24, torch.float32, seed=2)
+    sorted_ids, _, ntpp = fm.moe_align_block_size(ids, 16, 8)
+    xs = fm.moe_permute(x, sorted_ids, ntpp, 2)
+    real = (sorted_ids < ids.numel()).nonzero()[:, 0]
+    assert xs.shape == (sorted_ids.numel(), 80) and real.numel() == ids.numel()
+    assert torch.equal(xs[real], x[(sorted_ids[real] // 2).long()])
 
 
 DECODE = [dict(BN1=16, BK1=32, BN2=16, BK2=32, SPLIT2=1), dict(BN1=8, BK1=64, BN2=32, BK2=16, SPLIT2=2),
@@ -159,7 +174,8 @@ def test_fused_moe_fp8_experts():
     assert s13.shape == (4, 3, 2) and s2.shape == (4, 2, 2)
     ref = fm.fused_moe_ref(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2)
     assert 1e-3 < rel_err(ref, fm.fused_moe_ref(x, w13, w2, tw, ids)) < 0.1      # FP8 rounding, nothing worse
-    for extra in ({}, dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1)):   # (FP8 experts never take the decode path)
+    for extra in ({}, dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1), dict(ACT=1, SORTED=1, XSORT=1),
+                  dict(SORTED=1, down=dict(BLOCK_N=64, BLOCK_K=64))):   # (FP8 experts never take the decode path)
         out = fm.fused_moe(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2,
                            config=dict(BLOCK_K=32, BLOCK_N=32, decode=DECODE[0], **extra))
         assert rel_err(out, ref) < TOL[torch.float32], extra
@@ -282,6 +298,9 @@ def test_fused_moe_qwen3_30b_a3b_shape(T):
     cfgs = [{**rows[b], 'decode': None} for b in (1, 256, 4096)]
     cfgs += [{**rows[b], 'decode': None, 'ACT': 1, 'SWAP': s} for b in (1, 256) for s in (0, 1)]
     cfgs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, ACT=1, decode=None)]
+    big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, decode=None)
+    cfgs += [{**big, **v} for v in (dict(SORTED=1), dict(XSORT=1, ACT=1), dict(SORTED=1, XSORT=1, ACT=1,
+             down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=3)))]
     if T <= 64: cfgs += [{'decode': d} for d in ({}, dict(BN1=8, BK1=512, BN2=8, BK2=256, SPLIT2=1, W1=8, W2=4))]
     for cfg in cfgs:
         assert rel_err(fm.fused_moe(x, w13, w2, tw, ids, config=cfg), ref) < TOL[torch.bfloat16], cfg
