@@ -1,5 +1,5 @@
 """DeepSeek V2/V3 (MLA + MoE) through the engine: the DeepSeek-V2-Lite bench shape (conf/model/deepseek_v2_lite.yaml)
-built with dummy weights at a shrunken scale on the CPU, preemption by recompute over the latent cache, and, on a GPU
+built with dummy weights at a shrunken scale on the CPU, tiny models with a word-level tokenizer built offline, preemption by recompute over the latent cache, and, on a GPU
 (`-m cuda`), tiny random V2/V3 models on the Triton path (MLA decode kernel, fused MoE, CUDA graphs) against
 `transformers`, and the real V2-Lite shape's graph decode with its latent cache."""
 import tempfile
@@ -34,8 +34,6 @@ SHRINK = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, moe_int
 def tiny_hf(v3: bool, seed: int = 0):
     "A tiny random HF DeepSeek model (3 layers, the first dense; routers and norms randomised), saved with a tokenizer."
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-    from cvllm_lab.config import default_model_path
-    from cvllm_lab.tokenizer import load_tokenizer
     base = dict(vocab_size=256, hidden_size=128, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
                 v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2, first_k_dense_replace=1,
@@ -52,9 +50,17 @@ def tiny_hf(v3: bool, seed: int = 0):
             if 'e_score_correction_bias' in n: b.normal_(0, 0.1)
     d = Path(tempfile.mkdtemp())
     hf.save_pretrained(d)
-    gg = default_model_path()
-    load_tokenizer(gg.parent, gg.name).save_pretrained(d)
+    word_tokenizer(cfg.vocab_size).save_pretrained(d)
     return hf, d
+
+
+def word_tokenizer(vocab_size: int):
+    "A word-level tokenizer of `vocab_size` words `w0 w1 ...` (built offline: the tiny models need one, not a real one)."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f'w{i}': i for i in range(vocab_size)}, unk_token='w0'))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token='w0')
 
 
 def test_bench_shape_builds_with_dummy_weights():
