@@ -1,0 +1,43 @@
+"""Set-up as a new user meets it: `scripts/setup.sh` is idempotent and offline once done, `scripts/serve.sh --help`
+works without a package index, and building the package prints no setuptools warning and ships its data files."""
+import os, subprocess, sys, time, zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_PY = ROOT / '.venv' / 'bin' / 'python'
+pytestmark = pytest.mark.skipif(not VENV_PY.exists() or not (ROOT / '.venv' / '.cvllm-lab-setup').exists(),
+                                reason='needs a finished scripts/setup.sh (.venv and its stamp)')
+
+# no package index, no proxy that answers: any pip or network use fails
+OFFLINE = {**os.environ, 'PIP_NO_INDEX': '1', 'PIP_FIND_LINKS': '', 'PIP_INDEX_URL': 'http://127.0.0.1:9/simple',
+           'http_proxy': 'http://127.0.0.1:9', 'https_proxy': 'http://127.0.0.1:9', 'HF_HUB_OFFLINE': '1'}
+
+
+def test_setup_is_idempotent_and_offline():
+    t = time.perf_counter()
+    r = subprocess.run(['scripts/setup.sh'], cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=60)
+    took = time.perf_counter() - t
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == '' and r.stderr == '', (r.stdout, r.stderr)    # nothing installed, nothing said
+    assert took < 5, took
+
+
+def test_serve_help_offline():
+    r = subprocess.run(['scripts/serve.sh', '--help'], cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '--port' in r.stdout and '--max-num-seqs' in r.stdout
+
+
+def test_build_is_clean(tmp_path):
+    "A wheel of the package: no setuptools warning, and the web page and the kernels' tuned configs inside."
+    r = subprocess.run([str(VENV_PY), '-m', 'pip', 'wheel', '.', '--no-deps', '--no-build-isolation', '-w', str(tmp_path)],
+                       cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert 'Warning' not in out and 'absent from the `packages`' not in out, out
+    names = zipfile.ZipFile(next(tmp_path.glob('*.whl'))).namelist()
+    assert 'cvllm_lab/entrypoints/openai/static/index.html' in names
+    n_json = len(list((ROOT / 'kernels' / 'configs').glob('*/*.json')))
+    assert sum(n.startswith('cvllm_lab/kernels/configs/') and n.endswith('.json') for n in names) == n_json > 0
