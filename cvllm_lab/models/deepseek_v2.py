@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 import torch.nn.functional as F
-from ..kernels.fused_moe import fused_moe, fused_moe_ref
+from ..kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from ..layers.basic import RMSNorm
 from ..layers.fused_moe import FusedMoE
 from ..layers.mla import MLAAttention
@@ -37,7 +37,8 @@ def deepseek_topk(router_logits: torch.Tensor, top_k: int, topk_method: str = 'g
     `greedy` (V2): softmax, top-k. `group_limited_greedy` (V2): softmax; keep the `topk_group` groups with the best
     single expert, top-k among them. `noaux_tc` (V3): sigmoid; choose with `score + e_score_correction_bias`, groups
     ranked by the sum of their best two, but weigh with the uncorrected score. Then `norm_topk_prob` divides the k
-    weights by their sum, and every weight is multiplied by `routed_scaling_factor`."""
+    weights by their sum, and every weight is multiplied by `routed_scaling_factor`. Plain greedy routing (V2-Lite)
+    is `fused_moe.select_experts`: one Triton launch on the GPU."""
     logits = router_logits.float()
     if topk_method == 'noaux_tc':
         scores = logits.sigmoid()
@@ -47,15 +48,18 @@ def deepseek_topk(router_logits: torch.Tensor, top_k: int, topk_method: str = 'g
             choice = choice.masked_fill(~_group_mask(choice, groups, topk_group), float('-inf'))
         ids = choice.topk(top_k, -1)[1]
         weights = scores.gather(1, ids)
-    elif topk_method in ('greedy', 'group_limited_greedy'):
+    elif topk_method == 'greedy' or (topk_method == 'group_limited_greedy' and not (n_group and n_group > 1)):
+        weights, ids = select_experts(logits, top_k, norm_topk_prob and top_k > 1)   # one launch on the GPU
+        return (weights if routed_scaling_factor == 1.0 else weights * routed_scaling_factor), ids
+    elif topk_method == 'group_limited_greedy':
         scores = logits.softmax(-1)
-        if topk_method == 'group_limited_greedy' and n_group and n_group > 1:
-            groups = scores.view(scores.shape[0], n_group, -1).amax(-1)
-            scores = scores.masked_fill(~_group_mask(scores, groups, topk_group), 0.0)
+        groups = scores.view(scores.shape[0], n_group, -1).amax(-1)
+        scores = scores.masked_fill(~_group_mask(scores, groups, topk_group), 0.0)
         weights, ids = scores.topk(top_k, -1)
     else: raise ValueError(f"Unknown topk_method {topk_method!r} (greedy, group_limited_greedy, noaux_tc)")
     if norm_topk_prob and top_k > 1: weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids.to(torch.int32)
+    if routed_scaling_factor != 1.0: weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
 
 # %% ../../nbs/35_deepseek_v2.ipynb #9b3aba33
 def routed_experts(moe: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,14 @@ class DeepseekRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
                                         if correction_bias else None)
-    def forward(self, x): return F.linear(x.float(), self.weight.float())   # logits in fp32, as the reference
+    def forward(self, x):
+        "Logits in fp32, as the reference; a bf16/fp16 weight's fp32 copy is made once per weight version."
+        w = self.weight
+        if w.dtype != torch.float32:
+            key = (w.data_ptr(), w._version)
+            if getattr(self, '_w32_key', None) != key: self._w32, self._w32_key = w.float(), key
+            w = self._w32
+        return F.linear(x.float(), w)
 
 class DeepseekV2MoE(nn.Module):
     "Router -> `deepseek_topk` -> routed experts (`FusedMoE`), plus `n_shared_experts` always-on experts as one SwiGLU MLP."
