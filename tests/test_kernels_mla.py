@@ -140,3 +140,51 @@ def test_decode_kernel_cuda_graph():
     qn.copy_(torch.randn_like(qn))
     g.replay()
     torch.testing.assert_close(out.float(), mla_decode_ref(qn, qp, cache, sl, bt, 0.1).float(), **TOL[torch.bfloat16])
+
+
+# ------------------------------------------------------------------------------------------- mla_rope_norm_cache
+
+def _prepare_case(T, H, P, L, R, dtype, device, positions_max=4096):
+    "Unrotated q, latent rows inside a wider projection output (strided, as the layer passes them), a cos/sin cache."
+    g = torch.Generator(device='cpu').manual_seed(T + H)
+    q = torch.randn(T, H, P + R, generator=g).to(dtype).to(device)
+    latent = torch.randn(T, L + R + 8, generator=g).to(dtype).to(device)[:, 8:]
+    inv = 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R))
+    ang = torch.arange(positions_max).float()[:, None] * inv[None]
+    cs = torch.cat([ang.cos(), ang.sin()], -1).to(device)
+    pos = torch.randint(0, positions_max, (T,), generator=g).to(device)
+    w = (1 + 0.3 * torch.randn(L, generator=g)).to(dtype).to(device)
+    nb = -(-T // 4) + 2
+    slots = torch.randperm(nb * 4, generator=g)[:T].to(device)
+    slots[T // 2] = -1                                         # a padding row: rotated q, no cache write
+    return q, latent, pos, cs, w, slots, nb
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('is_neox', [False, True])
+def test_rope_norm_cache_kernel(dtype, is_neox):
+    from cvllm_lab.kernels.mla_prepare import mla_rope_norm_cache, mla_rope_norm_cache_ref
+    T, H, P, L, R = 7, 4, 16, 64, 16
+    q, latent, pos, cs, w, slots, nb = _prepare_case(T, H, P, L, R, dtype, 'cpu')
+    q2 = q.clone()
+    a, b = torch.zeros(nb, 4, L + R, dtype=dtype), torch.zeros(nb, 4, L + R, dtype=dtype)
+    mla_rope_norm_cache(q, latent, pos, cs, w, 1e-6, a, slots, P, is_neox)
+    mla_rope_norm_cache_ref(q2, latent, pos, cs, w, 1e-6, b, slots, P, is_neox)
+    torch.testing.assert_close(q, q2, **TOL[dtype]); torch.testing.assert_close(a, b, **TOL[dtype])
+    assert not torch.equal(q[..., P:], _prepare_case(T, H, P, L, R, dtype, 'cpu')[0][..., P:])   # it did rotate
+    assert a.view(-1, L + R)[slots[slots >= 0]].abs().sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('H', [16, 128])
+def test_rope_norm_cache_cuda(H):
+    from cvllm_lab.kernels.mla_prepare import mla_rope_norm_cache, mla_rope_norm_cache_ref
+    T, P, L, R = 300, 128, 512, 64
+    for is_neox in (False, True):
+        q, latent, pos, cs, w, slots, nb = _prepare_case(T, H, P, L, R, torch.bfloat16, 'cuda')
+        q2 = q.clone()
+        a, b = torch.zeros(nb, 4, L + R, dtype=q.dtype, device='cuda'), torch.zeros(nb, 4, L + R, dtype=q.dtype, device='cuda')
+        mla_rope_norm_cache(q, latent, pos, cs, w, 1e-6, a, slots, P, is_neox)
+        mla_rope_norm_cache_ref(q2, latent, pos, cs, w, 1e-6, b, slots, P, is_neox)
+        torch.testing.assert_close(q, q2, **TOL[torch.bfloat16]); torch.testing.assert_close(a, b, **TOL[torch.bfloat16])

@@ -74,6 +74,8 @@ class MLAAttention(nn.Module):
     def set_backend(self, name: str):
         self.backend = name
         self._cache_fn, self._decode_fn, self._attn_fn = get_mla_backend(name)
+        from cvllm_lab.kernels.mla_prepare import mla_rope_norm_cache
+        self._prepare_fn = mla_rope_norm_cache if name == 'triton' else None   # norm + RoPE + cache write, one launch
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int]:
         "One latent row per token: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (read by `bind_kv_cache`)."
@@ -85,15 +87,21 @@ class MLAAttention(nn.Module):
 
 # %% ../../nbs/26_mla.ipynb #5c92b853
 @patch
-def project(self: MLAAttention, positions, h):
-    """The step's new rows: `q [T, H, P + R]` with its RoPE part rotated, and the latent `kv_c [T, L]` (normed) and
-    `k_pe [T, R]` (rotated) that go to the cache."""
-    T, H, P, R, L = h.shape[0], self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+def q_latent(self: MLAAttention, h):
+    "The projections: `q [T, H, P + R]` and `latent [T, L + R] = [c_kv | k_pe]`, neither rotated nor normed."
+    L, R = self.kv_lora_rank, self.qk_rope_head_dim
     if self.q_lora_rank:
         qa, latent = self.fused_qkv_a_proj(h).split([self.q_lora_rank, L + R], -1)
         q = self.q_b_proj(self.q_a_layernorm(qa))
     else: q, latent = self.q_proj(h), self.kv_a_proj_with_mqa(h)
-    q = q.view(T, H, P + R)
+    return q.view(h.shape[0], self.num_heads, -1), latent
+
+@patch
+def project(self: MLAAttention, positions, h):
+    """The step's new rows: `q [T, H, P + R]` with its RoPE part rotated, and the latent `kv_c [T, L]` (normed) and
+    `k_pe [T, R]` (rotated) that go to the cache."""
+    T, H, P, R, L = h.shape[0], self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    q, latent = self.q_latent(h)
     kv_c = self.kv_a_layernorm(latent[:, :L])
     q_rot = q[..., P:]
     q_pe, k_pe = self.rotary_emb(positions, q_rot, latent[:, L:])   # CUDA: in place; CPU: rotated copies
@@ -173,7 +181,13 @@ def forward_mixed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
 @patch
 def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     ctx = get_forward_context()
-    q, kv_c, k_pe = self.project(positions, h)
-    self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping)
+    if self._prepare_fn is not None and type(self.rotary_emb) is RotaryEmbedding:
+        q, latent = self.q_latent(h)
+        rot, norm = self.rotary_emb, self.kv_a_layernorm
+        self._prepare_fn(q, latent, positions, rot.cos_sin_cache, norm.weight, norm.eps, self.kv_cache,
+                         ctx.slot_mapping, self.qk_nope_head_dim, rot.is_neox)
+    else:
+        q, kv_c, k_pe = self.project(positions, h)
+        self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping)
     o = self.forward_absorbed(q) if ctx.max_query_len == 1 else self.forward_mixed(q)
     return self.o_proj(o.reshape(h.shape[0], -1))
