@@ -152,7 +152,9 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | 
     q_lat = torch.bmm(q[..., :P].transpose(0, 1), w_uk).transpose(0, 1)              # [B, H, L]
     o_lat = self._decode_fn(q_lat, q[..., P:], self.kv_cache, ctx.seq_lens, ctx.block_tables, self.scale,
                             max_seq_len=ctx.max_seq_len)
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [B, H, V]
+    o = q.new_empty(q.shape[0], self.num_heads, V)                                    # [B, H, V], so o_proj reads a view
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    return o
 
 @patch
 def forward_mixed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
