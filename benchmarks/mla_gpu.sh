@@ -44,7 +44,7 @@ from cvllm_lab.sampling_params import SamplingParams
 from cvllm_lab.bench.sweep import model_dir
 B, P = 64, 1024
 llm = LLM(str(model_dir(yaml.safe_load(open('conf/model/deepseek_v2_lite.yaml')))), load_format='dummy',
-          skip_tokenizer_init=True, progress=False, max_model_len=2048, max_num_seqs=B)
+          skip_tokenizer_init=True, progress=False, max_model_len=4096, max_num_seqs=B)   # the sweep's graph bound
 sp = lambda O: SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
 g = torch.Generator().manual_seed(0)
 prompts = [{'prompt_token_ids': torch.randint(100, 100000, (P,), generator=g).tolist()} for _ in range(B)]
