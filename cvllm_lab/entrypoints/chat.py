@@ -18,14 +18,18 @@ __all__ = ['HELP', 'ChatSettings', 'Delta', 'ChatError', 'HTTPBackend', 'LocalBa
 # %% ../../nbs/79_chat_cli.ipynb #ed9f66ba
 @dataclass
 class ChatSettings:
-    "Sampling and prompt settings of a chat session."
+    "Sampling and prompt settings of a chat session; `None`: the server's default (the model's generation config)."
     system: str | None = None
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 0
-    max_tokens: int = 512
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
     seed: int | None = None
     thinking: bool | None = None     # chat_template_kwargs.enable_thinking (None: the template's default)
+
+    def sampling(self) -> dict:
+        "The sampling fields the user set (the rest is left to the server's defaults)."
+        return {k: v for k in ('temperature', 'top_p', 'top_k', 'max_tokens', 'seed') if (v := getattr(self, k)) is not None}
 
     def messages(self, history: list[dict]) -> list[dict]:
         return ([{'role': 'system', 'content': self.system}] if self.system else []) + history
@@ -54,10 +58,7 @@ class HTTPBackend:
         except Exception: return None
 
     def stream(self, messages: list[dict], s: ChatSettings) -> Iterator[Delta]:
-        body = dict(model=self.model, messages=messages, stream=True, stream_options={'include_usage': True},
-                    temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        if s.top_k: body['top_k'] = s.top_k
-        if s.seed is not None: body['seed'] = s.seed
+        body = dict(model=self.model, messages=messages, stream=True, stream_options={'include_usage': True}, **s.sampling())
         if s.thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': s.thinking}
         with self.client.stream('POST', self.base + '/v1/chat/completions', json=body) as r:
             if r.status_code != 200:
@@ -94,7 +95,10 @@ class LocalBackend:
         ids = tok(prompt, add_special_tokens=False).input_ids
         room = eng.cfg.max_model_len - len(ids)
         if room < 1: raise ChatError(f'The conversation has {len(ids)} tokens, more than max_model_len={eng.cfg.max_model_len} allows; /reset it')
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=min(s.max_tokens, room), seed=s.seed)
+        from cvllm_lab.sampling_params import diff_sampling_param
+        kw = {**diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf), **s.sampling()}   # as the server does
+        kw['max_tokens'] = min(kw.get('max_tokens') or room, room)
+        params = SamplingParams(**kw)
         split = ReasoningParser.for_prompt(prompt).stream() if '<think>' in (tok.chat_template or '') else None
         rid = uuid.uuid4().hex
         try: eng.add_request(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params)
@@ -204,10 +208,10 @@ def main(argv: list[str] | None = None):
     p.add_argument('--local-model', help="with --local: HF folder or .gguf file (default: the embedded model)")
     p.add_argument('--max-model-len', type=int, default=4096, help="with --local: context length")
     p.add_argument('--system', help="system prompt")
-    p.add_argument('--temperature', type=float, default=0.7)
-    p.add_argument('--top-p', type=float, default=0.9)
-    p.add_argument('--top-k', type=int, default=0)
-    p.add_argument('--max-tokens', type=int, default=512)
+    p.add_argument('--temperature', type=float, default=None, help="default: the server's (the model's generation config)")
+    p.add_argument('--top-p', type=float, default=None)
+    p.add_argument('--top-k', type=int, default=None)
+    p.add_argument('--max-tokens', type=int, default=None, help="default: the server's")
     p.add_argument('--seed', type=int)
     p.add_argument('--think', action=argparse.BooleanOptionalAction, default=None, help="thinking on/off (reasoning models)")
     p.add_argument('--plain', action='store_true', help="print raw text instead of rendered markdown")
