@@ -107,7 +107,8 @@ def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, out_ptr, part_acc_ptr, part_m_
                        stride_qnb, stride_qnh, stride_qpb, stride_qph, stride_ob, stride_oh,
                        stride_cb, stride_co, stride_bt,
                        BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
-                       TILE_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                       TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                       DOT_F32: tl.constexpr):
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -126,7 +127,7 @@ def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, out_ptr, part_acc_ptr, part_m_
         qp = qp.to(tl.float32)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
+    tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits), MIN_TILES)   # short: fewer splits busy
     lo = split * tiles_per_split * TILE_N
     hi = tl.minimum(lo + tiles_per_split * TILE_N, seq_len)
 
@@ -155,11 +156,12 @@ def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, out_ptr, part_acc_ptr, part_m_
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)   # the latent is the value
         m_i = m_new
 
-    if SPLIT:   # unnormalized partials at [seq, head, split]
+    if SPLIT:   # unnormalized partials at [seq, head, split]; an idle split writes only m = -inf, l = 0
         ph = seq64 * H * num_splits + heads * num_splits + split
         tl.store(part_m_ptr + ph, m_i, mask=h_ok)
         tl.store(part_l_ptr + ph, l_i, mask=h_ok)
-        tl.store(part_acc_ptr + ph[:, None] * BLOCK_L + offs_l[None, :], acc, mask=h_ok[:, None])
+        if lo < hi:
+            tl.store(part_acc_ptr + ph[:, None] * BLOCK_L + offs_l[None, :], acc, mask=h_ok[:, None])
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
@@ -180,7 +182,8 @@ def _mla_merge_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, H, L, num_s
     w = tl.math.exp2(m - tl.where(m_max == float('-inf'), 0.0, m_max))
     l_tot = tl.sum(w * l, 0)
     offs_l = tl.arange(0, BLOCK_L)
-    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_L + offs_l[None, :], mask=s_ok[:, None], other=0.0)
+    busy = s_ok & (l > 0.0)                                    # idle splits left their acc unwritten
+    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_L + offs_l[None, :], mask=busy[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
     tl.store(out_ptr + seq * stride_ob + h * stride_oh + offs_l, out.to(out_ptr.dtype.element_ty), mask=offs_l < L)
 
@@ -194,7 +197,8 @@ def decode_config(num_seqs: int, device: torch.device) -> dict:
     """The launch config of `mla_decode` for `num_seqs` sequences: the `decode` table's entry of the largest
     bucket <= num_seqs in `configs/mla_decode/<device>.json` (`interpret` under the Triton interpreter). Fields:
     `tile_n` keys per loop step, `num_warps`, `num_stages`, and the split-KV policy `min_keys` (keys per split at
-    least, counted against the `max_seq_len` bound) and `waves` (programs aimed at, in multiples of the SMs)."""
+    least: against the `max_seq_len` bound for the grid, and against the actual length inside the kernel, where a
+    short sequence leaves its later splits idle) and `waves` (programs aimed at, in multiples of the SMs)."""
     T = configs_for('mla_decode', device)
     if _INTERPRET or device.type != 'cuda': return T['interpret']
     table = T['decode']
@@ -240,7 +244,8 @@ def mla_decode(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale, max_seq_le
         scale * math.log2(math.e), H, L, R, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, TILE_N=tile_n,
-        SPLIT=splits > 1, PRECISION='ieee' if fp32 or dot_f32 else 'tf32', DOT_F32=dot_f32,
+        MIN_TILES=1 if num_kv_splits or splits == 1 else triton.cdiv(cfg['min_keys'], tile_n), SPLIT=splits > 1,
+        PRECISION='ieee' if fp32 or dot_f32 else 'tf32', DOT_F32=dot_f32,
         num_warps=cfg['num_warps'] if block_h * block_l <= 8192 else max(8, cfg['num_warps']),
         num_stages=cfg['num_stages'])
     if splits > 1:

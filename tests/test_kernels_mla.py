@@ -86,6 +86,20 @@ def test_decode_kernel_interpreter(dtype, splits):
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_decode_kernel_idle_splits(dtype):
+    """A loose max_seq_len bound (as under CUDA graphs): 7 splits from the bound, but at least 2 tiles per split, so
+    short sequences leave later splits idle (no acc written, skipped by the merge)."""
+    torch.manual_seed(4)
+    qn, qp, cache, sl, bt = make_batch([1, 9, 40, 23], H=4, L=64, R=16, block_size=8, dtype=dtype, device='cpu')
+    cfg = dict(tile_n=16, num_warps=4, num_stages=1, min_keys=32, waves=4)
+    from cvllm_lab.kernels.mla_decode import _num_splits
+    assert _num_splits(qn, 4, 1, 200, cfg) == 7
+    out = mla_decode(qn, qp, cache, sl, bt, 0.2, max_seq_len=200, config=cfg)
+    torch.testing.assert_close(out.float(), mla_decode_ref(qn, qp, cache, sl, bt, 0.2).float(), **TOL[dtype])
+
+
+@pytest.mark.interp
 def test_decode_kernel_strided_query_and_many_heads():
     "Head blocks (H=20 > 16) and a query that is a view into a wider tensor, as the layer's absorbed query is."
     torch.manual_seed(3)
