@@ -35,7 +35,9 @@ expert) the row layout is a config choice too:
 the blocks come from one alignment); launch 1's N is I (or 2I) and K is H, launch 2's the other way round. The
 kernel loads without masks where K is a multiple of BLOCK_K: padding rows read a real row and are never stored,
 columns past N wrap around. Launch 2 writes each assignment's weighted output at its own row, so the per-token sum
-is one read of `out_k` (no atomics, no fp32 scratch).
+is one read of `out_k` (no atomics, no fp32 scratch); config `ATOMIC` instead adds them into an fp32 `[T, H]`
+(zeroed first, cast at the end): T*H*4 bytes of DRAM traffic each way instead of `out_k`'s T*k*H*2, paid in L2
+atomics.
 
 Blocks exist only for experts with at least one assignment, so a decode step (few tokens) reads only the
 selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 weight slices are touched.
@@ -228,7 +230,7 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
                       stride_bse, stride_bsn, stride_bsk,
                       A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
                       B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, A_SORTED: tl.constexpr,
-                      C_SORTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      C_SORTED: tl.constexpr, C_ATOMIC: tl.constexpr, C_ROW_DIV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of one
     block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
@@ -238,7 +240,8 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     `A_SORTED` / `C_SORTED`: `a` / `c` is in sorted order (row = position in `sorted_ids`, `[EM, .]`), so the
     tile's rows are contiguous; else row `a // A_ROW_DIV` / `a`. Loads are unmasked but for a ragged K (`EVEN_K`
     false): padding rows read a real row (or the padding of a sorted buffer) and are never stored, and columns
-    past N wrap around."""
+    past N wrap around. `C_ATOMIC`: `c` is fp32 `[T, N]`, each assignment added into its token's row
+    `a // C_ROW_DIV` (the top-k)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -313,7 +316,15 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
         tw = tl.load(topk_w_ptr + assign, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * (tw[None, :] if SWAP else tw[:, None])
     c_rows = offs_m.to(tl.int64) if C_SORTED else assign
-    if SWAP:
+    if C_ATOMIC:
+        c_rows = assign // C_ROW_DIV
+        if SWAP:
+            tl.atomic_add(c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None], acc,
+                          mask=mask_n[:, None] & mask_m[None, :], sem='relaxed')
+        else:
+            tl.atomic_add(c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :], acc,
+                          mask=mask_m[:, None] & mask_n[None, :], sem='relaxed')
+    elif SWAP:
         c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
     else:
@@ -350,10 +361,11 @@ def moe_permute(x, sorted_ids, ntpp, top_k: int):
 
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_valid: int, a_row_div: int,
                   mul_routed: bool, cfg, w_scale=None, act: bool = False, a_sorted: bool = False,
-                  c_sorted: bool = False):
+                  c_sorted: bool = False, c_atomic: int = 0):
     """out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`
     (`num_valid` of them); `act`: w holds gate rows then up rows and out gets `silu(gate) * up` (half of w's rows
-    wide); `a_sorted` / `c_sorted`: `a` / `out` rows are positions in `sorted_ids` instead."""
+    wide); `a_sorted` / `c_sorted`: `a` / `out` rows are positions in `sorted_ids` instead; `c_atomic` (the top-k):
+    `out` is fp32 `[T, N]` and each assignment is added into row `a // c_atomic`."""
     N, K = w.shape[1] // (2 if act else 1), w.shape[2]
     em = sorted_ids.numel()
     grid = (triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
@@ -364,6 +376,7 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_val
                             *bss, A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
                             PRECISION='ieee' if a.dtype == torch.float32 else 'tf32', B_SCALE=w_scale is not None,
                             ACT=act, SWAP=bool(cfg.get('SWAP', 0)), A_SORTED=a_sorted, C_SORTED=c_sorted,
+                            C_ATOMIC=c_atomic > 0, C_ROW_DIV=max(c_atomic, 1),
                             EVEN_K=K % cfg['BLOCK_K'] == 0,
                             BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
                             GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
@@ -377,7 +390,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
 
     `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
     `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, ACT,
-    SWAP, SORTED, XSORT, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
+    SWAP, SORTED, XSORT, ATOMIC, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
     scales (grouped path only). The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
     Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape
@@ -415,6 +428,11 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
         inter13 = x.new_empty(em if srt else n, two_i)
         _grouped_gemm(a1, w13, inter13, tw, sorted_ids, expert_ids, ntpp, **gemm1)
         inter = silu_and_mul(inter13)               # non-interleaved: gate = [:, :I], up = [:, I:]
+    if cfg.get('ATOMIC'):                           # the k weighted outputs added into fp32 token rows
+        out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        _grouped_gemm(inter, w2, out, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True,
+                      cfg=cfg2, w_scale=w2_scale, a_sorted=srt, c_atomic=k)
+        return out.to(x.dtype)
     out_k = x.new_empty(n, H)                       # each assignment's weighted expert output at row t * k + j
     _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True,
                   cfg=cfg2, w_scale=w2_scale, a_sorted=srt)

@@ -71,7 +71,8 @@ def test_fused_moe_ragged_shapes_and_configs(config):
 GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1),
            dict(SORTED=1), dict(XSORT=1), dict(ACT=1, SORTED=1, XSORT=1, GROUP_M=2),
            dict(SORTED=1, SWAP=1, down=dict(BLOCK_N=16, BLOCK_K=64, GROUP_M=2, num_warps=2, SWAP=0)),
-           dict(ACT=1, down=dict(BLOCK_N=64, BLOCK_K=16, SWAP=1))]
+           dict(ACT=1, down=dict(BLOCK_N=64, BLOCK_K=16, SWAP=1)), dict(ATOMIC=1, SORTED=1),
+           dict(ATOMIC=1, down=dict(SWAP=1, BLOCK_N=32))]
 
 
 @pytest.mark.parametrize('variant', GROUPED)
@@ -79,7 +80,7 @@ GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32
 def test_fused_moe_grouped_variants(T, E, k, H, I, variant):
     """SiLU-and-mul in the first GEMM's epilogue (`ACT`), the weight tile as the MMA's M side (`SWAP`), the
     intermediate in sorted order (`SORTED`), x permuted into expert order (`XSORT`), the down GEMM's own tile
-    (`down`); ragged too."""
+    (`down`), the top-k sum by fp32 atomics (`ATOMIC`); ragged too."""
     x, w13, w2, tw, ids = problem(T, E, k, H, I, torch.float32, seed=T + H)
     ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
     out = fm.fused_moe(x, w13, w2, tw, ids, config={**variant, 'decode': None})
@@ -175,7 +176,7 @@ def test_fused_moe_fp8_experts():
     ref = fm.fused_moe_ref(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2)
     assert 1e-3 < rel_err(ref, fm.fused_moe_ref(x, w13, w2, tw, ids)) < 0.1      # FP8 rounding, nothing worse
     for extra in ({}, dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1), dict(ACT=1, SORTED=1, XSORT=1),
-                  dict(SORTED=1, down=dict(BLOCK_N=64, BLOCK_K=64))):   # (FP8 experts never take the decode path)
+                  dict(SORTED=1, ATOMIC=1, down=dict(BLOCK_N=64, BLOCK_K=64))):   # (FP8 experts never take the decode path)
         out = fm.fused_moe(x, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2,
                            config=dict(BLOCK_K=32, BLOCK_N=32, decode=DECODE[0], **extra))
         assert rel_err(out, ref) < TOL[torch.float32], extra
@@ -300,7 +301,7 @@ def test_fused_moe_qwen3_30b_a3b_shape(T):
     cfgs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, ACT=1, decode=None)]
     big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, decode=None)
     cfgs += [{**big, **v} for v in (dict(SORTED=1), dict(XSORT=1, ACT=1), dict(SORTED=1, XSORT=1, ACT=1,
-             down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=3)))]
+             down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=3)), dict(ATOMIC=1, SORTED=1))]
     if T <= 64: cfgs += [{'decode': d} for d in ({}, dict(BN1=8, BK1=512, BN2=8, BK2=256, SPLIT2=1, W1=8, W2=4))]
     for cfg in cfgs:
         assert rel_err(fm.fused_moe(x, w13, w2, tw, ids, config=cfg), ref) < TOL[torch.bfloat16], cfg

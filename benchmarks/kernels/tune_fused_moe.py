@@ -11,6 +11,10 @@ The shape defaults to Qwen3-30B-A3B's experts: E = 128 experts, hidden H = 2048,
   in the first GEMM's epilogue) x SWAP (weights as the MMA's M side), pruned by how many assignments an expert gets
   (`M * K / E`: tall tiles only where experts have rows to fill them, SWAP only where they have few, GROUP_M > 1
   only where there are several M-blocks per expert) and by shared memory and accumulator registers;
+- where experts get >= 32 rows (prefill buckets), two more stages, each compiled in parallel just before it runs:
+  *layout* (the best 3 grouped configs with each combination of `SORTED` (intermediate in expert order), `XSORT`
+  (x permuted into expert order before the first GEMM) and `ATOMIC` (top-k sum by fp32 atomics)), then *down*
+  (the best so far with launch 2's own BLOCK_N x BLOCK_K x GROUP_M x num_warps x num_stages, the `down` entry);
 - *decode path* (`fused_moe_decode`, where `M * K <= 128`): launch 1's sizes (BN1, BK1, W1) with launch 2 at its
   default, then launch 2's (BN2, BK2, W2, SPLIT2) with launch 1 at its best.
 
@@ -46,9 +50,14 @@ from cvllm_lab.kernels.fused_moe_decode import DECODE_DEFAULT
 
 KERNEL = 'fused_moe'
 SHAPE = (16, 128, 64, 4) if C.DRY else (128, 2048, 768, 8)     # E, H, I, top-K
-KEYS = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'GROUP_M', 'num_warps', 'num_stages', 'ACT', 'SWAP')
+LAYOUT = ('SORTED', 'XSORT', 'ATOMIC')
+KEYS = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'GROUP_M', 'num_warps', 'num_stages', 'ACT', 'SWAP') + LAYOUT
+FLAGS = ('ACT', 'SWAP') + LAYOUT                                  # stored only when on
 MS = (1, 2, 4, 64, 256, 8192, 16, 512, 4096, 128, 32, 8, 1024)   # the decode path's and the sweep's first
 DECODE_MAX_ASSIGNMENTS = 128
+LAYOUT_MIN_PER_EXPERT = 0 if C.DRY else 32    # rows per expert from which layouts and the down tile are tuned
+LAYOUTS = [dict(zip(LAYOUT, v)) for v in itertools.product((0, 1), repeat=3) if any(v)]
+LAYOUT_TOP = 3                                # stage-1 winners tried with each layout
 SMEM = 220 * 1024
 
 
@@ -67,6 +76,23 @@ def candidates(M, E, K):
         if (bm * bk + bn * bk * (1 + act)) * 2 * ns > SMEM: continue                   # bf16 tiles per stage
         if bm * bn * (1 + act) // (nw * 32) > 128: continue                            # fp32 accumulators per thread
         out.append(dict(zip(KEYS, (bm, bn, bk, g, nw, ns, act, swap)), decode=None))
+    return out
+
+
+def layout_stage(top):
+    "Stage 2 (many rows per expert): the best stage-1 configs with the intermediate and/or x in expert order."
+    return [{**{k: v for k, v in c.items() if k != 'down'}, **l} for c in top for l in LAYOUTS]
+
+
+def down_stage(best):
+    "Stage 3: launch 2's own tile (N = H, K = I: the other way round from launch 1), launch 1 at its best."
+    best = {k: v for k, v in best.items() if k != 'down'}
+    bm, out = best['BLOCK_M'], []
+    for bn, bk, g, nw, ns in itertools.product((64, 128, 256), (32, 64, 128), (1, 8), (4, 8), (3, 4)):
+        if (bm * bk + bn * bk) * 2 * ns > SMEM or bm * bn // (nw * 32) > 128: continue
+        if nw == 8 and bm * bn < 64 * 128 or nw == 4 and bm * bn > 128 * 128: continue
+        down = dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=nw, num_stages=ns)
+        if any(best[k] != v for k, v in down.items()): out.append({**best, 'down': down})
     return out
 
 
@@ -109,7 +135,8 @@ def _compile_worker(jobs):
 
 def _row(cfg):
     "A config as stored: grouped keys (ACT/SWAP only when on), plus `decode` where the decode path runs."
-    row = {k: v for k, v in cfg.items() if k != 'decode' and not (k in ('ACT', 'SWAP') and not v)}
+    row = {k: v for k, v in cfg.items() if k not in ('decode', 'down') and not (k in FLAGS and not v)}
+    if cfg.get('down'): row['down'] = dict(cfg['down'])
     if cfg.get('decode'): row['decode'] = dict(cfg['decode'])
     return row
 
@@ -124,14 +151,14 @@ def main():
     t0 = time.time()
     dev_key = 'dry' if C.DRY else tuned.device_key(C.device_name())
     print(C.device_name(), torch.__version__, 'triton', triton.__version__, 'shape E,H,I,K =', shape, flush=True)
+    workers = int(C.arg('--workers', min(12, (os.cpu_count() or 2) - 1)))
     plan = [(M, fm.get_config(M, E, H, I, K, C.DEVICE)) for M in ms]
     plan = [(M, cur, [c for c in candidates(M, E, K) if c != cur][:limit]) for M, cur in plan]
     if not C.DRY:
         jobs = [(shape, M, c) for M, cur, cs in plan for c in [cur] + cs]
         jobs += [(shape, M, {'decode': d}) for M, _, _ in plan if M * K <= DECODE_MAX_ASSIGNMENTS
                  for d in decode_stage1() + decode_stage2(DECODE_DEFAULT)]   # launch 2 compiles on its own
-        C.precompile(_compile_worker, jobs, int(C.arg('--workers', min(12, (os.cpu_count() or 2) - 1))),
-                     timeout=budget / 2)
+        C.precompile(_compile_worker, jobs, workers, timeout=budget / 2)
     wbytes = E * 3 * H * I * torch.finfo(C.XDT).bits // 8
     rows, best_per_bucket = [], {}
     for M, cur, cs in plan:
@@ -156,11 +183,21 @@ def main():
                     print('failed', M, cfg, repr(e)[:160]); continue
                 res.append((us, cfg))
                 rows.append(dict(device=dev_key, E=E, H=H, I=I, K=K, M=M, bucket=fm.m_bucket(M), kind=kind,
-                                 us=round(us, 2), **{k: cfg.get(k) for k in KEYS}, decode=cfg.get('decode')))
+                                 us=round(us, 2), **{k: cfg.get(k) for k in KEYS}, down=cfg.get('down'),
+                                 decode=cfg.get('decode')))
             return res
 
         t_cur = timed([cur], 'current')
         t_grp = timed(cs, 'grouped')
+        if M * K / E >= LAYOUT_MIN_PER_EXPERT and t_grp + t_cur:
+            top = [c for _, c in sorted(t_grp + t_cur, key=lambda t: t[0])[:LAYOUT_TOP]]
+            seen = {repr(sorted(_row(c).items())) for _, c in t_grp + t_cur}
+            stage2 = [c for c in layout_stage(top) if repr(sorted(_row(c).items())) not in seen][:limit]
+            if not C.DRY: C.precompile(_compile_worker, [(shape, M, c) for c in stage2], workers)
+            t_grp += timed(stage2, 'layout')
+            stage3 = down_stage(min(t_grp + t_cur, key=lambda t: t[0])[1])[:limit]
+            if not C.DRY: C.precompile(_compile_worker, [(shape, M, c) for c in stage3], workers)
+            t_grp += timed(stage3, 'down')
         t_dec = []
         if M * K <= DECODE_MAX_ASSIGNMENTS:
             s1 = timed([{'decode': d} for d in decode_stage1()[:limit]], 'decode')
