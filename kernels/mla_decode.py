@@ -105,10 +105,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping):
 def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                        seq_lens_ptr, block_tables_ptr, qk_scale, H, L, R,
                        stride_qnb, stride_qnh, stride_qpb, stride_qph, stride_ob, stride_oh,
-                       stride_cb, stride_co, stride_bt,
+                       stride_cb, stride_co, stride_bt, min_tiles,
                        BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
-                       TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                       DOT_F32: tl.constexpr):
+                       TILE_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -127,7 +126,7 @@ def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, out_ptr, part_acc_ptr, part_m_
         qp = qp.to(tl.float32)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits), MIN_TILES)   # short: fewer splits busy
+    tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits), min_tiles)   # short: fewer splits busy
     lo = split * tiles_per_split * TILE_N
     hi = tl.minimum(lo + tiles_per_split * TILE_N, seq_len)
 
@@ -243,8 +242,9 @@ def mla_decode(q_nope, q_pe, kv_cache, seq_lens, block_tables, scale, max_seq_le
         q_nope, q_pe, kv_cache, out, part_acc, part_m, part_l, seq_lens, block_tables,
         scale * math.log2(math.e), H, L, R, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        1 if num_kv_splits or splits == 1 else triton.cdiv(cfg['min_keys'], tile_n),   # tiles per split at least
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, TILE_N=tile_n,
-        MIN_TILES=1 if num_kv_splits or splits == 1 else triton.cdiv(cfg['min_keys'], tile_n), SPLIT=splits > 1,
+        SPLIT=splits > 1,
         PRECISION='ieee' if fp32 or dot_f32 else 'tf32', DOT_F32=dot_f32,
         num_warps=cfg['num_warps'] if block_h * block_l <= 8192 else max(8, cfg['num_warps']),
         num_stages=cfg['num_stages'])

@@ -8,8 +8,8 @@ through its decode (`CTX`) and at the `max_seq_len` bound its CUDA graph is capt
 runner's short-context graphs of batch 1), so the split count is the one the engine launches. Per bucket:
 
 1. the tile (`tile_n` keys per loop step) x `num_warps` x `num_stages` grid, at the current split policy;
-2. the split policy (`min_keys` x `waves`, which together give the number of KV splits) with the best tile;
-   timings are shared between policies that give the same split count.
+2. the split policy (`min_keys` x `waves`, which together give the number of KV splits, and `min_keys` the
+   splits a sequence keeps busy) with the best tile; timings are shared between policies that launch the same.
 
 Each candidate is checked against `mla_decode_ref` (relative error < 2e-2) and timed in a CUDA graph over rotating
 copies of the cache (`common.graph_time`), so a call reads its rows from HBM where the cache is larger than L2.
@@ -105,9 +105,10 @@ def main():
         timed = {}
 
         def measure(cfg, stage):
-            key = (cfg['tile_n'], cfg['num_warps'], cfg['num_stages'], splits_of(cfg, B, bound))
+            n = splits_of(cfg, B, bound)   # the grid; min_keys also sets the busy splits of a short sequence
+            key = (cfg['tile_n'], cfg['num_warps'], cfg['num_stages'], n, 1 if n == 1 else cfg['min_keys'])
             if key not in timed: timed[key] = time_cfg(cfg, B, bound, qn, qp, caches, sl, bt, ref)
-            rows.append(dict(device=C.device_name(), bucket=B, ctx=ctx, bound=bound, stage=stage, splits=key[3],
+            rows.append(dict(device=C.device_name(), bucket=B, ctx=ctx, bound=bound, stage=stage, splits=n,
                              **cfg, us=timed[key]))
             return timed[key]
 
