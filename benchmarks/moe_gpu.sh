@@ -27,7 +27,7 @@ rc=$((rc | PIPESTATUS[0]))
 #    rows (launch 2's own tile) say whether the A gather, the intermediate layout or the top-k sum matter.
 #    Expect M=8192 well under the old 1,499 us (232 GFLOP: 600 TFLOP/s would be ~390 us). --write: used below.
 timeout 230 python -m benchmarks.kernels.tune_fused_moe --ms 8192,4096,256 --budget 165 --workers 14 \
-  --out "$out" --write 2>&1 | tee "$out/tune.log" | grep -E '^(NVIDIA|M=|precompiled|budget|wrong)' | tail -20
+  --out "$out" --write 2>&1 | tee "$out/tune.log" | grep -E '^(NVIDIA|M=|precompiled|budget|wrong| +per kernel)' | tail -20
 rc=$((rc | PIPESTATUS[0]))
 dev=$(python -c "import torch; print(torch.cuda.get_device_name().strip().replace(' ', '_'))")
 cp "kernels/configs/fused_moe/$dev.json" "$out/" 2>/dev/null

@@ -30,7 +30,8 @@ Written to `--out` (default `.`) after every bucket, so a run cut short keeps wh
 `decode` entry where the decode path won) and `shapes` rows `E,H,I,K,bucket` for this shape; `--write` writes it
 into `kernels/configs/fused_moe/` (the file `kernels/tuned.py` loads for this GPU). Printed: per bucket,
 microseconds of the current config, the best grouped and the best decode candidates, and the bandwidth of the
-winner over the expert weights the routing selects. `--dry`: a small shape, buckets 1 and 16, two candidates of
+winner over the expert weights the routing selects; from M = 1024 on, the winner's GPU time per kernel (the grouped
+GEMMs against alignment, activation, permutation and the top-k sum). `--dry`: a small shape, buckets 1 and 16, two candidates of
 each kind, on the CPU under the Triton interpreter (a check of the script, not a measurement).
 """
 from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
@@ -57,6 +58,7 @@ MS = (1, 2, 4, 64, 256, 8192, 16, 512, 4096, 128, 32, 8, 1024)   # the decode pa
 DECODE_MAX_ASSIGNMENTS = 128
 LAYOUT_MIN_PER_EXPERT = 0 if C.DRY else 32    # rows per expert from which layouts and the down tile are tuned
 LAYOUTS = [dict(zip(LAYOUT, v)) for v in itertools.product((0, 1), repeat=3) if any(v)]
+BREAKDOWN_MIN = 1024                          # buckets whose winner is profiled kernel by kernel
 LAYOUT_TOP = 3                                # stage-1 winners tried with each layout
 SMEM = 220 * 1024
 
@@ -215,7 +217,21 @@ def main():
         print(f'M={M:5d}  current {us_cur:8.1f} us  grouped {us_grp:8.1f} us  decode {us_dec:8.1f} us  '
               f'({gbs:6.0f} GB/s of the {selected} selected experts)  {_row(best)}', flush=True)
         if us_best < 0.99 * us_cur or not t_cur: best_per_bucket[fm.m_bucket(M)] = _row(best)
+        if M >= BREAKDOWN_MIN and not C.DRY: breakdown(lambda: fm.fused_moe(x, *ws[0], tw, ids, config=best))
         _write(out_dir, dev_key, shape, best_per_bucket, rows)
+
+
+def breakdown(fn, reps=5):
+    "GPU microseconds per kernel of one call of `fn` (the mean over `reps` profiled calls), printed largest first."
+    fn(); torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps): fn()
+        torch.cuda.synchronize()
+    agg = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA: agg[e.name[:60]] = agg.get(e.name[:60], 0) + e.device_time
+    print('   per kernel: ' + ', '.join(f'{n} {us / reps:.1f} us' for n, us in sorted(agg.items(), key=lambda t: -t[1])),
+          flush=True)
 
 
 def _write(out_dir, dev_key, shape, best_per_bucket, rows):
