@@ -17,8 +17,10 @@ __all__ = ['perplexity', 'decoder_bits_per_weight', 'layer_types']
 
 # %% ../../nbs/65_perplexity.ipynb #6a9e3fd8
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
-    "`exp(mean NLL)` of `ids` cut into windows of `window` tokens, all run as one flat prefill batch."
+def perplexity(model, ids: torch.Tensor, window: int = 512, logits=None) -> float:
+    """`exp(mean NLL)` of `ids` cut into windows of `window` tokens, all run as one flat prefill batch. `logits`:
+    hidden states -> logits (default `model.compute_logits`; the model runner's `compute_logits` on CPU)."""
+    logits = logits or model.compute_logits
     chunks = [c for c in ids.split(window) if len(c) > 1]
     lens = [len(c) for c in chunks]
     dev = next(model.parameters()).device
@@ -28,7 +30,7 @@ def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
         h = model(torch.cat(chunks).to(dev), torch.cat([torch.arange(n) for n in lens]).to(dev))
     nll, n, s = 0.0, 0, 0
     for c, l in zip(chunks, lens):  # logits one window at a time: [window, vocab] at most
-        lp = torch.log_softmax(model.compute_logits(h[s:s + l - 1]).float(), -1)
+        lp = torch.log_softmax(logits(h[s:s + l - 1]).float(), -1)
         nll -= lp.gather(1, c[1:, None].to(dev)).sum().item()
         n, s = n + l - 1, s + l
     return math.exp(nll / n)
