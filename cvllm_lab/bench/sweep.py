@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 from .offline import bench_offline, bench_llamacpp, device_name, git_commit
 
 # %% auto #0
-__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'roofline', 'run_sweep', 'param_count', 'available_memory',
-           'check_memory', 'llamacpp_rows']
+__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'roofline', 'append_row', 'run_sweep', 'param_count',
+           'available_memory', 'check_memory', 'llamacpp_rows']
 
 # %% ../../nbs/61_bench_sweep.ipynb #e2b92cf5
 def measure_read_bandwidth(device: str, gib: float = 4.0, iters: int = 10) -> float:
@@ -80,6 +80,14 @@ def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
     step = wbytes - gathered + B * (P + O / 2) * kv_tok
     return dict(weight_bytes=wbytes, bytes_per_step=step, read_bw_GBs=bw / 1e9, roofline_tok_s=B * bw / step)
 
+def append_row(out: Path | None, row: dict):
+    "Append `row` to the CSV `out` in the columns of its header (rows with fewer fields leave theirs empty)."
+    if out is None: return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame([row])
+    if out.exists(): df = df.reindex(columns=pd.read_csv(out, nrows=0).columns)
+    df.to_csv(out, mode='a', header=not out.exists(), index=False)
+
 def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool = True) -> pd.DataFrame:
     "Run every point of `cfg` (a composed config as a plain dict); append rows to `out`; return them."
     from cvllm_lab import LLM
@@ -114,9 +122,7 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
             if progress: traceback.print_exc()
         row['config'] = json.dumps(dict(point=p, engine=cfg['engine'], quant=qcfg, attention=acfg), default=str)
         rows.append(row)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame([row]).to_csv(out, mode='a', header=not out.exists(), index=False)
+        append_row(out, row)
     if (cfg.get('sweep') or {}).get('llamacpp'): rows += llamacpp_rows(cfg, pts, conf_dir, out, sweep_name, progress)
     return pd.DataFrame(rows)
 
@@ -163,5 +169,5 @@ def llamacpp_rows(cfg: dict, pts: list[dict], conf_dir: Path, out: Path | None, 
                 if progress: traceback.print_exc()
         row['config'] = json.dumps(dict(point=p, threads=torch.get_num_threads()), default=str)
         rows.append(row)
-        if out is not None: pd.DataFrame([row]).to_csv(out, mode='a', header=not out.exists(), index=False)
+        append_row(out, row)
     return rows
