@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 import torch.nn.functional as F
-from ..layers.basic import Linear
+from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from ..layers.rotary import RotaryEmbedding
 from .llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
 from .phi3 import require_silu
@@ -78,17 +78,17 @@ class StableLmForCausalLM(LlamaForCausalLM):
     "StableLM: `StableLmDecoderLayer`s under a final LayerNorm; forward, logits and loading are Llama's."
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         require_silu(config, type(self).__name__)
+        if config.qk_layernorm and get_tensor_model_parallel_world_size() > 1:   # per-head weights: not sharded yet
+            raise NotImplementedError(f"{type(self).__name__} with qk_layernorm at tensor parallel > 1 is not supported yet")
         nn.Module.__init__(self)
         self.config = config
         rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads,
                                  max_model_len or config.max_position_embeddings)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.make_embeddings(config)
         self.model.layers = nn.ModuleList(StableLmDecoderLayer(config, rotary, attention_backend)
                                           for _ in range(config.num_hidden_layers))
         self.model.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.tie_word_embeddings = getattr(config, 'tie_word_embeddings', False)
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         heads = {'q': self.config.num_attention_heads, 'k': self.config.num_key_value_heads}
