@@ -49,11 +49,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     "SwiGLU MLP with one merged gate/up matmul; the intermediate dimension split over the TP ranks."
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        # reduce_results=False: this rank's partial sum, for a caller that adds more before one all-reduce (an MoE's shared expert)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_results=reduce_results)
     def forward(self, x): return self.down_proj(self.act(self.gate_up_proj(x)))
 
 class LlamaDecoderLayer(nn.Module):
