@@ -4,15 +4,18 @@ Each rank builds the model inside a gloo group (so every parallel layer holds it
 dict through `load_weights` (each `weight_loader` keeps its rank's part) and runs the same flat batch of three
 prompts over a paged KV cache; rank 0's gathered logits must match HF's within 1e-4 (fp32). The vocabulary (250)
 is not a multiple of the ranks' padding, so the last rank's embedding and LM-head rows are part padding. The
-families that are not sharded yet must refuse tensor parallel > 1 with an error naming them.
+families that are not sharded yet must refuse tensor parallel > 1 with an error naming them (the MoE families
+while `FusedMoE` keeps its experts whole; StableLM with per-head q/k LayerNorms).
 """
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cvllm_lab.layers.fused_moe import FusedMoE
 from cvllm_lab.utils import parallel_state as ps
 
 V = 250
+MOE_SHARDED = hasattr(FusedMoE(2, 1, 4, 4), 'tp_size')   # FusedMoE splits its experts over the ranks
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
@@ -112,8 +115,9 @@ def _refuse(rank, world, port, q):
         msgs = []
         moe = T.Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         moe.architectures = ['Qwen3MoeForCausalLM']
-        try: check_tensor_parallel(get_model_class(moe)(moe))
+        try: check_tensor_parallel(get_model_class(moe)(moe))    # refused while FusedMoE keeps its experts whole
         except NotImplementedError as e: msgs.append(str(e))
+        else: msgs.append('sharded' if MOE_SHARDED else 'accepted unsharded experts')
         st = configs(['stablelm'])['stablelm']; st.qk_layernorm = True
         try: get_model_class(st)(st)
         except NotImplementedError as e: msgs.append(str(e))
@@ -126,5 +130,6 @@ def test_unsharded_families_refuse_tp2():
     mp.spawn(_refuse, args=(2, ps.free_port(), q), nprocs=2, join=True)
     msgs = q.get()
     assert len(msgs) == 2, msgs
-    assert 'Qwen3MoeForCausalLM' in msgs[0] and 'tensor parallel' in msgs[0]
+    if MOE_SHARDED: assert msgs[0] == 'sharded'            # tests/test_tp_moe.py checks the sharded experts
+    else: assert 'Qwen3MoeForCausalLM' in msgs[0] and 'tensor parallel' in msgs[0]
     assert 'StableLmForCausalLM' in msgs[1] and 'qk_layernorm' in msgs[1]

@@ -153,10 +153,11 @@ class MistralForCausalLM(LlamaForCausalLM):
     "Mistral: the Llama block with sliding-window attention."
 def check_tensor_parallel(model: nn.Module):
     "Refuse, naming the model family, a model with layers that are not sharded yet, at tensor parallel > 1."
-    if get_tensor_model_parallel_world_size() == 1: return
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1: return
     for n, m in model.named_modules():
-        if isinstance(m, FusedMoE):
-            raise NotImplementedError(f"{type(model).__name__} at tensor parallel > 1: its experts ({n}) are not sharded "
+        if isinstance(m, FusedMoE) and getattr(m, 'tp_size', 1) != tp:   # experts built whole, not as this rank's slice
+            raise NotImplementedError(f"{type(model).__name__} at tensor parallel {tp}: its experts ({n}) are not sharded "
                                       f"yet; use tensor_parallel_size=1")
 
 
