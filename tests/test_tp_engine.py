@@ -50,10 +50,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENS]
 
 
-def run(model: str, tp: int) -> dict:
+def run(model: str, tp: int, **kw) -> dict:
     "Greedy tokens and full prompt log-probs of every prompt, one `generate` call (batched)."
     from cvllm_lab import LLM, SamplingParams
-    llm = LLM(model, progress=False, tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(model, progress=False, tensor_parallel_size=tp, **{**ENGINE, **kw})
     try:
         outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=-1,
                                                       ignore_eos=True), use_tqdm=False)
@@ -62,11 +62,11 @@ def run(model: str, tp: int) -> dict:
                 prompt_logprobs=[[[d[t].logprob for t in range(VOCAB)] for d in o.prompt_logprobs[1:]] for o in outs])
 
 
-def check_same(got: dict, ref: dict):
+def check_same(got: dict, ref: dict, atol: float = 1e-4):
     assert got['tokens'] == ref['tokens']
     assert all(len(t) == MAX_TOKENS for t in got['tokens']) and len({x for t in got['tokens'] for x in t}) > 4   # not one token
     for g, r in zip(got['prompt_logprobs'], ref['prompt_logprobs']):
-        torch.testing.assert_close(torch.tensor(g), torch.tensor(r), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(r), atol=atol, rtol=0)
 
 
 @pytest.fixture(scope='module')
@@ -82,6 +82,15 @@ def test_tp2_matches_tp1_through_the_engine(model_and_ref):
     check_same(got, ref)
     flat = torch.tensor(sum(ref['prompt_logprobs'], []))
     assert flat.shape == (sum(LENS) - len(LENS), VOCAB) and torch.isfinite(flat).all()
+
+
+@pytest.mark.cuda
+def test_tp2_on_two_gpus_matches_tp1(model_and_ref):
+    "Two GPU workers over NCCL (CUDA graphs captured per rank, Triton kernels) against one GPU, fp32."
+    if torch.cuda.device_count() < 2: pytest.skip('needs 2 GPUs')
+    model, _ = model_and_ref
+    gpu = dict(device='cuda', dtype='float32')
+    check_same(run(model, 2, **gpu), run(model, 1, **gpu, async_scheduling=False), atol=1e-3)
 
 
 def _torchrun_main(model: str, out: str):
