@@ -224,9 +224,28 @@ def _collect(self: MultiprocExecutor, ranks, timeout_s: float, what: str) -> lis
                 self._fail(f"worker {r} (pid {p.pid}) died with exit code {p.exitcode} during {what}")
             try: kind, payload = pickle.loads(obj.recv_bytes())
             except (EOFError, OSError): continue                       # closed: its sentinel reports the death
-            if kind == 'error': self._fail(f"worker {r} failed during {what}:\n{payload}")
+            if kind == 'error': self._fail_cause(r, payload, what)
             got[r] = payload; pending.discard(r)
     return [got[r] for r in sorted(got)]
+
+@patch
+def _fail_cause(self: MultiprocExecutor, r: int, payload: str, what: str, settle_s: float = 1.0):
+    """Worker `r` reported an error. A peer's death or error reaches the others as a failed collective, often first:
+    gather what else arrives within `settle_s`, then blame a worker's own error, else a worker that died silently."""
+    errors, closed, deadline = {r: payload}, set(), time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        for i, c in enumerate(self.conns):
+            if i in errors or i in closed or not c.poll(): continue
+            try: kind, pl = pickle.loads(c.recv_bytes())
+            except (EOFError, OSError): closed.add(i); continue
+            if kind == 'error': errors[i] = pl
+        time.sleep(0.05)
+    own = [i for i in sorted(errors) if 'distributed_c10d' not in errors[i]]   # not raised inside a collective
+    if own: self._fail(f"worker {own[0]} failed during {what}:\n{errors[own[0]]}")
+    dead = [i for i, p in enumerate(self.procs) if i not in errors and p.exitcode is not None]
+    if dead: self._fail(f"worker {dead[0]} (pid {self.procs[dead[0]].pid}) died with exit code {self.procs[dead[0]].exitcode} "
+                        f"during {what} (then worker {r}'s collective failed)")
+    self._fail(f"worker {r} failed during {what}:\n{payload}")
 
 @patch
 def _broadcast(self: MultiprocExecutor, obj):
