@@ -64,7 +64,8 @@ class EngineConfig:
     async_scheduling: bool | None = None     # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None
     fuse_mlp_act: bool = True                # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1            # ranks one model is split over (one worker process per GPU)
+    device_ids: list[int] | None = None      # candle-vllm's --d 0,1: the GPUs of the workers (their count = the TP size)
     max_logprobs: int = 20
     max_num_queued_requests: int | None = None  # waiting requests the scheduler holds before add_request raises QueueFullError
     scheduling_policy: str = 'fcfs'          # 'fcfs' | 'priority' (a request's `priority`: lower runs first)
@@ -76,7 +77,16 @@ class EngineConfig:
         if self.device == 'auto':   # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
             self.device = os.environ.get('CVLLM_LAB_DEVICE') or ('cuda' if torch.cuda.is_available() else 'cpu')
         if self.attention_backend == 'auto': self.attention_backend = 'triton' if self.device.startswith('cuda') else 'torch'
-        if self.async_scheduling is None: self.async_scheduling = self.device.startswith('cuda')
+        if self.device_ids is not None:
+            ids = [int(d) for d in self.device_ids]
+            if not ids or len(set(ids)) != len(ids): raise ValueError(f"device_ids={self.device_ids!r}: need distinct GPU ids")
+            if self.tensor_parallel_size == 1: self.tensor_parallel_size = len(ids)
+            elif self.tensor_parallel_size != len(ids):
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but {len(ids)} device_ids {ids}: they must agree")
+            self.device_ids = ids
+        tp = self.tensor_parallel_size > 1
+        if self.async_scheduling is None: self.async_scheduling = self.device.startswith('cuda') and not tp
+        if self.async_scheduling and tp: raise ValueError("async_scheduling with tensor_parallel_size > 1 is not built yet")
         if self.max_model_len is None: self.max_model_len = max_position_embeddings or 4096
         elif max_position_embeddings and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "

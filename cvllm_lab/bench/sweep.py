@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 from .offline import bench_offline, bench_llamacpp, device_name, git_commit
+from ..layers.linear import VocabParallelEmbedding, ParallelLMHead
 
 # %% auto #0
 __all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'roofline', 'append_row', 'run_sweep', 'param_count',
@@ -75,7 +76,8 @@ def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
     if head is not None: wbytes += head.weight_bytes()
     gathered = 0 if getattr(model, 'tie_word_embeddings', False) and head is None else sum(
         m.weight.numel() * m.weight.element_size() * (1 - B / m.num_embeddings)
-        for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead))
     kv_tok = llm.engine.runner.bytes_per_block / llm.engine.cfg.block_size
     step = wbytes - gathered + B * (P + O / 2) * kv_tok
     return dict(weight_bytes=wbytes, bytes_per_step=step, read_bw_GBs=bw / 1e9, roofline_tok_s=B * bw / step)

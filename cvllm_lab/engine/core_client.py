@@ -106,8 +106,10 @@ class MPClient(CoreClient):
         self._in, self._out = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
         self._in.setsockopt(zmq.SNDHWM, 0); self._out.setsockopt(zmq.RCVHWM, 0)
         self._in.bind(in_addr); self._out.bind(self.out_addr)
-        self.proc = multiprocessing.get_context('spawn').Process(
-            target=run_engine_core, args=(cfg, in_addr, self.out_addr, num_threads, progress), name='EngineCore', daemon=True)
+        tp = max(cfg.tensor_parallel_size, len(cfg.device_ids or ()))
+        self.proc = multiprocessing.get_context('spawn').Process(   # a daemonic process may not start the TP workers
+            target=run_engine_core, args=(cfg, in_addr, self.out_addr, num_threads, progress), name='EngineCore',
+            daemon=tp == 1)
         self.proc.start()
         try:
             tok = EngineInfo.load_tokenizer(cfg)          # while the core loads the weights

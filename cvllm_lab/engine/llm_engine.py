@@ -16,6 +16,7 @@ from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 from .scheduler import Scheduler
 from .model_runner import ModelRunner
+from .worker import make_executor
 from ..layers.sampler import Sampler
 from ..weights.loader import resolve_model_source, load_hf_config
 from ..tokenizer import load_tokenizer, eos_token_ids, IncrementalDetokenizer
@@ -57,15 +58,16 @@ class LLMEngine:
         self.src = resolve_model_source(cfg.model)
         self.hf_config = load_hf_config(self.src, cfg.hf_overrides)
         self.cfg = cfg.finalize(getattr(self.hf_config, 'max_position_embeddings', None))
-        if cfg.tensor_parallel_size != 1: raise NotImplementedError("tensor_parallel_size > 1 is not built yet")
         tok_root, tok_file = (cfg.tokenizer, None) if cfg.tokenizer else (self.src.root, self.src.gguf_file)
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(tok_root, tok_file)
         self.eos_token_ids = set() if self.tokenizer is None else eos_token_ids(
             self.tokenizer, self.hf_config, None if self.src.is_gguf else self.src.root)
         torch.manual_seed(cfg.seed)
-        self.runner = ModelRunner(cfg, self.hf_config, self.src, progress)
-        if self.runner.num_tokens_capacity < cfg.max_model_len:
-            raise ValueError(f"The KV cache holds {self.runner.num_tokens_capacity} tokens, fewer than max_model_len="
+        # tensor parallel: an executor in the runner's place (workers hold the model's shards; rank 0 samples)
+        self.runner = (make_executor(cfg, self.hf_config, self.src, progress) if cfg.tensor_parallel_size > 1
+                       else ModelRunner(cfg, self.hf_config, self.src, progress))
+        if self.runner.num_blocks * cfg.block_size < cfg.max_model_len:
+            raise ValueError(f"The KV cache holds {self.runner.num_blocks * cfg.block_size} tokens, fewer than max_model_len="
                              f"{cfg.max_model_len}: give it more memory or lower max_model_len")
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
@@ -80,6 +82,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
+
+    def shutdown(self):
+        "Stop the tensor-parallel workers (nothing to do for an in-process runner)."
+        if hasattr(self.runner, 'shutdown'): self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool: return bool(self.parents)
     def get_num_unfinished_requests(self) -> int: return len(self.parents)

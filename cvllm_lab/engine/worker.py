@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/worker.html.md"""
 
 # %% ../../nbs/56_worker.ipynb #9935d7bb
 from __future__ import annotations
-import os, pickle, time, traceback
+import atexit, dataclasses, functools, os, pickle, time, traceback
 import multiprocessing as mp
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -16,13 +16,17 @@ from fastcore.basics import patch
 from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
 from .scheduler import SchedulerOutput
+from .model_runner import ModelRunner, ModelRunnerOutput, StepHandle
+from ..utils.context import ForwardContext, set_forward_context
 from ..utils.parallel_state import (DistInit, init_distributed, destroy_distributed, free_port, broadcast_object,
                                             bind_to_gpu_numa_node, cuda_pci_bus_id, disable_nvlink_multicast,
-                                            get_tensor_model_parallel_world_size)
+                                            get_tensor_model_parallel_world_size, get_tensor_model_parallel_rank,
+                                            tensor_model_parallel_min)
 
 # %% auto #0
 __all__ = ['STEP_TIMEOUT_S', 'NewRequestData', 'StepMessage', 'StepEncoder', 'RequestMirror', 'runner_view', 'Worker',
-           'WorkerError', 'worker_main', 'MultiprocExecutor', 'DriverExecutor', 'worker_busy_loop']
+           'WorkerError', 'worker_main', 'MultiprocExecutor', 'DriverExecutor', 'worker_busy_loop', 'TPModelRunner',
+           'make_tp_runner', 'make_executor']
 
 # %% ../../nbs/56_worker.ipynb #8ee422c2
 @dataclass(slots=True)
@@ -220,9 +224,28 @@ def _collect(self: MultiprocExecutor, ranks, timeout_s: float, what: str) -> lis
                 self._fail(f"worker {r} (pid {p.pid}) died with exit code {p.exitcode} during {what}")
             try: kind, payload = pickle.loads(obj.recv_bytes())
             except (EOFError, OSError): continue                       # closed: its sentinel reports the death
-            if kind == 'error': self._fail(f"worker {r} failed during {what}:\n{payload}")
+            if kind == 'error': self._fail_cause(r, payload, what)
             got[r] = payload; pending.discard(r)
     return [got[r] for r in sorted(got)]
+
+@patch
+def _fail_cause(self: MultiprocExecutor, r: int, payload: str, what: str, settle_s: float = 1.0):
+    """Worker `r` reported an error. A peer's death or error reaches the others as a failed collective, often first:
+    gather what else arrives within `settle_s`, then blame a worker's own error, else a worker that died silently."""
+    errors, closed, deadline = {r: payload}, set(), time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        for i, c in enumerate(self.conns):
+            if i in errors or i in closed or not c.poll(): continue
+            try: kind, pl = pickle.loads(c.recv_bytes())
+            except (EOFError, OSError): closed.add(i); continue
+            if kind == 'error': errors[i] = pl
+        time.sleep(0.05)
+    own = [i for i in sorted(errors) if 'distributed_c10d' not in errors[i]]   # not raised inside a collective
+    if own: self._fail(f"worker {own[0]} failed during {what}:\n{errors[own[0]]}")
+    dead = [i for i, p in enumerate(self.procs) if i not in errors and p.exitcode is not None]
+    if dead: self._fail(f"worker {dead[0]} (pid {self.procs[dead[0]].pid}) died with exit code {self.procs[dead[0]].exitcode} "
+                        f"during {what} (then worker {r}'s collective failed)")
+    self._fail(f"worker {r} failed during {what}:\n{payload}")
 
 @patch
 def _broadcast(self: MultiprocExecutor, obj):
@@ -275,7 +298,7 @@ class DriverExecutor:
     "torchrun's rank 0: the engine's executor with worker 0 in process; steps broadcast to the other ranks."
     def __init__(self, worker: Worker):
         self.worker, self.encoder, self.world_size = worker, StepEncoder(), get_tensor_model_parallel_world_size()
-        self.num_blocks = worker.info()['num_blocks']
+        self.num_blocks, self.closed = worker.info()['num_blocks'], False
 
     def _bcast(self, obj, what):
         try: return broadcast_object(obj)
@@ -287,7 +310,12 @@ class DriverExecutor:
         try: return self.worker.execute_step(m)
         except RuntimeError as e: raise WorkerError(f"a step failed on rank 0 (a peer may be gone): {e}") from e
 
-    def shutdown(self): self._bcast(('shutdown',), 'shutdown')
+    def shutdown(self):
+        "Tell the other ranks to stop (once), then leave the group."
+        if self.closed: return
+        self.closed = True
+        self._bcast(('shutdown',), 'shutdown')
+        destroy_distributed()
 
 def worker_busy_loop(worker: Worker):
     "Ranks > 0 under torchrun: run the steps rank 0 broadcasts until it says `shutdown`."
@@ -295,3 +323,53 @@ def worker_busy_loop(worker: Worker):
         kind, *args = broadcast_object(None)
         if kind != 'step': return
         worker.execute_step(args[0])
+
+# %% ../../nbs/56_worker.ipynb #8fb92837
+class TPModelRunner(ModelRunner):
+    "`ModelRunner` on one tensor-parallel rank: the block count agreed over the ranks, messages on rank 0, sampling on rank 0."
+    def __init__(self, cfg, hf_config, src=None, progress: bool = True):
+        self.tp_rank = get_tensor_model_parallel_rank()
+        super().__init__(cfg, hf_config, src, progress and self.tp_rank == 0)
+
+    def determine_num_blocks(self) -> int: return tensor_model_parallel_min(super().determine_num_blocks())
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
+        "Rank 0: `ModelRunner.launch`. Other ranks: the same forward and the same `compute_logits` calls, no sampling."
+        if self.tp_rank == 0: return super().launch(so, prev_tokens)
+        b = self.prepare_inputs(so)
+        if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
+            hidden = self._run_graph(b, prev_tokens)
+        else:
+            t = lambda x: torch.as_tensor(x).to(self.device)
+            ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
+                                 b.max_query_len, b.max_seq_len)
+            ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
+            with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
+        for _, rows, _ in b.prompt_logprobs: self.model.compute_logits(hidden[rows])   # rank 0's gathers, in its order
+        if b.sample_reqs: self.model.compute_logits(hidden[b.sample_rows])
+        return StepHandle([], output=ModelRunnerOutput())
+
+def make_tp_runner(cfg, hf_config, src, progress: bool, worker: Worker) -> TPModelRunner:
+    "A worker's runner (`functools.partial` of it is what the executor sends to the workers): the model on its device."
+    torch.manual_seed(cfg.seed)
+    return TPModelRunner(dataclasses.replace(cfg, device=str(worker.device)), hf_config, src, progress)
+
+# %% ../../nbs/56_worker.ipynb #526833c2
+def make_executor(cfg, hf_config, src=None, progress: bool = True):
+    "The executor of a `tensor_parallel_size > 1` engine: in process under torchrun, else N spawned workers on this host."
+    n, init = cfg.tensor_parallel_size, DistInit.from_env()
+    make = functools.partial(make_tp_runner, cfg, hf_config, src, progress)
+    if init is not None and init.world_size > 1:           # one rank of a torchrun job
+        if init.world_size != n:
+            raise ValueError(f"tensor_parallel_size={n} but torchrun started {init.world_size} processes "
+                             f"(--nnodes x --nproc-per-node): they must be equal")
+        w = Worker(init, cfg.device, block_size=cfg.block_size)
+        w.init_device(); w.load_model(make)
+        if init.rank > 0:                                  # the engine is rank 0's: serve its steps, then leave
+            worker_busy_loop(w); destroy_distributed()
+            raise SystemExit(0)
+        ex = DriverExecutor(w)
+    else: ex = MultiprocExecutor(n, make, cfg.device, cfg.device_ids, cfg.block_size)
+    atexit.register(ex.shutdown)
+    return ex

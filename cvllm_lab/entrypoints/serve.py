@@ -18,8 +18,8 @@ from .openai.reasoning import REASONING_TAGS
 from .openai.tool_parsers import TOOL_PARSERS
 
 # %% auto #0
-__all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides', 'quantization_from_args', 'configs_from_args',
-           'main']
+__all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides', 'quantization_from_args', 'parallel_from_args',
+           'configs_from_args', 'main']
 
 # %% ../../nbs/78_serve.ipynb #a1b9ea84
 def make_parser() -> argparse.ArgumentParser:
@@ -53,9 +53,16 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--kv-cache-dtype', choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: auto (the model dtype, default) or fp8 = fp8_e4m3 (with a scale per token and KV head)")
     g.add_argument('--fp8-kvcache', action='store_true', help="candle-vllm: FP8 KV cache (= --kv-cache-dtype fp8)")
-    g.add_argument('--tensor-parallel-size', '-tp', type=int, default=1, help="only 1 is built")
+    g.add_argument('--tensor-parallel-size', '-tp', type=int, default=1,
+                   help="ranks (GPUs) one model is split over; under torchrun: nnodes x nproc-per-node")
     g.add_argument('--device', default='auto', help="auto, cpu, cuda or cuda:N")
-    g.add_argument('--d', dest='device_ids', help="candle-vllm: device ids, e.g. 0 (one device only)")
+    g.add_argument('--d', dest='device_ids', help="candle-vllm: device ids, e.g. 0, or 0,1 for tensor parallel 2")
+    g = p.add_argument_group('multi-node (start every node with torchrun; these are checked against its environment)')
+    g.add_argument('--num-nodes', type=int, help="candle-vllm: nodes (torchrun --nnodes)")
+    g.add_argument('--node-rank', type=int, help="candle-vllm: this node's rank (torchrun --node-rank)")
+    g.add_argument('--master-addr', help="candle-vllm: node 0's address (torchrun --master-addr)")
+    g.add_argument('--master-port', type=int, help="candle-vllm: node 0's rendezvous port (torchrun --master-port)")
+    g = p.add_argument_group('engine, continued')
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--max-logprobs', type=int, default=20)
     g.add_argument('--enforce-eager', action='store_true', help="no CUDA graphs: every decode step runs eagerly")
@@ -125,24 +132,53 @@ def quantization_from_args(args) -> str | None:
         except ValueError: _refuse('--quantization', f"unknown {args.quantization!r}; choose a checkpoint format ({', '.join(CHECKPOINT_QUANT)}) or an in-situ method ({', '.join(METHODS)})")
     return q
 
+def parallel_from_args(args, environ: dict | None = None) -> tuple[int, list[int] | None]:
+    "The tensor-parallel size and GPU ids from -tp and --d; under torchrun checked against its environment (with the node flags)."
+    env = os.environ if environ is None else environ
+    tp, ids = args.tensor_parallel_size, None
+    if tp < 1: _refuse('--tensor-parallel-size', f"must be >= 1, got {tp}")
+    if args.device_ids is not None:
+        parts = [s for s in args.device_ids.replace(' ', ',').split(',') if s]
+        if not parts or not all(s.isdigit() for s in parts): _refuse('--d', f"{args.device_ids!r}: give GPU ids, e.g. 0 or 0,1")
+        ids = [int(s) for s in parts]
+        if len(set(ids)) != len(ids): _refuse('--d', f"{args.device_ids!r}: a device id is repeated")
+        if len(ids) > 1:
+            if tp not in (1, len(ids)): _refuse('--d', f"{len(ids)} devices but --tensor-parallel-size {tp}: they must agree")
+            tp = len(ids)
+    nodes = {'--num-nodes': (args.num_nodes, 'GROUP_WORLD_SIZE'), '--node-rank': (args.node_rank, 'GROUP_RANK'),
+             '--master-addr': (args.master_addr, 'MASTER_ADDR'), '--master-port': (args.master_port, 'MASTER_PORT')}
+    given = [f for f, (v, _) in nodes.items() if v is not None]
+    if 'WORLD_SIZE' not in env:
+        if given: _refuse(given[0], "several nodes are started by torchrun: run `torchrun --nnodes N --nproc-per-node G "
+                          "--node-rank R --master-addr A --master-port P -m cvllm_lab.entrypoints.serve ...` on every node")
+        return tp, ids
+    for f, (v, var) in nodes.items():
+        if v is not None and var in env and str(v) != env[var]: _refuse(f, f"{v}, but torchrun has {var}={env[var]}: torchrun's flags decide")
+    world = int(env['WORLD_SIZE'])
+    if tp != world: _refuse('--tensor-parallel-size', f"{tp}, but torchrun started {world} processes (nnodes x nproc-per-node): they must be equal")
+    if ids is not None and len(ids) > 1: _refuse('--d', "under torchrun each process takes the GPU of its LOCAL_RANK: leave --d out")
+    return tp, ids
+
 def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
     "Check the flags and build the engine and server settings."
-    if args.tensor_parallel_size != 1: _refuse('--tensor-parallel-size', "tensor parallelism is not built yet; use 1")
+    tp, ids = parallel_from_args(args)
     quant = quantization_from_args(args)
     kv_dtype = args.kv_cache_dtype or ('fp8' if args.fp8_kvcache else 'auto')
     if args.fp8_kvcache and kv_dtype == 'auto': _refuse('--fp8-kvcache', "conflicts with --kv-cache-dtype auto; give one")
     device = args.device
-    if args.device_ids is not None:
-        ids = [s for s in args.device_ids.replace(' ', ',').split(',') if s]
-        if len(ids) != 1 or not ids[0].isdigit(): _refuse('--d', f"{args.device_ids!r}: one device id only (multi-GPU is not built)")
+    if ids is not None:
         import torch
         if not torch.cuda.is_available(): _refuse('--d', "no CUDA device is visible; leave --d out to run on the CPU")
-        if int(ids[0]) >= torch.cuda.device_count(): _refuse('--d', f"device {ids[0]} does not exist ({torch.cuda.device_count()} visible)")
-        device = f'cuda:{ids[0]}'
+        if max(ids) >= torch.cuda.device_count(): _refuse('--d', f"device {max(ids)} does not exist ({torch.cuda.device_count()} visible)")
+        device = f'cuda:{ids[0]}' if len(ids) == 1 else 'cuda'
+        if len(ids) == 1: ids = None                         # one GPU: no workers, the engine runs on it
     for flag, v in (('--mem', args.mem), ('--max-gen-tokens', args.max_gen_tokens), ('--threads', args.threads)):
         if v is not None and v < 1: _refuse(flag, f"must be >= 1, got {v}")
     if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1: _refuse('--gpu-memory-fraction', "must be in (0, 1]")
     model = model_from_args(args)
+    if tp > 1 and (quant or model is None or model.endswith('.gguf')):
+        _refuse('--tensor-parallel-size', f"{tp} with a quantized model ({quant or 'GGUF'}): quantized layers are not "
+                "sharded yet; give a float (safetensors) model, or use 1")
     overrides = yarn_overrides(model, args.yarn_scaling_factor) if args.yarn_scaling_factor else {}
     ecfg = EngineConfig(model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=device, seed=args.seed,
                         load_format=args.load_format, max_model_len=args.max_model_len, block_size=args.block_size,
@@ -150,7 +186,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
                         prefill_chunk_size=args.prefill_chunk_size, enable_prefix_caching=args.enable_prefix_caching,
                         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_fraction=args.gpu_memory_fraction,
                         kv_cache_memory=args.mem << 20 if args.mem else None, enforce_eager=args.enforce_eager,
-                        async_scheduling=args.async_scheduling,
+                        async_scheduling=args.async_scheduling, tensor_parallel_size=tp, device_ids=ids,
                         max_logprobs=args.max_logprobs, hf_overrides=overrides, quantization=quant, kv_cache_dtype=kv_dtype,
                         max_num_queued_requests=args.max_num_queued_requests, scheduling_policy=args.scheduling_policy,
                         generation_config=args.generation_config)
@@ -170,6 +206,10 @@ def main(argv: list[str] | None = None):
     if args.threads: import torch; torch.set_num_threads(args.threads)
     logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO) if args.uvicorn_log_level != 'trace' else 5,
                         format='%(levelname)s %(name)s: %(message)s')
+    if int(os.environ.get('RANK', 0)) > 0:                 # torchrun's other ranks: a worker each, no API server
+        from cvllm_lab.engine.llm_engine import LLMEngine
+        LLMEngine(ecfg, progress=False)                    # serves rank 0's steps; exits when rank 0 shuts down
+        sys.exit(1)                                        # (not reached)
     import uvicorn
     from cvllm_lab.engine.async_llm_engine import AsyncLLMEngine
     from cvllm_lab.entrypoints.openai.api_server import build_app

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import torch
 from torch import nn
-from ..layers.basic import GemmaRMSNorm, GeluAndMul, Linear
+from ..layers.basic import GemmaRMSNorm, GeluAndMul
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
 from .llama import LlamaForCausalLM, LlamaAttention, LlamaMLP
@@ -96,13 +96,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         rotary = {t: RotaryEmbedding(rope_config(config, t), head_dim, max_pos) for t in sorted(set(types))}
         window = getattr(config, 'sliding_window', None)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.make_embeddings(config, tie_default=True)
         self.model.layers = nn.ModuleList(
             GemmaDecoderLayer(config, rotary[t], attention_backend, window if t == 'sliding_attention' else None, self.qk_norm)
             for t in types)
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = getattr(config, 'tie_word_embeddings', True)
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.final_logit_softcapping = getattr(config, 'final_logit_softcapping', None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -113,6 +111,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
+        if logits is None: return None                 # a tensor-parallel rank other than 0
         if cap := self.final_logit_softcapping: logits = torch.tanh(logits / cap) * cap
         return logits
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 import torch
 from torch import nn
-from ..layers.basic import Linear, RMSNorm
+from ..layers.basic import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
 from .phi3 import require_silu, unfuse_weights
@@ -46,12 +46,10 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_model_len or config.max_position_embeddings, is_neox=False)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.make_embeddings(config)
         self.model.layers = nn.ModuleList(Glm4DecoderLayer(config, rotary, attention_backend)
                                           for _ in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = getattr(config, 'tie_word_embeddings', False)
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         I = self.config.intermediate_size

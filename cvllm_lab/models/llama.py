@@ -9,29 +9,35 @@ from __future__ import annotations
 from typing import Iterable
 import torch
 from torch import nn
+import torch.nn.functional as F
 from ..layers.basic import RMSNorm, SiluAndMul, Linear
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
+from ..layers.fused_moe import FusedMoE
+from ..layers.linear import (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
+                                     VocabParallelEmbedding, ParallelLMHead)
+from ..utils.parallel_state import get_tensor_model_parallel_world_size, tensor_model_parallel_gather
 from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
 
 # %% auto #0
-__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'MistralForCausalLM', 'compare_with_hf']
+__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'MistralForCausalLM', 'check_tensor_parallel',
+           'compare_with_hf']
 
 # %% ../../nbs/30_llama.ipynb #ff277da5
 class LlamaAttention(nn.Module):
-    "Self-attention: merged QKV projection, optional q/k norm, RoPE, paged attention, output projection."
+    "Self-attention over this rank's heads: merged QKV projection, optional q/k norm, RoPE, paged attention, output projection."
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch', qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: bool = False, sliding_window: int | None = None):
         super().__init__()
         H, Hkv = config.num_attention_heads, config.num_key_value_heads
         D = getattr(config, 'head_dim', None) or config.hidden_size // H
-        self.H, self.Hkv, self.D = H, Hkv, D
-        self.qkv_proj = Linear(config.hidden_size, [H * D, Hkv * D, Hkv * D], bias=qkv_bias, shard_ids=['q', 'k', 'v'])
-        self.o_proj = Linear(H * D, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, Hkv, bias=qkv_bias)   # this rank's heads
+        self.H, self.Hkv, self.D = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D  # local head counts
+        self.o_proj = RowParallelLinear(H * D, config.hidden_size, bias=o_bias)            # all-reduce of the heads' sums
         self.q_norm = RMSNorm(D, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary
-        self.attn = Attention(H, D, D ** -0.5, Hkv, sliding_window=sliding_window, backend=backend)
+        self.attn = Attention(self.H, D, D ** -0.5, self.Hkv, sliding_window=sliding_window, backend=backend)
 
     def forward(self, positions, h):
         T = h.shape[0]
@@ -42,12 +48,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))   # rotary inside (fused on triton)
 
 class LlamaMLP(nn.Module):
-    "SwiGLU MLP with one merged gate/up matmul."
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    "SwiGLU MLP with one merged gate/up matmul; the intermediate dimension split over the TP ranks."
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        # reduce_results=False: this rank's partial sum, for a caller that adds more before one all-reduce (an MoE's shared expert)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_results=reduce_results)
     def forward(self, x): return self.down_proj(self.act(self.gate_up_proj(x)))
 
 class LlamaDecoderLayer(nn.Module):
@@ -85,27 +92,36 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_pos)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         kw = self.attn_kwargs(config)
+        self.make_embeddings(config)
         self.model.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, attention_backend, **kw)
                                           for _ in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = getattr(config, 'tie_word_embeddings', False)
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def make_embeddings(self, config, tie_default: bool = False):
+        "The vocabulary-parallel `model.embed_tokens` and `lm_head` (None when tied to the embedding)."
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = getattr(config, 'tie_word_embeddings', tie_default)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers: h, residual = layer(positions, h, residual)
         return self.model.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        "`[T, V]` logits of `hidden`'s rows; at tensor parallel > 1 gathered on rank 0, None on the other ranks."
+        if self.lm_head is not None: return self.lm_head.compute_logits(hidden)
+        e = self.model.embed_tokens                 # tied: this rank's embedding rows are its LM-head rows
+        local = F.linear(hidden, e.weight)
+        if e.tp_size == 1: return local
+        full = tensor_model_parallel_gather(local, dim=-1)
+        return None if full is None else full[..., :e.num_embeddings]
 
     def attention_layers(self) -> list[Attention]: return [l.self_attn.attn for l in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        "Load HF-named tensors (merging packed ones); raise if any parameter was not loaded."
+        "Load full HF-named tensors (merging packed ones, keeping this rank's shard); raise if any parameter was not loaded."
         params, loaded = dict(self.named_parameters()), set()
         for name, w in weights:
             if 'rotary_emb.inv_freq' in name: continue
@@ -115,8 +131,8 @@ class LlamaForCausalLM(nn.Module):
                 if f'.{src}.' in name: name, shard = name.replace(f'.{src}.', f'.{dst}.'), sid; break
             if name not in params: raise KeyError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             p = params[name]
-            owner = self.get_submodule(name.rsplit('.', 1)[0])
-            if isinstance(owner, Linear): owner.weight_loader(p, w, shard)
+            loader = getattr(self.get_submodule(name.rsplit('.', 1)[0]), 'weight_loader', None)
+            if loader is not None: loader(p, w, shard)   # a parallel layer copies only this rank's part
             elif p.shape != w.shape: raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != parameter {tuple(p.shape)}")
             else: p.data.copy_(w)
             loaded.add(name if shard is None else f'{name}[{shard}]')
@@ -135,6 +151,15 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     "Mistral: the Llama block with sliding-window attention."
+def check_tensor_parallel(model: nn.Module):
+    "Refuse, naming the model family, a model with layers that are not sharded yet, at tensor parallel > 1."
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1: return
+    for n, m in model.named_modules():
+        if isinstance(m, FusedMoE) and getattr(m, 'tp_size', 1) != tp:   # experts built whole, not as this rank's slice
+            raise NotImplementedError(f"{type(model).__name__} at tensor parallel {tp}: its experts ({n}) are not sharded "
+                                      f"yet; use tensor_parallel_size=1")
+
 
 # %% ../../nbs/30_llama.ipynb #7a61e099
 def compare_with_hf(hf_model, ours, lens=(5, 17, 33), block_size=16, atol=1e-4, seed=0):

@@ -41,7 +41,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def fused_sizes(self) -> dict[str, tuple[list[str], list[int]]]:
         "The fused checkpoint tensors and their parts' row counts."
         a, I = self.model.layers[0].self_attn, self.config.intermediate_size
-        return {'qkv_proj': (['q_proj', 'k_proj', 'v_proj'], [a.H * a.D, a.Hkv * a.D, a.Hkv * a.D]),
+        return {'qkv_proj': (['q_proj', 'k_proj', 'v_proj'], a.qkv_proj.full_output_sizes),   # whole, not this rank's
                 'gate_up_proj': (['gate_proj', 'up_proj'], [I, I])}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

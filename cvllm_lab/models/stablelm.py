@@ -11,7 +11,6 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 import torch.nn.functional as F
-from ..layers.basic import Linear
 from ..layers.rotary import RotaryEmbedding
 from .llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
 from .phi3 import require_silu
@@ -34,10 +33,19 @@ class LayerNorm(nn.Module):
 
 # %% ../../nbs/38_stablelm.ipynb #429b880e
 class HeadLayerNorm(nn.Module):
-    "LayerNorm over each head of `[T, H, D]`, without bias, with its own weight per head (`weight` is `[H, D]`)."
-    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-5):
+    """LayerNorm over each head of `[T, H, D]`, without bias, with its own weight per head (`weight` is `[H, D]`).
+    At tensor parallel > 1 it holds this rank's heads: rows `first_head ..` of the checkpoint's `[total_heads, D]`."""
+    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-5, first_head: int = 0,
+                 total_heads: int | None = None):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(num_heads, head_dim))
+        self.first_head, self.total_heads = first_head, total_heads or num_heads
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        "This rank's heads' rows of the stacked checkpoint weight."
+        if tuple(loaded.shape) != (self.total_heads, param.shape[1]):
+            raise ValueError(f"head norm: checkpoint shape {tuple(loaded.shape)} != {(self.total_heads, param.shape[1])}")
+        param.data.copy_(loaded[self.first_head:self.first_head + param.shape[0]])
 
     def forward(self, x): return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * self.weight
 
@@ -62,7 +70,10 @@ class StableLmDecoderLayer(nn.Module):
         eps, self.parallel = config.layer_norm_eps, config.use_parallel_residual
         self.input_layernorm = LayerNorm(config.hidden_size, eps)
         self.self_attn = a = LlamaAttention(config, rotary, backend, qkv_bias=config.use_qkv_bias)
-        if config.qk_layernorm: a.q_norm, a.k_norm = HeadLayerNorm(a.H, a.D, eps), HeadLayerNorm(a.Hkv, a.D, eps)
+        if config.qk_layernorm:   # this rank's heads (the first of them from the QKV projection's split)
+            qkv = a.qkv_proj
+            a.q_norm = HeadLayerNorm(a.H, a.D, eps, qkv.shard_range('q')[0] // a.D, qkv.total_num_heads)
+            a.k_norm = HeadLayerNorm(a.Hkv, a.D, eps, qkv.shard_range('k')[0] // a.D, qkv.total_num_kv_heads)
         self.post_attention_layernorm = None if self.parallel else LayerNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
 
@@ -83,12 +94,10 @@ class StableLmForCausalLM(LlamaForCausalLM):
         rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads,
                                  max_model_len or config.max_position_embeddings)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.make_embeddings(config)
         self.model.layers = nn.ModuleList(StableLmDecoderLayer(config, rotary, attention_backend)
                                           for _ in range(config.num_hidden_layers))
         self.model.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.tie_word_embeddings = getattr(config, 'tie_word_embeddings', False)
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         heads = {'q': self.config.num_attention_heads, 'k': self.config.num_key_value_heads}

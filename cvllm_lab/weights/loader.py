@@ -15,6 +15,8 @@ import torch
 from tqdm.auto import tqdm
 from ..config import EngineConfig, default_model_path
 from ..models.registry import get_model_class
+from ..models.llama import check_tensor_parallel
+from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from ..tokenizer import gguf_cache_dir
 
 # %% auto #0
@@ -189,6 +191,8 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     try:
         with torch.device(cfg.device): model = cls(hf_config, cfg.max_model_len, cfg.attention_backend)
     finally: torch.set_default_dtype(prev)
+    check_tensor_parallel(model)          # at tensor parallel > 1: each layer built as this rank's shard, or refused
+    tp = get_tensor_model_parallel_world_size()
     qcfg = None
     if cfg.load_format == 'dummy':
         g = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
@@ -196,11 +200,15 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     else:
         src = src or resolve_model_source(cfg.model)
         qcfg = checkpoint_quant_config(src, hf_config, cfg.quantization)
+        if qcfg and tp > 1: raise NotImplementedError(f"a {qcfg['method']} checkpoint at tensor parallel {tp}: quantized "
+                                                       f"layers are not sharded yet; use tensor_parallel_size=1")
         with torch.no_grad():
             if qcfg:
                 from cvllm_lab.quant.apply import load_quantized
                 load_quantized(model, iterate_weights(src, hf_config, progress, qcfg['method'] == 'gguf'), qcfg, progress)
             else: model.load_weights(iterate_weights(src, hf_config, progress))
+    if cfg.quantization and not qcfg and tp > 1:
+        raise NotImplementedError(f"quantization={cfg.quantization!r} at tensor parallel {tp}: quantized layers are not sharded yet")
     if cfg.quantization and not qcfg:
         from cvllm_lab.quant.apply import quantize_model
         quantize_model(model, cfg.quantization, progress)
