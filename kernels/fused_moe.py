@@ -34,7 +34,9 @@ expert) the row layout is a config choice too:
 `down` (a dict) gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SWAP (BLOCK_M is shared:
 the blocks come from one alignment); launch 1's N is I (or 2I) and K is H, launch 2's the other way round. The
 kernel loads without masks where K is a multiple of BLOCK_K: padding rows read a real row and are never stored,
-columns past N wrap around. Launch 2 writes each assignment's weighted output at its own row, so the per-token sum
+columns past N wrap around. `PERSISTENT` (1: a plain loop, 2: the tile loop flattened into the K loop so the next
+tile's loads overlap this one's epilogue) launches `CTAS_PER_SM` (default 1) programs per SM that stride over the
+real tiles. Launch 2 writes each assignment's weighted output at its own row, so the per-token sum
 is one read of `out_k` (no atomics, no fp32 scratch); config `ATOMIC` instead adds them into an fp32 `[T, H]`
 (zeroed first, cast at the end): T*H*4 bytes of DRAM traffic each way instead of `out_k`'s T*k*H*2, paid in L2
 atomics.
@@ -55,6 +57,7 @@ FP8 experts (W8A16): `w13`/`w2` may be `float8_e4m3fn` with block scales `[E, ce
 in FP8, scales it in registers by its block's scale and runs the dot in the activation dtype, so only FP8 bytes
 cross memory. They always take the grouped GEMMs.
 """
+import functools
 import os
 
 import torch
@@ -226,14 +229,41 @@ def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
 
 @triton.jit
 def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, bs_ptr,
-                      N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                      N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                       stride_bse, stride_bsn, stride_bsk,
                       A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
                       B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, A_SORTED: tl.constexpr,
-                      C_SORTED: tl.constexpr, C_ATOMIC: tl.constexpr, C_ROW_DIV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of one
-    block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
+                      C_SORTED: tl.constexpr, C_ATOMIC: tl.constexpr, C_ROW_DIV: tl.constexpr,
+                      EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """The grouped GEMM over the real tiles (row blocks below `num_tokens_post_padded`, times N blocks): one tile
+    per program, or (`PERSISTENT`) a grid of about one program per SM striding over the tiles, the tile loop
+    flattened into the K loop (`FLATTEN`) so the next tile's loads overlap this one's epilogue."""
+    num_pid_m = tl.cdiv(tl.load(ntpp_ptr), BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for pid in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+            _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
+                      bs_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse,
+                      stride_bsn, stride_bsk, A_ROW_DIV, MUL_ROUTED_WEIGHT, PRECISION, B_SCALE, ACT, SWAP,
+                      A_SORTED, C_SORTED, C_ATOMIC, C_ROW_DIV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    elif tl.program_id(0) < num_pid_m * num_pid_n:     # else past the last real block
+        _moe_tile(tl.program_id(0), num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr,
+                  expert_ids_ptr, bs_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                  stride_bse, stride_bsn, stride_bsk, A_ROW_DIV, MUL_ROUTED_WEIGHT, PRECISION, B_SCALE, ACT, SWAP,
+                  A_SORTED, C_SORTED, C_ATOMIC, C_ROW_DIV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, bs_ptr,
+              N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+              stride_bse, stride_bsn, stride_bsk,
+              A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+              B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, A_SORTED: tl.constexpr,
+              C_SORTED: tl.constexpr, C_ATOMIC: tl.constexpr, C_ROW_DIV: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile `pid`: c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of
+    one block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
     scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block).
     `ACT`: `b` holds 2N rows (gate, then up); the tile computes both and writes `silu(gate) * up`.
     `SWAP`: the weight tile is the MMA's M side (`acc.T [BN, BM] = b [BN, K] @ a.T`), for few rows per expert.
@@ -242,16 +272,11 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     false): padding rows read a real row (or the padding of a sorted buffer) and are never stored, and columns
     past N wrap around. `C_ATOMIC`: `c` is fp32 `[T, N]`, each assignment added into its token's row
     `a // C_ROW_DIV` (the top-k)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_pid_n                        # GROUP_M row-blocks share their weight tiles in L2
     first_m = (pid // group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group) % size_m
     pid_n = (pid % group) // size_m
-    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):           # past the last real block
-        return
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     assign = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
@@ -359,6 +384,11 @@ def moe_permute(x, sorted_ids, ntpp, top_k: int):
     return out
 
 
+@functools.cache
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 4
+
+
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_valid: int, a_row_div: int,
                   mul_routed: bool, cfg, w_scale=None, act: bool = False, a_sorted: bool = False,
                   c_sorted: bool = False, c_atomic: int = 0):
@@ -368,16 +398,18 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_val
     `out` is fp32 `[T, N]` and each assignment is added into row `a // c_atomic`."""
     N, K = w.shape[1] // (2 if act else 1), w.shape[2]
     em = sorted_ids.numel()
-    grid = (triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
+    tiles = triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N'])   # at most: EM is an upper bound
+    persistent = int(cfg.get('PERSISTENT', 0))
+    grid = (min(tiles, _num_sms(a.device) * cfg.get('CTAS_PER_SM', 1)) if persistent else tiles,)
     bs = w_scale if w_scale is not None else topk_weights          # any pointer: unused without B_SCALE
     bss = w_scale.stride() if w_scale is not None else (0, 0, 0)
     _fused_moe_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, bs,
-                            N, K, em, num_valid, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+                            N, K, num_valid, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                             *bss, A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
                             PRECISION='ieee' if a.dtype == torch.float32 else 'tf32', B_SCALE=w_scale is not None,
                             ACT=act, SWAP=bool(cfg.get('SWAP', 0)), A_SORTED=a_sorted, C_SORTED=c_sorted,
                             C_ATOMIC=c_atomic > 0, C_ROW_DIV=max(c_atomic, 1),
-                            EVEN_K=K % cfg['BLOCK_K'] == 0,
+                            EVEN_K=K % cfg['BLOCK_K'] == 0, PERSISTENT=persistent > 0, FLATTEN=persistent > 1,
                             BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
                             GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
     return out
@@ -390,7 +422,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
 
     `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
     `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, ACT,
-    SWAP, SORTED, XSORT, ATOMIC, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
+    SWAP, SORTED, XSORT, ATOMIC, PERSISTENT, CTAS_PER_SM, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
     scales (grouped path only). The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
     Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape

@@ -72,7 +72,8 @@ GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32
            dict(SORTED=1), dict(XSORT=1), dict(ACT=1, SORTED=1, XSORT=1, GROUP_M=2),
            dict(SORTED=1, SWAP=1, down=dict(BLOCK_N=16, BLOCK_K=64, GROUP_M=2, num_warps=2, SWAP=0)),
            dict(ACT=1, down=dict(BLOCK_N=64, BLOCK_K=16, SWAP=1)), dict(ATOMIC=1, SORTED=1),
-           dict(ATOMIC=1, down=dict(SWAP=1, BLOCK_N=32))]
+           dict(ATOMIC=1, down=dict(SWAP=1, BLOCK_N=32)), dict(PERSISTENT=1, GROUP_M=2),
+           dict(PERSISTENT=2, ACT=1, SORTED=1, down=dict(PERSISTENT=1, CTAS_PER_SM=2))]
 
 
 @pytest.mark.parametrize('variant', GROUPED)
@@ -80,7 +81,8 @@ GROUPED = [dict(ACT=1), dict(SWAP=1), dict(ACT=1, SWAP=1, BLOCK_M=32, BLOCK_N=32
 def test_fused_moe_grouped_variants(T, E, k, H, I, variant):
     """SiLU-and-mul in the first GEMM's epilogue (`ACT`), the weight tile as the MMA's M side (`SWAP`), the
     intermediate in sorted order (`SORTED`), x permuted into expert order (`XSORT`), the down GEMM's own tile
-    (`down`), the top-k sum by fp32 atomics (`ATOMIC`); ragged too."""
+    (`down`), the top-k sum by fp32 atomics (`ATOMIC`), a persistent grid striding over the tiles (`PERSISTENT`);
+    ragged too."""
     x, w13, w2, tw, ids = problem(T, E, k, H, I, torch.float32, seed=T + H)
     ref = fm.fused_moe_ref(x, w13, w2, tw, ids)
     out = fm.fused_moe(x, w13, w2, tw, ids, config={**variant, 'decode': None})
@@ -301,7 +303,8 @@ def test_fused_moe_qwen3_30b_a3b_shape(T):
     cfgs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, ACT=1, decode=None)]
     big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, decode=None)
     cfgs += [{**big, **v} for v in (dict(SORTED=1), dict(XSORT=1, ACT=1), dict(SORTED=1, XSORT=1, ACT=1,
-             down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=3)), dict(ATOMIC=1, SORTED=1))]
+             down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=3)), dict(ATOMIC=1, SORTED=1),
+             dict(PERSISTENT=1), dict(PERSISTENT=2, ACT=1, SORTED=1))]
     if T <= 64: cfgs += [{'decode': d} for d in ({}, dict(BN1=8, BK1=512, BN2=8, BK2=256, SPLIT2=1, W1=8, W2=4))]
     for cfg in cfgs:
         assert rel_err(fm.fused_moe(x, w13, w2, tw, ids, config=cfg), ref) < TOL[torch.bfloat16], cfg

@@ -13,8 +13,9 @@ The shape defaults to Qwen3-30B-A3B's experts: E = 128 experts, hidden H = 2048,
   only where there are several M-blocks per expert) and by shared memory and accumulator registers;
 - where experts get >= 32 rows (prefill buckets), two more stages, each compiled in parallel just before it runs:
   *layout* (the best 3 grouped configs with each combination of `SORTED` (intermediate in expert order), `XSORT`
-  (x permuted into expert order before the first GEMM) and `ATOMIC` (top-k sum by fp32 atomics)), then *down*
-  (the best so far with launch 2's own BLOCK_N x BLOCK_K x GROUP_M x num_warps x num_stages, the `down` entry);
+  (x permuted into expert order before the first GEMM) and `ATOMIC` (top-k sum by fp32 atomics)), *persistent*
+  (the best with `PERSISTENT` 1 / 2 (flattened) x `CTAS_PER_SM` 1 / 2), then *down* (the best so far with launch
+  2's own BLOCK_N x BLOCK_K x GROUP_M x num_warps x num_stages, the `down` entry);
 - *decode path* (`fused_moe_decode`, where `M * K <= 128`): launch 1's sizes (BN1, BK1, W1) with launch 2 at its
   default, then launch 2's (BN2, BK2, W2, SPLIT2) with launch 1 at its best.
 
@@ -52,8 +53,9 @@ from cvllm_lab.kernels.fused_moe_decode import DECODE_DEFAULT
 KERNEL = 'fused_moe'
 SHAPE = (16, 128, 64, 4) if C.DRY else (128, 2048, 768, 8)     # E, H, I, top-K
 LAYOUT = ('SORTED', 'XSORT', 'ATOMIC')
-KEYS = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'GROUP_M', 'num_warps', 'num_stages', 'ACT', 'SWAP') + LAYOUT
-FLAGS = ('ACT', 'SWAP') + LAYOUT                                  # stored only when on
+KEYS = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'GROUP_M', 'num_warps', 'num_stages', 'ACT', 'SWAP') + LAYOUT + (
+    'PERSISTENT', 'CTAS_PER_SM')
+FLAGS = ('ACT', 'SWAP', 'PERSISTENT') + LAYOUT                    # stored only when on
 MS = (1, 2, 4, 64, 256, 8192, 16, 512, 4096, 128, 32, 8, 1024)   # the decode path's and the sweep's first
 DECODE_MAX_ASSIGNMENTS = 128
 LAYOUT_MIN_PER_EXPERT = 0 if C.DRY else 32    # rows per expert from which layouts and the down tile are tuned
@@ -197,6 +199,10 @@ def main():
             stage2 = [c for c in layout_stage(top) if repr(sorted(_row(c).items())) not in seen][:limit]
             if not C.DRY: C.precompile(_compile_worker, [(shape, M, c) for c in stage2], workers)
             t_grp += timed(stage2, 'layout')
+            best = {k: v for k, v in min(t_grp + t_cur, key=lambda t: t[0])[1].items() if k != 'down'}
+            stage2b = [{**best, 'PERSISTENT': p, 'CTAS_PER_SM': c} for p in (1, 2) for c in (1, 2)][:limit]
+            if not C.DRY: C.precompile(_compile_worker, [(shape, M, c) for c in stage2b], workers)
+            t_grp += timed(stage2b, 'persistent')
             stage3 = down_stage(min(t_grp + t_cur, key=lambda t: t[0])[1])[:limit]
             if not C.DRY: C.precompile(_compile_worker, [(shape, M, c) for c in stage3], workers)
             t_grp += timed(stage3, 'down')
