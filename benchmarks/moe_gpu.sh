@@ -18,7 +18,7 @@ rc=0
 
 # 1. kernels at real sizes (every path and prefill layout against the loop over experts) and a tiny Qwen3-MoE
 #    (offline word-level tokenizer) through the engine against transformers, bf16 and FP8: expect all to pass.
-timeout 140 python -m pytest -q -m cuda -rs tests/test_kernels_moe.py \
+timeout 150 python -m pytest -q -m cuda -rs tests/test_kernels_moe.py \
   "tests/test_models_moe.py::test_qwen3_moe_fused_kernel_through_engine" 2>&1 | tee "$out/tests.log" | tail -15
 rc=$((rc | PIPESTATUS[0]))
 
@@ -26,7 +26,7 @@ rc=$((rc | PIPESTATUS[0]))
 #    microseconds; at 4096 / 8192 the CSV's `layout` rows (SORTED / XSORT / ATOMIC on the best 3 tiles) and `down`
 #    rows (launch 2's own tile) say whether the A gather, the intermediate layout or the top-k sum matter.
 #    Expect M=8192 well under the old 1,499 us (232 GFLOP: 600 TFLOP/s would be ~390 us). --write: used below.
-timeout 230 python -m benchmarks.kernels.tune_fused_moe --ms 8192,4096,256 --budget 165 --workers 14 \
+timeout 220 python -m benchmarks.kernels.tune_fused_moe --ms 8192,4096,256 --budget 160 --workers 14 \
   --out "$out" --write 2>&1 | tee "$out/tune.log" | grep -E '^(NVIDIA|M=|precompiled|budget|wrong| +per kernel)' | tail -20
 rc=$((rc | PIPESTATUS[0]))
 dev=$(python -c "import torch; print(torch.cuda.get_device_name().strip().replace(' ', '_'))")
@@ -34,7 +34,7 @@ cp "kernels/configs/fused_moe/$dev.json" "$out/" 2>/dev/null
 
 # 3. the sweep: one CSV row per point (decode_tok_s, prefill_tok_s, ms_per_step) and a plot; the prefill target is
 #    vLLM's 67-73k tok/s, the decode rows should stay at 321 / 1,151 / 3,124 / 10,758 (batch 1 / 16 / 64 / 256).
-timeout 170 python -m cvllm_lab.bench +sweep=moe out="$out/h200_moe.csv" 2>&1 | tee "$out/sweep.log" \
+timeout 160 python -m cvllm_lab.bench +sweep=moe out="$out/h200_moe.csv" 2>&1 | tee "$out/sweep.log" \
   | grep -v Capturing | tail -12
 rc=$((rc | PIPESTATUS[0]))
 

@@ -69,7 +69,7 @@ def candidates(M, E, K):
     "Grouped-GEMM configs to time for M tokens: the grid pruned by the assignments per expert and by resources."
     per_expert = M * K / E
     bms = [16] if per_expert <= 8 else [16, 32] if per_expert <= 32 else [32, 64] if per_expert <= 128 else [64, 128]
-    groups = [1] if per_expert <= min(bms) else [1, 8]
+    groups = [1] if per_expert <= min(bms) else [1, 8] if per_expert <= 128 else [1, 8, 16]
     out = []
     for bm, bn, bk, g, ns, act, swap in itertools.product(bms, (32, 64, 128, 256), (32, 64, 128, 256), groups,
                                                           (2, 3, 4), (0, 1), (0, 1)):
