@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
 from ..quant.w4a16 import QuantLinear
+from ..layers.basic import Linear
 
 # %% auto #0
 __all__ = ['perplexity', 'decoder_bits_per_weight', 'layer_types']
@@ -41,7 +42,7 @@ def decoder_bits_per_weight(model) -> float:
     for name, m in model.model.layers.named_modules():
         if isinstance(m, QuantLinear) and not any(isinstance(p, QuantLinear) for p in m.children()):
             bits += 8 * m.weight_bytes(); n += m.input_size * m.output_size
-        elif type(m).__name__ == 'Linear' and not isinstance(m, QuantLinear) and hasattr(m, 'weight'):
+        elif isinstance(m, Linear) and not isinstance(m, QuantLinear) and hasattr(m, 'weight'):   # incl. the parallel linears
             bits += 8 * m.weight.numel() * m.weight.element_size(); n += m.weight.numel()
     return bits / n
 
