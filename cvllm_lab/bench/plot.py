@@ -29,6 +29,10 @@ def load_reference(ref_dir: Path, gpu: str) -> tuple[pd.DataFrame, pd.DataFrame]
     "vLLM's measured rows for this GPU kind, and candle-vllm's documented rows (Hopper table for H100/H200)."
     f = ref_dir / f'vllm_measured_{gpu.lower()}.csv'
     vllm = pd.read_csv(f) if f.exists() else pd.DataFrame(columns=['shape', 'precision', 'batch', 'decode_tok_s'])
+    if 'notes' in vllm:   # a point re-measured beside our own sweep replaces the older figure (ratios from one run)
+        key = [k for k in ('shape', 'precision', 'batch', 'prompt_tokens', 'output_tokens') if k in vllm]
+        newer = vllm.notes.fillna('').str.contains('re-measured')
+        vllm = vllm.assign(_n=newer).sort_values('_n').drop_duplicates(key, keep='last').drop(columns='_n').sort_index()
     candle = pd.read_csv(ref_dir / 'candle_vllm_documented.csv')
     table = 'Hopper' if gpu in ('H100', 'H200') else gpu
     return vllm, candle[candle.gpu == table]
