@@ -200,7 +200,7 @@ def decode_config(num_seqs: int, device: torch.device) -> dict:
     short sequence leaves its later splits idle) and `waves` (programs aimed at, in multiples of the SMs)."""
     T = configs_for('mla_decode', device)
     if _INTERPRET or device.type != 'cuda': return T['interpret']
-    table = T['decode']
+    table = T['default']
     return table[max([b for b in table if b <= num_seqs], default=min(table))]
 
 

@@ -277,7 +277,7 @@ def test_api_key_and_refused_flags():
         ok = openai.OpenAI(base_url=s.url + '/v1', api_key='sekrit', max_retries=0)
         assert ok.completions.create(model=ok.models.list().data[0].id, prompt='hi', max_tokens=2).choices[0].text is not None
         assert httpx.get(s.url + '/health').status_code == 200
-    for flags, word in ((['--tensor-parallel-size', '2'], 'tensor parallel'), (['--isq', 'q9k'], 'unknown quantization'),
+    for flags, word in ((['--tensor-parallel-size', '2'], 'quantized layers are not sharded'), (['--isq', 'q9k'], 'unknown quantization'),
                         (['--quantization', 'int3'], 'quantiz')):
         p = subprocess.run([sys.executable, '-m', 'cvllm_lab.entrypoints.serve', *flags], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and word in p.stderr.lower(), (flags, p.returncode, p.stderr[-500:])

@@ -92,7 +92,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     dev = tuned.device_key(C.device_name())
     tables = tuned.load_configs(KERNEL, 'default' if C.DRY else dev)
-    table = dict(tables['decode'])
+    table = dict(tables['default'])
     rows, t0 = [], time.time()
     print(f'{C.device_name()}: H={H} L={L} R={R} {DT}, budget {budget:.0f} s', flush=True)
     for B in buckets:
@@ -130,7 +130,7 @@ def main():
               f'({splits_of(best, B, bound)} splits, {gbs:.0f} GB/s of latent rows) {best}', flush=True)
         with open(os.path.join(out_dir, 'tune_mla_decode.csv'), 'w', newline='') as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
-        text = tuned.dump_configs({'decode': dict(sorted(table.items()))})
+        text = tuned.dump_configs({'default': dict(sorted(table.items()))})
         with open(os.path.join(out_dir, f'{dev}.json'), 'w') as f: f.write(text)
         if '--write' in sys.argv and not C.DRY:
             (tuned.CONFIG_DIR / KERNEL / f'{dev}.json').write_text(text)
