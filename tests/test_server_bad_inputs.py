@@ -2,7 +2,7 @@
 error shape while a concurrent normal request still completes with the same greedy text as alone; the fuzz-found
 engine crashes as regressions; a 2 MB request does not stall another stream; structured output closes."""
 from __future__ import annotations
-import asyncio, json, socket, statistics, subprocess, sys, time
+import asyncio, json, re, socket, statistics, subprocess, sys, time
 import httpx, pytest
 
 from _serverproc import ServerProcess, metric
@@ -104,12 +104,22 @@ def test_bad_inputs_are_errors_and_hurt_no_one(server):
     assert r.status_code == 200 and r.json()['usage']['completion_tokens'] >= 2
 
 
+def read_response(s) -> str:
+    "One whole HTTP response from a socket: the headers, then the body up to its Content-Length (it may come in pieces)."
+    data = b''
+    while b'\r\n\r\n' not in data and (chunk := s.recv(65536)): data += chunk
+    head, _, body = data.partition(b'\r\n\r\n')
+    m = re.search(rb'(?i)content-length:\s*(\d+)', head)
+    while m and len(body) < int(m.group(1)) and (chunk := s.recv(65536)): body += chunk
+    return (head + b'\r\n\r\n' + body).decode('latin-1')
+
+
 def test_body_size_refused_from_content_length(server):
     "A Content-Length over the limit is a 413 before the body is sent (the server never waits for it)."
     host, port = server.url.removeprefix('http://').split(':')
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(f'POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {64 << 20}\r\n\r\n'.encode())
-        head = s.recv(65536).decode('latin-1')
+        head = read_response(s)
     assert head.startswith('HTTP/1.1 413'), head[:200]
     body = json.loads(head.split('\r\n\r\n', 1)[1])
     assert body['error']['type'] == 'RequestTooLargeError' and body['error']['code'] is None
