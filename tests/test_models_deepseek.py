@@ -13,17 +13,7 @@ from cvllm_lab import LLM, SamplingParams
 from cvllm_lab.layers.fused_moe import FusedMoE
 from cvllm_lab.layers.mla import MLAAttention
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def bench_model_dir(shrink: dict | None = None) -> Path:
-    "A folder with the bench shape's config.json (as `bench.sweep.model_dir` writes it), with `shrink` applied."
-    from transformers import AutoConfig
-    hf = dict(yaml.safe_load((ROOT / 'conf/model/deepseek_v2_lite.yaml').read_text())['hf_config'])
-    hf.update(shrink or {})
-    d = Path(tempfile.mkdtemp())
-    AutoConfig.for_model(hf.pop('model_type'), **hf).save_pretrained(d)
-    return d
+from helpers import ROOT, bench_model_dir, tiny_tokenizer
 
 
 SHRINK = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
@@ -50,22 +40,13 @@ def tiny_hf(v3: bool, seed: int = 0):
             if 'e_score_correction_bias' in n: b.normal_(0, 0.1)
     d = Path(tempfile.mkdtemp())
     hf.save_pretrained(d)
-    word_tokenizer(cfg.vocab_size).save_pretrained(d)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(d)
     return hf, d
-
-
-def word_tokenizer(vocab_size: int):
-    "A word-level tokenizer of `vocab_size` words `w0 w1 ...` (built offline: the tiny models need one, not a real one)."
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({f'w{i}': i for i in range(vocab_size)}, unk_token='w0'))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token='w0')
 
 
 def test_bench_shape_builds_with_dummy_weights():
     "The bench config's fields survive (no q LoRA, top-6 of 16, 2 shared experts, the first layer dense); batched = alone."
-    llm = LLM(str(bench_model_dir(SHRINK)), load_format='dummy', skip_tokenizer_init=True, dtype='float32',
+    llm = LLM(str(bench_model_dir('deepseek_v2_lite', SHRINK)), load_format='dummy', skip_tokenizer_init=True, dtype='float32',
               progress=False, max_model_len=256, kv_cache_memory=8 << 20, block_size=4, prefill_chunk_size=8,
               max_num_batched_tokens=16)
     runner = llm.engine.runner
@@ -88,7 +69,7 @@ def test_bench_shape_builds_with_dummy_weights():
 
 def test_bench_shape_config_is_the_real_one():
     from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(bench_model_dir())
+    cfg = AutoConfig.from_pretrained(bench_model_dir('deepseek_v2_lite'))
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank,
             cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.n_routed_experts, cfg.num_experts_per_tok,
             cfg.n_shared_experts, cfg.moe_intermediate_size, cfg.first_k_dense_replace, cfg.intermediate_size,
@@ -142,7 +123,7 @@ def test_deepseek_v2_lite_decode_on_gpu():
     """The real V2-Lite shape in bf16 with dummy weights: builds, captures CUDA graphs, decodes a batch of 64; its
     cache is one [kv_lora_rank + qk_rope_head_dim] bf16 row per token and layer (1,152 bytes)."""
     from cvllm_lab.utils.context import kv_bytes_per_token
-    llm = LLM(str(bench_model_dir()), load_format='dummy', skip_tokenizer_init=True, progress=False,
+    llm = LLM(str(bench_model_dir('deepseek_v2_lite')), load_format='dummy', skip_tokenizer_init=True, progress=False,
               max_model_len=2048, max_num_seqs=64)
     runner = llm.engine.runner
     assert all(c.shape[1:] == (runner.block_size, 576) and c.dtype == torch.bfloat16 for c in runner.kv_caches)

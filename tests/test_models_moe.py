@@ -11,26 +11,7 @@ import yaml
 from cvllm_lab import LLM, SamplingParams
 from cvllm_lab.layers.fused_moe import FusedMoE
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def bench_model_dir(shrink: dict | None = None) -> Path:
-    "A folder with the bench shape's config.json (as `bench.sweep.model_dir` writes it), with `shrink` applied."
-    from transformers import AutoConfig
-    hf = dict(yaml.safe_load((ROOT / 'conf/model/qwen3_30b_a3b.yaml').read_text())['hf_config'])
-    hf.update(shrink or {})
-    d = Path(tempfile.mkdtemp())
-    AutoConfig.for_model(hf.pop('model_type'), **hf).save_pretrained(d)
-    return d
-
-
-def tiny_tokenizer(vocab_size: int):
-    "A word-level tokenizer over `vocab_size` ids (`<unk>`, `w1`, `w2`, ...), built offline: no model download."
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({'<unk>': 0, **{f'w{i}': i for i in range(1, vocab_size)}}, unk_token='<unk>'))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token='<unk>')
+from helpers import ROOT, bench_model_dir, tiny_tokenizer
 
 
 SHRINK = dict(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, intermediate_size=96, num_experts=16,
@@ -39,7 +20,7 @@ SHRINK = dict(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, int
 
 def test_bench_shape_builds_with_dummy_weights():
     "The bench config's fields survive (top-8, renormalized, QK-norm, GQA); batched = each alone."
-    llm = LLM(str(bench_model_dir(SHRINK)), load_format='dummy', skip_tokenizer_init=True, dtype='float32',
+    llm = LLM(str(bench_model_dir('qwen3_30b_a3b', SHRINK)), load_format='dummy', skip_tokenizer_init=True, dtype='float32',
               progress=False, max_model_len=256, kv_cache_memory=8 << 20, block_size=4, prefill_chunk_size=8,
               max_num_batched_tokens=16)
     model = llm.engine.runner.model
@@ -60,7 +41,7 @@ def test_bench_shape_builds_with_dummy_weights():
 
 def test_tiny_tokenizer_through_the_engine():
     "The offline tokenizer saved beside a shrunken model: text prompts encode to its ids and outputs decode back."
-    d = bench_model_dir(SHRINK)
+    d = bench_model_dir('qwen3_30b_a3b', SHRINK)
     tiny_tokenizer(SHRINK['vocab_size']).save_pretrained(d)
     llm = LLM(str(d), load_format='dummy', dtype='float32', progress=False, max_model_len=64,
               kv_cache_memory=4 << 20, block_size=4)
@@ -72,7 +53,7 @@ def test_tiny_tokenizer_through_the_engine():
 
 def test_bench_shape_config_is_the_real_one():
     from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(bench_model_dir())
+    cfg = AutoConfig.from_pretrained(bench_model_dir('qwen3_30b_a3b'))
     assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == \
            (48, 128, 8, 2048, 768, 32, 4, 128, 151936)
@@ -125,7 +106,7 @@ def test_qwen3_moe_fused_kernel_through_engine(quantization):
 @pytest.mark.cuda
 def test_qwen3_30b_a3b_decode_on_gpu():
     "The real shape in bf16 with dummy weights: builds, captures CUDA graphs, decodes a batch of 64."
-    llm = LLM(str(bench_model_dir()), load_format='dummy', skip_tokenizer_init=True, progress=False,
+    llm = LLM(str(bench_model_dir('qwen3_30b_a3b')), load_format='dummy', skip_tokenizer_init=True, progress=False,
               max_model_len=2048, max_num_seqs=64)
     g = torch.Generator().manual_seed(0)
     prompts = [{'prompt_token_ids': torch.randint(0, 151936, (64,), generator=g).tolist()} for _ in range(64)]
