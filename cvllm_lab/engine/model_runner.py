@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from ..config import EngineConfig
-from ..utils.context import ForwardContext, bind_kv_cache, set_forward_context
+from ..utils.context import ForwardContext, FreshPrefill, bind_kv_cache, kv_bytes_per_token, set_forward_context
 from .request import Request
 from .scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, topk_logprobs
@@ -56,9 +56,9 @@ class ModelRunner:
     def num_tokens_capacity(self) -> int: return self.num_blocks * self.block_size
     @property
     def bytes_per_block(self) -> int:
-        es = torch.tensor([], dtype=self.cfg.kv_cache_torch_dtype).element_size()
-        scale = 4 if self.fp8_kv else 0
-        return sum(2 * self.block_size * a.num_kv_heads * (a.head_dim * es + scale) for a in self.model.attention_layers())
+        "Cache bytes of one block over every layer (each layer's own row layout: K/V heads, or MLA's latent)."
+        dt = self.cfg.kv_cache_torch_dtype
+        return self.block_size * sum(kv_bytes_per_token(a, dt) for a in self.model.attention_layers())
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
@@ -135,6 +135,9 @@ class InputBatch:
     sample_rows: list[int] | slice              # rows to sample (`slice(None)`: every row)
     sample_reqs: list[Request]                  # the request of each sampled row
     prompt_logprobs: list[tuple[Request, list[int], list[int]]]   # (request, rows, the prompt tokens they predict)
+    # the trailing run of fresh prefills (nothing cached before the step): (first sequence, its longest chunk,
+    # max query len and max seq len of the sequences before it); None when the last sequence has a cached prefix
+    fresh_prefill: tuple[int, int, int, int] | None = None
 
 # %% ../../nbs/50_model_runner.ipynb #d74792fd
 @patch
@@ -160,10 +163,24 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     bt = np.zeros((len(so.scheduled), max_blocks), dtype=np.int32)
     for i, r in enumerate(so.scheduled):
         t = so.block_tables[r.request_id]; bt[i, :len(t)] = t
+    qlen, B = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], len(seq_lens)
+    s = B
+    while s and seq_lens[s - 1] == qlen[s - 1]: s -= 1   # back over sequences with nothing cached before this step
+    fresh = (s, max(qlen[s:]), max(qlen[:s], default=0), max(seq_lens[:s], default=0)) if s < B else None
     return InputBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                       torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
                       torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(bt),
-                      max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max(seq_lens), sample_rows, sample_reqs, plp)
+                      max(qlen), max(seq_lens), sample_rows, sample_reqs, plp, fresh)
+
+# %% ../../nbs/50_model_runner.ipynb #e805c385
+@patch
+def fresh_prefill(self: ModelRunner, b: InputBatch) -> FreshPrefill | None:
+    "The step's trailing run of fresh prefills, for attention backends that run them on FlashAttention (`22_attention`)."
+    if b.fresh_prefill is None or self.cfg.attention_backend != 'triton': return None
+    s, max_len, head_q, head_s = b.fresh_prefill
+    t0 = int(b.query_start_loc[s])
+    cu = torch.as_tensor(b.query_start_loc[s:] - t0).to(self.device)
+    return FreshPrefill(s, t0, cu, max_len, head_q, head_s)
 
 # %% ../../nbs/50_model_runner.ipynb #b2687b71
 @patch
@@ -222,7 +239,7 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
     else:
         t = lambda x: torch.as_tensor(x).to(self.device)
         ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                             b.max_query_len, b.max_seq_len)
+                             b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
         ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
         with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
     sample_rows, sample_reqs = b.sample_rows, b.sample_reqs

@@ -7,11 +7,13 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 # %% ../../nbs/22_attention.ipynb #05ff41bb
 from __future__ import annotations
 import torch
+import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import nn
 from ..utils.context import get_forward_context
 
 # %% auto #0
-__all__ = ['get_attention_backend', 'Attention']
+__all__ = ['get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention', 'flash_attention_available']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -35,6 +37,8 @@ class Attention(nn.Module):
     def set_backend(self, name: str):
         self.backend = name
         self._cache_fn, self._attn_fn = get_attention_backend(name)
+        # varlen causal attention for a step's fresh prefills (None: the paged kernel does every row)
+        self.prefill_fn = flash_varlen_attention if name == 'triton' else None
 
     def forward(self, q, k, v, positions=None, rotary=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
@@ -53,7 +57,56 @@ class Attention(nn.Module):
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
             rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
                              ctx.slot_mapping, ks, vs)
+        if ctx.fresh_prefill is not None and self._fresh_prefill_ok(q, kc):
+            return self._split_fresh_prefill(q, kc, vc, ks, vs, ctx).reshape(T, self.num_heads * self.head_dim)
         o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, self.scale,
                           sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
                           max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
         return o.reshape(T, self.num_heads * self.head_dim)
+
+# %% ../../nbs/22_attention.ipynb #8cfc21d8
+def varlen_attention_ref(q, k, v, cu_seqlens, max_len, scale, sliding_window=None):
+    "Causal attention of each packed sequence over its own rows (`cu_seqlens` bounds; GQA): `flash_varlen_attention`'s reference."
+    out, G = torch.empty_like(q), q.shape[1] // k.shape[1]
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        i = torch.arange(b - a, device=q.device)
+        mask = i[None, :] <= i[:, None]
+        if sliding_window: mask &= i[None, :] > i[:, None] - sliding_window
+        qs, ks, vs = (x[a:b].transpose(0, 1).float() for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0),
+                                           attn_mask=mask, scale=scale)
+        out[a:b] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+def flash_varlen_attention(q, k, v, cu_seqlens, max_len, scale, sliding_window=None):
+    "PyTorch's FlashAttention-2 varlen forward: causal, GQA, optional sliding window; `q` `[T, H, D]`, `k`/`v` `[T, Hkv, D]`."
+    w = dict(window_size_left=sliding_window - 1, window_size_right=0) if sliding_window else {}
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False,
+                                                   scale=scale, **w)[0]
+
+def flash_attention_available(q) -> bool:
+    "Whether PyTorch's FlashAttention kernel runs on `q`: CUDA sm80+, fp16/bf16, the flash SDPA backend enabled."
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+# %% ../../nbs/22_attention.ipynb #8f39ab5d
+@patch
+def _fresh_prefill_ok(self: Attention, q, kc) -> bool:
+    "Whether this layer can send the step's fresh prefills to `prefill_fn`."
+    if self.prefill_fn is None or self.logits_soft_cap or self.kv_scale is not None or kc.dtype != q.dtype: return False
+    if self.head_dim % 8 or self.head_dim > 256: return False
+    return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
+
+@patch
+def _split_fresh_prefill(self: Attention, q, kc, vc, ks, vs, ctx):
+    "The paged kernel for the sequences before the fresh run, `prefill_fn` over the run's own (just cached) K/V."
+    fp = ctx.fresh_prefill
+    s, t0, out = fp.seq_start, fp.token_start, torch.empty_like(q)
+    if s > 0:
+        out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], ctx.block_tables[:s],
+                                 self.scale, sliding_window=self.sliding_window, max_query_len=fp.head_max_query_len,
+                                 max_seq_len=fp.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
+    slots = ctx.slot_mapping[t0:]
+    k, v = kc.flatten(0, 1).index_select(0, slots), vc.flatten(0, 1).index_select(0, slots)
+    out[t0:] = self.prefill_fn(q[t0:], k, v, fp.cu_seqlens, fp.max_len, self.scale, self.sliding_window)
+    return out

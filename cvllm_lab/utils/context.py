@@ -12,10 +12,20 @@ from dataclasses import dataclass
 import torch
 
 # %% auto #0
-__all__ = ['ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token', 'bind_kv_cache',
+__all__ = ['FreshPrefill', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token', 'bind_kv_cache',
            'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
+@dataclass
+class FreshPrefill:
+    "The trailing run of a step's sequences that have no cached tokens: `seq_start` is its first sequence."
+    seq_start: int
+    token_start: int             # query_start_loc[seq_start]
+    cu_seqlens: torch.Tensor     # [n + 1] int32: query_start_loc[seq_start:] - token_start
+    max_len: int                 # longest prompt chunk of the run
+    head_max_query_len: int      # maxima of sequences 0 .. seq_start-1 (for the paged kernel)
+    head_max_seq_len: int
+
 @dataclass
 class ForwardContext:
     "Attention metadata of one forward step."
@@ -25,6 +35,7 @@ class ForwardContext:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    fresh_prefill: FreshPrefill | None = None
 
     @property
     def num_seqs(self) -> int: return self.seq_lens.shape[0]
@@ -66,7 +77,7 @@ def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.floa
 
 # %% ../../nbs/12_forward_context.ipynb #97aa8351
 def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tuple[ForwardContext, int]:
-    "The context of a fresh prefill of sequences of `lens` tokens in consecutive blocks, and the blocks it uses."
+    "The context of a fresh prefill of sequences of `lens` tokens in consecutive blocks (all fresh), and the blocks it uses."
     nblk = [-(-n // block_size) for n in lens]
     starts = [sum(nblk[:i]) for i in range(len(lens))]
     bt = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
@@ -75,4 +86,5 @@ def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tupl
     qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     ctx = ForwardContext(slots.to(device), qsl.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
                          bt.to(device), max(lens), max(lens))
+    ctx.fresh_prefill = FreshPrefill(0, 0, ctx.query_start_loc, max(lens), 0, 0)   # every sequence is fresh
     return ctx, sum(nblk)
