@@ -15,6 +15,8 @@ from ..layers.basic import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..layers.fused_moe import FusedMoE, SparseMoeBlock, expert_shard
 from .llama import LlamaForCausalLM, LlamaDecoderLayer, LlamaAttention, LlamaMLP
+from ..utils.parallel_state import tensor_model_parallel_all_reduce
+
 
 # %% auto #0
 __all__ = ['MoEDecoderLayer', 'refuse', 'MoEForCausalLM', 'Qwen2MoeSparseMoeBlock', 'is_sparse_layer', 'Qwen2MoeForCausalLM',
@@ -92,16 +94,19 @@ def _expected_keys(self: MoEForCausalLM, params) -> set[str]:
 
 # %% ../../nbs/33_qwen_moe.ipynb #9550193a
 class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
-    "Routed experts plus one shared expert (a dense SwiGLU) scaled per token by `sigmoid(shared_expert_gate(x))`."
+    """Routed experts plus one shared expert (a dense SwiGLU) scaled per token by `sigmoid(shared_expert_gate(x))`;
+    at tensor parallel > 1 both leave their partial sums unreduced and the block all-reduces once."""
     def __init__(self, config):
         H = config.hidden_size
         super().__init__(H, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                         config.norm_topk_prob)
-        self.shared_expert = LlamaMLP(H, config.shared_expert_intermediate_size)
+                         config.norm_topk_prob, reduce_results=False)
+        self.shared_expert = LlamaMLP(H, config.shared_expert_intermediate_size, reduce_results=False)
         self.shared_expert_gate = nn.Linear(H, 1, bias=False).requires_grad_(False)   # full precision, as the router
 
     def forward(self, x):
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        # the per-token gate scales this rank's partial sum: the all-reduce of the total is the block's output
+        out = super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return tensor_model_parallel_all_reduce(out) if self.experts.tp_size > 1 else out
 
 def is_sparse_layer(config, i: int) -> bool:
     "Qwen's rule: layer i is an MoE layer unless listed in `mlp_only_layers` or off the `decoder_sparse_step`."
