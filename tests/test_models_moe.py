@@ -62,11 +62,32 @@ def test_bench_shape_config_is_the_real_one():
 
 # ------------------------------------------------------------------------------------------------ GPU
 
-@pytest.mark.cuda
-@pytest.mark.parametrize('quantization', [None, 'fp8'])
-def test_qwen3_moe_fused_kernel_through_engine(quantization):
-    """A tiny random Qwen3-MoE on CUDA (Triton attention, fused MoE kernel, CUDA graphs) in fp32 against
-    `transformers` on the CPU: prompt log-probs and 12 greedy tokens (FP8 in bf16: top-1 agreement)."""
+def fp8_dequantized_reference(hf, model, dtype):
+    """A copy of `hf` holding exactly the weights `model` (in-situ FP8) computes with: the attention projections and
+    the experts dequantized from their FP8 blocks, everything else rounded to `dtype` as the engine holds it.
+    Compared with it, the bound tests the kernels, not the quantization error."""
+    import copy
+    from cvllm_lab.quant.fp8 import FP8Linear
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in ref.parameters(): p.copy_(p.to(dtype).float())
+        for ours, theirs in zip(model.model.layers, ref.model.layers):
+            a, b = ours.self_attn, theirs.self_attn
+            q, k, v = a.qkv_proj.dequantize().float().split([a.H * a.D, a.Hkv * a.D, a.Hkv * a.D])
+            for lin, w in ((b.q_proj, q), (b.k_proj, k), (b.v_proj, v), (b.o_proj, a.o_proj.dequantize().float())):
+                lin.weight.copy_(w)
+            m = ours.mlp.experts
+            for n, dst in (('w13_weight', theirs.mlp.experts.gate_up_proj), ('w2_weight', theirs.mlp.experts.down_proj)):
+                w, s = getattr(m, n), getattr(m, f'{n}_scale_inv')
+                dst.copy_(torch.stack([FP8Linear.from_fp8(w[e].cpu(), s[e].cpu()).dequantize() for e in range(m.num_experts)]))
+    return ref
+
+
+def check_qwen3_moe_through_engine(device, quantization):
+    """A tiny random Qwen3-MoE through the engine against `transformers` on the CPU: prompt log-probs and 12 greedy
+    tokens in fp32. FP8 (W8A16; bf16 activations on CUDA, fp32 on the CPU) against the same model with the FP8
+    weights dequantized: at every position our top token is within 0.1 nats of the reference's best (a near tie may
+    pick either) and the log-probs are close (bf16: 0.05 on average; fp32: 1e-3 everywhere)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=128,
@@ -81,12 +102,15 @@ def test_qwen3_moe_fused_kernel_through_engine(quantization):
     d = Path(tempfile.mkdtemp())
     hf.save_pretrained(d)
     tiny_tokenizer(cfg.vocab_size).save_pretrained(d)
-    llm = LLM(str(d), device='cuda', dtype='float32' if quantization is None else 'bfloat16', progress=False,
+    dtype = torch.bfloat16 if quantization and device == 'cuda' else torch.float32
+    llm = LLM(str(d), device=device, dtype=str(dtype).removeprefix('torch.'), progress=False,
               quantization=quantization, block_size=16, prefill_chunk_size=16, max_num_batched_tokens=32,
               kv_cache_memory=64 << 20, max_num_seqs=8)
-    moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    model = llm.engine.runner.model
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(moes) == 2 and all((m.quant_method is None) == (quantization is None) for m in moes), \
         'in-situ quantization must reach the experts (quant.apply.quantize_model -> quant.moe.quantize_moe)'
+    if quantization == 'fp8': hf = fp8_dequantized_reference(hf, model, dtype)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 41, 23)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=-1, ignore_eos=True),
@@ -100,7 +124,22 @@ def test_qwen3_moe_fused_kernel_through_engine(quantization):
                 gen = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
                 assert o.outputs[0].token_ids == gen[0, len(p):].tolist()
             else:
-                assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+                gap = ref.max(-1).values - ref.gather(-1, got.argmax(-1, keepdim=True))[:, 0]
+                assert gap.max() < 0.1, gap.max()
+                if dtype == torch.float32: torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+                else: assert (got - ref).abs().mean() < 0.05, (got - ref).abs().mean()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('quantization', [None, 'fp8'])
+def test_qwen3_moe_fused_kernel_through_engine(quantization):
+    "The fused MoE kernel path on CUDA (Triton attention, CUDA graphs): see `check_qwen3_moe_through_engine`."
+    check_qwen3_moe_through_engine('cuda', quantization)
+
+
+def test_qwen3_moe_fp8_experts_on_cpu():
+    "The FP8 case's reference (the dequantized weights) on the CPU path, where no GPU is needed to check it."
+    check_qwen3_moe_through_engine('cpu', 'fp8')
 
 
 @pytest.mark.cuda
