@@ -8,7 +8,8 @@ Weights are `float8_e4m3fn [N, K]` with one of two scale layouts (`W = weight * 
 | `channel` | `weight_scale` fp32 `[N]`, one per output channel (a per-tensor scale is repeated N times) | per-tensor / per-channel FP8 (vLLM's `fp8`, compressed-tensors) |
 
 Activations are quantized to e4m3 per row of each 128-wide K-block (`fp8_act_quant`, `group=128`) or per token
-(`group=None`, channel layout only). The kernel `_w8a8_kernel` walks K in steps of `BK` and feeds the FP8 tiles
+(`group=None`, channel layout only); per token also with a checkpoint's static per-tensor `input_scale` or under
+its `scale_ub` (both: `act_quant_fp8`'s `scale` / `scale_ub`, then the per-token epilogue below). The kernel `_w8a8_kernel` walks K in steps of `BK` and feeds the FP8 tiles
 to `tl.dot` (fp32 accumulation on the FP8 tensor cores); the scales go where they factor out of the dot:
 
 - per-group activations (`GROUP_A`, `BK` = 128): each K-step's dot is a fresh fp32 tile `d`, and
@@ -176,16 +177,19 @@ def _plan(M, N, steps, cfg, device, bm, bn, split_k, swap):
 
 
 def fp8_gemm(x, weight, scale, N, K, cfg=None, act_group=128, fused=None, out_dtype=None, bm=None, bn=None, bk=None,
-             swap=None, split_k=None, num_warps=None, num_stages=None, group_m=None, pdl=None):
+             swap=None, split_k=None, num_warps=None, num_stages=None, group_m=None, pdl=None, input_scale=None,
+             scale_ub=None):
     """`x` `[M, K]` (16/32-bit) @ W.T -> `[M, N]` with `_w8a8_kernel`. `scale`: the weight's (`scale_layout`).
     `act_group`: 128 (per 1 x 128 group) or None (per token, channel layout only); `fused`: quantize x inside the
-    kernel (per group) instead of by `act_quant_fp8` first. `cfg`: a launch config (`configs/fp8_gemm/`); the
-    keyword arguments override it."""
+    kernel (per group) instead of by `act_quant_fp8` first; `input_scale` (a static per-tensor activation scale) and
+    `scale_ub` (a bound on the per-token scales) imply per-token activations. `cfg`: a launch config
+    (`configs/fp8_gemm/`); the keyword arguments override it."""
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous float8_e4m3fn [{N}, {K}], got {weight.dtype} {tuple(weight.shape)}")
     layout = scale_layout(scale, N, K)
     cfg = cfg or {}
+    if input_scale is not None or scale_ub is not None: act_group, fused = None, False
     fused = cfg.get('fused', act_group is not None) if fused is None else fused
     if layout == 'block' and act_group is None:
         raise ValueError("block-scaled weights need activations quantized per 1 x 128 group (act_group=128)")
@@ -204,7 +208,7 @@ def fp8_gemm(x, weight, scale, N, K, cfg=None, act_group=128, fused=None, out_dt
     if fused:
         a, sa = (x if x.stride(-1) == 1 else x.contiguous()), x.new_empty(1, 1, dtype=torch.float32)
     else:
-        a, sa = act_quant_fp8(x, act_group)
+        a, sa = act_quant_fp8(x, act_group, scale=input_scale, scale_ub=scale_ub)
         if sa.ndim == 1: sa = sa[:, None]
     ws, cnt = split_k_workspace(x.device, M * N if split_k > 1 else 1, tiles if split_k > 1 else 1)
     num_warps = num_warps or cfg.get('num_warps', 4)
@@ -218,27 +222,30 @@ def fp8_gemm(x, weight, scale, N, K, cfg=None, act_group=128, fused=None, out_dt
     return out
 
 
-def fp8_scaled_mm(x, weight, scale, N, K, out_dtype=None):
-    """The same product by `torch._scaled_mm` (GPU): channel layout with per-token activation scales (rowwise),
-    block layout with 1 x 128 activation scales against the 128 x 128 weight blocks (`torch.nn.functional.scaled_mm`,
-    where the build and the GPU have it; it raises otherwise)."""
+def fp8_scaled_mm(x, weight, scale, N, K, out_dtype=None, input_scale=None, scale_ub=None):
+    """The same product by `torch._scaled_mm` (GPU): channel layout with per-token activation scales (rowwise; from
+    a static `input_scale` or bounded by `scale_ub` as in `act_quant_fp8`), block layout with 1 x 128 activation
+    scales against the 128 x 128 weight blocks (`torch.nn.functional.scaled_mm`, where the build and the GPU have it;
+    it raises otherwise)."""
     layout = scale_layout(scale, N, K)
     out_dtype = out_dtype or x.dtype
     if layout == 'channel':
-        xq, sx = act_quant_fp8(x, None)
+        xq, sx = act_quant_fp8(x, None, scale=input_scale, scale_ub=scale_ub)
         return torch._scaled_mm(xq, weight.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=out_dtype)
+    if input_scale is not None or scale_ub is not None: raise ValueError("block-scaled weights take dynamic 1 x 128 activations")
     from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
     xq, sx = act_quant_fp8(x, 128, scales_t=True)       # 1 x 128 scales read K-block-major
     return scaled_mm(xq, weight.t(), sx, ScalingType.BlockWise1x128, scale, ScalingType.BlockWise128x128,
                      swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=out_dtype)
 
 
-def fp8_gemm_ref(x, weight, scale, N, K, act_group=128):
-    """Reference: x quantized as the kernels quantize it (`act_quant_fp8_ref`), both operands dequantized in fp32,
-    an fp32 matmul, cast to x's dtype."""
+def fp8_gemm_ref(x, weight, scale, N, K, act_group=128, input_scale=None, scale_ub=None):
+    """Reference: x quantized as the kernels quantize it (`act_quant_fp8_ref`; `input_scale` / `scale_ub`: per token,
+    as in `fp8_gemm`), both operands dequantized in fp32, an fp32 matmul, cast to x's dtype."""
     from cvllm_lab.kernels.fp8_act_quant import act_quant_fp8_ref
     from cvllm_lab.kernels.fp8_layout import dequantize_fp8_block
-    xq, sx = act_quant_fp8_ref(x, act_group)
+    if input_scale is not None or scale_ub is not None: act_group = None
+    xq, sx = act_quant_fp8_ref(x, act_group, input_scale, scale_ub)
     xd = xq.float() * (sx[:, None] if act_group is None else sx.repeat_interleave(128, 1)[:, :K])
     wd = weight.float() * scale[:, None] if scale_layout(scale, N, K) == 'channel' else dequantize_fp8_block(weight, scale)
     return (xd @ wd.T).to(x.dtype)

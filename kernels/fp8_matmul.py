@@ -191,10 +191,13 @@ def gemm_config(N, K, M, layout, device) -> dict:
     return T[f'{layout}_shapes'].get((N, K, b)) or T['default' if layout == 'block' else 'channel'][b]
 
 
-def fp8_matmul(x, weight, scale, N, K, backend=None):
+def fp8_matmul(x, weight, scale, N, K, backend=None, input_scale=None, scale_ub=None):
     """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype. Up to `gemv_max_m` rows (1 by default) the W8A16 GEMV, row
     by row; above, the tuned backend for (N, K, row bucket): `triton` (the W8A8 `fp8_gemm`), `scaled_mm`
-    (`torch._scaled_mm`), `w8a16` (`fp8_mm`, block layout, up to 128 rows). `backend` overrides the table."""
+    (`torch._scaled_mm`), `w8a16` (`fp8_mm`, block layout, up to 128 rows). `backend` overrides the table.
+    A checkpoint's activation scheme (channel layout): `input_scale`, a static per-tensor activation scale, or
+    `scale_ub`, a bound on the per-token scales; either makes the W8A8 backends quantize x per token with it (the
+    GEMV rows keep x in 16 bits, as always)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -206,9 +209,10 @@ def fp8_matmul(x, weight, scale, N, K, backend=None):
     cfg = gemm_config(N, K, M, layout, x.device)
     backend = backend or cfg.get('backend', 'triton')
     if x2.dtype not in (torch.float16, torch.bfloat16, torch.float32): x2 = x2.float()
-    if backend == 'scaled_mm' and x.is_cuda: y = fp8_scaled_mm(x2, weight, scale, N, K)
+    act = dict(input_scale=input_scale, scale_ub=scale_ub)
+    if backend == 'scaled_mm' and x.is_cuda: y = fp8_scaled_mm(x2, weight, scale, N, K, **act)
     elif backend == 'w8a16' and layout == 'block' and M <= MM_MAX_M: y = fp8_mm(x2, weight, scale, N, K)
-    else: y = fp8_gemm(x2, weight, scale, N, K, cfg=cfg, act_group=cfg.get('act_group', 128))
+    else: y = fp8_gemm(x2, weight, scale, N, K, cfg=cfg, act_group=cfg.get('act_group', 128), **act)
     return y.to(x.dtype).reshape(*lead, N)
 
 
