@@ -67,7 +67,7 @@ class MLAAttention(nn.Module):
         self.scale = mla_softmax_scale(config)
         self.num_kv_heads, self.head_dim = 1, L + R   # one shared "KV head": the latent row
         self.kv_cache: torch.Tensor | None = None
-        self.kv_scale = None
+        self.kv_scale = None                          # FP8 cache only: fp32 [num_blocks, block_size], one per latent row
         self._w_kv_b = None                           # (key, dequantized kv_b_proj weight) when kv_b_proj is quantized
         self.set_backend(backend)
 
@@ -122,13 +122,17 @@ def w_kv_b(self: MLAAttention, dtype) -> torch.Tensor:
 @patch
 def forward_decompressed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
     """Attention of `q [T, H, P + R]` (any batch: prefill chunks, cached prefixes, decode rows) over K/V decompressed
-    from the cached latents of the blocks the batch of `ctx` (default: the step's) reads; returns `[T, H, V]`."""
+    from the cached latents of the blocks the batch of `ctx` (default: the step's) reads (an FP8 cache's rows
+    dequantized with their scales first); returns `[T, H, V]`."""
     ctx = ctx or get_forward_context()
     H, P, R, V, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     bs = self.kv_cache.shape[1]
     bt = ctx.block_tables[:, :-(-ctx.max_seq_len // bs)]
     used, local_bt = torch.unique(bt, return_inverse=True)                  # the blocks read, renumbered 0..U-1
     lat = self.kv_cache[used]                                               # [U, bs, L + R]
+    if self.kv_scale is not None:                                           # FP8: rows times their scales
+        from cvllm_lab.kernels.mla_decode import dequantize_latent
+        lat = dequantize_latent(lat, self.kv_scale[used], q.dtype)
     kv = F.linear(lat[..., :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(*lat.shape[:2], H, P + V)
     D = max(P + R, V)                                                       # paged attention's one head size
     k = torch.cat([kv[..., :P], lat[..., None, L:].expand(-1, -1, H, R)], -1)
@@ -151,7 +155,7 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | 
     w_uk, w_uv = w[:, :P], w[:, P:]                                                  # [H, P, L], [H, V, L]
     q_lat = torch.bmm(q[..., :P].transpose(0, 1), w_uk).transpose(0, 1)              # [B, H, L]
     o_lat = self._decode_fn(q_lat, q[..., P:], self.kv_cache, ctx.seq_lens, ctx.block_tables, self.scale,
-                            max_seq_len=ctx.max_seq_len)
+                            max_seq_len=ctx.max_seq_len, kv_scale=self.kv_scale)
     o = q.new_empty(q.shape[0], self.num_heads, V)                                    # [B, H, V], so o_proj reads a view
     torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
     return o
@@ -187,9 +191,9 @@ def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> tor
         q, latent = self.q_latent(h)
         rot, norm = self.rotary_emb, self.kv_a_layernorm
         self._prepare_fn(q, latent, positions, rot.cos_sin_cache, norm.weight, norm.eps, self.kv_cache,
-                         ctx.slot_mapping, self.qk_nope_head_dim, rot.is_neox)
+                         ctx.slot_mapping, self.qk_nope_head_dim, rot.is_neox, kv_scale=self.kv_scale)
     else:
         q, kv_c, k_pe = self.project(positions, h)
-        self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping)
+        self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self.kv_scale)
     o = self.forward_absorbed(q) if ctx.max_query_len == 1 else self.forward_mixed(q)
     return self.o_proj(o.reshape(h.shape[0], -1))
