@@ -333,19 +333,24 @@ class TPModelRunner(ModelRunner):
 
     def determine_num_blocks(self) -> int: return tensor_model_parallel_min(super().determine_num_blocks())
 
+    def _forward(self, so: SchedulerOutput, b, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        "The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager forward."
+        if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
+            raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
+        if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
+            return self._run_graph(b, prev_tokens)
+        t = lambda x: torch.as_tensor(x).to(self.device)
+        ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
+                             b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
+        ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
+        with set_forward_context(ctx): return self.model(ids, t(b.positions))
+
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
         "Rank 0: `ModelRunner.launch`. Other ranks: the same forward and the same `compute_logits` calls, no sampling."
         if self.tp_rank == 0: return super().launch(so, prev_tokens)
         b = self.prepare_inputs(so)
-        if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
-            hidden = self._run_graph(b, prev_tokens)
-        else:
-            t = lambda x: torch.as_tensor(x).to(self.device)
-            ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                                 b.max_query_len, b.max_seq_len)
-            ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
-            with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
+        hidden = self._forward(so, b, prev_tokens)
         for _, rows, _ in b.prompt_logprobs: self.model.compute_logits(hidden[rows])   # rank 0's gathers, in its order
         if b.sample_reqs: self.model.compute_logits(hidden[b.sample_rows])
         return StepHandle([], output=ModelRunnerOutput())
