@@ -88,7 +88,8 @@ def test_fp8_latent_cache_through_engine(v3, fp8_mla_binding):
     rounded to e4m3 (relative error <= 2^-4 per value, ~3.6% RMS), and it reaches the logits through the attention
     output (relative error ~3%, measured at the layer in nbs/26) and the residual stream, which also carries the
     unquantized embedding and MLP outputs: the log-probs' RMS difference must stay under 0.05 nats and their worst
-    under 0.35 (measured: RMS 0.007 / worst 0.03 for V2, 0.018 / 0.20 for V3, over 35 positions x 256 tokens), the fp8 run must differ from the fp32 one (it did quantize), and the
+    under 0.35 (measured: RMS 0.007 / worst 0.03 for V2, 0.018 / 0.20 for V3, over 35 positions x 256 tokens),
+    the fp8 run must differ from the fp32 one (it did quantize), and the
     greedy tokens of a sequence may part only where the fp32 run's two best tokens were within twice that worst."""
     hf, d = tiny_hf(v3, seed=5)
     g = torch.Generator().manual_seed(2)
