@@ -1,4 +1,4 @@
-"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`) and the loading of quantized checkpoints (GPTQ, AWQ, FP8, GGUF kept quantized) into the same layers.
+"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`) and the loading of quantized checkpoints (GPTQ, AWQ, FP8 in its block, per-channel and per-tensor layouts, GGUF kept quantized) into the same layers, MoE experts included for block-FP8.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 
@@ -7,22 +7,26 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 # %% ../../nbs/47_quant_apply.ipynb #e5e73a9d
 from __future__ import annotations
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 from ..layers.basic import Linear, SiluAndMul
+from ..layers.fused_moe import FusedMoE, expert_shard
 from ..kernels.gguf_layout import GT, QUANT_TYPES, parse_qtype, block_info, PACKED_TYPES
 from .gguf import GGUFLinear
 from .base import QuantLinear
 from .w4a16 import W4A16Linear, gptq_to_levels, awq_to_levels
-from .fp8 import FP8Linear
+from ..kernels.fp8_layout import BLOCK
+from .fp8 import FP8Linear, FP8_METHODS, fp8_checkpoint_config, fp8_shard_tensors
 
 # %% auto #0
-__all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'resolve_method', 'gguf_type_for',
-           'quantize_linear', 'quantize_model', 'fuse_mlp_act', 'ConcatLinear', 'normalize_quant_config',
-           'checkpoint_quantization', 'GGUFRaw', 'finalize_collector', 'load_quantized']
+__all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'FP8_DTYPES', 'EXPERT_SUFFIXES',
+           'KV_SCALE_SUFFIXES', 'resolve_method', 'gguf_type_for', 'quantize_linear', 'quantize_model', 'fuse_mlp_act',
+           'ConcatLinear', 'normalize_quant_config', 'checkpoint_quantization', 'GGUFRaw', 'finalize_collector',
+           'load_quantized']
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
@@ -123,7 +127,8 @@ def _as_dict(qc):
     return qc.to_dict() if hasattr(qc, 'to_dict') else dict(vars(qc))
 
 def normalize_quant_config(qc: dict) -> dict:
-    "Normalize a checkpoint quantization config to `{method: gptq|awq|fp8, bits, group, sym, zero_plus_one}`."
+    """Normalize a checkpoint quantization config to `{method: gptq|awq, bits, group, sym, zero_plus_one}` or, for
+    the FP8 methods, `{method: 'fp8', weights, activations, scale_ub}` (`fp8_checkpoint_config`)."""
     method = str(qc.get('quant_method', 'gptq')).lower()
     if method == 'gptq':
         bits, group = int(qc.get('bits', 4)), int(qc.get('group_size', 128))
@@ -136,11 +141,8 @@ def normalize_quant_config(qc: dict) -> dict:
         version = str(qc.get('version', 'gemm')).lower()
         if bits != 4 or version != 'gemm': raise NotImplementedError(f"AWQ {version} with {bits} bits is not supported (4-bit GEMM only)")
         return dict(method='awq', bits=4, group=group, sym=not qc.get('zero_point', True))
-    if method == 'fp8':
-        if list(qc.get('weight_block_size') or []) != [128, 128]:
-            raise NotImplementedError(f"FP8 checkpoints need weight_block_size [128, 128], got {qc.get('weight_block_size')}")
-        return dict(method='fp8')
-    raise NotImplementedError(f"checkpoint quantization {method!r} is not supported (gptq, awq, fp8)")
+    if method in FP8_METHODS: return fp8_checkpoint_config(qc)
+    raise NotImplementedError(f"checkpoint quantization {method!r} is not supported (gptq, awq, {', '.join(FP8_METHODS)})")
 
 def checkpoint_quantization(src, hf_config=None) -> dict | None:
     "The normalized quantization settings of a HF checkpoint folder `src` (a `ModelSource`), or None."
@@ -163,7 +165,8 @@ class GGUFRaw:
     qtype: GT
     shape: tuple
 
-QUANT_SUFFIXES = ('weight', 'qweight', 'qzeros', 'scales', 'g_idx', 'weight_scale_inv')  # what a collector takes
+QUANT_SUFFIXES = ('weight', 'qweight', 'qzeros', 'scales', 'g_idx', 'weight_scale_inv', 'weight_scale', 'input_scale')  # what a collector takes
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 class _Collector(QuantLinear):
     "Stands in for a `Linear` while a quantized checkpoint loads: owns the bias, gathers each shard's tensors."
@@ -192,12 +195,13 @@ def _shard_payload(sid, t: dict, qcfg):
     w = t.get('weight')
     if w is None: raise ValueError(f"shard {sid!r}: no weight among {sorted(t)}")
     if not isinstance(w, torch.Tensor): return 'gguf', w.qtype, w.data  # GGUFRaw
-    if w.dtype == torch.float8_e4m3fn:
-        if 'weight_scale_inv' not in t: raise ValueError(f"shard {sid!r}: FP8 weight without weight_scale_inv")
-        return 'fp8', None, (w, t['weight_scale_inv'])
+    if w.dtype in FP8_DTYPES:
+        if qcfg['method'] != 'fp8': raise ValueError(f"shard {sid!r}: an FP8 weight in a {qcfg['method']} checkpoint")
+        layout, data = fp8_shard_tensors(t, qcfg, f'shard {sid!r}')
+        return 'fp8', layout, data
     return 'float', None, w
 
-def _build(kind, key, datas, in_features, device, dtype):
+def _build(kind, key, datas, in_features, device, dtype, qcfg):
     "One layer from the row-concatenation of same-kind shard payloads."
     if kind == 'w4a16':
         (bits, group), q = key, torch.cat([d[0] for d in datas], 0)
@@ -206,8 +210,7 @@ def _build(kind, key, datas, in_features, device, dtype):
     if kind == 'gguf':
         raw = torch.cat(datas, 0)
         return GGUFLinear.from_gguf(raw, key, (raw.shape[0], in_features))
-    if kind == 'fp8':
-        return FP8Linear.from_fp8(torch.cat([d[0] for d in datas], 0), torch.cat([d[1] for d in datas], 0))
+    if kind == 'fp8': return FP8Linear.from_shards(key, datas, qcfg)
     w = torch.cat(datas, 0).to(device=device, dtype=dtype)
     lin = Linear(in_features, w.shape[0]).to(device)
     lin.weight.data = w
@@ -221,11 +224,11 @@ def finalize_collector(col: _Collector, qcfg: dict, pack: bool = False) -> nn.Mo
     runs = []  # runs of consecutive shards with the same (kind, key) and compatible rows
     for sid, size in zip(sids, col.output_sizes):
         kind, key, data = _shard_payload(sid, col.got[sid], qcfg)
-        fp8_split = kind == 'fp8' and runs and runs[-1][0] == 'fp8' and sum(runs[-1][3]) % 128
+        fp8_split = key == 'block' and runs and runs[-1][0] == 'fp8' and sum(runs[-1][3]) % BLOCK   # blocks need whole 128-row runs
         if runs and runs[-1][:2] == (kind, key) and not fp8_split:
             runs[-1][2].append(data); runs[-1][3].append(size)
         else: runs.append((kind, key, [data], [size]))
-    parts = [_build(k, key, ds, col.input_size, col.device, col.dtype) for k, key, ds, _ in runs]
+    parts = [_build(k, key, ds, col.input_size, col.device, col.dtype, qcfg) for k, key, ds, _ in runs]
     for p in parts:
         if isinstance(p, GGUFLinear) and pack: p.pack()
     bias = col.bias.data if col.bias is not None else None
@@ -242,6 +245,52 @@ def finalize_collector(col: _Collector, qcfg: dict, pack: bool = False) -> nn.Mo
     return ConcatLinear(parts, col.input_size, col.output_sizes, col.shard_ids, bias).to(col.device)
 
 # %% ../../nbs/47_quant_apply.ipynb #73a5c5a0
+EXPERT_SUFFIXES = ('weight', 'weight_scale_inv', 'weight_scale', 'input_scale')
+
+def _fp8_expert(model, moe: dict, name: str, t) -> tuple | None:
+    """(layer path, expert, shard, suffix) for a per-expert tensor of an FP8 checkpoint (`...experts.3.gate_proj.
+    weight` in e4m3 or its scale) that belongs to one of `model`'s `FusedMoE` layers (`moe`); None for anything else
+    (float experts go to the model's own loader)."""
+    for src_, dst in getattr(model, 'ckpt_module_names', {}).items(): name = name.replace(src_, dst)
+    base, _, suffix = name.rpartition('.')
+    hit = expert_shard(base + '.weight') if suffix in EXPERT_SUFFIXES else None
+    if hit is None or hit[0] not in moe or hit[1] is None: return None
+    if suffix == 'weight' and t.dtype not in FP8_DTYPES: return None
+    if suffix == 'weight' and t.dtype != torch.float8_e4m3fn: raise NotImplementedError(f"{name}: {t.dtype} experts (float8_e4m3fn only)")
+    return hit + (suffix,)
+
+def _fp8_expert_storage(layer: FusedMoE):
+    "Make a float `FusedMoE` a block-FP8 one (`Fp8MoEMethod`): e4m3 weights and 128 x 128 block scales to be filled."
+    from cvllm_lab.quant.moe import Fp8MoEMethod, _swap_storage
+    E, H, I, dev = layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.w13_weight.device
+    if I % BLOCK: raise NotImplementedError(f"FP8 experts of width {I}: gate and up rows need their own 128-row blocks (a multiple of {BLOCK})")
+    e4, f32, hb = dict(dtype=torch.float8_e4m3fn, device=dev), dict(dtype=torch.float32, device=dev), -(-H // BLOCK)
+    _swap_storage(layer, ('w13_weight', 'w2_weight'), {
+        'w13_weight': torch.zeros(E, 2 * I, H, **e4), 'w2_weight': torch.zeros(E, H, I, **e4),
+        'w13_weight_scale_inv': torch.ones(E, 2 * I // BLOCK, hb, **f32), 'w2_weight_scale_inv': torch.ones(E, hb, I // BLOCK, **f32)})
+    layer.quant_method = Fp8MoEMethod()
+
+def _load_fp8_expert(layer: FusedMoE, e: int, sid: str, suffix: str, t: torch.Tensor, scaled: set):
+    """Copy expert `e`'s shard `sid` (`w1` gate, `w3` up, `w2` down) e4m3 weight or scale into the stacked buffers.
+    A block scale is copied; a per-tensor one fills the shard's blocks (exact); a per-channel one is refused (it
+    would need requantizing); `input_scale` is not needed (the fused kernel keeps activations in 16 bits)."""
+    if suffix == 'input_scale': return
+    if layer.quant_method is None: _fp8_expert_storage(layer)
+    I = layer.intermediate_size
+    rows = slice(None) if sid == 'w2' else slice(0, I) if sid == 'w1' else slice(I, 2 * I)
+    if suffix == 'weight':
+        dst = (layer.w2_weight if sid == 'w2' else layer.w13_weight)[e, rows]
+        if dst.shape != t.shape: raise ValueError(f"expert {e} {sid}: weight of shape {tuple(t.shape)} != {tuple(dst.shape)}")
+        dst.copy_(t); layer.loaded_shards.add((e, sid)); return
+    srows = rows if sid == 'w2' else slice(rows.start // BLOCK, rows.stop // BLOCK)
+    dst = (layer.w2_weight_scale_inv if sid == 'w2' else layer.w13_weight_scale_inv)[e, srows]
+    if t.numel() == 1: dst.fill_(t.float().item())
+    elif t.shape == dst.shape: dst.copy_(t.float())
+    else: raise NotImplementedError(f"expert {e} {sid}: a {suffix} of shape {tuple(t.shape)}; FP8 experts take 128 x 128 "
+                                    f"block scales {tuple(dst.shape)} or one per-tensor value (per-channel would need requantizing)")
+    scaled.add((e, sid))
+
+#| export
 def _route(model, name: str):
     "HF tensor name -> (module path, shard id, suffix) through the model's packed-modules mapping."
     shard = None
@@ -250,21 +299,31 @@ def _route(model, name: str):
     path, _, suffix = name.rpartition('.')
     return path, shard, suffix
 
+KV_SCALE_SUFFIXES = ('.k_scale', '.v_scale', '.kv_scale', '.q_scale', '.prob_scale')  # FP8 attention/KV scales
+
 def load_quantized(model: nn.Module, weights, qcfg: dict, progress: bool = True, pack: bool | None = None) -> nn.Module:
-    "Load a quantized checkpoint's `(name, tensor)` stream into `model`, decoder linears becoming quantized layers."
+    """Load a quantized checkpoint's `(name, tensor)` stream into `model`, decoder linears becoming quantized layers
+    (and, for FP8, per-expert e4m3 expert tensors filling `Fp8MoEMethod` layers: `_fp8_expert`)."""
     targets = _targets(model)
     if pack is None: pack = any(l.weight.is_cuda for _, l in targets)
     cols = {}
     for name, lin in targets:
         cols[name] = _Collector(lin)
         _replace(model, name, cols[name])
+    moe = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)} if qcfg['method'] == 'fp8' else {}
+    scaled = {}                                   # FP8 expert layer path -> {(expert, shard) whose scale loaded}
     def rest():
         for name, t in weights:
+            if qcfg['method'] == 'fp8' and name.endswith(KV_SCALE_SUFFIXES): continue   # our FP8 KV cache sets its own
+            if hit := _fp8_expert(model, moe, name, t):
+                _load_fp8_expert(moe[hit[0]], *hit[1:], t, scaled.setdefault(hit[0], set())); continue
             path, shard, suffix = _route(model, name)
             if path in cols and suffix in QUANT_SUFFIXES: cols[path].add(shard, suffix, t)
             elif not isinstance(t, torch.Tensor): raise ValueError(f"{name}: a quantized GGUF tensor for a layer that is not a decoder linear")
             else: yield name, t
     model.load_weights(rest())
+    for path, got in scaled.items():
+        if missing := moe[path].loaded_shards - got: raise ValueError(f"{path}: FP8 expert weights without scales, e.g. {sorted(missing)[:4]}")
     for name, col in tqdm(cols.items(), desc=f"Building {qcfg['method']} layers", disable=not progress):
         _replace(model, name, finalize_collector(col, qcfg, pack))
     return model
