@@ -7,110 +7,173 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/kv_cache_manager.html.md"""
 # %% ../../nbs/10_kv_cache_manager.ipynb #5962e05a
 from __future__ import annotations
 from collections import OrderedDict
+from fastcore.basics import patch
 from .request import Request
+from ..utils.context import KVCacheGroupSpec
 
 # %% auto #0
 __all__ = ['KVCacheBlock', 'KVCacheManager']
 
 # %% ../../nbs/10_kv_cache_manager.ipynb #30874b74
 class KVCacheBlock:
-    "One block of token slots: its id, reference count and (when full and cached) its hash."
-    __slots__ = ('block_id', 'ref_cnt', 'block_hash')
-    def __init__(self, block_id: int): self.block_id, self.ref_cnt, self.block_hash = block_id, 0, None
+    "One block of token slots: its id, reference count and (when full and cached) its hash and KV cache group."
+    __slots__ = ('block_id', 'ref_cnt', 'block_hash', 'group')
+    def __init__(self, block_id: int): self.block_id, self.ref_cnt, self.block_hash, self.group = block_id, 0, None, 0
     def __repr__(self): return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt})"
 
 # %% ../../nbs/10_kv_cache_manager.ipynb #aa2fa950
 class KVCacheManager:
-    "Allocates KV blocks to requests; reuses cached prefix blocks when `enable_caching`."
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    "Allocates KV blocks to requests, one block table per KV cache group; reuses cached prefix blocks when `enable_caching`."
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 kv_cache_groups: list[KVCacheGroupSpec] | None = None):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self.sliding_windows = [g.sliding_window for g in kv_cache_groups] if kv_cache_groups else [None]
+        self.num_groups = len(self.sliding_windows)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[bytes, KVCacheBlock] = {}          # block hash -> block holding that content
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}        # the same, as ids: the block table, kept in step
+        # a sliding group's table entries before its window point at the null block: never written, kept zero
+        self.null_block = self.blocks[0] if any(self.sliding_windows) else None
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks if b is not self.null_block)
+        self.num_usable_blocks = len(self.free_queue)
+        G = range(self.num_groups)
+        self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in G]       # per group: block hash -> block
+        self.req_blocks: list[dict[str, list[KVCacheBlock]]] = [{} for _ in G]
+        self.req_block_ids: list[dict[str, list[int]]] = [{} for _ in G]     # the same, as ids: the block tables
         self.num_hashed: dict[str, int] = {}                 # how many of a request's blocks are registered
         self.hits = self.queries = 0                         # prefix-cache token counters (for metrics)
 
     @property
     def num_free_blocks(self) -> int: return len(self.free_queue)
     @property
-    def usage(self) -> float: return 1 - self.num_free_blocks / self.num_blocks
+    def usage(self) -> float: return 1 - self.num_free_blocks / self.num_usable_blocks
 
-    def block_table(self, request_id: str) -> list[int]:
-        "The request's block ids (the live list: read it, don't change it)."
-        return self.req_block_ids.get(request_id, [])
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        "The request's block ids in `group` (the live list: read it, don't change it)."
+        return self.req_block_ids[group].get(request_id, [])
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        "Longest run of cached full blocks for the request's tokens, and how many tokens they cover."
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None: return [], 0
-        hit = []
-        # at least one token must be computed to produce logits, so a full hit drops its last block
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        for h in req.block_hashes[:max_blocks]:
-            b = self.cached.get(h)
-            if b is None: break
-            hit.append(b)
-        self.queries += req.num_tokens
-        self.hits += len(hit) * self.block_size
-        return hit, len(hit) * self.block_size
+# %% ../../nbs/10_kv_cache_manager.ipynb #efaa5691
+@patch
+def get_computed_blocks(self: KVCacheManager, req: Request) -> tuple[list[list[KVCacheBlock]], int]:
+    "Per group, the cached blocks of the longest prefix hit in every group, and how many tokens it covers."
+    if not self.enable_caching or req.sampling_params.prompt_logprobs is not None: return [[] for _ in self.sliding_windows], 0
+    # at least one token must be computed to produce logits, so a full hit drops its last block
+    hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+    n = len(hashes)
+    full = [g for g, w in enumerate(self.sliding_windows) if w is None]
+    for i, h in enumerate(hashes):                     # full attention: every block of the prefix must be cached
+        if any(h not in self.cached[g] for g in full): n = i; break
+    sliding = [g for g, w in enumerate(self.sliding_windows) if w is not None]
+    while sliding:                                     # a sliding group's hit at n may not be one at a shorter n
+        m = min(self._sliding_hit(g, hashes, n) for g in sliding)
+        if m == n: break
+        n = m
+    hit = []
+    for g, w in enumerate(self.sliding_windows):
+        k = n if w is None else min(n, -(-(w - 1) // self.block_size))   # a sliding group needs only its window
+        hit.append([self.null_block] * (n - k) + [self.cached[g][h] for h in hashes[n - k:n]])
+    self.queries += req.num_tokens
+    self.hits += n * self.block_size
+    return hit, n * self.block_size
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
-        "Give `req` blocks for `num_new_tokens` more tokens; False (and no change) if the pool is short."
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        need = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(new_computed_blocks)
-        if need <= 0 and not new_computed_blocks:     # fast path (most decode steps): the last block has room
-            if self.enable_caching: self._register_full_blocks(req, num_computed + num_new_tokens)
-            return True
-        reviving = sum(b.ref_cnt == 0 for b in new_computed_blocks)  # cached hits sitting in the free queue
-        if need > self.num_free_blocks - reviving:
-            if not blocks: del self.req_blocks[req.request_id]
-            return False
-        for b in new_computed_blocks:
-            if b.ref_cnt == 0: del self.free_queue[b.block_id]
-            b.ref_cnt += 1
-        blocks.extend(new_computed_blocks)
-        for _ in range(max(need, 0)): blocks.append(self._take_free_block())
-        ids = self.req_block_ids.setdefault(req.request_id, [])
-        ids.extend(b.block_id for b in blocks[len(ids):])
+@patch
+def _sliding_hit(self: KVCacheManager, g: int, hashes: list[bytes], n: int) -> int:
+    """Sliding group `g`'s longest hit of at most `n` blocks: the last `ceil((W-1)/block_size)` blocks before it are
+    cached (vLLM's SlidingWindowManager scans from the right); a shorter prefix counts when all of it is cached."""
+    need, run, cached = -(-(self.sliding_windows[g] - 1) // self.block_size), 0, self.cached[g]
+    if need == 0: return n
+    for i in range(n - 1, -1, -1):
+        if hashes[i] in cached:
+            run += 1
+            if run == need: return i + need
+        else: run = 0
+    return run                                         # blocks 0 .. run-1 cached, fewer than a window
+
+# %% ../../nbs/10_kv_cache_manager.ipynb #db9255ef
+@patch
+def allocate_slots(self: KVCacheManager, req: Request, num_new_tokens: int,
+                   new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
+    "Give `req` blocks for `num_new_tokens` more tokens in every group; False (and no new blocks) if the pool is short."
+    rid, bs = req.request_id, self.block_size
+    hit = new_computed_blocks[0] if new_computed_blocks else ()
+    num_computed = req.num_computed_tokens + len(hit) * bs
+    if self.null_block is not None: self._free_skipped_blocks(rid, num_computed)
+    blocks = self.req_blocks[0].setdefault(rid, [])
+    need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hit)   # per group (tables are equally long)
+    if need <= 0 and not hit:     # fast path (most decode steps): the last block has room
         if self.enable_caching: self._register_full_blocks(req, num_computed + num_new_tokens)
         return True
+    hits = new_computed_blocks or [()] * self.num_groups
+    # cached hits sitting in the free queue come back out of it
+    reviving = sum(b.ref_cnt == 0 and b is not self.null_block for h in hits for b in h)
+    if max(need, 0) * self.num_groups > self.num_free_blocks - reviving:
+        if not blocks: del self.req_blocks[0][rid]
+        return False
+    for g in range(self.num_groups):
+        blocks = self.req_blocks[g].setdefault(rid, [])
+        for b in hits[g]:
+            if b is self.null_block: continue
+            if b.ref_cnt == 0: del self.free_queue[b.block_id]
+            b.ref_cnt += 1
+        blocks.extend(hits[g])
+        for _ in range(max(need, 0)): blocks.append(self._take_free_block())
+        ids = self.req_block_ids[g].setdefault(rid, [])
+        ids.extend(b.block_id for b in blocks[len(ids):])
+    if self.enable_caching: self._register_full_blocks(req, num_computed + num_new_tokens)
+    return True
 
-    def _take_free_block(self) -> KVCacheBlock:
-        _, b = self.free_queue.popitem(last=False)
-        if b.block_hash is not None:                 # evict the cached content it held
-            if self.cached.get(b.block_hash) is b: del self.cached[b.block_hash]
-            b.block_hash = None
-        b.ref_cnt = 1
-        return b
+@patch
+def _free_skipped_blocks(self: KVCacheManager, rid: str, num_computed: int):
+    "Sliding groups: give back the blocks wholly before `num_computed - W + 1` (no query from here on sees them)."
+    for g, w in enumerate(self.sliding_windows):
+        blocks = self.req_blocks[g].get(rid)
+        if w is None or not blocks: continue
+        ids = self.req_block_ids[g][rid]
+        for i in range(min(max(num_computed - w + 1, 0) // self.block_size, len(blocks)) - 1, -1, -1):
+            b = blocks[i]
+            if b is self.null_block: break             # everything before it went earlier
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0: self.free_queue[b.block_id] = b   # keeps its hash: still a prefix-cache hit
+            blocks[i], ids[i] = self.null_block, self.null_block.block_id
 
-    def _register_full_blocks(self, req: Request, num_tokens: int):
-        "Hash the request's blocks that are full once this step's tokens are written."
-        start = self.num_hashed.get(req.request_id, 0)
-        end = min(num_tokens // self.block_size, len(req.block_hashes))
-        if end <= start: return
-        blocks = self.req_blocks[req.request_id]
+@patch
+def _take_free_block(self: KVCacheManager) -> KVCacheBlock:
+    _, b = self.free_queue.popitem(last=False)
+    if b.block_hash is not None:                 # evict the cached content it held
+        if self.cached[b.group].get(b.block_hash) is b: del self.cached[b.group][b.block_hash]
+        b.block_hash = None
+    b.ref_cnt = 1
+    return b
+
+@patch
+def _register_full_blocks(self: KVCacheManager, req: Request, num_tokens: int):
+    "Hash the request's blocks that are full once this step's tokens are written (in every group)."
+    start = self.num_hashed.get(req.request_id, 0)
+    end = min(num_tokens // self.block_size, len(req.block_hashes))
+    if end <= start: return
+    for g in range(self.num_groups):
+        blocks, cached = self.req_blocks[g][req.request_id], self.cached[g]
         for i in range(start, end):
-            h, b = req.block_hashes[i], blocks[i]
-            if b.block_hash is None:
-                b.block_hash = h
-                self.cached.setdefault(h, b)
-        self.num_hashed[req.request_id] = max(start, end)
+            b = blocks[i]
+            if b.block_hash is None and b is not self.null_block:
+                b.block_hash, b.group = req.block_hashes[i], g
+                cached.setdefault(b.block_hash, b)
+    self.num_hashed[req.request_id] = end
 
-    def free(self, req: Request):
-        "Release all of the request's blocks (tail first, so its prefix stays cached longest)."
-        self.req_block_ids.pop(req.request_id, None)
-        for b in reversed(self.req_blocks.pop(req.request_id, [])):
+@patch
+def free(self: KVCacheManager, req: Request):
+    "Release all of the request's blocks (tail first, so its prefix stays cached longest)."
+    for g in range(self.num_groups):
+        self.req_block_ids[g].pop(req.request_id, None)
+        for b in reversed(self.req_blocks[g].pop(req.request_id, [])):
+            if b is self.null_block: continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0: self.free_queue[b.block_id] = b
-        self.num_hashed.pop(req.request_id, None)
+    self.num_hashed.pop(req.request_id, None)
 
-    def reset_prefix_cache(self) -> bool:
-        "Forget all cached content (only when no request holds blocks)."
-        if self.req_blocks: return False
-        self.cached.clear()
-        for b in self.blocks: b.block_hash = None
-        return True
+@patch
+def reset_prefix_cache(self: KVCacheManager) -> bool:
+    "Forget all cached content (only when no request holds blocks)."
+    if any(self.req_blocks): return False
+    for c in self.cached: c.clear()
+    for b in self.blocks: b.block_hash = None
+    return True

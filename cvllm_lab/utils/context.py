@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 # %% auto #0
-__all__ = ['FreshPrefill', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token', 'bind_kv_cache',
-           'prefill_context']
+__all__ = ['FreshPrefill', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token',
+           'KVCacheGroupSpec', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 @dataclass
@@ -36,9 +36,15 @@ class ForwardContext:
     max_query_len: int
     max_seq_len: int
     fresh_prefill: FreshPrefill | None = None
+    # hybrid models (KV cache groups, below): each group's (slot_mapping, block_tables); None: one group, the fields above
+    kv_groups: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_seqs(self) -> int: return self.seq_lens.shape[0]
+
+    def group_tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        "`(slot_mapping, block_tables)` of KV cache group `group` (all groups read the step's own pair when `kv_groups` is None)."
+        return (self.slot_mapping, self.block_tables) if self.kv_groups is None else self.kv_groups[group]
 
 _CTX: ForwardContext | None = None
 
@@ -62,18 +68,55 @@ def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
     if hasattr(layer, 'kv_cache_shape'): return math.prod(layer.kv_cache_shape(1, 1)) * es
     return 2 * layer.num_kv_heads * (layer.head_dim * es + (4 if dtype == torch.float8_e4m3fn else 0))
 
-def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.float32, device='cpu') -> list[torch.Tensor]:
-    "Allocate every attention layer's paged cache (and its per-token scales for an FP8 cache); returns the caches."
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    "Attention layers that share one block table per sequence: full attention (`sliding_window` None) or one window."
+    sliding_window: int | None
+    layers: tuple[int, ...]      # indices into `model.attention_layers()`
+
+def kv_cache_groups(layers) -> list[KVCacheGroupSpec]:
+    """vLLM's hybrid grouping: layers by attention type (full, sliding window W), each type cut into groups of the same
+    size (the smallest type's count; the largest's when within 1.25x), full attention first. One group (today's
+    layout) when every layer has the same type, or the layers' caches differ in shape (they could not share tensors)."""
+    by_type: dict[int | None, list[int]] = {}
+    for i, a in enumerate(layers): by_type.setdefault(getattr(a, 'sliding_window', None) or None, []).append(i)
+    uniform = len({(getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None), hasattr(a, 'kv_cache_shape'))
+                   for a in layers}) == 1 and not hasattr(layers[0], 'kv_cache_shape')
+    if len(by_type) == 1 or not uniform:
+        return [KVCacheGroupSpec(next(iter(by_type)) if len(by_type) == 1 else None, tuple(range(len(layers))))]
+    lo, hi = min(map(len, by_type.values())), max(map(len, by_type.values()))
+    size = hi if hi < 1.25 * lo else lo
+    return [KVCacheGroupSpec(w, tuple(ids[i:i + size])) for w in sorted(by_type, key=lambda w: (w is not None, w or 0))
+            for ids in [by_type[w]] for i in range(0, len(ids), size)]
+
+def kv_cache_bytes_per_token(layers, groups: list[KVCacheGroupSpec] | None = None, dtype=torch.float32) -> int:
+    "Cache bytes one block slot costs over all of `bind_kv_cache`'s tensors (groups: one per layer of the largest group)."
+    if groups is None or len(groups) == 1: return sum(kv_bytes_per_token(a, dtype) for a in layers)
+    return max(len(g.layers) for g in groups) * kv_bytes_per_token(layers[0], dtype)
+
+def _new_kv_cache(a, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    "One layer's `(kv_cache, kv_scale)` for `num_blocks` blocks (zeros: a never-written block reads as finite values)."
     fp8 = dtype == torch.float8_e4m3fn
-    for a in model.attention_layers():
-        if hasattr(a, 'kv_cache_shape'):   # a layer with its own layout (MLA's latent rows)
-            if fp8: raise NotImplementedError(f"{type(a).__name__}: no FP8 KV cache for this layer yet")
-            a.kv_cache, a.kv_scale = torch.zeros(a.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device), None
-            continue
-        shape = (2, num_blocks, block_size, a.num_kv_heads)
-        a.kv_cache = torch.zeros(*shape, a.head_dim, dtype=dtype, device=device)
-        a.kv_scale = torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None
-    return [a.kv_cache for a in model.attention_layers()]
+    if hasattr(a, 'kv_cache_shape'):   # a layer with its own layout (MLA's latent rows)
+        if fp8: raise NotImplementedError(f"{type(a).__name__}: no FP8 KV cache for this layer yet")
+        return torch.zeros(a.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device), None
+    shape = (2, num_blocks, block_size, a.num_kv_heads)
+    return (torch.zeros(*shape, a.head_dim, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None)
+
+def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.float32, device='cpu',
+                  groups: list[KVCacheGroupSpec] | None = None) -> list[torch.Tensor]:
+    """Allocate every attention layer's paged cache (and its per-token scales for an FP8 cache); returns the caches.
+    With several KV cache `groups` the `j`-th layer of every group shares one tensor (`kv_cache_group` says whose table)."""
+    layers = model.attention_layers()
+    if groups is None or len(groups) == 1:
+        for a in layers: (a.kv_cache, a.kv_scale), a.kv_cache_group = _new_kv_cache(a, num_blocks, block_size, dtype, device), 0
+        return [a.kv_cache for a in layers]
+    shared = [_new_kv_cache(layers[0], num_blocks, block_size, dtype, device) for _ in range(max(len(g.layers) for g in groups))]
+    for g, spec in enumerate(groups):
+        for j, li in enumerate(spec.layers): layers[li].kv_cache, layers[li].kv_scale = shared[j]; layers[li].kv_cache_group = g
+    return [a.kv_cache for a in layers]
+
 
 # %% ../../nbs/12_forward_context.ipynb #97aa8351
 def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tuple[ForwardContext, int]:
