@@ -24,6 +24,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # several KV cache groups (sliding-window layers): every group's tables, group 0's dict first; empty with one group
+    group_block_tables: list[dict[str, list[int]]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int: return sum(self.num_scheduled_tokens.values())
@@ -124,6 +126,9 @@ def schedule(self: Scheduler) -> SchedulerOutput:
             out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
             budget -= n
     out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r in out.scheduled}
+    if self.kv.num_groups > 1:
+        out.group_block_tables = [out.block_tables] + [{r.request_id: self.kv.block_table(r.request_id, g) for r in out.scheduled}
+                                                       for g in range(1, self.kv.num_groups)]
     return out
 
 # %% ../../nbs/11_scheduler.ipynb #b62d45bc
