@@ -20,13 +20,14 @@ from .gguf import GGUFLinear
 from .base import QuantLinear
 from .w4a16 import W4A16Linear, gptq_to_levels, awq_to_levels
 from ..kernels.fp8_layout import BLOCK
+from ..kernels.fused_moe import fused_moe, fused_moe_ref
 from .fp8 import FP8Linear, FP8_METHODS, fp8_checkpoint_config, fp8_shard_tensors
 
 # %% auto #0
 __all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'FP8_DTYPES', 'EXPERT_SUFFIXES',
            'KV_SCALE_SUFFIXES', 'resolve_method', 'gguf_type_for', 'quantize_linear', 'quantize_model', 'fuse_mlp_act',
            'ConcatLinear', 'normalize_quant_config', 'checkpoint_quantization', 'GGUFRaw', 'finalize_collector',
-           'load_quantized']
+           'Fp8CheckpointMoEMethod', 'load_quantized']
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
@@ -259,23 +260,38 @@ def _fp8_expert(model, moe: dict, name: str, t) -> tuple | None:
     if suffix == 'weight' and t.dtype != torch.float8_e4m3fn: raise NotImplementedError(f"{name}: {t.dtype} experts (float8_e4m3fn only)")
     return hit + (suffix,)
 
-def _fp8_expert_storage(layer: FusedMoE):
-    "Make a float `FusedMoE` a block-FP8 one (`Fp8MoEMethod`): e4m3 weights and 128 x 128 block scales to be filled."
-    from cvllm_lab.quant.moe import Fp8MoEMethod, _swap_storage
-    E, H, I, dev = layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.w13_weight.device
-    if I % BLOCK: raise NotImplementedError(f"FP8 experts of width {I}: gate and up rows need their own 128-row blocks (a multiple of {BLOCK})")
-    e4, f32, hb = dict(dtype=torch.float8_e4m3fn, device=dev), dict(dtype=torch.float32, device=dev), -(-H // BLOCK)
-    _swap_storage(layer, ('w13_weight', 'w2_weight'), {
-        'w13_weight': torch.zeros(E, 2 * I, H, **e4), 'w2_weight': torch.zeros(E, H, I, **e4),
-        'w13_weight_scale_inv': torch.ones(E, 2 * I // BLOCK, hb, **f32), 'w2_weight_scale_inv': torch.ones(E, hb, I // BLOCK, **f32)})
-    layer.quant_method = Fp8MoEMethod()
+class Fp8CheckpointMoEMethod:
+    """Block-FP8 experts loaded from a checkpoint: the storage of `quant.moe.Fp8MoEMethod` (e4m3 `w13_weight [E, 2I, H]`,
+    `w2_weight [E, H, I]`, per-expert 128 x 128 `w13_weight_scale_inv`, `w2_weight_scale_inv`), run the same way (the
+    fused kernel on CUDA, W8A16; the reference on CPU), filled per expert by `_load_fp8_expert`."""
+    @classmethod
+    def attach(cls, layer: FusedMoE):
+        "Give a float `FusedMoE` zeroed e4m3 weights and unit block scales, to be filled."
+        E, H, I, dev = layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.w13_weight.device
+        if I % BLOCK: raise NotImplementedError(f"FP8 experts of width {I}: gate and up rows need their own 128-row blocks (a multiple of {BLOCK})")
+        e4, f32, hb = dict(dtype=torch.float8_e4m3fn, device=dev), dict(dtype=torch.float32, device=dev), -(-H // BLOCK)
+        for n in ('w13_weight', 'w2_weight'): delattr(layer, n)
+        for n, t in {'w13_weight': torch.zeros(E, 2 * I, H, **e4), 'w2_weight': torch.zeros(E, H, I, **e4),
+                     'w13_weight_scale_inv': torch.ones(E, 2 * I // BLOCK, hb, **f32),
+                     'w2_weight_scale_inv': torch.ones(E, hb, I // BLOCK, **f32)}.items(): layer.register_buffer(n, t)
+        layer.quant_method = cls()
+
+    def weight_loader(self, layer, loaded, shard_id, expert_id=None):
+        raise ValueError(f"FP8 experts load per expert (`experts.E.gate_proj.weight` + its scale), got shard {shard_id!r} of expert {expert_id}")
+
+    def process_weights_after_loading(self, layer): pass
+
+    def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
+        w13, w2, s13, s2 = layer.w13_weight, layer.w2_weight, layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        run = fused_moe if x.is_cuda else fused_moe_ref
+        return run(x, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
 
 def _load_fp8_expert(layer: FusedMoE, e: int, sid: str, suffix: str, t: torch.Tensor, scaled: set):
     """Copy expert `e`'s shard `sid` (`w1` gate, `w3` up, `w2` down) e4m3 weight or scale into the stacked buffers.
     A block scale is copied; a per-tensor one fills the shard's blocks (exact); a per-channel one is refused (it
     would need requantizing); `input_scale` is not needed (the fused kernel keeps activations in 16 bits)."""
     if suffix == 'input_scale': return
-    if layer.quant_method is None: _fp8_expert_storage(layer)
+    if layer.quant_method is None: Fp8CheckpointMoEMethod.attach(layer)
     I = layer.intermediate_size
     rows = slice(None) if sid == 'w2' else slice(0, I) if sid == 'w1' else slice(I, 2 * I)
     if suffix == 'weight':
@@ -303,7 +319,7 @@ KV_SCALE_SUFFIXES = ('.k_scale', '.v_scale', '.kv_scale', '.q_scale', '.prob_sca
 
 def load_quantized(model: nn.Module, weights, qcfg: dict, progress: bool = True, pack: bool | None = None) -> nn.Module:
     """Load a quantized checkpoint's `(name, tensor)` stream into `model`, decoder linears becoming quantized layers
-    (and, for FP8, per-expert e4m3 expert tensors filling `Fp8MoEMethod` layers: `_fp8_expert`)."""
+    (and, for FP8, per-expert e4m3 expert tensors filling `Fp8CheckpointMoEMethod` layers: `_fp8_expert`)."""
     targets = _targets(model)
     if pack is None: pack = any(l.weight.is_cuda for _, l in targets)
     cols = {}
