@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None   # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]
+        self.kv_cache_group = 0                     # whose slot mapping and block tables it reads (`bind_kv_cache`)
 
     def set_backend(self, name: str):
         self.backend = name
@@ -52,14 +53,15 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kc, vc = self.kv_cache[0], self.kv_cache[1]
         ks, vs = (None, None) if self.kv_scale is None else (self.kv_scale[0], self.kv_scale[1])
-        if rotary is None: self._cache_fn(k, v, kc, vc, ctx.slot_mapping, ks, vs)
+        slots, bt = ctx.group_tables(self.kv_cache_group)
+        if rotary is None: self._cache_fn(k, v, kc, vc, slots, ks, vs)
         else:
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
             rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
-                             ctx.slot_mapping, ks, vs)
+                             slots, ks, vs)
         if ctx.fresh_prefill is not None and self._fresh_prefill_ok(q, kc):
-            return self._split_fresh_prefill(q, kc, vc, ks, vs, ctx).reshape(T, self.num_heads * self.head_dim)
-        o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, self.scale,
+            return self._split_fresh_prefill(q, kc, vc, ks, vs, ctx, slots, bt).reshape(T, self.num_heads * self.head_dim)
+        o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, bt, self.scale,
                           sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
                           max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
         return o.reshape(T, self.num_heads * self.head_dim)
@@ -98,15 +100,15 @@ def _fresh_prefill_ok(self: Attention, q, kc) -> bool:
     return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
 
 @patch
-def _split_fresh_prefill(self: Attention, q, kc, vc, ks, vs, ctx):
-    "The paged kernel for the sequences before the fresh run, `prefill_fn` over the run's own (just cached) K/V."
+def _split_fresh_prefill(self: Attention, q, kc, vc, ks, vs, ctx, slots, bt):
+    "The paged kernel for the sequences before the fresh run, `prefill_fn` over the run's own (just cached) K/V (`slots`, `bt`: the layer's group's)."
     fp = ctx.fresh_prefill
     s, t0, out = fp.seq_start, fp.token_start, torch.empty_like(q)
     if s > 0:
-        out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], ctx.block_tables[:s],
+        out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
                                  self.scale, sliding_window=self.sliding_window, max_query_len=fp.head_max_query_len,
                                  max_seq_len=fp.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
-    slots = ctx.slot_mapping[t0:]
+    slots = slots[t0:]
     k, v = kc.flatten(0, 1).index_select(0, slots), vc.flatten(0, 1).index_select(0, slots)
     out[t0:] = self.prefill_fn(q[t0:], k, v, fp.cu_seqlens, fp.max_len, self.scale, self.sliding_window)
     return out
