@@ -1,4 +1,4 @@
-"""`QuantLinear`, the base class of the quantized layers (`W4A16Linear`, `GGUFLinear`, `FP8Linear`): a `Linear` whose weight is held quantized.
+"""`QuantLinear`, the base class of the quantized layers (`W4A16Linear`, `GGUFLinear`, `FP8Linear`): a `Linear` whose weight is held quantized; `quantize_parallel` quantizes a tensor-parallel layer's shard (whole quantization units, the layer's all-reduce kept).
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/quant_base.html.md"""
 
@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..layers.basic import Linear
+from typing import Callable
+from ..layers.linear import RowParallelLinear, check_shard_alignment, like_parallel
+
 
 # %% auto #0
-__all__ = ['QuantLinear']
+__all__ = ['QuantLinear', 'quantize_parallel']
 
 # %% ../../nbs/43_quant_base.ipynb #4a3b0c07
 class QuantLinear(Linear):
@@ -46,3 +49,16 @@ class QuantLinear(Linear):
     def weight_bytes(self) -> int:
         "Bytes of the quantized weight (buffers, not the bias)."
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+# %% ../../nbs/43_quant_base.ipynb #6db236bd
+def quantize_parallel(lin: Linear, quantize: Callable[[Linear], nn.Module], unit: int, name: str = 'layer',
+                      col_unit: int = 1) -> nn.Module:
+    """`quantize(lin)` of a (possibly tensor-parallel) layer: its local shard quantized, after checking that a
+    row-parallel shard holds whole `unit`-wide groups along K (and every local output shard whole `col_unit` rows),
+    with the layer's all-reduce kept. ValueError naming `name` when a quantization unit would straddle two ranks."""
+    tp = getattr(lin, 'tp_size', 1)
+    if tp > 1 and isinstance(lin, RowParallelLinear):
+        check_shard_alignment(lin.full_input_size, tp, unit, f'{name}: input size')
+    if tp > 1 and col_unit > 1:
+        for n in lin.output_sizes: check_shard_alignment(n * tp, tp, col_unit, f'{name}: output size')
+    return like_parallel(lin, quantize(lin))
