@@ -12,7 +12,9 @@ from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from ..utils.context import ForwardContext, get_forward_context
+from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from .basic import Linear, RMSNorm
+from .linear import ColumnParallelLinear, RowParallelLinear, divide
 from .rotary import RotaryEmbedding, rope_parameters
 
 # %% auto #0
@@ -44,25 +46,28 @@ class MLAAttention(nn.Module):
     """DeepSeek's multi-head latent attention over a paged latent cache `[num_blocks, block_size, L + R]`:
     `forward(positions, h [T, hidden]) -> [T, hidden]`. Parameters carry the checkpoint's names (`q_proj` or
     `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`); with a
-    q LoRA, `q_a_proj` and `kv_a_proj_with_mqa` are one merged matmul, `fused_qkv_a_proj`."""
+    q LoRA, `q_a_proj` and `kv_a_proj_with_mqa` are one merged matmul, `fused_qkv_a_proj`. Tensor parallel: this
+    rank's `num_heads` of `total_num_heads` (q / `kv_b_proj` column-parallel, `o_proj` row-parallel), the latent
+    path (`*_a_proj`, `kv_a_layernorm`, the cache) replicated."""
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch'):
         super().__init__()
         hidden, H = config.hidden_size, config.num_attention_heads
-        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, config.q_lora_rank, config.kv_lora_rank
+        self.total_num_heads, self.q_lora_rank, self.kv_lora_rank = H, config.q_lora_rank, config.kv_lora_rank
+        self.num_heads = divide(H, get_tensor_model_parallel_world_size(), 'number of attention heads')
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         P, R, V, L = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
         if getattr(config, 'attention_bias', False):
             raise NotImplementedError(f"{type(config).__name__}.attention_bias=True is not supported (no DeepSeek checkpoint has it)")
-        if self.q_lora_rank:
+        if self.q_lora_rank:   # the down-projections and norms: replicated on every rank
             self.fused_qkv_a_proj = Linear(hidden, [self.q_lora_rank, L + R], shard_ids=[0, 1])
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = Linear(self.q_lora_rank, H * (P + R))
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, H * (P + R))   # this rank's heads
         else:
-            self.q_proj = Linear(hidden, H * (P + R))
+            self.q_proj = ColumnParallelLinear(hidden, H * (P + R))
             self.kv_a_proj_with_mqa = Linear(hidden, L + R)
         self.kv_a_layernorm = RMSNorm(L, config.rms_norm_eps)
-        self.kv_b_proj = Linear(L, H * (P + V))
-        self.o_proj = Linear(H * V, hidden)
+        self.kv_b_proj = ColumnParallelLinear(L, H * (P + V))     # W_UK / W_UV rows of this rank's heads
+        self.o_proj = RowParallelLinear(H * V, hidden)             # partial sums over the heads, all-reduced
         self.rotary_emb = rotary
         self.scale = mla_softmax_scale(config)
         self.num_kv_heads, self.head_dim = 1, L + R   # one shared "KV head": the latent row

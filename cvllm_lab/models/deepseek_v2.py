@@ -18,6 +18,7 @@ from ..layers.mla import MLAAttention
 from ..layers.rotary import RotaryEmbedding
 from .llama import LlamaForCausalLM, LlamaDecoderLayer, LlamaMLP
 from .qwen_moe import MoEForCausalLM, refuse
+from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
 # %% auto #0
 __all__ = ['deepseek_topk', 'routed_experts', 'DeepseekRouter', 'DeepseekV2MoE', 'is_moe_layer', 'DeepseekV2DecoderLayer',
@@ -94,15 +95,18 @@ class DeepseekV2MoE(nn.Module):
         self.n_group, self.topk_group = getattr(config, 'n_group', None), getattr(config, 'topk_group', None)
         self.norm_topk_prob, self.routed_scaling_factor = bool(config.norm_topk_prob), float(config.routed_scaling_factor)
         self.gate = DeepseekRouter(H, E, correction_bias=v3)
-        self.experts = FusedMoE(E, self.top_k, H, config.moe_intermediate_size, renormalize=False)
+        # tensor parallel: experts and shared experts split along their intermediate dimension; their partial sums
+        # are added first and all-reduced once
+        self.experts = FusedMoE(E, self.top_k, H, config.moe_intermediate_size, renormalize=False, reduce_results=False)
         n = getattr(config, 'n_shared_experts', None) or 0
-        self.shared_experts = LlamaMLP(H, config.moe_intermediate_size * n) if n else None
+        self.shared_experts = LlamaMLP(H, config.moe_intermediate_size * n, reduce_results=False) if n else None
 
     def forward(self, x):
         w, ids = deepseek_topk(self.gate(x), self.top_k, self.topk_method, self.n_group, self.topk_group,
                                self.norm_topk_prob, self.routed_scaling_factor, self.gate.e_score_correction_bias)
         out = routed_experts(self.experts, x, w, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None: out = out + self.shared_experts(x)
+        return tensor_model_parallel_all_reduce(out) if self.experts.tp_size > 1 else out
 
 # %% ../../nbs/35_deepseek_v2.ipynb #08324a70
 def is_moe_layer(config, i: int) -> bool:
