@@ -60,6 +60,18 @@ def measure(base: str, concurrency: int, num_prompts: int, input_len: int, outpu
                                       dataset='random', vocab_size=vocab, seed=concurrency))
 
 
+def server_latency(base: str) -> dict:
+    "The server's own latency histograms (`/metrics`): sum and count of TTFT and e2e seconds, measured in the API process."
+    import httpx
+    text = httpx.get(base.removesuffix('/v1') + '/metrics', timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        for m in ('time_to_first_token_seconds', 'e2e_request_latency_seconds'):
+            for part in ('sum', 'count'):
+                if line.startswith(f'cvllm:{m}_{part}{{'): out[f'{m}_{part}'] = float(line.rsplit(' ', 1)[1])
+    return out
+
+
 def row(rep: dict, gpu: str, shape: str, commit: str, input_len: int, output_len: int) -> dict:
     "One row in the reference file's columns."
     return dict(engine='cvllm_lab', version=commit, gpu=gpu, shape=shape, precision='bf16',
@@ -111,8 +123,15 @@ def main(argv=None):
     try:
         measure(base, 4, 8, a.input_len, 16, spec['hf_config']['vocab_size'])        # warm-up: graphs, allocator
         for c, n in zip(a.concurrency, a.num_prompts):
+            before = server_latency(base)
             rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'])
+            after = server_latency(base)
+            d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
             rows.append(row(rep, gpu, spec['name'], commit, a.input_len, a.output_len))
+            # client and server means side by side: their gap is what the HTTP/SSE path and the client add
+            rows[-1] |= dict(ttft_mean_ms=rep['ttft_ms_mean'], e2el_mean_ms=rep['e2e_ms_mean'],
+                             server_ttft_mean_ms=1e3 * d('time_to_first_token_seconds_sum') / max(1, d('time_to_first_token_seconds_count')),
+                             server_e2el_mean_ms=1e3 * d('e2e_request_latency_seconds_sum') / max(1, d('e2e_request_latency_seconds_count')))
             print(json.dumps(rows[-1], default=float), flush=True)
     finally:
         proc.terminate()

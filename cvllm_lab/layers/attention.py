@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 
 # %% ../../nbs/22_attention.ipynb #05ff41bb
 from __future__ import annotations
+import os
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
@@ -38,8 +39,10 @@ class Attention(nn.Module):
     def set_backend(self, name: str):
         self.backend = name
         self._cache_fn, self._attn_fn = get_attention_backend(name)
-        # varlen causal attention for a step's fresh prefills (None: the paged kernel does every row)
-        self.prefill_fn = flash_varlen_attention if name == 'triton' else None
+        # varlen causal attention for a step's fresh prefills (None: the paged kernel does every row);
+        # CVLLM_LAB_FLASH_PREFILL=0 keeps every row on the paged kernel (an A/B switch for benchmarks)
+        flash = name == 'triton' and os.environ.get('CVLLM_LAB_FLASH_PREFILL', '1') != '0'
+        self.prefill_fn = flash_varlen_attention if flash else None
 
     def forward(self, q, k, v, positions=None, rotary=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
@@ -103,12 +106,12 @@ def _fresh_prefill_ok(self: Attention, q, kc) -> bool:
 def _split_fresh_prefill(self: Attention, q, kc, vc, ks, vs, ctx, slots, bt):
     "The paged kernel for the sequences before the fresh run, `prefill_fn` over the run's own (just cached) K/V (`slots`, `bt`: the layer's group's)."
     fp = ctx.fresh_prefill
-    s, t0, out = fp.seq_start, fp.token_start, torch.empty_like(q)
-    if s > 0:
-        out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
-                                 self.scale, sliding_window=self.sliding_window, max_query_len=fp.head_max_query_len,
-                                 max_seq_len=fp.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
-    slots = slots[t0:]
-    k, v = kc.flatten(0, 1).index_select(0, slots), vc.flatten(0, 1).index_select(0, slots)
+    s, t0 = fp.seq_start, fp.token_start
+    k, v = kc.flatten(0, 1).index_select(0, slots[t0:]), vc.flatten(0, 1).index_select(0, slots[t0:])
+    if s == 0: return self.prefill_fn(q, k, v, fp.cu_seqlens, fp.max_len, self.scale, self.sliding_window)
+    out = torch.empty_like(q)
+    out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
+                             self.scale, sliding_window=self.sliding_window, max_query_len=fp.head_max_query_len,
+                             max_seq_len=fp.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
     out[t0:] = self.prefill_fn(q[t0:], k, v, fp.cu_seqlens, fp.max_len, self.scale, self.sliding_window)
     return out
