@@ -27,22 +27,23 @@ def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+                     stride_x, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # a weight: safe before the wait
+    mask = (rows < n_rows)[:, None] & (offs < n_cols)[None, :]
+    w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)   # a weight: safe before the wait
     pdl_wait(PDL)
     pdl_launch(PDL)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(res_ptr + rows[:, None] * stride_r + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        tl.store(res_out_ptr + rows[:, None] * stride_ro + offs[None, :], x, mask=mask)
         x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / n_cols + eps)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def _rows(t):
@@ -57,10 +58,14 @@ def _launch(x, residual, weight, eps, out, res_out):
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else x2
     o2, ro2 = out.view(-1, n), (res_out.view(-1, n) if res_out is not None else out.view(-1, n))
-    if x2.shape[0] == 0: return
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0),
-                                     ro2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_kw(x2.device),
-                                     num_warps=min(16, max(1, block // 256)))
+    m = x2.shape[0]
+    if m == 0: return
+    # short rows (QK-norm's head_dim rows) are packed several to a program: one row of 128 values per program
+    # leaves most of a warp's loads idle and needs hundreds of thousands of programs
+    rows = max(1, min(16, 2048 // block, triton.next_power_of_2(m)))
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0),
+                                              ro2.stride(0), m, n, eps, HAS_RESIDUAL=residual is not None, ROWS=rows,
+                                              BLOCK=block, **pdl_kw(x2.device), num_warps=min(16, max(1, rows * block // 256)))
 
 
 def rms_norm(x, weight, eps: float = 1e-6, out=None):

@@ -31,7 +31,7 @@ def test_rms_norm_ref_matches_torch():
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('shape', [(7, 96), (2, 3, 64), (1, 4096)])
+@pytest.mark.parametrize('shape', [(7, 96), (2, 3, 64), (1, 4096), (37, 128), (3, 5, 2, 64)])   # short rows: several per program
 def test_rms_norm(dtype, shape):
     torch.manual_seed(1)
     x = (torch.randn(shape, device=DEV) * 3).to(dtype)
