@@ -10,17 +10,25 @@ import re
 import torch
 from torch import nn
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
-from ..kernels.gguf_layout import GT, parse_qtype, dequantize, QUANT_TYPES
+from ..kernels.gguf_layout import GT, parse_qtype, dequantize, QUANT_TYPES, block_info
+from ..layers.linear import check_shard_alignment
 from ..layers.fused_moe import FusedMoE
 from .fp8 import quantize_fp8_block
 from .gguf import quantize
 from .apply import resolve_method, gguf_type_for
 
 # %% auto #0
-__all__ = ['GGUF_MOE_BLOCK', 'GGUF_MOE_RAW_SUFFIXES', 'Fp8MoEMethod', 'GGUFMoEMethod', 'quantize_moe', 'gguf_moe_name',
-           'gguf_moe_config_overrides']
+__all__ = ['GGUF_MOE_BLOCK', 'GGUF_MOE_RAW_SUFFIXES', 'check_expert_shard', 'Fp8MoEMethod', 'GGUFMoEMethod', 'quantize_moe',
+           'gguf_moe_name', 'gguf_moe_config_overrides']
 
 # %% ../../nbs/41_quant_moe.ipynb #42997b58
+def check_expert_shard(layer: FusedMoE, unit: int, name: str = 'experts'):
+    """At tensor parallel > 1: refuse (naming the layer) a slice of the experts' intermediate dimension that is not
+    whole `unit`-wide quantization units (FP8 blocks of 128 rows of w13 and columns of w2, GGUF blocks of w2's rows):
+    the quantized slice would not be TP 1's quantization, sliced."""
+    if layer.tp_size > 1:
+        check_shard_alignment(layer.full_intermediate_size, layer.tp_size, unit, f'{name}: expert intermediate size')
+
 def _swap_storage(layer: nn.Module, drop: tuple, buffers: dict):
     "Replace parameters `drop` of `layer` by `buffers` (name -> tensor)."
     for n in drop:
@@ -30,8 +38,9 @@ def _swap_storage(layer: nn.Module, drop: tuple, buffers: dict):
 class Fp8MoEMethod:
     "Block-FP8 experts (e4m3, 128 x 128 blocks, one fp32 scale each, per expert), run by the fused kernel (W8A16)."
     @classmethod
-    def quantize(cls, layer: FusedMoE) -> FusedMoE:
-        "In-situ: each expert's `w13`/`w2` -> e4m3 + block scales, stacked."
+    def quantize(cls, layer: FusedMoE, name: str = 'experts') -> FusedMoE:
+        "In-situ: each expert's `w13`/`w2` -> e4m3 + block scales, stacked (at TP > 1: this rank's slice, whole blocks)."
+        check_expert_shard(layer, 128, name)
         bufs = {}
         for n in ('w13_weight', 'w2_weight'):
             w = getattr(layer, n).data
@@ -67,14 +76,17 @@ class GGUFMoEMethod:
         return layer.quant_method
 
     @classmethod
-    def quantize(cls, layer: FusedMoE, qtype) -> FusedMoE:
-        "In-situ: gate, up and down of every expert to GGUF `qtype` (the legacy fallback for rows K-quants can't hold)."
+    def quantize(cls, layer: FusedMoE, qtype, name: str = 'experts') -> FusedMoE:
+        """In-situ: gate, up and down of every expert to GGUF `qtype` (the legacy fallback for rows K-quants can't
+        hold, chosen from the full rows: at TP > 1 down's rows are this rank's slice, refused unless whole blocks)."""
         I, H = layer.intermediate_size, layer.hidden_size
+        t2 = gguf_type_for(parse_qtype(qtype), layer.full_intermediate_size)
+        check_expert_shard(layer, block_info(t2)[0], name)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         parts = {'w1': w13[:, :I], 'w3': w13[:, I:], 'w2': w2}
         m = cls.attach(layer)
         for sid, w in parts.items():
-            t = gguf_type_for(parse_qtype(qtype), w.shape[-1])
+            t = t2 if sid == 'w2' else gguf_type_for(parse_qtype(qtype), H)
             layer.register_buffer(cls.SHARDS[sid], quantize(w.contiguous(), t))
             m.qtypes[sid] = t
         return layer
@@ -83,12 +95,19 @@ class GGUFMoEMethod:
         "A GGUF tensor kept quantized (`GGUFRaw`: `data`, `qtype`, `shape`), stacked over the experts."
         if expert_id is not None or shard_id not in self.SHARDS:
             raise ValueError(f"GGUF experts load stacked w1/w3/w2 tensors, got shard {shard_id!r} of expert {expert_id}")
-        E = layer.num_experts
-        rows, cols = (layer.hidden_size, layer.intermediate_size) if shard_id == 'w2' else (layer.intermediate_size, layer.hidden_size)
+        E, H, I, F, r = (layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.full_intermediate_size,
+                         layer.tp_rank)
+        rows, cols = (H, F) if shard_id == 'w2' else (F, H)
         if tuple(loaded.shape) != (E * rows, cols):
             raise ValueError(f"GGUF experts {shard_id}: shape {tuple(loaded.shape)} != {(E * rows, cols)} (E={E})")
-        layer.register_buffer(self.SHARDS[shard_id], loaded.data.reshape(E, rows, -1).contiguous())
-        self.qtypes[shard_id] = parse_qtype(loaded.qtype)
+        t, data = parse_qtype(loaded.qtype), loaded.data.reshape(E, rows, -1)
+        if shard_id != 'w2': data = data[:, r * I:(r + 1) * I]          # this rank's rows of gate / up
+        elif layer.tp_size > 1:                                          # its columns of down: whole blocks of bytes
+            check_expert_shard(layer, block_info(t)[0], 'GGUF experts')
+            bpb = block_info(t)[1] * I // block_info(t)[0]
+            data = data[..., r * bpb:(r + 1) * bpb]
+        layer.register_buffer(self.SHARDS[shard_id], data.contiguous())
+        self.qtypes[shard_id] = t
         layer.loaded_shards |= {(e, shard_id) for e in range(E)}
 
     def process_weights_after_loading(self, layer): pass
@@ -121,11 +140,11 @@ class GGUFMoEMethod:
 def quantize_moe(model: nn.Module, method) -> int:
     "Quantize every (still float) `FusedMoE` of `model` in place (`method`: 'fp8' or a GGUF type); returns how many."
     m = resolve_method(method) if isinstance(method, str) else method
-    layers = [l for l in model.modules() if isinstance(l, FusedMoE) and l.quant_method is None]
+    layers = [(n, l) for n, l in model.named_modules() if isinstance(l, FusedMoE) and l.quant_method is None]
     if layers and m == 'w4a16': raise NotImplementedError("W4A16 experts are not implemented; use fp8 or a GGUF type for MoE models")
-    for l in layers:
-        if m == 'fp8': Fp8MoEMethod.quantize(l)
-        else: GGUFMoEMethod.quantize(l, m)
+    for n, l in layers:
+        if m == 'fp8': Fp8MoEMethod.quantize(l, n)
+        else: GGUFMoEMethod.quantize(l, m, n)
     return len(layers)
 
 GGUF_MOE_BLOCK = {'ffn_gate_inp': 'mlp.gate', 'ffn_gate_exps': 'mlp.experts.gate_proj',
