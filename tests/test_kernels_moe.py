@@ -192,7 +192,7 @@ def test_fused_moe_fp8_experts():
 @pytest.mark.parametrize('impl', ['one_program', 'grid', 'torch'])
 @pytest.mark.parametrize('T,E,k,block_m', [(1, 8, 2, 16), (17, 8, 2, 16), (50, 16, 4, 16), (33, 8, 2, 4),
                                            (1, 128, 8, 16), (300, 128, 8, 64), (40, 200, 6, 16), (700, 16, 4, 32),
-                                           (4100, 8, 4, 16)])
+                                           (4100, 8, 4, 16), (20, 256, 8, 64)])   # last: each chunk fills > 1024 sentinels
 def test_moe_align_block_size_invariants(T, E, k, block_m, impl, monkeypatch):
     "One program (decode sizes), three launches over chunks (many assignments) and the PyTorch ops agree exactly."
     g = torch.Generator().manual_seed(T + E)
