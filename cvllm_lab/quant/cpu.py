@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
+from ..layers.basic import RMSNorm, SiluAndMul
+from ..utils.context import get_forward_context
 from ..kernels.gguf_layout import GT, gguf_levels
 from ..kernels.paged_attention import paged_attention_ref, reshape_and_cache_ref
 from .base import QuantLinear
@@ -19,7 +21,7 @@ from .gguf import GGUFLinear, quantize
 
 # %% auto #0
 __all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'DENSE_BYTES', 'cpu_threads', 'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary',
-           'CPUDecodeAttention', 'cpu_fast_path']
+           'CPUDecodeAttention', 'CPUDecodeStep', 'CPUDecoderLayer', 'cpu_fast_path']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -94,14 +96,16 @@ class CPUInt4Linear(QuantLinear):
         return cls(torch.cat([hi, lo], 1), torch.cat([16 * s, s], 1), torch.cat([o, torch.zeros_like(o)], 1), 32,
                    repeat=2, dense=dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    def mm(self, xb: torch.Tensor) -> torch.Tensor:
+        "`xb W^T` for bf16 rows `xb` `[M, K]`, in bf16, no bias: the int4 kernel, or the bf16 copy from `DENSE_ROWS` rows on."
         if self.use_dense and xb.shape[0] >= DENSE_ROWS:
             if self._dense is None: self._dense = pack_bf16(self.dequantize(torch.bfloat16))
-            y = dense_linear(xb, self._dense)
-        else:
-            if self.repeat > 1: xb = xb.repeat(1, self.repeat)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, self.group, self.scales_and_zeros)
+            return dense_linear(xb, self._dense)
+        if self.repeat > 1: xb = xb.repeat(1, self.repeat)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, self.group, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
         return self._add_bias(y.to(x.dtype)).reshape(*x.shape[:-1], -1)
 
     def weight_bytes(self) -> int:
@@ -170,6 +174,99 @@ class CPUDecodeAttention:
         o = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), *kv, attn_mask=self._mask, scale=scale)
         return o.reshape(B, H, D)
 
+# %% ../../nbs/42_cpu_linear.ipynb #eba27e01
+class CPUDecodeStep:
+    """What every layer of a decode step shares, worked out once (by the first layer): RoPE rows as `[T, 1, 2, D/2]`,
+    the cache slots, and the keys each sequence reads (a slice of the cache when its blocks are consecutive, else
+    one gather of whole blocks) with the padding mask. One step is one `ForwardContext` object."""
+    def __init__(self, rotary: CPURotary): self.rotary, self.ctx, self.positions = rotary, None, None
+
+    def prepare(self, ctx, positions, block_size: int) -> bool:
+        "Work out the step's shared pieces if `ctx` is a new step; whether the lean path takes it."
+        if ctx is self.ctx and positions is self.positions: return self.ok
+        self.ctx, self.positions = ctx, positions
+        slots, bt = ctx.slot_mapping.long(), ctx.block_tables
+        B = bt.shape[0]
+        self.ok = ctx.max_query_len == 1 and B == positions.shape[0] and bool((slots >= 0).all())
+        if not self.ok: return False
+        cos, sin = self.rotary._cos_sin(positions)
+        self.cos, self.sin, self.slots = cos.view(B, 1, 2, -1), sin.view(B, 1, 2, -1), slots
+        nblk = -(-ctx.max_seq_len // block_size)
+        ids = bt[:, :nblk].long()
+        if B == 1:
+            L, b0 = int(ctx.seq_lens[0]), int(ids[0, 0])
+            self.span = (b0, b0 + nblk, L) if torch.equal(ids[0], torch.arange(b0, b0 + nblk)) else None
+            self.L, self.mask = L, None
+        else:
+            self.span, self.L = None, nblk * block_size
+            self.mask = (torch.arange(self.L) < ctx.seq_lens.long()[:, None])[:, None, None]
+        self.blocks = None if self.span else ids.reshape(-1)
+        return True
+
+    def keys_values(self, kv: torch.Tensor):
+        "`kv` `[2, blocks, block_size, Hkv, D]` -> this step's K and V, `[B, Hkv, L, D]` each."
+        B, Hkv, D = self.slots.shape[0], kv.shape[3], kv.shape[4]
+        if self.span:
+            a, b, L = self.span
+            kv = kv[:, a:b].reshape(2, 1, -1, Hkv, D)[:, :, :L]
+        else: kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+
+class CPUDecoderLayer(nn.Module):
+    """A Llama pre-norm decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`: the same
+    modules) with a lean decode path on the CPU layers: each RMSNorm's row scale `1 / rms` is applied to the bf16
+    matmul's output (`(x w) W^T / rms` = `norm(x) W^T`, so the norm is 3 small ops and the input's one bf16 cast), q and
+    k rotate together as `[T, H + Hkv, 2, D/2]`, and the step's metadata comes from a shared `CPUDecodeStep`. Other
+    steps (prefill, mixed batches) run the layer's own `forward`."""
+    def __init__(self, layer: nn.Module, step: CPUDecodeStep):
+        super().__init__()
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+        self.post_attention_layernorm, self.mlp, self.step = layer.post_attention_layernorm, layer.mlp, step
+        self._fallback = type(layer).forward
+        H = self.input_layernorm.weight.shape[0]
+        for n in ('input_layernorm', 'post_attention_layernorm'):   # w sqrt(H): the scale goes in as 1 / sqrt(sum x^2 + H eps)
+            norm = getattr(self, n)
+            self.register_buffer(n + '_w', norm.weight.detach().float() * H ** 0.5, persistent=False)
+        self.eps_h = (self.input_layernorm.eps * H, self.post_attention_layernorm.eps * H)
+
+    @staticmethod
+    def fits(layer: nn.Module) -> bool:
+        "Whether `layer` is a `LlamaDecoderLayer` (or a subclass with its forward) over the CPU fast path's layers."
+        if type(layer).forward.__qualname__ != 'LlamaDecoderLayer.forward': return False
+        a, mlp = layer.self_attn, layer.mlp
+        lins = [getattr(a, 'qkv_proj', None), getattr(a, 'o_proj', None), getattr(mlp, 'gate_up_proj', None), getattr(mlp, 'down_proj', None)]
+        return (all(type(l) is CPUInt4Linear and l.bias is None and l.repeat == 1 for l in lins)
+                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                and getattr(a, 'q_norm', 1) is None and isinstance(a.rotary_emb, CPURotary)
+                and type(mlp.act) is SiluAndMul and isinstance(a.attn, Attention) and a.attn.backend == 'torch'
+                and a.attn.sliding_window is None and getattr(a.attn, 'logits_soft_cap', None) is None)
+
+    def _norm_mm(self, x, w, eps_h, lin):
+        "`norm(x) W^T` in fp32: the matmul of bf16 `x w`, then its rows scaled by `1 / rms(x)`."
+        f = torch.rsqrt(torch.linalg.vecdot(x, x).add_(eps_h))[:, None]
+        return lin.mm((x * w).to(torch.bfloat16)) * f
+
+    def forward(self, positions, h, residual):
+        a, att = self.self_attn, self.self_attn.attn
+        kv = att.kv_cache
+        if (kv is None or att.kv_scale is not None or kv.dtype != torch.float32 or h.dtype not in (torch.float32, torch.bfloat16)
+                or not self.step.prepare(get_forward_context(), positions, kv.shape[2])):
+            return self._fallback(self, positions, h, residual)
+        st, T, H, Hkv, D = self.step, h.shape[0], a.H, a.Hkv, a.D
+        residual = h.float() if residual is None else h + residual
+        qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)   # [T, (H + 2 Hkv) D] fp32
+        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
+        qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)           # NeoX RoPE on q and k at once
+        k, v = qk[:, H:].reshape(T, -1), qkv[:, (H + Hkv) * D:]
+        flat = kv.view(2, -1, Hkv * D)
+        flat[0].index_copy_(0, st.slots, k); flat[1].index_copy_(0, st.slots, v)
+        ks, vs = st.keys_values(kv)
+        o = F.scaled_dot_product_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), ks, vs, attn_mask=st.mask, scale=att.scale)
+        residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
+        gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
+        I = gu.shape[1] // 2
+        return self.mlp.down_proj.mm((F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)), residual
+
 # %% ../../nbs/42_cpu_linear.ipynb #9691f3bd
 def _replace(model: nn.Module, name: str, new: nn.Module):
     parent, _, child = name.rpartition('.')
@@ -180,8 +277,9 @@ DENSE_BYTES = 1 << 30   # auto `dense`: keep bf16 copies for prefill when they t
 def cpu_fast_path(model: nn.Module, dense: bool | None = None) -> dict:
     """Put a loaded CPU model on the CPU kernels, in place: q4_0/q4_1/q4_k `GGUFLinear`s become `CPUInt4Linear`s
     (the same weights; with bf16 copies for prefill if `dense`, by default when those fit in `DENSE_BYTES`), the shared
-    NeoX RoPE becomes a `CPURotary`, and torch-backend attention layers share one `CPUDecodeAttention`.
-    Returns how many of each were changed."""
+    NeoX RoPE becomes a `CPURotary`, torch-backend attention layers share one `CPUDecodeAttention`, and Llama blocks
+    on these layers become `CPUDecoderLayer`s (one `CPUDecodeStep` per RoPE). Returns how many linears, RoPE users
+    and attention layers were changed."""
     n = dict(linears=0, rotary=0, attention=0)
     todo = [(name, m) for name, m in model.named_modules()
             if isinstance(m, GGUFLinear) and m.packed is None and m.qtype in (GT.Q4_0, GT.Q4_1, GT.Q4_K)
@@ -198,4 +296,8 @@ def cpu_fast_path(model: nn.Module, dense: bool | None = None) -> dict:
     for m in model.modules():
         if isinstance(m, Attention) and m.backend == 'torch':
             m._cache_fn, m._attn_fn = path.cache, path.attn; n['attention'] += 1
+    steps = {}
+    for name, m in [(name, m) for name, m in model.named_modules() if CPUDecoderLayer.fits(m)]:
+        r = m.self_attn.rotary_emb
+        _replace(model, name, CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r))))
     return n
