@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from ..config import EngineConfig
-from ..utils.context import ForwardContext, FreshPrefill, bind_kv_cache, kv_bytes_per_token, set_forward_context
+from ..utils.context import (ForwardContext, FreshPrefill, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
+                                     kv_cache_groups, set_forward_context)
 from .request import Request
 from .scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, topk_logprobs
@@ -34,10 +35,16 @@ class ModelRunner:
         if self.cpu_fast: self.setup_cpu()
         self.sampler = Sampler()
         self.block_size = cfg.block_size
+        layers = self.model.attention_layers()
+        # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
+        self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
+                                else [KVCacheGroupSpec(None, tuple(range(len(layers))))])
         self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size, cfg.kv_cache_torch_dtype, self.device)
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size, cfg.kv_cache_torch_dtype, self.device,
+                                       self.kv_cache_groups)
         if progress: print(f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens "
-                           f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc})")
+                           f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc}"
+                           + (f", {len(self.kv_cache_groups)} KV cache groups)" if len(self.kv_cache_groups) > 1 else ")"))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the same buckets <= 32, captured at `short_len`
         self.tok_host, self.tok_i = [], 0     # two pinned buffers for the sampled ids (at most two steps in flight)
@@ -56,9 +63,9 @@ class ModelRunner:
     def num_tokens_capacity(self) -> int: return self.num_blocks * self.block_size
     @property
     def bytes_per_block(self) -> int:
-        "Cache bytes of one block over every layer (each layer's own row layout: K/V heads, or MLA's latent)."
-        dt = self.cfg.kv_cache_torch_dtype
-        return self.block_size * sum(kv_bytes_per_token(a, dt) for a in self.model.attention_layers())
+        "Cache bytes of one block over every cache tensor (each layer's own row layout; with KV cache groups, one per group slot)."
+        return self.block_size * kv_cache_bytes_per_token(self.model.attention_layers(), self.kv_cache_groups,
+                                                          self.cfg.kv_cache_torch_dtype)
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
@@ -138,6 +145,8 @@ class InputBatch:
     # the trailing run of fresh prefills (nothing cached before the step): (first sequence, its longest chunk,
     # max query len and max seq len of the sequences before it); None when the last sequence has a cached prefix
     fresh_prefill: tuple[int, int, int, int] | None = None
+    # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
+    group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
 
 # %% ../../nbs/50_model_runner.ipynb #d74792fd
 @patch
@@ -146,7 +155,9 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     if so.total_num_scheduled_tokens == len(so.scheduled) and all(
             r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in so.scheduled):
         return self._prepare_decode(so)
+    more = self._more_groups(so)
     bs, ids, pos, slots, qsl, seq_lens = self.block_size, [], [], [], [0], []
+    gslots = [[] for _ in more]
     sample_rows, sample_reqs, plp = [], [], []
     for r in so.scheduled:
         n, c = so.num_scheduled_tokens[r.request_id], r.num_computed_tokens
@@ -154,15 +165,16 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
         ids += r.all_token_ids[c:c + n]
         pos += range(c, c + n)
         slots += [bt[i // bs] * bs + i % bs for i in range(c, c + n)]
+        for gs, tabs in zip(gslots, more):
+            t = tabs[r.request_id]; gs += [t[i // bs] * bs + i % bs for i in range(c, c + n)]
         start = qsl[-1]; qsl.append(start + n); seq_lens.append(c + n)
         if r.prompt_logprobs is not None:   # position p predicts prompt token p+1
             ps = [p for p in range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))]
             if ps: plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
         if c + n == r.num_tokens: sample_rows.append(qsl[-1] - 1); sample_reqs.append(r)
-    max_blocks = max(len(so.block_tables[r.request_id]) for r in so.scheduled)
-    bt = np.zeros((len(so.scheduled), max_blocks), dtype=np.int32)
-    for i, r in enumerate(so.scheduled):
-        t = so.block_tables[r.request_id]; bt[i, :len(t)] = t
+    bt = _table_array([so.block_tables[r.request_id] for r in so.scheduled])
+    groups = [(torch.tensor(gs, dtype=torch.long), torch.from_numpy(_table_array([tabs[r.request_id] for r in so.scheduled])))
+              for gs, tabs in zip(gslots, more)]
     qlen, B = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], len(seq_lens)
     s = B
     while s and seq_lens[s - 1] == qlen[s - 1]: s -= 1   # back over sequences with nothing cached before this step
@@ -170,7 +182,21 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     return InputBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                       torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
                       torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(bt),
-                      max(qlen), max(seq_lens), sample_rows, sample_reqs, plp, fresh)
+                      max(qlen), max(seq_lens), sample_rows, sample_reqs, plp, fresh, groups)
+
+def _table_array(tabs: list[list[int]]) -> np.ndarray:
+    "Block tables as one int32 array, zero-padded (block 0: never read past a sequence's length)."
+    bt = np.zeros((len(tabs), max(map(len, tabs))), dtype=np.int32)
+    for i, t in enumerate(tabs): bt[i, :len(t)] = t
+    return bt
+
+@patch
+def _more_groups(self: ModelRunner, so: SchedulerOutput) -> list[dict[str, list[int]]]:
+    "The step's block tables of KV cache groups 1.. (none with one group); an error if the scheduler's groups are not ours."
+    if len(so.group_block_tables) != (len(self.kv_cache_groups) if len(self.kv_cache_groups) > 1 else 0):
+        raise ValueError(f"The scheduler gives {len(so.group_block_tables) or 1} block tables per request, this model has "
+                         f"{len(self.kv_cache_groups)} KV cache groups: build the KVCacheManager with the runner's kv_cache_groups")
+    return so.group_block_tables[1:]
 
 # %% ../../nbs/50_model_runner.ipynb #e805c385
 @patch
@@ -189,13 +215,12 @@ def _prepare_decode(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     bs, reqs = self.block_size, so.scheduled
     cs = [r.num_computed_tokens for r in reqs]
     tabs = [so.block_tables[r.request_id] for r in reqs]
-    bt = np.zeros((len(reqs), max(map(len, tabs))), dtype=np.int32)
-    for i, t in enumerate(tabs): bt[i, :len(t)] = t
+    slots = lambda tabs: np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64)
+    groups = [(slots(ts), _table_array(ts)) for ts in ([g[r.request_id] for r in reqs] for g in self._more_groups(so))]
     B, pos = len(reqs), np.array(cs, dtype=np.int64)   # numpy, not torch: a step's host work is on the critical path
-    return InputBatch(np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64), pos,
-                      np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64),
-                      np.arange(B + 1, dtype=np.int32), (pos + 1).astype(np.int32), bt, 1, max(cs) + 1,
-                      slice(None), reqs, [])   # every row samples: no index tensor (its H2D copy would sync)
+    return InputBatch(np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64), pos, slots(tabs),
+                      np.arange(B + 1, dtype=np.int32), (pos + 1).astype(np.int32), _table_array(tabs), 1, max(cs) + 1,
+                      slice(None), reqs, [], None, groups)   # every row samples: no index tensor (its H2D copy would sync)
 
 # %% ../../nbs/50_model_runner.ipynb #2cc0dcdf
 @dataclass
@@ -240,6 +265,8 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
         t = lambda x: torch.as_tensor(x).to(self.device)
         ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
                              b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
+        if b.group_tables:
+            ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
         ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
         with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
     sample_rows, sample_reqs = b.sample_rows, b.sample_reqs
@@ -280,14 +307,16 @@ def capture_cudagraphs(self: ModelRunner, progress: bool = True):
     "Capture one decode graph per bucket over persistent input buffers."
     sizes, dev = self.graph_sizes(), self.device
     n, nblk = sizes[-1], -(-self.cfg.max_model_len // self.block_size)
-    # graph inputs: rows of one int64 buffer (ids, positions, slots, seq_lens) filled by one pinned copy per step
-    self.g_in = torch.tensor([[0], [0], [-1], [1]], device=dev).repeat(1, n)
+    G = len(self.kv_cache_groups)
+    # graph inputs: rows of one int64 buffer (ids, positions, slots, seq_lens, then the slots of KV cache groups 1..)
+    # filled by one pinned copy per step; the block tables of every group in one int32 buffer
+    self.g_in = torch.tensor([[0], [0], [-1], [1]] + [[-1]] * (G - 1), device=dev).repeat(1, n)
     self.g_ids, self.g_pos, self.g_slots = self.g_in[0], self.g_in[1], self.g_in[2]
     self.g_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)    # the kernels' int32, one cast per step
-    self.g_bt = torch.zeros(n, nblk, dtype=torch.int32, device=dev)
+    self.g_bt = torch.zeros(G, n, nblk, dtype=torch.int32, device=dev)
     self.g_qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-    self.g_staging = torch.zeros(4, n, dtype=torch.long).pin_memory()
-    self.g_bt_staging = torch.zeros(n, nblk, dtype=torch.int32).pin_memory()
+    self.g_staging = torch.zeros(3 + G, n, dtype=torch.long).pin_memory()
+    self.g_bt_staging = torch.zeros(G, n, nblk, dtype=torch.int32).pin_memory()
     self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()   # cheap host writes
     self.g_hidden, self.g_hidden_short, pool = {}, {}, None
     from tqdm.auto import tqdm
@@ -296,7 +325,8 @@ def capture_cudagraphs(self: ModelRunner, progress: bool = True):
     todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
     todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
     for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
-        ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[:bs], 1, L)
+        ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[0, :bs], 1, L)
+        if G > 1: ctx.kv_groups = [(self.g_in[2 if g == 0 else 3 + g, :bs], self.g_bt[g, :bs]) for g in range(G)]
         with set_forward_context(ctx):
             for _ in range(2): self.model(self.g_ids[:bs], self.g_pos[:bs])   # warm-up (Triton autotune/compile)
             torch.cuda.synchronize()
@@ -316,9 +346,11 @@ def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | Non
     st, w = self.g_staging_np, b.block_tables.shape[1]
     st[0, :B] = b.input_ids; st[1, :B] = b.positions; st[2, :B] = b.slot_mapping; st[3, :B] = b.seq_lens
     st[0, B:bs] = 0; st[2, B:bs] = -1; st[3, B:bs] = 1      # padding rows: token 0, write nothing, attend to 1 slot
-    self.g_bt_staging_np[:B, :w] = b.block_tables
+    self.g_bt_staging_np[0, :B, :w] = b.block_tables
+    for g, (slots, bt) in enumerate(b.group_tables, 1):     # KV cache groups 1.. (none for most models)
+        st[3 + g, :B] = slots; st[3 + g, B:bs] = -1; self.g_bt_staging_np[g, :B, :w] = bt
     self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
-    self.g_bt[:B, :w].copy_(self.g_bt_staging[:B, :w], non_blocking=True)
+    self.g_bt[:, :B, :w].copy_(self.g_bt_staging[:, :B, :w], non_blocking=True)
     self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
     if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
     if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
