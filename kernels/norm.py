@@ -27,7 +27,7 @@ def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     stride_x, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
+                     stride_x, stride_xi, inner, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
@@ -35,7 +35,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)   # a weight: safe before the wait
     pdl_wait(PDL)
     pdl_launch(PDL)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_rows = (rows // inner) * stride_x + (rows % inner) * stride_xi   # x: rows of [outer, inner, n_cols]
+    x = tl.load(x_ptr + x_rows[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + rows[:, None] * stride_r + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)
@@ -52,18 +53,29 @@ def _rows(t):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _x_rows(x):
+    """`x` as `(tensor, outer stride, inner stride, inner)`: row r at `(r // inner) * outer + (r % inner) * inner_stride`.
+    A 3-D `[T, heads, head_dim]` slice of a wider buffer (QK-norm on q out of the fused qkv output) is read in
+    place; anything else as 2-D rows."""
+    if x.dim() == 3 and x.stride(-1) == 1 and x.stride(0) != x.shape[1] * x.stride(1):
+        return x, x.stride(0), x.stride(1), x.shape[1]
+    x2 = _rows(x)
+    return x2, x2.stride(0), 0, 1
+
+
 def _launch(x, residual, weight, eps, out, res_out):
     n = x.shape[-1]
     block = triton.next_power_of_2(n)
-    x2 = _rows(x)
+    if residual is None: x2, sx, sxi, inner = _x_rows(x)
+    else: x2 = _rows(x); sx, sxi, inner = x2.stride(0), 0, 1
     r2 = _rows(residual) if residual is not None else x2
     o2, ro2 = out.view(-1, n), (res_out.view(-1, n) if res_out is not None else out.view(-1, n))
-    m = x2.shape[0]
+    m = o2.shape[0]
     if m == 0: return
     # short rows (QK-norm's head_dim rows) are packed several to a program: one row of 128 values per program
     # leaves most of a warp's loads idle and needs hundreds of thousands of programs
     rows = max(1, min(16, 2048 // block, triton.next_power_of_2(m)))
-    _rms_norm_kernel[(triton.cdiv(m, rows),)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0),
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](x2, r2, weight, o2, ro2, sx, sxi, inner, r2.stride(0), o2.stride(0),
                                               ro2.stride(0), m, n, eps, HAS_RESIDUAL=residual is not None, ROWS=rows,
                                               BLOCK=block, **pdl_kw(x2.device), num_warps=min(16, max(1, rows * block // 256)))
 

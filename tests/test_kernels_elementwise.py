@@ -69,6 +69,17 @@ def test_rms_norm_strided_rows():
     close(out, norm.rms_norm_ref(buf[:, 10:74], w, 1e-6), torch.float32)
 
 
+@pytest.mark.parametrize('T', [1, 9])
+def test_rms_norm_heads_of_fused_qkv(T):
+    "QK-norm: `[T, heads, head_dim]` heads sliced out of a fused qkv row (token stride != heads * head_dim), read in place."
+    torch.manual_seed(4)
+    qkv = torch.randn(T, 12 * 32, device=DEV)
+    q = qkv[:, :8 * 32].view(T, 8, 32)
+    assert T == 1 or q.stride(0) != 8 * 32   # (a size-1 dim's stride is normalized)
+    w = torch.randn(32, device=DEV)
+    close(norm.rms_norm(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------ rotary
 
 def cos_sin_cache(max_pos, rot_dim, base=10000.0, device=DEV):
