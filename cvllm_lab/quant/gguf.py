@@ -14,7 +14,7 @@ from ..kernels.gguf_layout import (
     as_bytes, dequantize, gguf_levels)
 
 # %% auto #0
-__all__ = ['random_blocks', 'quantize', 'rel_rmse', 'GGUFLinear']
+__all__ = ['random_blocks', 'quantize', 'rel_rmse', 'GGUFLinear', 'shard_gguf_tensor']
 
 # %% ../../nbs/45_gguf_quant.ipynb #f81a205d
 def random_blocks(qtype, rows: int, cols: int, generator=None, scale: float = 0.01) -> torch.Tensor:
@@ -301,3 +301,15 @@ class GGUFLinear(QuantLinear):
     def extra_repr(self):
         return (f"in={self.input_size}, out={self.output_sizes}, qtype={self.qtype.name}"
                 f"{', packed' if self.packed is not None else ''}, bias={self.bias is not None}")
+
+# %% ../../nbs/45_gguf_quant.ipynb #0f9a0a50
+def shard_gguf_tensor(data: torch.Tensor, qtype, split: str, start: int, size: int, what: str = 'layer') -> torch.Tensor:
+    """This rank's part of GGUF block bytes `data` `[N, bytes_per_row]`: output rows `[start, start + size)`
+    (`split='column'`) or the blocks of input columns `[start, start + size)` of every row (`'row'`)."""
+    if split == 'column': return data[start:start + size]
+    t = parse_qtype(qtype)
+    qk, ts = GGML_QUANT_SIZES[t]
+    if start % qk or size % qk:
+        raise ValueError(f"{what}: input columns [{start}, {start + size}) cut a {t.name} block of {qk} weights "
+                         f"(one scale would straddle two ranks)")
+    return data[:, start // qk * ts:(start + size) // qk * ts]

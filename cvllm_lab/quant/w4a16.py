@@ -12,10 +12,12 @@ from torch import nn
 from ..layers.basic import Linear
 from .base import QuantLinear
 from ..kernels.w4a16_layout import TILE_K, padded_k, check_layout, dequantize_packed_ref
+from ..layers.linear import narrow_loaded
+
 
 # %% auto #0
 __all__ = ['AWQ_ORDER', 'pack_weights', 'unpack_weights', 'group_params', 'quantize_levels', 'quantize_rtn', 'W4A16Linear',
-           'gptq_to_levels', 'awq_to_levels', 'levels_to_gptq', 'levels_to_awq']
+           'gptq_to_levels', 'awq_to_levels', 'levels_to_gptq', 'levels_to_awq', 'shard_w4a16_tensor']
 
 # %% ../../nbs/46_w4a16.ipynb #d8def9ae
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
@@ -222,3 +224,28 @@ def _from_awq(cls, qweight, qzeros, scales, group: int = 128, bits: int = 4, bia
     return cls.from_levels(q, s, o, group, bits, bias, out_features, shard_ids)
 
 W4A16Linear.from_gptq, W4A16Linear.from_awq = _from_gptq, _from_awq
+
+# %% ../../nbs/46_w4a16.ipynb #251342b4
+def _w4a16_units(method: str, suffix: str, split: str, bits: int, group: int):
+    "(dim, elements per index) of a GPTQ/AWQ tensor along N (`split='column'`) or K (`'row'`); dim None: not split."
+    vpw = 32 // bits
+    col = {'gptq': {'qweight': (1, 1), 'qzeros': (1, vpw), 'scales': (1, 1), 'g_idx': (None, 1)},
+           'awq': {'qweight': (1, vpw), 'qzeros': (1, vpw), 'scales': (1, 1)}}
+    row = {'gptq': {'qweight': (0, vpw), 'qzeros': (0, group), 'scales': (0, group), 'g_idx': (0, 1)},
+           'awq': {'qweight': (0, 1), 'qzeros': (0, group), 'scales': (0, group)}}
+    try: return (col if split == 'column' else row)[method][suffix]
+    except KeyError: raise ValueError(f"no {split} split of a {method} {suffix!r} tensor") from None
+
+def shard_w4a16_tensor(t, method: str, suffix: str, split: str, start: int, size: int, bits: int = 4,
+                       group: int = 128, what: str = 'layer') -> torch.Tensor:
+    """This rank's part of one GPTQ/AWQ checkpoint tensor `t` (a tensor or a lazy safetensors slice): output columns
+    `[start, start + size)` (`split='column'`) or input rows (`'row'`), cut in the tensor's packed units; a row
+    part of GPTQ's `g_idx` counts this rank's groups from 0."""
+    if split == 'row' and group in (-1, None): raise ValueError(f"{what}: one group over all of K cannot be split by rows")
+    dim, per = _w4a16_units(method, suffix, split, bits, group)
+    if dim is None: return t if isinstance(t, torch.Tensor) else t[:]
+    if start % per or size % per:
+        raise ValueError(f"{what}: {'output columns' if split == 'column' else 'input rows'} [{start}, {start + size}) "
+                         f"cut a {method} {suffix} unit of {per} (a packed word or a group would straddle two ranks)")
+    part = narrow_loaded(t, dim, start // per, size // per)
+    return part - start // group if suffix == 'g_idx' else part
