@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/deepseek_v2.html.md"""
 
 # %% ../../nbs/35_deepseek_v2.ipynb #e4d4220d
 from __future__ import annotations
-import copy, re
+import copy, functools, re
 from typing import Iterable
 import torch
 from torch import nn
@@ -21,8 +21,9 @@ from .qwen_moe import MoEForCausalLM, refuse
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
 # %% auto #0
-__all__ = ['deepseek_topk', 'routed_experts', 'DeepseekRouter', 'DeepseekV2MoE', 'is_moe_layer', 'DeepseekV2DecoderLayer',
-           'DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM']
+__all__ = ['DEEPSEEK_HF_TENSORS', 'deepseek_topk', 'routed_experts', 'DeepseekRouter', 'DeepseekV2MoE', 'is_moe_layer',
+           'DeepseekV2DecoderLayer', 'DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', 'deepseek_gguf_names',
+           'merge_kv_b', 'deepseek_config_from_gguf', 'iterate_deepseek_gguf']
 
 # %% ../../nbs/35_deepseek_v2.ipynb #1140b0e9
 def _group_mask(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int) -> torch.Tensor:
@@ -168,3 +169,86 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     "DeepSeek-V3 / R1 (and models built like them): V2's blocks with the sigmoid `noaux_tc` router and its correction bias."
     v3 = True
+
+# %% ../../nbs/35_deepseek_v2.ipynb #1c7ef9dd
+DEEPSEEK_HF_TENSORS = ('self_attn.q_proj', 'self_attn.q_a_proj', 'self_attn.q_a_layernorm', 'self_attn.q_b_proj',
+                       'self_attn.kv_a_proj_with_mqa', 'self_attn.kv_a_layernorm', 'self_attn.kv_b_proj',
+                       'self_attn.k_b_proj', 'self_attn.v_b_proj', 'self_attn.o_proj', 'input_layernorm',
+                       'post_attention_layernorm', 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj', 'mlp.gate',
+                       *(f'mlp.{e}.{m}_proj' for e in ('experts', 'shared_experts') for m in ('gate', 'up', 'down')))
+
+@functools.lru_cache(maxsize=8)
+def deepseek_gguf_names(num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> checkpoint name for llama.cpp's arch `deepseek2`, from `gguf`'s tensor map (`k_b_proj` /
+    `v_b_proj` are llama.cpp's halves of `kv_b_proj`, merged by `iterate_deepseek_gguf`)."""
+    import gguf
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, num_layers)
+    hf = ['model.embed_tokens', 'model.norm', 'lm_head'] + [f'model.layers.{i}.{s}' for i in range(num_layers) for s in DEEPSEEK_HF_TENSORS]
+    out = {tmap.get_name(f'{n}.weight', try_suffixes=('.weight',)): f'{n}.weight' for n in hf}
+    for i in range(num_layers):   # llama.cpp writes e_score_correction_bias as e_score_correction.bias
+        out[tmap.get_name(f'model.layers.{i}.mlp.gate.e_score_correction.bias', try_suffixes=('.bias',))] = \
+            f'model.layers.{i}.mlp.gate.e_score_correction_bias'
+    out.pop(None, None)
+    return out
+
+def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    "llama.cpp's `attn_k_b [H, L, P]` and `attn_v_b [H, V, L]` back to `kv_b_proj [H (P + V), L]` (per head: W_UK rows, then W_UV)."
+    return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])
+
+# %% ../../nbs/35_deepseek_v2.ipynb #209d4c6a
+def deepseek_config_from_gguf(meta: dict, tensor_names=()):
+    """`DeepseekV2Config` / `DeepseekV3Config` of a llama.cpp `deepseek2` file from its metadata `{key: value}` (and
+    its tensor names: no `output.weight` means tied embeddings)."""
+    from gguf import ExpertGatingFuncType
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    g = lambda k, d=None: meta.get(f'deepseek2.{k}', d)
+    R, H = g('rope.dimension_count'), g('attention.head_count')
+    v3 = g('expert_gating_func') == ExpertGatingFuncType.SIGMOID
+    n_group = g('expert_group_count') or 1
+    rope = {'rope_type': 'default', 'rope_theta': float(g('rope.freq_base', 10000.0))}
+    if g('rope.scaling.type') == 'yarn':
+        mscale = g('rope.scaling.yarn_log_multiplier', 0.0) / 0.1
+        rope |= {'rope_type': 'yarn', 'factor': float(g('rope.scaling.factor')), 'mscale': mscale, 'mscale_all_dim': mscale,
+                 'original_max_position_embeddings': g('rope.scaling.original_context_length'),
+                 'beta_fast': float(g('rope.scaling.yarn_beta_fast', 32)), 'beta_slow': float(g('rope.scaling.yarn_beta_slow', 1))}
+    vocab = g('vocab_size') or len(meta['tokenizer.ggml.tokens'])
+    kw = dict(vocab_size=vocab, hidden_size=g('embedding_length'), intermediate_size=g('feed_forward_length'),
+              moe_intermediate_size=g('expert_feed_forward_length'), num_hidden_layers=g('block_count'),
+              num_attention_heads=H, num_key_value_heads=H, kv_lora_rank=g('attention.kv_lora_rank'),
+              q_lora_rank=g('attention.q_lora_rank') or None, qk_rope_head_dim=R,
+              qk_nope_head_dim=(g('attention.key_length_mla') or g('attention.key_length')) - R,
+              v_head_dim=g('attention.value_length_mla') or g('attention.value_length'),
+              n_routed_experts=g('expert_count'), num_experts_per_tok=g('expert_used_count'),
+              n_shared_experts=g('expert_shared_count', 0), first_k_dense_replace=g('leading_dense_block_count', 0),
+              routed_scaling_factor=float(g('expert_weights_scale', 1.0)), norm_topk_prob=bool(g('expert_weights_norm', False)),
+              n_group=n_group, topk_group=g('expert_group_used_count') or 1, rms_norm_eps=float(g('attention.layer_norm_rms_epsilon')),
+              max_position_embeddings=g('context_length'), rope_parameters=rope, moe_layer_freq=1,
+              tie_word_embeddings='output.weight' not in tensor_names if tensor_names else False,
+              bos_token_id=meta.get('tokenizer.ggml.bos_token_id'), eos_token_id=meta.get('tokenizer.ggml.eos_token_id'))
+    if v3: cfg = DeepseekV3Config(**kw, rope_interleave=True)
+    else: cfg = DeepseekV2Config(**kw, topk_method='group_limited_greedy' if n_group > 1 else 'greedy')
+    cfg.architectures = ['DeepseekV3ForCausalLM' if v3 else 'DeepseekV2ForCausalLM']
+    return cfg
+
+def iterate_deepseek_gguf(path, config=None) -> Iterable[tuple[str, torch.Tensor]]:
+    """`(checkpoint name, dequantized tensor)` of a llama.cpp `deepseek2` file, for `load_weights`: names by
+    `deepseek_gguf_names`, `attn_k_b` / `attn_v_b` merged into `kv_b_proj` (unless the file also has `attn_kv_b`),
+    tensors we don't use (`rope_freqs`, MTP layers) skipped. `config` defaults to the file's own."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    tnames = [t.name for t in reader.tensors]
+    if config is None: config = deepseek_config_from_gguf({k: f.contents() for k, f in reader.fields.items()}, tnames)
+    names, has_kv_b, halves = deepseek_gguf_names(config.num_hidden_layers), any('attn_kv_b' in n for n in tnames), {}
+    for t in reader.tensors:
+        name = names.get(t.name)
+        if name is None: continue
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        if name.endswith(('.k_b_proj.weight', '.v_b_proj.weight')):
+            if has_kv_b: continue
+            layer, half = name.rsplit('.', 2)[0], name.rsplit('.', 2)[1]
+            halves.setdefault(layer, {})[half] = w
+            if len(halves[layer]) == 2:
+                hv = halves.pop(layer)
+                yield f'{layer}.kv_b_proj.weight', merge_kv_b(hv['k_b_proj'], hv['v_b_proj'])
+            continue
+        yield name, w
