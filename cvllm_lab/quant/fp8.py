@@ -100,12 +100,14 @@ class FP8Linear(QuantLinear):
         if not self.block: return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, dtype)
 
+    def forward_kernels(self, x):
+        "The FP8 kernels' product (`fp8_matmul`): CUDA, or CPU under the Triton interpreter (tests)."
+        from cvllm_lab.kernels.fp8_matmul import fp8_matmul
+        return self._add_bias(fp8_matmul(x, self.weight, self.scale, self.output_size, self.input_size,
+                                         input_scale=self.input_scale, scale_ub=self.input_scale_ub))
+
     def forward(self, x):
-        if x.is_cuda:
-            from cvllm_lab.kernels.fp8_matmul import fp8_matmul
-            return self._add_bias(fp8_matmul(x, self.weight, self.scale, self.output_size, self.input_size,
-                                             input_scale=self.input_scale, scale_ub=self.input_scale_ub))
-        return super().forward(x)
+        return self.forward_kernels(x) if x.is_cuda else super().forward(x)
 
     def extra_repr(self):
         lay = '128x128 blocks' if self.block else 'per-channel scales'
