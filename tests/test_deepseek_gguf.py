@@ -152,3 +152,23 @@ def test_yarn_metadata_round_trip(tmp_path):
     ours = DeepseekV2ForCausalLM(ours_cfg)
     ours.load_weights(iterate_deepseek_gguf(path))
     assert compare_with_hf(hf, ours, lens=(9, 40)) < 1e-4
+
+
+@pytest.mark.parametrize('v3', [False, True])
+def test_keep_quantized_linears(tmp_path, v3):
+    """`keep_quantized`: the Q8_0 decoder linears load as `GGUFLinear` through `quant.apply.load_quantized` (V3's
+    q_a / kv_a halves as one merged layer), `kv_b_proj` and the experts float, and the logits equal the float load's."""
+    from cvllm_lab.quant.apply import load_quantized
+    from cvllm_lab.quant.gguf import GGUFLinear
+    hf, d = tiny_hf(v3, seed=3)
+    path = tmp_path / 'q8.gguf'
+    write_gguf(read_safetensors(d), hf.config, path, 'Q8_0')
+    cls = DeepseekV3ForCausalLM if v3 else DeepseekV2ForCausalLM
+    flt, q = cls(hf.config), cls(hf.config)
+    flt.load_weights(iterate_deepseek_gguf(path))
+    load_quantized(q, iterate_deepseek_gguf(path, keep_quantized=True), {'method': 'gguf'}, progress=False)
+    attn = q.model.layers[1].self_attn
+    quantized = ['fused_qkv_a_proj', 'o_proj'] if v3 else ['q_proj', 'kv_a_proj_with_mqa', 'o_proj']
+    assert all(isinstance(getattr(attn, n), GGUFLinear) for n in quantized)
+    assert not isinstance(attn.kv_b_proj, GGUFLinear) and isinstance(q.model.layers[1].mlp.shared_experts.down_proj, GGUFLinear)
+    torch.testing.assert_close(logits(q), logits(flt), atol=1e-5, rtol=0)

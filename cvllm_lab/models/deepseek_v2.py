@@ -8,6 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/deepseek_v2.html.md"""
 from __future__ import annotations
 import copy, functools, re
 from typing import Iterable
+import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -230,11 +231,18 @@ def deepseek_config_from_gguf(meta: dict, tensor_names=()):
     cfg.architectures = ['DeepseekV3ForCausalLM' if v3 else 'DeepseekV2ForCausalLM']
     return cfg
 
-def iterate_deepseek_gguf(path, config=None) -> Iterable[tuple[str, torch.Tensor]]:
+_GGUF_RAW_SUFFIXES = tuple(f'.{m}.weight' for m in ('q_proj', 'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'o_proj',
+                                                     'gate_proj', 'up_proj', 'down_proj'))
+
+def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
     """`(checkpoint name, dequantized tensor)` of a llama.cpp `deepseek2` file, for `load_weights`: names by
     `deepseek_gguf_names`, `attn_k_b` / `attn_v_b` merged into `kv_b_proj` (unless the file also has `attn_kv_b`),
-    tensors we don't use (`rope_freqs`, MTP layers) skipped. `config` defaults to the file's own."""
+    tensors we don't use (`rope_freqs`, MTP layers) skipped. `config` defaults to the file's own. `keep_quantized`:
+    the quantized decoder linears as `GGUFRaw` (for `quant.apply.load_quantized`, as `weights.iterate_gguf` gives
+    them); `kv_b_proj` (decode reads its per-head `W_UK` / `W_UV`) and the routed experts are dequantized."""
     import gguf
+    from cvllm_lab.quant.apply import GGUFRaw
+    from cvllm_lab.quant.gguf import QUANT_TYPES
     reader = gguf.GGUFReader(str(path))
     tnames = [t.name for t in reader.tensors]
     if config is None: config = deepseek_config_from_gguf({k: f.contents() for k, f in reader.fields.items()}, tnames)
@@ -242,6 +250,10 @@ def iterate_deepseek_gguf(path, config=None) -> Iterable[tuple[str, torch.Tensor
     for t in reader.tensors:
         name = names.get(t.name)
         if name is None: continue
+        if keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_GGUF_RAW_SUFFIXES) and '.experts.' not in name:
+            cols = int(t.shape[0])   # ne0: the input features; rows of block bytes
+            data = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)
+            yield name, GGUFRaw(data, t.tensor_type, (data.shape[0], cols)); continue
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         if name.endswith(('.k_b_proj.weight', '.v_b_proj.weight')):
             if has_kv_b: continue
