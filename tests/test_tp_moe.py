@@ -4,7 +4,9 @@ Model level: each rank builds Qwen2-MoE (shared expert, sigmoid gate, one dense 
 the group, loads the full HF state dict (each expert's gate/up rows and down columns cut to the rank's slice by
 `FusedMoE.weight_loader`) and rank 0's logits must match `transformers` within 1e-4 (fp32). Engine level:
 `LLM(..., tensor_parallel_size=N)` gives TP 1's greedy tokens and prompt log-probs within 1e-4 through the paged,
-chunked, batched path (4-token blocks, 8-token prefill chunks, a 16-token step budget).
+chunked, batched path (4-token blocks, 8-token prefill chunks, a 16-token step budget). DeepSeek-V2/V3 run at TP 2
+with their experts and shared experts sharded the same way and MLA attention replicated (every rank computes all
+heads: correct, not yet split).
 """
 import os
 import sys
@@ -62,8 +64,13 @@ def _rank(rank, world, port, names, q):
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, V, (n,), generator=g) for n in lens]
         for name in names:
-            cfg = moe_config(name)
-            hf, ours = hf_model(cfg), get_model_class(cfg)(cfg)
+            if name.startswith('deepseek'):
+                from test_models_deepseek import tiny_hf
+                hf = tiny_hf(name == 'deepseek_v3')[0]; cfg = hf.config
+                ours = get_model_class(cfg)(cfg)
+            else:
+                cfg = moe_config(name)
+                hf, ours = hf_model(cfg), get_model_class(cfg)(cfg)
             check_tensor_parallel(ours)
             ours.load_weights(hf.state_dict().items())
             ctx, nb = prefill_context(list(lens), 16)
@@ -96,6 +103,14 @@ def test_moe_families_at_tp_match_hf(world):
     for n in names: assert res[n] < 1e-4, (n, res[n])
     assert res['qwen3_moe.w13'] == (8, 2 * 32 // world, 64)   # each rank: its slice of every expert's 32 rows
     assert res['mixtral.w13'] == (4, 2 * 32 // world, 64)
+
+
+def test_deepseek_at_tp2_matches_hf():
+    "Routed experts (grouped top-k, V3's scoring bias) and shared experts sharded, MLA replicated: rank 0 = HF."
+    sys.path.insert(0, os.path.dirname(__file__))
+    res = run_ranks(2, ['deepseek_v2', 'deepseek_v3'])
+    for n in ('deepseek_v2', 'deepseek_v3'): assert res[n] < 1e-4, (n, res[n])
+    assert res['deepseek_v2.w13'] == (16, 2 * 64 // 2, 128)
 
 
 def save_model(d, name):
