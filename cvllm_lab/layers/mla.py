@@ -1,4 +1,4 @@
-"""DeepSeek V2/V3's attention over a paged latent cache: hidden -> q (optionally through a q LoRA) and one compressed row per token, `[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, written to the cache by slot mapping -> prefill rows decompress K/V from the cached rows of their sequences' blocks through `kv_b_proj` and run paged attention; decode rows (of decode and mixed steps) fold `W_UK` into the query, attend over the latent rows only (`kernels.mla_decode`) and apply `W_UV` after -> `o_proj`.
+"""DeepSeek V2/V3's attention over a paged latent cache: hidden -> q (optionally through a q LoRA) and one compressed row per token, `[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, written to the cache by slot mapping (FP8 cache: quantized with one fp32 scale per row) -> prefill rows decompress K/V from the cached rows of their sequences' blocks through `kv_b_proj` and run paged attention; decode rows (of decode and mixed steps) fold `W_UK` into the query, attend over the latent rows only (`kernels.mla_decode`) and apply `W_UV` after -> `o_proj`.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/mla.html.md"""
 
