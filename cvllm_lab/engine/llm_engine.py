@@ -69,7 +69,9 @@ class LLMEngine:
         if self.runner.num_blocks * cfg.block_size < cfg.max_model_len:
             raise ValueError(f"The KV cache holds {self.runner.num_blocks * cfg.block_size} tokens, fewer than max_model_len="
                              f"{cfg.max_model_len}: give it more memory or lower max_model_len")
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # one block table per KV cache group of the model (sliding-window layers); an executor (tensor parallel) has one
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 getattr(self.runner, 'kv_cache_groups', None))
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
                                    cfg.max_model_len, cfg.max_num_queued_requests, cfg.scheduling_policy)
         self.vocab_size = self.hf_config.vocab_size
@@ -297,7 +299,7 @@ def _schedule_ahead(self: LLMEngine, so, handle):
         if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
         if not Sampler.host_free(r, ahead=1): return
         need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
-    if need > self.kv.num_free_blocks: return
+    if need * self.kv.num_groups > self.kv.num_free_blocks: return   # every KV cache group opens its block
     for r in live: r.append_placeholder()
     nxt = sched.schedule()
     assert nxt.scheduled == live and not nxt.preempted and nxt.total_num_scheduled_tokens == len(live), nxt
