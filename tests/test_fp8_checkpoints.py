@@ -14,7 +14,8 @@ activation scale bound; compressed-tensors per-channel and block), loaded by `lo
   model (plus the weights' rounding): loose bounds, the measured values in comments.
 
 The static-scale and scale-bound variants of the activation quantization are checked against their reference
-bit for bit. `pytest -q tests/test_fp8_checkpoints.py` (about three minutes on 2 cores).
+bit for bit. `pytest -q tests/test_fp8_checkpoints.py` (about three minutes on 2 cores); on a GPU (`-m cuda`), the
+static-scale and scale-bound schemes at real sizes on every backend.
 """
 import json
 
@@ -29,11 +30,9 @@ from cvllm_lab.kernels.fp8_layout import dequantize_fp8_block
 from cvllm_lab.kernels.fp8_matmul import fp8_matmul, gemm_config
 from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block, quantize_fp8_channel
 
-pytestmark = pytest.mark.interp
-
-
 # ------------------------------------------------------------------------------- activation schemes (kernels)
 
+@pytest.mark.interp
 def test_act_quant_static_and_bound():
     "Per token with a static scale (clipping at +-448) and with a bound on the dynamic scales: equal to the reference."
     g = torch.Generator().manual_seed(0)
@@ -51,6 +50,7 @@ def test_act_quant_static_and_bound():
     with pytest.raises(ValueError, match='one float32'): act_quant_fp8(x, None, scale=torch.tensor([0.1, 0.2]))
 
 
+@pytest.mark.interp
 @pytest.mark.parametrize('N,K', [(40, 300), (136, 384)])
 def test_fp8_gemm_static_and_bound(N, K):
     "Channel weights with a static input scale or a scale bound, every kernel variant against the reference."
@@ -161,6 +161,7 @@ def _reference_forward(self, x):
 # measured, kernel path vs the dequantized model / vs the float model (relative logit error): block 0.042 / 0.068,
 # tensor 0.043 / 0.068, tensor_static 0.046 / 0.068, fbgemm 0.077 / 0.092 (its bound 2.5 is chosen to clip: real
 # checkpoints use 1200, which a model this size never reaches), ct_channel 0.043 / 0.068, ct_block 0.042 / 0.068
+@pytest.mark.interp
 @pytest.mark.parametrize('layout', list(LAYOUTS))
 def test_fp8_checkpoint(tiny, layout, tmp_path, monkeypatch):
     from cvllm_lab.models.llama import LlamaForCausalLM
@@ -192,6 +193,7 @@ def test_fp8_checkpoint(tiny, layout, tmp_path, monkeypatch):
     assert rel_err(_logits(model, (1,)), _logits(deq_model, (1,))) < 1e-5
 
 
+@pytest.mark.interp
 def test_fp8_checkpoint_refusals(tiny, tmp_path):
     "Unsupported variants fail at load naming the field or tensor."
     _write(tiny, 'tensor', tmp_path)
@@ -205,6 +207,7 @@ def test_fp8_checkpoint_refusals(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------- DeepSeek-V3's own layout, experts too
 
+@pytest.mark.interp
 def test_deepseek_v3_block_fp8(tmp_path, monkeypatch):
     """A tiny DeepSeek-V3 written as its FP8 release is: every decoder projection (MLA's q_a/q_b/kv_a/kv_b/o, the dense
     and shared-expert MLPs, each routed expert's gate/up/down) e4m3 with `weight_scale_inv`; router, norms, embeddings,
@@ -264,3 +267,22 @@ def test_deepseek_v3_block_fp8(tmp_path, monkeypatch):
     # a random router amplifies where it moves a token's top-2 (notebook 41's in-situ FP8 MoE: the same order)
     e_deq, e_float = rel_err(got, want), rel_err(got, _logits(flt))
     assert 1e-3 < e_deq < 0.15 and e_float < 0.15, (e_deq, e_float)
+
+
+@pytest.mark.cuda
+def test_fp8_checkpoint_schemes_cuda():
+    """Real sizes on the GPU, bf16 x: channel weights with a static input scale and with a scale bound, through the
+    dispatcher, the Triton W8A8 kernel and torch._scaled_mm, against the reference; `FP8Linear` of a static checkpoint."""
+    from cvllm_lab.kernels.fp8_gemm import fp8_scaled_mm
+    for N, K in ((6144, 4096), (4096, 14336)):
+        w, s = quantize_fp8_channel(torch.randn(N, K, device='cuda') * 0.02)
+        for M in (16, 64, 300):
+            x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
+            for kw in (dict(input_scale=(x.abs().max().float() / 448 * 0.9).reshape(1)), dict(scale_ub=3.0)):
+                ref = fp8_gemm_ref(x, w, s, N, K, **kw)
+                assert rel_err(ref, x.float() @ (w.float() * s[:, None]).T) < 0.1
+                for y in (fp8_matmul(x, w, s, N, K, **kw), fp8_gemm(x, w, s, N, K, **kw), fp8_scaled_mm(x, w, s, N, K, **kw)):
+                    assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1e-2, (N, K, M, kw, rel_err(y, ref))
+        m = FP8Linear.from_fp8(w, s[:1].reshape(()), input_scale=torch.tensor(4.0 / 448, device='cuda'))
+        x = torch.randn(64, K, device='cuda', dtype=torch.bfloat16)
+        assert rel_err(m(x), fp8_gemm_ref(x, w, m.weight_scale, N, K, input_scale=m.input_scale)) < 1e-2
