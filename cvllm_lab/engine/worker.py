@@ -342,6 +342,8 @@ class TPModelRunner(ModelRunner):
         t = lambda x: torch.as_tensor(x).to(self.device)
         ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
                              b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
+        if b.group_tables:
+            ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
         ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
         with set_forward_context(ctx): return self.model(ids, t(b.positions))
 
