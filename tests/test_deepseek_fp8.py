@@ -2,10 +2,6 @@
 model with its fp32 cache: prompt log-probs within a tolerance set by e4m3's rounding, greedy tokens that part only at
 near-ties, the cache's bytes per token = `(kv_lora_rank + qk_rope_head_dim) * 1 + 4` (one fp32 scale per row).
 
-`fp8_mla_binding` holds the allocation for MLA layers that `utils/context.py` (nbs/12) does not have yet: the latent
-cache in FP8 and a `[num_blocks, block_size]` fp32 scale beside it (`_new_kv_cache`), counted in
-`kv_bytes_per_token`. It patches only while nbs/12 still refuses an FP8 cache for a layer with its own
-`kv_cache_shape`; once nbs/12 has it, the tests run on nbs/12's own functions.
 """
 import math
 
@@ -14,43 +10,8 @@ import torch
 
 from cvllm_lab import LLM, SamplingParams
 from cvllm_lab.kernels.kv_cache import FP8_DTYPE
-from cvllm_lab.utils import context
 
 from test_models_deepseek import tiny_hf
-
-
-def _kv_bytes_per_token(layer, dtype=torch.float32) -> int:
-    es = torch.empty(0, dtype=dtype).element_size()
-    if hasattr(layer, 'kv_cache_shape'):
-        shape = layer.kv_cache_shape(1, 1)
-        return math.prod(shape) * es + (4 * math.prod(shape[:-1]) if dtype == FP8_DTYPE else 0)
-    return _orig_bytes(layer, dtype)
-
-
-def _new_kv_cache(a, num_blocks, block_size, dtype, device):
-    if hasattr(a, 'kv_cache_shape') and dtype == FP8_DTYPE:
-        shape = a.kv_cache_shape(num_blocks, block_size)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-    return _orig_new(a, num_blocks, block_size, dtype, device)
-
-
-_orig_new, _orig_bytes = context._new_kv_cache, context.kv_bytes_per_token
-
-
-def _nb12_has_fp8_mla() -> bool:
-    from cvllm_lab.layers.mla import MLAAttention
-    a = MLAAttention.__new__(MLAAttention)
-    a.kv_lora_rank, a.qk_rope_head_dim = 8, 4
-    try: return _orig_new(a, 1, 1, FP8_DTYPE, 'cpu')[1] is not None
-    except NotImplementedError: return False
-
-
-@pytest.fixture
-def fp8_mla_binding(monkeypatch):
-    "nbs/12's FP8 allocation for layers with their own `kv_cache_shape`, until nbs/12 has it (see the report's edit)."
-    if _nb12_has_fp8_mla(): return
-    monkeypatch.setattr(context, '_new_kv_cache', _new_kv_cache)
-    monkeypatch.setattr(context, 'kv_bytes_per_token', _kv_bytes_per_token)
 
 
 def run(d, kv_cache_dtype, prompts, backend='torch', **kw):
@@ -73,7 +34,7 @@ def parts_at_near_ties(got, ref, margin):
 
 
 @pytest.mark.parametrize('v3', [False, True])
-def test_fp8_latent_cache_through_engine(v3, fp8_mla_binding):
+def test_fp8_latent_cache_through_engine(v3):
     """Chunked (8-token chunks), batched prefill and decode over an FP8 latent cache. Tolerance: a cached row is
     rounded to e4m3 (relative error <= 2^-4 per value, ~3.6% RMS), and it reaches the logits through the attention
     output (relative error ~3%, measured at the layer in nbs/26) and the residual stream, which also carries the
@@ -99,7 +60,7 @@ def test_fp8_latent_cache_through_engine(v3, fp8_mla_binding):
 
 
 @pytest.mark.interp
-def test_fp8_latent_cache_triton_equals_torch(fp8_mla_binding):
+def test_fp8_latent_cache_triton_equals_torch():
     "The Triton path (prepare kernel, absorbed decode kernel, under the interpreter) on FP8 = the PyTorch path on FP8."
     hf, d = tiny_hf(v3=True, seed=6)
     prompts = [list(range(3, 14)), list(range(40, 47))]
@@ -111,7 +72,7 @@ def test_fp8_latent_cache_triton_equals_torch(fp8_mla_binding):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('v3', [False, True])
-def test_fp8_latent_cache_on_gpu(v3, fp8_mla_binding):
+def test_fp8_latent_cache_on_gpu(v3):
     """The Triton path on CUDA (prepare kernel, FP8 absorbed decode under CUDA graphs, decompressed prefill) with an
     FP8 latent cache against the same engine with its fp32 cache: the bounds of the CPU test."""
     hf, d = tiny_hf(v3, seed=5)

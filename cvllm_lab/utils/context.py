@@ -63,10 +63,14 @@ def set_forward_context(ctx: ForwardContext):
 
 # %% ../../nbs/12_forward_context.ipynb #bc033ab3
 def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
-    "Cache bytes one token takes in attention `layer`: a row of its own `kv_cache_shape`, else K and V of every KV head."
+    """Cache bytes one token takes in attention `layer`: a row of its own `kv_cache_shape`, else K and V of every KV
+    head; FP8 adds a 4-byte scale per row (per KV head; per latent row for a layer with its own shape)."""
     es = torch.empty(0, dtype=dtype).element_size()
-    if hasattr(layer, 'kv_cache_shape'): return math.prod(layer.kv_cache_shape(1, 1)) * es
-    return 2 * layer.num_kv_heads * (layer.head_dim * es + (4 if dtype == torch.float8_e4m3fn else 0))
+    scale = 4 if dtype == torch.float8_e4m3fn else 0
+    if hasattr(layer, 'kv_cache_shape'):
+        shape = layer.kv_cache_shape(1, 1)
+        return math.prod(shape) * es + scale * math.prod(shape[:-1])
+    return 2 * layer.num_kv_heads * (layer.head_dim * es + scale)
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
@@ -97,9 +101,10 @@ def kv_cache_bytes_per_token(layers, groups: list[KVCacheGroupSpec] | None = Non
 def _new_kv_cache(a, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     "One layer's `(kv_cache, kv_scale)` for `num_blocks` blocks (zeros: a never-written block reads as finite values)."
     fp8 = dtype == torch.float8_e4m3fn
-    if hasattr(a, 'kv_cache_shape'):   # a layer with its own layout (MLA's latent rows)
-        if fp8: raise NotImplementedError(f"{type(a).__name__}: no FP8 KV cache for this layer yet")
-        return torch.zeros(a.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device), None
+    if hasattr(a, 'kv_cache_shape'):   # a layer with its own layout (MLA's latent rows; FP8: one fp32 scale per row)
+        shape = a.kv_cache_shape(num_blocks, block_size)
+        return (torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None)
     shape = (2, num_blocks, block_size, a.num_kv_heads)
     return (torch.zeros(*shape, a.head_dim, dtype=dtype, device=device),
             torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None)
