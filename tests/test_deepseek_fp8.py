@@ -3,7 +3,6 @@ model with its fp32 cache: prompt log-probs within a tolerance set by e4m3's rou
 near-ties, the cache's bytes per token = `(kv_lora_rank + qk_rope_head_dim) * 1 + 4` (one fp32 scale per row).
 
 """
-import math
 
 import pytest
 import torch
