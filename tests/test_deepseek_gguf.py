@@ -175,47 +175,10 @@ def test_keep_quantized_linears(tmp_path, v3):
 
 
 # ------------------------------------------------------------------------------------- through the engine
-_orig_cfg, _orig_iter = None, None
-
-
-def _gguf_arch_config(path):
-    "The config of a GGUF arch that `transformers` cannot read (DeepSeek's `deepseek2`), else None."
-    import gguf
-    r = gguf.GGUFReader(str(path))
-    if r.fields['general.architecture'].contents() != 'deepseek2': return None
-    return deepseek_config_from_gguf({k: f.contents() for k, f in r.fields.items()}, [t.name for t in r.tensors])
-
-
-def _load_hf_config(src, overrides=None):
-    if src.is_gguf and (cfg := _gguf_arch_config(src.root / src.gguf_file)) is not None:
-        for k, v in (overrides or {}).items(): setattr(cfg, k, v)
-        return cfg
-    return _orig_cfg(src, overrides)
-
-
-def _iterate_gguf(path, config, progress=True, keep_quantized=False):
-    import gguf
-    if gguf.GGUFReader(str(path)).fields['general.architecture'].contents() == 'deepseek2':
-        yield from iterate_deepseek_gguf(path, config, keep_quantized); return
-    yield from _orig_iter(path, config, progress, keep_quantized)
-
-
-@pytest.fixture
-def deepseek2_gguf_loader(monkeypatch):
-    "nbs/40's dispatch of arch `deepseek2` to this model's reader (the report's edit), until nbs/40 has it."
-    import inspect
-    import sys
-    from cvllm_lab.weights import loader
-    if 'deepseek2' in inspect.getsource(loader): return
-    global _orig_cfg, _orig_iter
-    _orig_cfg, _orig_iter = loader.load_hf_config, loader.iterate_gguf
-    for mod in [m for n, m in list(sys.modules.items()) if n.startswith('cvllm_lab') and m is not None]:
-        if getattr(mod, 'load_hf_config', None) is _orig_cfg: monkeypatch.setattr(mod, 'load_hf_config', _load_hf_config)
-        if getattr(mod, 'iterate_gguf', None) is _orig_iter: monkeypatch.setattr(mod, 'iterate_gguf', _iterate_gguf)
 
 
 @pytest.mark.parametrize('v3', [False, True])
-def test_q8_gguf_through_the_engine(tmp_path, v3, deepseek2_gguf_loader):
+def test_q8_gguf_through_the_engine(tmp_path, v3):
     """`LLM('tiny-Q8_0.gguf')` on the CPU: its linears kept quantized (the CPU path loads GGUFs that way), prompt
     log-probs and 8 greedy tokens of `transformers`' model holding the file's (rounded) weights. 5e-3: the CPU fast
     path's own numerics (it differs by 4e-3 from the float load too; 1e-6 with CVLLM_LAB_CPU_FAST_PATH=0)."""

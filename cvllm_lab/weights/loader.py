@@ -71,6 +71,14 @@ def _gguf_moe_overrides(path: Path) -> dict:
     fields = gguf.GGUFReader(str(path)).fields
     return gguf_moe_config_overrides({k: f.contents() for k, f in fields.items() if 'expert' in k or k == 'general.architecture'})
 
+def _gguf_arch_config(path: Path):
+    "The config of a GGUF arch `transformers` cannot read (DeepSeek's `deepseek2`: `models.deepseek_v2`), else None."
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    if reader.fields['general.architecture'].contents() != 'deepseek2': return None
+    from cvllm_lab.models.deepseek_v2 import deepseek_config_from_gguf
+    return deepseek_config_from_gguf({k: f.contents() for k, f in reader.fields.items()}, [t.name for t in reader.tensors])
+
 def load_hf_config(src: ModelSource, overrides: dict | None = None):
     "The model's HF config (from config.json or the GGUF metadata), with `overrides` applied."
     from transformers import AutoConfig
@@ -79,7 +87,8 @@ def load_hf_config(src: ModelSource, overrides: dict | None = None):
             cache = gguf_cache_dir(src.root / src.gguf_file, 'configs')
             if (cache / 'config.json').exists(): cfg = AutoConfig.from_pretrained(str(cache))
             else:
-                cfg = AutoConfig.from_pretrained(str(src.root), gguf_file=src.gguf_file)
+                cfg = (_gguf_arch_config(src.root / src.gguf_file)
+                       or AutoConfig.from_pretrained(str(src.root), gguf_file=src.gguf_file))
                 for k, v in _gguf_moe_overrides(src.root / src.gguf_file).items(): setattr(cfg, k, v)
                 try: cfg.save_pretrained(str(cache))
                 except OSError: pass
@@ -149,6 +158,9 @@ def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool
     try: reader = gguf.GGUFReader(str(path))
     except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     arch = reader.fields['general.architecture'].contents() if 'general.architecture' in reader.fields else None
+    if arch == 'deepseek2':   # its names, kv_b halves and config: models/deepseek_v2.py
+        from cvllm_lab.models.deepseek_v2 import iterate_deepseek_gguf
+        yield from iterate_deepseek_gguf(path, config, keep_quantized); return
     for t in tqdm(reader.tensors, desc=f'Loading {path.name}', disable=not progress):
         name = gguf_to_hf_name(t.name, arch) or gguf_moe_name(t.name)    # MoE experts come stacked [E, ...]
         if name is None: continue
@@ -178,7 +190,9 @@ def checkpoint_quant_config(src: ModelSource, hf_config, quantization: str | Non
         if not src.is_gguf: raise ValueError(f"quantization='gguf' needs a .gguf model, got {src.root}")
         return {'method': 'gguf'}
     qcfg = checkpoint_quantization(src, hf_config)
-    if qcfg and q not in (None, qcfg['method']) and not (q in ('marlin', 'w4a16') and qcfg['method'] in ('gptq', 'awq')):
+    from cvllm_lab.quant.fp8 import FP8_METHODS
+    if qcfg and q not in (None, qcfg['method']) and not (q in ('marlin', 'w4a16') and qcfg['method'] in ('gptq', 'awq')) \
+            and not (q in FP8_METHODS and qcfg['method'] == 'fp8'):
         raise ValueError(f"{src.root} is already quantized ({qcfg['method']}); quantization={quantization!r} cannot be applied to it")
     return qcfg
 
