@@ -389,6 +389,21 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 4
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def _fit_shared_memory(cfg: dict, a_bytes: int, w_bytes: int, device) -> dict:
+    """`cfg` with fewer pipeline stages where its A and B tiles would not fit in shared memory: the tuned configs are
+    for 16-bit inputs, and fp32 inputs (tests, fp32 models) double every tile."""
+    if device.type != 'cuda' or a_bytes <= 2 and w_bytes <= 2: return cfg
+    per_stage = cfg['BLOCK_M'] * cfg['BLOCK_K'] * a_bytes + cfg['BLOCK_K'] * cfg['BLOCK_N'] * w_bytes
+    stages, limit = cfg['num_stages'], _smem_limit(device.index or 0)
+    while stages > 1 and stages * per_stage > limit: stages -= 1
+    return cfg if stages == cfg['num_stages'] else {**cfg, 'num_stages': stages}
+
+
 def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_valid: int, a_row_div: int,
                   mul_routed: bool, cfg, w_scale=None, act: bool = False, a_sorted: bool = False,
                   c_sorted: bool = False, c_atomic: int = 0):
@@ -397,6 +412,7 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_val
     wide); `a_sorted` / `c_sorted`: `a` / `out` rows are positions in `sorted_ids` instead; `c_atomic` (the top-k):
     `out` is fp32 `[T, N]` and each assignment is added into row `a // c_atomic`."""
     N, K = w.shape[1] // (2 if act else 1), w.shape[2]
+    cfg = _fit_shared_memory(cfg, a.element_size(), w.element_size(), a.device)
     em = sorted_ids.numel()
     tiles = triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N'])   # at most: EM is an upper bound
     persistent = int(cfg.get('PERSISTENT', 0))

@@ -109,9 +109,11 @@ def test_decode_kernel_fp8_cuda(lens):
     torch.manual_seed(4)
     qn, qp, c8, s, _, sl, bt = quantized_batch(lens, H=16, L=512, R=64, block_size=16, dtype=torch.bfloat16, device='cuda')
     for splits in (None, 1):
-        out = mla_decode(qn, qp, c8, sl, bt, 0.1, num_kv_splits=splits, kv_scale=s)
-        torch.testing.assert_close(out.float(), mla_decode_ref(qn, qp, c8, sl, bt, 0.1, kv_scale=s).float(),
-                                   **TOL[torch.bfloat16])
+        out = mla_decode(qn, qp, c8, sl, bt, 0.1, num_kv_splits=splits, kv_scale=s).float()
+        ref = mla_decode_ref(qn, qp, c8, sl, bt, 0.1, kv_scale=s).float()
+        # bf16 P @ V (the kernel) against fp32 (the reference): a few outputs of 0.5M move by bf16 steps, so the
+        # bound is on the whole tensor's relative error and on the largest single difference
+        assert (out - ref).norm() / ref.norm() < 5e-3 and (out - ref).abs().max() < 0.1
 
 
 @pytest.mark.cuda
@@ -121,7 +123,10 @@ def test_cache_writes_fp8_cuda():
     (a, sa), (b, sb) = fp8_cache(nb, 4, L + R, 'cuda'), fp8_cache(nb, 4, L + R, 'cuda')
     concat_and_cache_mla(latent[:, :L], latent[:, L:], a, slots, sa)
     concat_and_cache_mla_ref(latent[:, :L], latent[:, L:], b, slots, sb)
-    assert torch.equal(sa, sb) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # the GPU's fp32 division may differ from PyTorch's in the last bit of a scale, and move a value to the
+    # neighbouring e4m3 code: compare scales to 1e-5 and the dequantized rows to one e4m3 step
+    torch.testing.assert_close(sa, sb, rtol=1e-5, atol=0)
+    torch.testing.assert_close(a.float() * sa[..., None], b.float() * sb[..., None], rtol=2 ** -3, atol=1e-6)
     q2 = q.clone()
     mla_rope_norm_cache(q, latent, pos, cs, w, 1e-6, a, slots, P, False, kv_scale=sa)
     mla_rope_norm_cache_ref(q2, latent, pos, cs, w, 1e-6, b, slots, P, False, kv_scale=sb)
