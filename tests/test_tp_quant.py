@@ -14,12 +14,7 @@ The same model written as GPTQ and AWQ checkpoints (round to nearest, group 128)
 taking its part of every packed tensor (`shard_w4a16_tensor`: whole 8-column words, whole groups) and gives TP 1's
 answers.
 
-The engine reaches `quantize_parallel` once `quant.apply.quantize_linear` calls it (it then takes the layer's
-`name`) and the loader no longer refuses in-situ quantization at TP > 1, and cuts checkpoint tensors once
-`quant.apply`'s collector calls `shard_w4a16_tensor`; until then these tests are expected to fail (strictly: they
-must fail, and pass once that is in).
 """
-import inspect
 import os
 import sys
 import tempfile
@@ -31,11 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from test_tp_engine import check_same, run, VOCAB  # noqa: E402
 from cvllm_lab.engine.worker import WorkerError  # noqa: E402
-from cvllm_lab.quant import apply  # noqa: E402
 
-SHARDED = 'name' in inspect.signature(apply.quantize_linear).parameters   # quantize_model goes through quantize_parallel
-CKPT_SHARDED = hasattr(apply, 'shard_w4a16_tensor')                       # the collector cuts checkpoint tensors
-pending = lambda ok, what: pytest.mark.xfail(not ok, strict=True, reason=f'quant.apply does not call {what} yet')
 
 
 def make_model(root: Path) -> Path:
@@ -64,7 +55,6 @@ def model():
         yield str(make_model(Path(d)))
 
 
-@pending(SHARDED, 'quantize_parallel')
 @pytest.mark.parametrize('method', ['q8_0', 'q4_0', 'w4a16'])
 def test_quantized_tp2_matches_tp1(model, method):
     ref = run(model, 1, quantization=method)
@@ -74,14 +64,12 @@ def test_quantized_tp2_matches_tp1(model, method):
                for a, b in zip(g[0], r[0]))
 
 
-@pending(SHARDED, 'quantize_parallel')
 def test_superblock_cut_by_the_shard_is_refused(model):
     "Q4_K's 256-weight superblocks along K: o_proj's 256 inputs over 2 ranks would cut each in half."
     with pytest.raises(WorkerError, match=r'o_proj: input size 256 over 2 ranks gives 128 per rank, not a multiple of 256'):
         run(model, 2, quantization='q4k')
 
 
-@pending(CKPT_SHARDED, 'shard_w4a16_tensor')
 @pytest.mark.parametrize('fmt', ['gptq', 'awq'])
 def test_w4a16_checkpoint_tp2_matches_tp1(model, fmt, tmp_path):
     from cvllm_lab.quant.gptq import convert_checkpoint

@@ -17,7 +17,10 @@ from ..layers.basic import Linear, SiluAndMul
 from ..layers.fused_moe import FusedMoE, expert_shard
 from ..kernels.gguf_layout import GT, QUANT_TYPES, parse_qtype, block_info, PACKED_TYPES
 from .gguf import GGUFLinear
-from .base import QuantLinear
+from .base import QuantLinear, quantize_parallel
+from .gguf import shard_gguf_tensor
+from .w4a16 import shard_w4a16_tensor
+from ..layers.linear import RowParallelLinear, like_parallel
 from .w4a16 import W4A16Linear, gptq_to_levels, awq_to_levels
 from ..kernels.fp8_layout import BLOCK
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
@@ -55,14 +58,18 @@ def gguf_type_for(t, in_features: int):
     return fb
 
 # %% ../../nbs/47_quant_apply.ipynb #f9c18614
-def quantize_linear(lin: Linear, method, pack: bool = False) -> QuantLinear:
-    "A quantized copy of `lin` (same shards, bias, device)."
+def quantize_linear(lin: Linear, method, pack: bool = False, name: str = 'layer') -> nn.Module:
+    """A quantized copy of `lin` (same shards, bias, device); of a tensor-parallel layer, its shard quantized with
+    the layer's all-reduce kept (`quantize_parallel`: refused when a shard would cut a group or block)."""
     m = resolve_method(method) if isinstance(method, str) else method
-    with torch.no_grad():
-        if m == 'w4a16': return W4A16Linear.from_linear(lin, group=128, bits=4, sym=True)
-        if m == 'fp8': return FP8Linear.from_linear(lin)
-        q = GGUFLinear.from_linear(lin, gguf_type_for(m, lin.input_size))
+    t = None if m in ('w4a16', 'fp8') else gguf_type_for(m, getattr(lin, 'full_input_size', lin.input_size))  # TP 1's type
+    def make(l):
+        if m == 'w4a16': return W4A16Linear.from_linear(l, group=128, bits=4, sym=True)
+        if m == 'fp8': return FP8Linear.from_linear(l)
+        q = GGUFLinear.from_linear(l, t)
         return q.pack() if pack else q
+    with torch.no_grad():
+        return quantize_parallel(lin, make, 128 if t is None else block_info(t)[0], name, col_unit=128 if m == 'fp8' else 1)
 
 def _targets(model: nn.Module) -> list[tuple[str, Linear]]:
     root = model.model.layers if hasattr(model, 'model') and hasattr(model.model, 'layers') else model
@@ -81,7 +88,7 @@ def quantize_model(model: nn.Module, method: str, progress: bool = True, pack: b
     if pack is None: pack = any(l.weight.is_cuda for _, l in targets)
     for i in tqdm(range(len(targets)), desc=f'Quantizing to {method}', disable=not progress):
         (name, lin), targets[i] = targets[i], None   # drop our reference: the float weight is freed right away
-        _replace(model, name, quantize_linear(lin, m, pack))
+        _replace(model, name, quantize_linear(lin, m, pack, name))
         del lin
     if pack and torch.cuda.is_available(): torch.cuda.empty_cache()
     return model
@@ -177,9 +184,34 @@ class _Collector(QuantLinear):
                          b.dtype if b is not None else torch.float32)
         self.dtype, self.device = lin.weight.dtype, lin.weight.device
         self.got: dict = {}
+        # a tensor-parallel layer (keep its shard only), held outside the module tree: its float weight is not loaded
+        self.__dict__['parallel'] = lin if getattr(lin, 'tp_size', 1) > 1 else None
+        self.name, self.qcfg = 'layer', None
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        "The bias: this rank's part, as the parallel layer's own loader cuts it."
+        if self.parallel is None: return super().weight_loader(param, loaded, shard_id)
+        self.parallel.weight_loader(param, loaded, shard_id)
+
+    def _shard(self, shard, suffix, t):
+        "This rank's part of a checkpoint tensor, cut along its packed layout (whole words, groups, blocks)."
+        lin, qc = self.parallel, self.qcfg
+        split = 'row' if isinstance(lin, RowParallelLinear) else 'column'
+        start, size = lin.shard_range() if split == 'row' else lin.shard_range(shard)
+        if suffix in ('qweight', 'qzeros', 'scales', 'g_idx'):
+            part = shard_w4a16_tensor(t, qc['method'], suffix, split, start, size, qc['bits'], qc['group'], self.name)
+        elif isinstance(t, GGUFRaw):
+            data = shard_gguf_tensor(t.data, t.qtype, split, start, size, self.name)
+            return GGUFRaw(data.clone(), t.qtype, (data.shape[0], t.shape[1] if split == 'column' else size))
+        elif suffix == 'weight' and t.is_floating_point() and t.dtype not in FP8_DTYPES:
+            part = t.narrow(0 if split == 'column' else 1, start, size)
+        else: raise NotImplementedError(f"{self.name}: {suffix} tensors of a {qc['method']} checkpoint are not sharded "
+                                        f"at tensor parallel {lin.tp_size}; use tensor_parallel_size=1")
+        return part.clone(memory_format=torch.contiguous_format)   # its own storage: the full tensor can go
 
     def add(self, shard, suffix, tensor):
         if shard is None and len(self.output_sizes) > 1: raise ValueError("a merged layer needs per-shard tensors")
+        if self.parallel is not None: tensor = self._shard(shard, suffix, tensor)
         if isinstance(tensor, torch.Tensor): tensor = tensor.to(self.device)
         else: tensor.data = tensor.data.to(self.device)  # GGUFRaw
         self.got.setdefault(shard, {})[suffix] = tensor
@@ -218,7 +250,11 @@ def _build(kind, key, datas, in_features, device, dtype, qcfg):
     return lin
 
 def finalize_collector(col: _Collector, qcfg: dict, pack: bool = False) -> nn.Module:
-    "The final layer for a filled collector (one quantized layer, or a `ConcatLinear` of parts)."
+    "The final layer for a filled collector (one quantized layer, or a `ConcatLinear` of parts); a row-parallel shard with its all-reduce."
+    layer = _finalize(col, qcfg, pack)
+    return layer if col.parallel is None else like_parallel(col.parallel, layer)
+
+def _finalize(col: _Collector, qcfg: dict, pack: bool = False) -> nn.Module:
     sids = col.shard_ids if len(col.output_sizes) > 1 else [None]
     missing = [s for s in sids if s not in col.got]
     if missing: raise ValueError(f"checkpoint has no tensors for shard(s) {missing} of a {col.output_sizes} layer")
@@ -325,6 +361,7 @@ def load_quantized(model: nn.Module, weights, qcfg: dict, progress: bool = True,
     cols = {}
     for name, lin in targets:
         cols[name] = _Collector(lin)
+        cols[name].name, cols[name].qcfg = name, qcfg
         _replace(model, name, cols[name])
     moe = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)} if qcfg['method'] == 'fp8' else {}
     scaled = {}                                   # FP8 expert layer path -> {(expert, shard) whose scale loaded}

@@ -214,15 +214,14 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     else:
         src = src or resolve_model_source(cfg.model)
         qcfg = checkpoint_quant_config(src, hf_config, cfg.quantization)
-        if qcfg and tp > 1: raise NotImplementedError(f"a {qcfg['method']} checkpoint at tensor parallel {tp}: quantized "
-                                                       f"layers are not sharded yet; use tensor_parallel_size=1")
+        if qcfg and tp > 1 and qcfg['method'] not in ('gptq', 'awq'):   # W4A16 checkpoints load sharded (quant.apply)
+            raise NotImplementedError(f"a {qcfg['method']} checkpoint at tensor parallel {tp}: its quantized layers are "
+                                      f"not sharded yet; use tensor_parallel_size=1")
         with torch.no_grad():
             if qcfg:
                 from cvllm_lab.quant.apply import load_quantized
                 load_quantized(model, iterate_weights(src, hf_config, progress, qcfg['method'] == 'gguf'), qcfg, progress)
             else: model.load_weights(iterate_weights(src, hf_config, progress))
-    if cfg.quantization and not qcfg and tp > 1:
-        raise NotImplementedError(f"quantization={cfg.quantization!r} at tensor parallel {tp}: quantized layers are not sharded yet")
     if cfg.quantization and not qcfg:
         from cvllm_lab.quant.apply import quantize_model
         quantize_model(model, cfg.quantization, progress)
