@@ -250,6 +250,21 @@ class StepHandle:
 
 # %% ../../nbs/50_model_runner.ipynb #af4167d1
 @patch
+def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    "The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager forward."
+    if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
+        raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
+    if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
+        return self._run_graph(b, prev_tokens)
+    t = lambda x: torch.as_tensor(x).to(self.device)
+    ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
+                         b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
+    if b.group_tables:
+        ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
+    ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
+    with set_forward_context(ctx): return self.model(ids, t(b.positions))
+
+@patch
 @torch.inference_mode()
 def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
     """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
@@ -257,18 +272,7 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
     holds the token ids on the device. `prev_tokens` (async scheduling): the input ids of a decode step, still
     on the device, overriding the host's (placeholders)."""
     b = self.prepare_inputs(so)
-    if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
-        raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
-    if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
-        hidden = self._run_graph(b, prev_tokens)
-    else:
-        t = lambda x: torch.as_tensor(x).to(self.device)
-        ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                             b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
-        if b.group_tables:
-            ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
-        ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
-        with set_forward_context(ctx): hidden = self.model(ids, t(b.positions))
+    hidden = self._forward(so, b, prev_tokens)
     sample_rows, sample_reqs = b.sample_rows, b.sample_reqs
     if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
         tokens = self.sampler.sample_tokens(self.compute_logits(hidden[sample_rows]), sample_reqs)

@@ -17,7 +17,6 @@ from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
 from .scheduler import SchedulerOutput
 from .model_runner import ModelRunner, ModelRunnerOutput, StepHandle
-from ..utils.context import ForwardContext, set_forward_context
 from ..utils.parallel_state import (DistInit, init_distributed, destroy_distributed, free_port, broadcast_object,
                                             bind_to_gpu_numa_node, cuda_pci_bus_id, disable_nvlink_multicast,
                                             get_tensor_model_parallel_world_size, get_tensor_model_parallel_rank,
@@ -332,20 +331,6 @@ class TPModelRunner(ModelRunner):
         super().__init__(cfg, hf_config, src, progress and self.tp_rank == 0)
 
     def determine_num_blocks(self) -> int: return tensor_model_parallel_min(super().determine_num_blocks())
-
-    def _forward(self, so: SchedulerOutput, b, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        "The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager forward."
-        if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
-            raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
-        if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
-            return self._run_graph(b, prev_tokens)
-        t = lambda x: torch.as_tensor(x).to(self.device)
-        ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                             b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
-        if b.group_tables:
-            ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
-        ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
-        with set_forward_context(ctx): return self.model(ids, t(b.positions))
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
