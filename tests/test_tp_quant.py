@@ -64,6 +64,12 @@ def test_quantized_tp2_matches_tp1(model, method):
                for a, b in zip(g[0], r[0]))
 
 
+def test_fp8_block_cut_by_the_shard_is_refused(model):
+    "In-situ FP8's 128 x 128 blocks: the k projection's 128 rows (2 KV heads of 64) over 2 ranks would cut a block."
+    with pytest.raises(WorkerError, match=r'qkv_proj: output size 128 over 2 ranks gives 64 per rank, not a multiple of 128'):
+        run(model, 2, quantization='fp8')
+
+
 def test_superblock_cut_by_the_shard_is_refused(model):
     "Q4_K's 256-weight superblocks along K: o_proj's 256 inputs over 2 ranks would cut each in half."
     with pytest.raises(WorkerError, match=r'o_proj: input size 256 over 2 ranks gives 128 per rank, not a multiple of 256'):
