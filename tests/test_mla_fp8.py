@@ -113,7 +113,7 @@ def test_decode_kernel_fp8_cuda(lens):
         ref = mla_decode_ref(qn, qp, c8, sl, bt, 0.1, kv_scale=s).float()
         # bf16 P @ V (the kernel) against fp32 (the reference): a few outputs of 0.5M move by bf16 steps, so the
         # bound is on the whole tensor's relative error and on the largest single difference
-        assert (out - ref).norm() / ref.norm() < 5e-3 and (out - ref).abs().max() < 0.1
+        assert (out - ref).norm() / ref.norm() < 5e-3 and ((out - ref).abs() / (ref.abs() + 1)).max() < 0.05
 
 
 @pytest.mark.cuda
@@ -130,5 +130,6 @@ def test_cache_writes_fp8_cuda():
     q2 = q.clone()
     mla_rope_norm_cache(q, latent, pos, cs, w, 1e-6, a, slots, P, False, kv_scale=sa)
     mla_rope_norm_cache_ref(q2, latent, pos, cs, w, 1e-6, b, slots, P, False, kv_scale=sb)
-    torch.testing.assert_close(sa, sb, rtol=1e-5, atol=0)
+    # the kernel takes the row's max in fp32, the reference after rounding the normed row to bf16: one bf16 step
+    torch.testing.assert_close(sa, sb, rtol=2 ** -7, atol=0)
     torch.testing.assert_close(a.float() * sa[..., None], b.float() * sb[..., None], rtol=2 ** -3, atol=1e-6)
