@@ -1,5 +1,5 @@
 """Ours against llama.cpp on the embedded SmolLM2 Q4_1 GGUF, interleaved in one process: each round runs our batch-1
-decode, llama.cpp's batch-1 decode and our 16-sequence decode back to back (and, with `--ab`, ours with the
+decode, our 16-sequence decode and llama.cpp's batch-1 decode back to back (and, with `--ab`, ours with the
 `CPUDecoderLayer` decode path switched off, i.e. the layers' own forward), so a busy machine slows every point of a
 round alike; medians over `--rounds`, the 1-minute load average beside every run.
 `PYTHONPATH=<folder with llama_cpp> python -m benchmarks.cpu_vs_llamacpp [--rounds 3] [--ab] [--csv PATH]`."""
@@ -32,16 +32,18 @@ def main():
     variants = [('ours', lean_fwd)] + ([('ours (layers as written)', own_forward)] if a.ab else [])
     llamacpp_decode(ref, 32, 8, rng)
     rows = []
+    # both engines' thread pools poll for work a while after a run (OpenMP, ggml): let them park before the next one
+    settle = lambda: time.sleep(2)
     def add(engine, B, tok_s, load): rows.append(dict(engine=engine, batch_size=B, decode_tok_s=tok_s, load_avg_1m=load,
                                                        threads=threads, cpu=device_name('cpu'), round=r)); print(rows[-1], flush=True)
     for r in range(a.rounds):
         for name, fwd in variants:
             CPUDecoderLayer.forward = fwd
-            load = os.getloadavg()[0]; add(name, 1, bench_offline(ours, 1, 32, 128, runs=1, seed=r)['decode_tok_s'], load)
-        load = os.getloadavg()[0]; add('llama.cpp', 1, statistics.median(llamacpp_decode(ref, 32, 128, rng) for _ in range(3)), load)
+            settle(); load = os.getloadavg()[0]; add(name, 1, bench_offline(ours, 1, 32, 128, runs=1, seed=r)['decode_tok_s'], load)
         for name, fwd in variants:
             CPUDecoderLayer.forward = fwd
-            load = os.getloadavg()[0]; add(name, 16, bench_offline(ours, 16, 128, 128, runs=1, seed=r)['decode_tok_s'], load)
+            settle(); load = os.getloadavg()[0]; add(name, 16, bench_offline(ours, 16, 128, 128, runs=1, seed=r)['decode_tok_s'], load)
+        settle(); load = os.getloadavg()[0]; add('llama.cpp', 1, statistics.median(llamacpp_decode(ref, 32, 128, rng) for _ in range(3)), load)
     CPUDecoderLayer.forward = lean_fwd
     df = pd.DataFrame(rows); df.to_csv(a.csv, index=False)
     med = df.groupby(['engine', 'batch_size']).decode_tok_s.median()
