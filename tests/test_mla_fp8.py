@@ -132,4 +132,4 @@ def test_cache_writes_fp8_cuda():
     mla_rope_norm_cache_ref(q2, latent, pos, cs, w, 1e-6, b, slots, P, False, kv_scale=sb)
     # the kernel takes the row's max in fp32, the reference after rounding the normed row to bf16: one bf16 step
     torch.testing.assert_close(sa, sb, rtol=2 ** -7, atol=0)
-    torch.testing.assert_close(a.float() * sa[..., None], b.float() * sb[..., None], rtol=2 ** -3, atol=1e-6)
+    torch.testing.assert_close(a.float() * sa[..., None], b.float() * sb[..., None], rtol=2 ** -3 + 2 ** -7, atol=1e-6)
