@@ -29,7 +29,9 @@ class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
-        self.cpu_fast = self.device.type == 'cpu' and os.environ.get('CVLLM_LAB_CPU_FAST_PATH', '1') != '0'
+        # the CPU fast path rebuilds layers (int4 kernels, an 8-bit LM head) from whole tensors: one process only
+        self.cpu_fast = (self.device.type == 'cpu' and cfg.tensor_parallel_size == 1
+                         and os.environ.get('CVLLM_LAB_CPU_FAST_PATH', '1') != '0')
         self.model = self._load(src, progress)
         self.compute_logits, self.lm_head = self.model.compute_logits, None   # on CPU: see setup_cpu
         if self.cpu_fast: self.setup_cpu()

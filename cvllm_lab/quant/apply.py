@@ -203,6 +203,8 @@ class _Collector(QuantLinear):
         elif isinstance(t, GGUFRaw):
             data = shard_gguf_tensor(t.data, t.qtype, split, start, size, self.name)
             return GGUFRaw(data.clone(), t.qtype, (data.shape[0], t.shape[1] if split == 'column' else size))
+        elif qc['method'] == 'fp8' and suffix in ('weight', 'weight_scale_inv', 'weight_scale', 'input_scale'):
+            part = _shard_fp8(t, suffix, split, start, size, self.name)
         elif suffix == 'weight' and t.is_floating_point() and t.dtype not in FP8_DTYPES:
             part = t.narrow(0 if split == 'column' else 1, start, size)
         else: raise NotImplementedError(f"{self.name}: {suffix} tensors of a {qc['method']} checkpoint are not sharded "
@@ -215,6 +217,20 @@ class _Collector(QuantLinear):
         if isinstance(tensor, torch.Tensor): tensor = tensor.to(self.device)
         else: tensor.data = tensor.data.to(self.device)  # GGUFRaw
         self.got.setdefault(shard, {})[suffix] = tensor
+
+def _shard_fp8(t, suffix, split, start, size, name):
+    """This rank's part of an FP8 checkpoint tensor: the e4m3 weight's rows (column-parallel) or columns
+    (row-parallel); 128 x 128 block scales in whole blocks (refused, naming the layer, where a shard would cut
+    one); per-channel scales by row (kept whole when the rows are not split); per-tensor and input scales whole."""
+    dim = 0 if split == 'column' else 1
+    if suffix == 'input_scale' or t.numel() == 1: return t
+    if suffix == 'weight': return t.narrow(dim, start, size)
+    if suffix == 'weight_scale_inv' and t.ndim == 2 and t.shape[1] > 1:
+        if start % BLOCK or size % BLOCK:
+            raise ValueError(f"{name}: rows/columns {start}..{start + size} of this rank cut a {BLOCK} x {BLOCK} FP8 block: "
+                             f"use a smaller tensor-parallel size")
+        return t.narrow(dim, start // BLOCK, size // BLOCK)
+    return t.narrow(0, start, size) if split == 'column' else t   # per-channel [N] / [N, 1]
 
 def _shard_payload(sid, t: dict, qcfg):
     "One shard's tensors -> (kind, key, data); consecutive shards of equal (kind, key) are merged by rows."
@@ -305,6 +321,8 @@ class Fp8CheckpointMoEMethod:
         "Give a float `FusedMoE` zeroed e4m3 weights and unit block scales, to be filled."
         E, H, I, dev = layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.w13_weight.device
         if I % BLOCK: raise NotImplementedError(f"FP8 experts of width {I}: gate and up rows need their own 128-row blocks (a multiple of {BLOCK})")
+        if layer.tp_size > 1:
+            raise NotImplementedError(f"FP8 checkpoint experts at tensor parallel {layer.tp_size} are not sharded yet; use tensor_parallel_size=1")
         e4, f32, hb = dict(dtype=torch.float8_e4m3fn, device=dev), dict(dtype=torch.float32, device=dev), -(-H // BLOCK)
         for n in ('w13_weight', 'w2_weight'): delattr(layer, n)
         for n, t in {'w13_weight': torch.zeros(E, 2 * I, H, **e4), 'w2_weight': torch.zeros(E, H, I, **e4),

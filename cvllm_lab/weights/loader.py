@@ -214,7 +214,7 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     else:
         src = src or resolve_model_source(cfg.model)
         qcfg = checkpoint_quant_config(src, hf_config, cfg.quantization)
-        if qcfg and tp > 1 and qcfg['method'] not in ('gptq', 'awq'):   # W4A16 checkpoints load sharded (quant.apply)
+        if qcfg and tp > 1 and qcfg['method'] not in ('gptq', 'awq', 'fp8', 'gguf'):   # these load sharded (quant.apply)
             raise NotImplementedError(f"a {qcfg['method']} checkpoint at tensor parallel {tp}: its quantized layers are "
                                       f"not sharded yet; use tensor_parallel_size=1")
         with torch.no_grad():
