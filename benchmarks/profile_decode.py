@@ -1,19 +1,28 @@
-"""Where a decode step's time goes: per-kernel GPU time of Llama-3-8B decode steps (dummy weights, CUDA graphs) from
-torch.profiler, per step, and the wall time per step. `python -m benchmarks.profile_decode [quantization] [batch]`
-from the repository root (default w4a16 1; the model is `conf/model/llama3_8b.yaml`). Set `CVLLM_PDL=0` for kernel
-times without PDL's early-launch waits (with PDL a kernel's time includes waiting for its predecessor)."""
+"""Where a decode step's time goes: per-kernel GPU time of decode steps (dummy weights, CUDA graphs) from
+torch.profiler, per step, and the wall time per step.
+
+    python -m benchmarks.profile_decode [quantization] [batch] [model] [prompt_len]
+
+from the repository root (default w4a16 1 llama3_8b 32; `none` for no quantization; the model is
+`conf/model/<model>.yaml`). Set `CVLLM_PDL=0` for kernel times without PDL's early-launch waits (with PDL a kernel's
+time includes waiting for its predecessor)."""
 import sys, collections, yaml, torch
 from pathlib import Path
 from cvllm_lab import LLM
 from cvllm_lab.sampling_params import SamplingParams
 from cvllm_lab.bench.sweep import model_dir
 quant = sys.argv[1] if len(sys.argv) > 1 else 'w4a16'
+quant = None if quant == 'none' else quant
 B = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-mcfg = yaml.safe_load(open('conf/model/llama3_8b.yaml'))
+model = sys.argv[3] if len(sys.argv) > 3 else 'llama3_8b'
+P = int(sys.argv[4]) if len(sys.argv) > 4 else 32
+mcfg = yaml.safe_load(open(f'conf/model/{model}.yaml'))
 llm = LLM(str(model_dir(mcfg)), load_format='dummy', skip_tokenizer_init=True, quantization=quant,
-          attention_backend='triton', progress=False)
+          attention_backend='triton', progress=False, max_model_len=max(4096, P + 200), max_num_seqs=max(B, 16),
+          max_num_batched_tokens=max(8192, B))
 sp = lambda O: SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
-prompts = [{'prompt_token_ids': list(range(100 + i, 132 + i))} for i in range(B)]
+g = torch.Generator().manual_seed(0)
+prompts = [{'prompt_token_ids': torch.randint(100, 30000, (P,), generator=g).tolist()} for _ in range(B)]
 llm.generate(prompts, sp(40), use_tqdm=False); torch.cuda.synchronize()
 def run(O):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -33,5 +42,5 @@ a1, a2 = run(2), run(66)
 steps = 64
 rows = sorted(((k, (a2[k][0] - a1.get(k, [0, 0])[0]) / steps, (a2[k][1] - a1.get(k, [0, 0])[1]) / steps) for k in a2), key=lambda r: -r[2])
 tot = sum(r[2] for r in rows)
-print(f'{quant} B={B}: kernel time per decode step {tot:.1f} us (sum over kernels)')
+print(f'{model} {quant} B={B} P={P}: kernel time per decode step {tot:.1f} us (sum over kernels)')
 for k, n, us in rows[:30]: print(f'{us:8.1f} us {n:6.1f}/step  {k}')
