@@ -19,7 +19,7 @@ flattened `topk_ids`):
               silu_and_mul                                          -> inter   [T*k, I]
               (config `ACT`: the tile computes its gate and up columns together and writes inter directly)
     launch 2  _fused_moe_kernel  rows inter[a]   @ w2[expert].T * w_a -> out_k [T*k, H]
-              out_k.view(T, k, H).sum(1)                            -> out     [T, H]
+    launch 3  moe_sum            out_k.view(T, k, H) summed over k    -> out     [T, H]   (fp32 accumulation)
 
 Config `SWAP` makes the weight tile the MMA's M side (`acc.T = W_tile @ x_tile.T`), so an expert with a few rows
 fills the N side of the instruction rather than wasting a 64-row M side on padding. For prefill (many rows per
@@ -36,10 +36,10 @@ the blocks come from one alignment); launch 1's N is I (or 2I) and K is H, launc
 kernel loads without masks where K is a multiple of BLOCK_K: padding rows read a real row and are never stored,
 columns past N wrap around. `PERSISTENT` (1: a plain loop, 2: the tile loop flattened into the K loop so the next
 tile's loads overlap this one's epilogue) launches `CTAS_PER_SM` (default 1) programs per SM that stride over the
-real tiles. Launch 2 writes each assignment's weighted output at its own row, so the per-token sum
-is one read of `out_k` (no atomics, no fp32 scratch); config `ATOMIC` instead adds them into an fp32 `[T, H]`
-(zeroed first, cast at the end): T*H*4 bytes of DRAM traffic each way instead of `out_k`'s T*k*H*2, paid in L2
-atomics.
+real tiles. Launch 2 writes each assignment's weighted output at its own row, so the per-token sum is one
+streaming read of `out_k` (`moe_sum`; no atomics, no fp32 scratch); config `ATOMIC` instead adds them into an fp32
+`[T, H]` (zeroed first, cast at the end): T*H*4 bytes of DRAM traffic each way instead of `out_k`'s T*k*H*2, paid
+in L2 atomics.
 
 Blocks exist only for experts with at least one assignment, so a decode step (few tokens) reads only the
 selected experts' weights: with T = 1 and top-8 of 128 experts, 8 of the 128 weight slices are touched.
@@ -69,6 +69,7 @@ from cvllm_lab.kernels.activation import silu_and_mul
 from cvllm_lab.kernels.fused_moe_align import moe_align_block_size_grid
 from cvllm_lab.kernels.fused_moe_decode import fused_moe_decode
 from cvllm_lab.kernels.fused_moe_router import FUSED_TOPK_MAX_EXPERTS, fused_topk
+from cvllm_lab.kernels.moe_sum import moe_sum
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
@@ -484,4 +485,4 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
     out_k = x.new_empty(n, H)                       # each assignment's weighted expert output at row t * k + j
     _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True,
                   cfg=cfg2, w_scale=w2_scale, a_sorted=srt)
-    return out_k.view(T, k, H).sum(dim=1)
+    return moe_sum(out_k.view(T, k, H))
