@@ -1,4 +1,4 @@
-"""MoE experts held quantized: in-situ (`--isq fp8` / GGUF block types) or loaded from a GGUF file's stacked `ffn_{gate,up,down}_exps` tensors; `FusedMoE.quant_method` runs them: FP8 through the fused Triton kernel with per-expert block scales, GGUF per selected expert (dequantized on CPU, the GGUF Triton matmuls on CUDA).
+"""MoE experts held quantized: in-situ (`--isq fp8` / `w4a16` / GGUF block types) or loaded from a GGUF file's stacked `ffn_{gate,up,down}_exps` tensors; `FusedMoE.quant_method` runs them: FP8 through the fused Triton kernel with per-expert block scales, W4A16 through its own fused kernel over 4-bit packed experts (`fused_moe_w4a16`), GGUF per selected expert (dequantized on CPU, the GGUF Triton matmuls on CUDA).
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/quant_moe.html.md"""
 
@@ -10,16 +10,18 @@ import re
 import torch
 from torch import nn
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
+from ..kernels.fused_moe_w4a16 import fused_moe_w4a16, fused_moe_w4a16_ref, dequantize_experts_w4a16
 from ..kernels.gguf_layout import GT, parse_qtype, dequantize, QUANT_TYPES, block_info
 from ..layers.linear import check_shard_alignment
 from ..layers.fused_moe import FusedMoE
 from .fp8 import quantize_fp8_block
 from .gguf import quantize
+from .w4a16 import W4A16Linear
 from .apply import resolve_method, gguf_type_for
 
 # %% auto #0
-__all__ = ['GGUF_MOE_BLOCK', 'GGUF_MOE_RAW_SUFFIXES', 'check_expert_shard', 'Fp8MoEMethod', 'GGUFMoEMethod', 'quantize_moe',
-           'gguf_moe_name', 'gguf_moe_config_overrides']
+__all__ = ['GGUF_MOE_BLOCK', 'GGUF_MOE_RAW_SUFFIXES', 'check_expert_shard', 'Fp8MoEMethod', 'GGUFMoEMethod', 'W4A16MoEMethod',
+           'quantize_moe', 'gguf_moe_name', 'gguf_moe_config_overrides']
 
 # %% ../../nbs/41_quant_moe.ipynb #42997b58
 def check_expert_shard(layer: FusedMoE, unit: int, name: str = 'experts'):
@@ -136,14 +138,57 @@ class GGUFMoEMethod:
             out.index_add_(0, t, self._expert(layer, x[t], e) * topk_weights[t, j, None].float())
         return out.to(x.dtype)
 
+# %% ../../nbs/41_quant_moe.ipynb #50f566ac
+_W4A16_BUFS = ('qweight', 'scales', 'offsets')
+
+class W4A16MoEMethod:
+    """4-bit experts in the dense W4A16 layout, stacked (`w13_*`, `w2_*`: `qweight`, `scales`, `offsets`; see the
+    table above); run by `fused_moe_w4a16` on CUDA, by its reference on CPU."""
+    def __init__(self, bits: int = 4, group: int = 128): self.bits, self.group = bits, group
+
+    @staticmethod
+    def pack_experts(w, bits: int = 4, group: int = 128, sym: bool = True) -> dict:
+        "Float experts `w [E, N, K]` -> `{'qweight', 'scales', 'offsets'}`, each expert `W4A16Linear.from_float`'s, stacked."
+        parts = [W4A16Linear.from_float(w[e], group, bits, sym) for e in range(w.shape[0])]
+        return {n: torch.stack([getattr(p, n) for p in parts]) for n in _W4A16_BUFS}
+
+    @classmethod
+    def quantize(cls, layer: FusedMoE, name: str = 'experts', bits: int = 4, group: int = 128, sym: bool = True) -> FusedMoE:
+        "In-situ: `w13`/`w2` -> stacked packed experts (at TP > 1: this rank's slice, refused unless whole groups)."
+        check_expert_shard(layer, group, name)
+        bufs = {}
+        for n in ('w13', 'w2'):
+            for b, t in cls.pack_experts(getattr(layer, f'{n}_weight').data, bits, group, sym).items(): bufs[f'{n}_{b}'] = t
+        _swap_storage(layer, ('w13_weight', 'w2_weight'), bufs)
+        layer.quant_method = cls(bits, group)
+        return layer
+
+    def weight_loader(self, layer, loaded, shard_id, expert_id=None):
+        raise NotImplementedError("loading GPTQ/AWQ expert checkpoints is not implemented: load the float checkpoint with quantization='w4a16'")
+
+    def process_weights_after_loading(self, layer): pass
+
+    def _args(self, layer):
+        return [getattr(layer, f'{w}_{b}') for b in _W4A16_BUFS for w in ('w13', 'w2')]
+
+    def dequantize(self, layer, dtype=torch.float32):
+        "The experts' float `w13 [E, 2I, H]`, `w2 [E, H, I]` (what the kernels compute with)."
+        H, I = layer.hidden_size, layer.intermediate_size
+        return tuple(dequantize_experts_w4a16(*(getattr(layer, f'{w}_{b}') for b in _W4A16_BUFS), self.bits, self.group,
+                                              N, K, dtype) for w, N, K in (('w13', 2 * I, H), ('w2', H, I)))
+
+    def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
+        f = fused_moe_w4a16 if x.is_cuda else fused_moe_w4a16_ref
+        return f(x, *self._args(layer), topk_weights, topk_ids, self.bits, self.group)
+
 # %% ../../nbs/41_quant_moe.ipynb #08638f9f
 def quantize_moe(model: nn.Module, method) -> int:
-    "Quantize every (still float) `FusedMoE` of `model` in place (`method`: 'fp8' or a GGUF type); returns how many."
+    "Quantize every (still float) `FusedMoE` of `model` in place (`method`: 'fp8', 'w4a16' or a GGUF type); returns how many."
     m = resolve_method(method) if isinstance(method, str) else method
     layers = [(n, l) for n, l in model.named_modules() if isinstance(l, FusedMoE) and l.quant_method is None]
-    if layers and m == 'w4a16': raise NotImplementedError("W4A16 experts are not implemented; use fp8 or a GGUF type for MoE models")
     for n, l in layers:
         if m == 'fp8': Fp8MoEMethod.quantize(l, n)
+        elif m == 'w4a16': W4A16MoEMethod.quantize(l, n)
         else: GGUFMoEMethod.quantize(l, m, n)
     return len(layers)
 
