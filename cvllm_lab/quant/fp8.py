@@ -12,8 +12,8 @@ from ..kernels.fp8_layout import BLOCK, dequantize_fp8_block
 from .base import QuantLinear
 
 # %% auto #0
-__all__ = ['FP8_MAX', 'FP8_METHODS', 'quantize_fp8_block', 'quantize_fp8_channel', 'FP8Linear', 'fp8_checkpoint_config',
-           'fp8_shard_tensors']
+__all__ = ['FP8_MAX', 'FP8_NUMERICS', 'FP8_METHODS', 'quantize_fp8_block', 'quantize_fp8_channel', 'FP8Linear',
+           'set_fp8_numerics', 'fp8_checkpoint_config', 'fp8_shard_tensors']
 
 # %% ../../nbs/44_fp8.ipynb #ad64a59f
 FP8_MAX = 448.0
@@ -63,6 +63,8 @@ class FP8Linear(QuantLinear):
         else: self.register_buffer('weight_scale', torch.ones(N, dtype=torch.float32, device=device))
         self.register_buffer('input_scale', torch.ones((), dtype=torch.float32, device=device) if static else None)
 
+    numerics = None   # off CUDA: None (dequantize, `F.linear` in x's dtype) or one of `FP8_NUMERICS` (`forward_reference`)
+
     @property
     def scale(self) -> torch.Tensor:
         "The weight's scale buffer, in the layout the kernels read."
@@ -107,13 +109,55 @@ class FP8Linear(QuantLinear):
                                          input_scale=self.input_scale, scale_ub=self.input_scale_ub))
 
     def forward(self, x):
-        return self.forward_kernels(x) if x.is_cuda else super().forward(x)
+        if x.is_cuda: return self.forward_kernels(x)
+        return super().forward(x) if self.numerics is None else self.forward_reference(x, self.numerics)
 
     def extra_repr(self):
         lay = '128x128 blocks' if self.block else 'per-channel scales'
         act = ', static input scale' if self.input_scale is not None else \
             f', input scale bound {self.input_scale_ub}' if self.input_scale_ub is not None else ''
-        return f"in={self.input_size}, out={self.output_sizes}, fp8 e4m3 {lay}{act}, bias={self.bias is not None}"
+        num = f', numerics={self.numerics}' if self.numerics else ''
+        return f"in={self.input_size}, out={self.output_sizes}, fp8 e4m3 {lay}{act}{num}, bias={self.bias is not None}"
+
+# %% ../../nbs/44_fp8.ipynb #724f835c
+FP8_NUMERICS = ('cuda', 'w8a16', 'w8a8')
+
+@patch
+def execution(self: FP8Linear, M: int, device=None) -> str:
+    """What `fp8_matmul` runs for M rows on `device` (default: the layer's; off CUDA the `default.json` tables): 'w8a16'
+    (the GEMV up to `gemv_max_m` rows; `fp8_mm` where the row bucket's backend is `w8a16`) or 'w8a8' (x quantized to e4m3)."""
+    from cvllm_lab.kernels.fp8_matmul import MM_MAX_M, gemm_config
+    from cvllm_lab.kernels.tuned import configs_for
+    device = torch.device(device or self.weight.device)
+    if M <= configs_for('fp8_gemm', device)['dispatch'].get('gemv_max_m', 1): return 'w8a16'
+    cfg = gemm_config(self.output_size, self.input_size, M, 'block' if self.block else 'channel', device)
+    return 'w8a16' if cfg.get('backend') == 'w8a16' and self.block and M <= MM_MAX_M else 'w8a8'
+
+@patch
+def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
+    """The kernels' product in PyTorch: `'w8a16'` (`fp8_matmul_ref`: x unquantized), `'w8a8'` (`fp8_gemm_ref`: x
+    quantized with the activation grouping of M's row bucket, or the checkpoint's static scale / scale bound), or
+    `'cuda'`: the one `fp8_matmul` runs for this many rows (`execution`)."""
+    from cvllm_lab.kernels.fp8_gemm import fp8_gemm_ref
+    from cvllm_lab.kernels.fp8_matmul import fp8_matmul_ref, gemm_config
+    if numerics not in FP8_NUMERICS: raise ValueError(f"numerics must be one of {FP8_NUMERICS}, got {numerics!r}")
+    N, K = self.output_size, self.input_size
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if (self.execution(M, x.device) if numerics == 'cuda' else numerics) == 'w8a16':
+        y = fp8_matmul_ref(x2, self.weight, self.scale, N, K)
+    else:
+        ag = gemm_config(N, K, M, 'block' if self.block else 'channel', x.device).get('act_group', 128)
+        y = fp8_gemm_ref(x2, self.weight, self.scale, N, K, ag, self.input_scale, self.input_scale_ub)
+    return self._add_bias(y).reshape(*x.shape[:-1], N)
+
+def set_fp8_numerics(model: torch.nn.Module, numerics: str | None) -> int:
+    "Set `numerics` (None or one of `FP8_NUMERICS`) on every `FP8Linear` of `model`; returns how many."
+    if numerics is not None and numerics not in FP8_NUMERICS:
+        raise ValueError(f"numerics must be None or one of {FP8_NUMERICS}, got {numerics!r}")
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in layers: m.numerics = numerics
+    return len(layers)
 
 # %% ../../nbs/44_fp8.ipynb #60d2d304
 FP8_METHODS = ('fp8', 'fbgemm_fp8', 'compressed-tensors')
