@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from ..config import EngineConfig
-from ..utils.context import (ForwardContext, FreshPrefill, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
+from ..utils.context import (ForwardContext, PrefillMetadata, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
                                      kv_cache_groups, set_forward_context)
 from .request import Request
 from .scheduler import SchedulerOutput
@@ -144,9 +144,8 @@ class InputBatch:
     sample_rows: list[int] | slice              # rows to sample (`slice(None)`: every row)
     sample_reqs: list[Request]                  # the request of each sampled row
     prompt_logprobs: list[tuple[Request, list[int], list[int]]]   # (request, rows, the prompt tokens they predict)
-    # the trailing run of fresh prefills (nothing cached before the step): (first sequence, its longest chunk,
-    # max query len and max seq len of the sequences before it); None when the last sequence has a cached prefix
-    fresh_prefill: tuple[int, int, int, int] | None = None
+    # first sequence of the trailing run of prefills (more than one new token each); None when the last one decodes
+    prefill_start: int | None = None
     # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
     group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
 
@@ -179,12 +178,11 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
               for gs, tabs in zip(gslots, more)]
     qlen, B = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], len(seq_lens)
     s = B
-    while s and seq_lens[s - 1] == qlen[s - 1]: s -= 1   # back over sequences with nothing cached before this step
-    fresh = (s, max(qlen[s:]), max(qlen[:s], default=0), max(seq_lens[:s], default=0)) if s < B else None
+    while s and qlen[s - 1] > 1: s -= 1   # back over the prefills at the end of the step
     return InputBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                       torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
                       torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(bt),
-                      max(qlen), max(seq_lens), sample_rows, sample_reqs, plp, fresh, groups)
+                      max(qlen), max(seq_lens), sample_rows, sample_reqs, plp, s if s < B else None, groups)
 
 def _table_array(tabs: list[list[int]]) -> np.ndarray:
     "Block tables as one int32 array, zero-padded (block 0: never read past a sequence's length)."
@@ -202,13 +200,14 @@ def _more_groups(self: ModelRunner, so: SchedulerOutput) -> list[dict[str, list[
 
 # %% ../../nbs/50_model_runner.ipynb #e805c385
 @patch
-def fresh_prefill(self: ModelRunner, b: InputBatch) -> FreshPrefill | None:
-    "The step's trailing run of fresh prefills, for attention backends that run them on FlashAttention (`22_attention`)."
-    if b.fresh_prefill is None or self.cfg.attention_backend != 'triton': return None
-    s, max_len, head_q, head_s = b.fresh_prefill
-    t0 = int(b.query_start_loc[s])
-    cu = torch.as_tensor(b.query_start_loc[s:] - t0).to(self.device)
-    return FreshPrefill(s, t0, cu, max_len, head_q, head_s)
+def prefill_metadata(self: ModelRunner, b: InputBatch) -> PrefillMetadata | None:
+    "The step's trailing run of prefills, for attention layers that run them on FlashAttention (`22_attention`)."
+    if b.prefill_start is None: return None
+    windows = {a.sliding_window for a in self.model.attention_layers() if getattr(a, 'prefill_fn', None) is not None}
+    if not windows: return None
+    p = PrefillMetadata.build(b.query_start_loc, b.seq_lens, b.prefill_start, self.device)
+    for w in windows: p.keys(w)   # the host-to-device copies before the forward, not inside a layer
+    return p
 
 # %% ../../nbs/50_model_runner.ipynb #b2687b71
 @patch
@@ -260,7 +259,7 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
         return self._run_graph(b, prev_tokens)
     t = lambda x: torch.as_tensor(x).to(self.device)
     ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                         b.max_query_len, b.max_seq_len, self.fresh_prefill(b))
+                         b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if b.group_tables:
         ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
     ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)

@@ -39,7 +39,7 @@ class Attention(nn.Module):
     def set_backend(self, name: str):
         self.backend = name
         self._cache_fn, self._attn_fn = get_attention_backend(name)
-        # varlen causal attention for a step's fresh prefills (None: the paged kernel does every row);
+        # varlen causal attention for a step's prefills (None: the paged kernel does every row);
         # CVLLM_LAB_FLASH_PREFILL=0 keeps every row on the paged kernel (an A/B switch for benchmarks)
         flash = name == 'triton' and os.environ.get('CVLLM_LAB_FLASH_PREFILL', '1') != '0'
         self.prefill_fn = flash_varlen_attention if flash else None
@@ -62,32 +62,35 @@ class Attention(nn.Module):
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
             rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
                              slots, ks, vs)
-        if ctx.fresh_prefill is not None and self._fresh_prefill_ok(q, kc):
-            return self._split_fresh_prefill(q, kc, vc, ks, vs, ctx, slots, bt).reshape(T, self.num_heads * self.head_dim)
+        if ctx.prefill is not None and self._prefill_split_ok(q, kc):
+            return self._split_prefill(q, kc, vc, ks, vs, ctx, bt).reshape(T, self.num_heads * self.head_dim)
         o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, bt, self.scale,
                           sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
                           max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
         return o.reshape(T, self.num_heads * self.head_dim)
 
 # %% ../../nbs/22_attention.ipynb #8cfc21d8
-def varlen_attention_ref(q, k, v, cu_seqlens, max_len, scale, sliding_window=None):
-    "Causal attention of each packed sequence over its own rows (`cu_seqlens` bounds; GQA): `flash_varlen_attention`'s reference."
+def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None):
+    """Causal attention of each packed sequence's queries over its keys (`cu_seqlens_*` bounds, GQA), the mask aligned
+    bottom-right (a sequence's last query sees all its keys): `flash_varlen_attention`'s reference."""
     out, G = torch.empty_like(q), q.shape[1] // k.shape[1]
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        i = torch.arange(b - a, device=q.device)
-        mask = i[None, :] <= i[:, None]
-        if sliding_window: mask &= i[None, :] > i[:, None] - sliding_window
-        qs, ks, vs = (x[a:b].transpose(0, 1).float() for x in (q, k, v))
+    for a, b, ka, kb in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k[:-1].tolist(),
+                            cu_seqlens_k[1:].tolist()):
+        i, j = torch.arange(b - a, device=q.device)[:, None] + (kb - ka) - (b - a), torch.arange(kb - ka, device=q.device)
+        mask = j <= i
+        if sliding_window: mask &= j > i - sliding_window
+        qs, ks, vs = q[a:b].transpose(0, 1).float(), k[ka:kb].transpose(0, 1).float(), v[ka:kb].transpose(0, 1).float()
         o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0),
                                            attn_mask=mask, scale=scale)
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out
 
-def flash_varlen_attention(q, k, v, cu_seqlens, max_len, scale, sliding_window=None):
-    "PyTorch's FlashAttention-2 varlen forward: causal, GQA, optional sliding window; `q` `[T, H, D]`, `k`/`v` `[T, Hkv, D]`."
+def flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None):
+    """PyTorch's FlashAttention-2 varlen forward: causal (aligned bottom-right), GQA, optional sliding window;
+    `q` `[total_q, H, D]`, `k`/`v` `[total_k, Hkv, D]`."""
     w = dict(window_size_left=sliding_window - 1, window_size_right=0) if sliding_window else {}
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False,
-                                                   scale=scale, **w)[0]
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                                   True, False, scale=scale, **w)[0]
 
 def flash_attention_available(q) -> bool:
     "Whether PyTorch's FlashAttention kernel runs on `q`: CUDA sm80+, fp16/bf16, the flash SDPA backend enabled."
@@ -96,22 +99,25 @@ def flash_attention_available(q) -> bool:
 
 # %% ../../nbs/22_attention.ipynb #8f39ab5d
 @patch
-def _fresh_prefill_ok(self: Attention, q, kc) -> bool:
-    "Whether this layer can send the step's fresh prefills to `prefill_fn`."
+def _prefill_split_ok(self: Attention, q, kc) -> bool:
+    "Whether this layer can send the step's prefills to `prefill_fn`."
     if self.prefill_fn is None or self.logits_soft_cap or self.kv_scale is not None or kc.dtype != q.dtype: return False
     if self.head_dim % 8 or self.head_dim > 256: return False
     return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
 
 @patch
-def _split_fresh_prefill(self: Attention, q, kc, vc, ks, vs, ctx, slots, bt):
-    "The paged kernel for the sequences before the fresh run, `prefill_fn` over the run's own (just cached) K/V (`slots`, `bt`: the layer's group's)."
-    fp = ctx.fresh_prefill
-    s, t0 = fp.seq_start, fp.token_start
-    k, v = kc.flatten(0, 1).index_select(0, slots[t0:]), vc.flatten(0, 1).index_select(0, slots[t0:])
-    if s == 0: return self.prefill_fn(q, k, v, fp.cu_seqlens, fp.max_len, self.scale, self.sliding_window)
+def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt):
+    """The paged kernel for the sequences before the prefill run, `prefill_fn` for the run over its K/V gathered from
+    the cache (cached prefix and this step's rows; `bt`: the layer's group's block tables)."""
+    p, w = ctx.prefill, self.sliding_window
+    s, t0 = p.seq_start, p.token_start
+    cu_k, max_k, _, _ = p.keys(w)
+    kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
+    o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    if s == 0: return o
     out = torch.empty_like(q)
     out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
-                             self.scale, sliding_window=self.sliding_window, max_query_len=fp.head_max_query_len,
-                             max_seq_len=fp.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
-    out[t0:] = self.prefill_fn(q[t0:], k, v, fp.cu_seqlens, fp.max_len, self.scale, self.sliding_window)
+                             self.scale, sliding_window=w, max_query_len=p.head_max_query_len,
+                             max_seq_len=p.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
+    out[t0:] = o
     return out

@@ -8,23 +8,60 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/forward_context.html.md"""
 from __future__ import annotations
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['FreshPrefill', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token',
+__all__ = ['PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token',
            'KVCacheGroupSpec', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 @dataclass
-class FreshPrefill:
-    "The trailing run of a step's sequences that have no cached tokens: `seq_start` is its first sequence."
+class PrefillMetadata:
+    "The step's trailing run of prefills (sequences `seq_start ..`) for varlen FlashAttention."
     seq_start: int
     token_start: int             # query_start_loc[seq_start]
-    cu_seqlens: torch.Tensor     # [n + 1] int32: query_start_loc[seq_start:] - token_start
-    max_len: int                 # longest prompt chunk of the run
+    query_lens: np.ndarray       # [n] host: new tokens of each sequence of the run
+    seq_lens: np.ndarray         # [n] host: its tokens in the cache after the step
+    cu_seqlens_q: torch.Tensor   # [n + 1] int32: query_start_loc[seq_start:] - token_start
+    max_seqlen_q: int
     head_max_query_len: int      # maxima of sequences 0 .. seq_start-1 (for the paged kernel)
     head_max_seq_len: int
+    _keys: dict = field(default_factory=dict, repr=False)    # window -> keys(window)
+    _slots: dict = field(default_factory=dict, repr=False)   # (group, window) -> kv_slots
+
+    @classmethod
+    def build(cls, query_start_loc, seq_lens, seq_start: int, device='cpu') -> PrefillMetadata:
+        "The metadata of sequences `seq_start ..` of a step from its host-side `query_start_loc` and `seq_lens`."
+        qsl, L = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+        q, t0 = np.diff(qsl), int(qsl[seq_start])
+        cu = torch.from_numpy((qsl[seq_start:] - t0).astype(np.int32)).to(device)
+        return cls(seq_start, t0, q[seq_start:], L[seq_start:], cu, int(q[seq_start:].max()),
+                   int(q[:seq_start].max(initial=0)), int(L[:seq_start].max(initial=0)))
+
+    def keys(self, window: int | None = None) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """`(cu_seqlens_k, max_seqlen_k, seq, pos)`: the keys each sequence's queries read (all its tokens; with a
+        `window`, from the first one its first query sees), and each key's sequence (in the run) and position."""
+        if window not in self._keys:
+            q, L = self.query_lens, self.seq_lens
+            first = np.zeros_like(L) if window is None else np.maximum(L - q - window + 1, 0)
+            lk = L - first
+            cu = np.concatenate([[0], np.cumsum(lk)])
+            seq = np.repeat(np.arange(len(L)), lk)
+            pos = np.arange(cu[-1]) - np.repeat(cu[:-1] - first, lk)
+            n, nk = len(L) + 1, int(cu[-1])
+            dev = torch.from_numpy(np.concatenate([cu, seq, pos])).to(self.cu_seqlens_q.device)   # one copy
+            self._keys[window] = (dev[:n].int(), int(lk.max()), dev[n:n + nk], dev[n + nk:])
+        return self._keys[window]
+
+    def kv_slots(self, block_tables: torch.Tensor, group: int, window: int | None, block_size: int) -> torch.Tensor:
+        "The cache slot of each key of `keys(window)` in KV cache group `group` (`block_tables`: that group's, whole step)."
+        if (group, window) not in self._slots:
+            _, _, seq, pos = self.keys(window)
+            bt = block_tables[self.seq_start:]
+            self._slots[group, window] = bt[seq, pos // block_size].long() * block_size + pos % block_size
+        return self._slots[group, window]
 
 @dataclass
 class ForwardContext:
@@ -35,7 +72,7 @@ class ForwardContext:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    fresh_prefill: FreshPrefill | None = None
+    prefill: PrefillMetadata | None = None
     # hybrid models (KV cache groups, below): each group's (slot_mapping, block_tables); None: one group, the fields above
     kv_groups: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -125,7 +162,7 @@ def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.floa
 
 # %% ../../nbs/12_forward_context.ipynb #97aa8351
 def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tuple[ForwardContext, int]:
-    "The context of a fresh prefill of sequences of `lens` tokens in consecutive blocks (all fresh), and the blocks it uses."
+    "The context of a prefill of whole sequences of `lens` tokens in consecutive blocks, and the blocks it uses."
     nblk = [-(-n // block_size) for n in lens]
     starts = [sum(nblk[:i]) for i in range(len(lens))]
     bt = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
@@ -134,5 +171,5 @@ def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tupl
     qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     ctx = ForwardContext(slots.to(device), qsl.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
                          bt.to(device), max(lens), max(lens))
-    ctx.fresh_prefill = FreshPrefill(0, 0, ctx.query_start_loc, max(lens), 0, 0)   # every sequence is fresh
+    ctx.prefill = PrefillMetadata.build(qsl, lens, 0, device)   # every sequence is a prefill
     return ctx, sum(nblk)
