@@ -1,0 +1,91 @@
+"""The attention layer's prefill split (nbs/22_attention) at real sizes on a GPU: prefill rows with or without a
+cached prefix on FlashAttention-2 varlen over K/V gathered from the paged cache, decode rows on the paged kernel.
+
+Eight prefill sequences with 0..3000 cached tokens and chunks of 512-2048 (two of them sharing their prefix blocks,
+as a prefix-cache hit does), after three decode rows, 32 query heads over 4 or 8 KV heads of 128, bf16, with and
+without a 1024-token window: the split's output against `varlen_attention_ref` (fp32 softmax over each sequence's
+whole K/V) and against the paged kernel alone. The CPU tests of the same path (the reference in FlashAttention's
+place) are in the notebooks 22 and 50. `python -m benchmarks.kernels.bench_prefill_attention` times it.
+"""
+import pytest
+import torch
+
+from cvllm_lab.layers.attention import Attention, flash_varlen_attention, varlen_attention_ref
+from cvllm_lab.utils.context import ForwardContext, PrefillMetadata, set_forward_context
+
+pytestmark = pytest.mark.cuda
+
+PREFIXES = [0, 3000, 17, 1024, 2500, 0, 511, 3000]   # cached tokens before the step; sequences 1 and 7 share blocks
+CHUNKS = [512, 2048, 700, 1536, 512, 2048, 1024, 999]
+DECODES = [4000, 1, 2047]                           # tokens cached before each decode row
+H, D, BS = 32, 128, 16
+TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def cu(lens):
+    return torch.tensor([0] + lens, dtype=torch.int32, device='cuda').cumsum(0).int()
+
+
+@pytest.mark.parametrize('Hkv', [4, 8])
+@pytest.mark.parametrize('window', [None, 1024])
+def test_flash_varlen_equals_reference(Hkv, window):
+    "The kernel alone on contiguous K/V: chunks over prefixes (more keys than queries), the mask aligned bottom-right."
+    torch.manual_seed(0)
+    lk = [p + c for p, c in zip(PREFIXES, CHUNKS)]
+    q = torch.randn(sum(CHUNKS), H, D, device='cuda', dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lk), Hkv, D, device='cuda', dtype=torch.bfloat16) for _ in range(2))
+    args = (cu(CHUNKS), cu(lk), max(CHUNKS), max(lk), D ** -0.5, window)
+    got, ref = flash_varlen_attention(q, k, v, *args), varlen_attention_ref(q, k, v, *args)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL)
+
+
+def mixed_step(Hkv, window):
+    "Decodes then prefills over one shuffled paged cache: the layer, the step's inputs, and each sequence's whole K/V."
+    torch.manual_seed(1)
+    ctx_lens, q_lens = DECODES + PREFIXES, [1] * len(DECODES) + CHUNKS
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    nblk = [-(-s // BS) for s in seq_lens]
+    perm = torch.randperm(sum(nblk) + 1, device='cuda').int()
+    bt = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32, device='cuda')
+    for i, n in enumerate(nblk): bt[i, :n] = perm[sum(nblk[:i]):sum(nblk[:i]) + n]
+    a, b = len(DECODES) + 1, len(DECODES) + 7              # b's prefix is a's: the same K/V in the same full blocks
+    full = [[torch.randn(s, Hkv, D, device='cuda', dtype=torch.bfloat16) for s in seq_lens] for _ in range(2)]
+    for kv in full: kv[b][:PREFIXES[7]] = kv[a][:PREFIXES[7]]
+    bt[b, :PREFIXES[7] // BS] = bt[a, :PREFIXES[7] // BS]
+    att = Attention(H, D, D ** -0.5, Hkv, sliding_window=window, backend='triton')
+    att.kv_cache = torch.zeros(2, len(perm), BS, Hkv, D, device='cuda', dtype=torch.bfloat16)
+    slot = lambda i, pos: bt[i, pos // BS].long() * BS + pos % BS
+    for i, c in enumerate(ctx_lens):                        # the cached prefixes
+        pos = torch.arange(c, device='cuda')
+        for j in range(2): att.kv_cache[j].view(-1, Hkv, D)[slot(i, pos)] = full[j][i][:c]
+    new = [torch.arange(c, s, device='cuda') for c, s in zip(ctx_lens, seq_lens)]
+    q = torch.randn(sum(q_lens), H, D, device='cuda', dtype=torch.bfloat16)
+    k, v = (torch.cat([x[i][c:] for i, c in enumerate(ctx_lens)]) for x in full)
+    qsl = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    ctx = ForwardContext(torch.cat([slot(i, p) for i, p in enumerate(new)]), cu(q_lens),
+                         torch.tensor(seq_lens, dtype=torch.int32, device='cuda'), bt, max(q_lens), max(seq_lens))
+    ctx.prefill = PrefillMetadata.build(qsl, seq_lens, len(DECODES), 'cuda')
+    return att, ctx, q, k, v, full, q_lens, seq_lens
+
+
+@pytest.mark.parametrize('Hkv', [4, 8])
+@pytest.mark.parametrize('window', [None, 1024])
+def test_layer_split_equals_reference_and_paged(Hkv, window):
+    att, ctx, q, k, v, full, q_lens, seq_lens = mixed_step(Hkv, window)
+    assert att.prefill_fn is flash_varlen_attention and att._prefill_split_ok(q, att.kv_cache[0])
+    calls = []
+    def spy(*a): calls.append(a[3:7]); return flash_varlen_attention(*a)
+    outs = {}
+    for name, fn in (('split', spy), ('paged', None)):
+        att.prefill_fn = fn
+        with set_forward_context(ctx): outs[name] = att(q.flatten(1), k.flatten(1), v.flatten(1)).view_as(q)
+    (cq, ck, mq, mk), = calls                                   # one FlashAttention call, for the 8 prefills
+    first = [0 if window is None else max(0, p - window + 1) for p in PREFIXES]
+    assert ck.tolist() == [0] + torch.tensor([p + c - f for p, c, f in zip(PREFIXES, CHUNKS, first)]).cumsum(0).tolist()
+    assert (cq.tolist(), mq) == ([0] + torch.tensor(CHUNKS).cumsum(0).tolist(), max(CHUNKS))
+    ref = varlen_attention_ref(q, torch.cat(full[0]), torch.cat(full[1]), cu(q_lens), cu(seq_lens), max(q_lens),
+                               max(seq_lens), D ** -0.5, window)
+    torch.testing.assert_close(outs['split'].float(), ref.float(), **TOL)
+    torch.testing.assert_close(outs['split'].float(), outs['paged'].float(), **TOL)
+    err = lambda o: (o.float() - ref.float()).norm() / ref.float().norm()
+    assert err(outs['split']) <= 1.5 * err(outs['paged']) + 1e-3, (err(outs['split']), err(outs['paged']))
