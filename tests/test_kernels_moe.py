@@ -399,3 +399,21 @@ def test_prefill_bookkeeping_time(capsys):
             t = us(lambda: moe_sum(x, block_t=bt, block_h=bh, num_warps=w))
             print(f'  moe_sum block_t={bt} block_h={bh} num_warps={w}: {t:.1f} us ({gbs(t):.0f} GB/s)')
     assert t_sum < t_torch and t_align < 60, (t_sum, t_torch, t_align)
+
+
+@cuda
+def test_moe_align_time_by_size(monkeypatch, capsys):
+    """Device times of the one-program alignment and the three-launch grid at decode batches (Qwen3-30B-A3B, the
+    BLOCK_M of each bucket's tuned row), printed (`-s`) to place `ALIGN_ONE_PROGRAM_MAX`; both equal the PyTorch ops."""
+    from triton.testing import do_bench_cudagraph
+    E, k = REAL[:2]
+    with capsys.disabled(): print()
+    for T, bm in [(8, 16), (32, 16), (64, 16), (128, 16), (256, 32), (512, 64), (1024, 64)]:
+        ids = torch.randn(T, E, device='cuda').topk(k, dim=-1).indices.to(torch.int32)
+        ref, times = fm.moe_align_block_size_ref(ids, bm, E), {}
+        for impl, limit in (('one program', 1 << 30), ('grid', 0)):
+            monkeypatch.setattr(fm, 'ALIGN_ONE_PROGRAM_MAX', limit)
+            assert all(torch.equal(a, b) for a, b in zip(fm.moe_align_block_size(ids, bm, E), ref)), impl
+            times[impl] = do_bench_cudagraph(lambda: fm.moe_align_block_size(ids, bm, E), rep=30) * 1e3
+        with capsys.disabled():
+            print(f'align T={T} (n={T * k}) BLOCK_M={bm}: ' + ', '.join(f'{i} {t:.1f} us' for i, t in times.items()))
