@@ -45,6 +45,7 @@ from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_pack
 __all__ = ['fused_moe_w4a16', 'fused_moe_w4a16_ref', 'dequantize_experts_w4a16', 'w4a16_moe_config', 'CONFIGS',
            'DECODE_MAX_T']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+TK = tl.constexpr(TILE_K)   # the K-tile, as a global the kernels may read
 
 DECODE_MAX_T = 4   # up to this many tokens: the GEMV decode path
 # max tokens -> launch sizes (the first row whose bound is >= T); `decode`: the GEMV path's column blocks, warps
@@ -54,7 +55,7 @@ CONFIGS = {
                        decode=dict(BN1=32, W1=4, BN2=32, W2=4, SPLIT2=2)),
     64: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),
     512: dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-    1 << 62: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    1 << 62: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),   # 64 x 128 spills with ACT's two accumulators
     'interpret': dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1,
                       decode=dict(BN1=32, W1=4, BN2=32, W2=4, SPLIT2=2)),
 }
@@ -132,17 +133,17 @@ def _w4a16_moe_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, c_ptr, topk_w_ptr, sorted_ids
     o_ptrs = o_ptr + expert * stride_se + cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(0, tl.cdiv(K, TILE_K)):
+    for t in range(0, tl.cdiv(K, TK)):
         words = tl.load(w_ptrs + t * C * NW)
         if ACT:
             words2 = tl.load(w_ptrs + t * C * NW + N)   # the up columns
-        if G >= TILE_K:                                  # one scale group for the whole K-tile
-            s, b = _group_sb(s_ptrs, o_ptrs, (t * TILE_K) // G, NW, BITS)
+        if G >= TK:                                  # one scale group for the whole K-tile
+            s, b = _group_sb(s_ptrs, o_ptrs, (t * TK) // G, NW, BITS)
             if ACT:
-                s2, b2 = _group_sb(s_ptrs + N, o_ptrs + N, (t * TILE_K) // G, NW, BITS)
+                s2, b2 = _group_sb(s_ptrs + N, o_ptrs + N, (t * TK) // G, NW, BITS)
         for j in tl.static_range(FIELDS):
-            k0 = t * TILE_K + j * C
-            if G < TILE_K:
+            k0 = t * TK + j * C
+            if G < TK:
                 s, b = _group_sb(s_ptrs, o_ptrs, k0 // G, NW, BITS)
                 if ACT:
                     s2, b2 = _group_sb(s_ptrs + N, o_ptrs + N, k0 // G, NW, BITS)
@@ -170,8 +171,8 @@ def _gemv_tile(acc, xp, words, s, b, t, K, ONE, BITS: tl.constexpr, EVEN_K: tl.c
     C: tl.constexpr = 4 * BITS
     rc = tl.arange(0, C)
     for j in tl.static_range(32 // BITS):
-        k0 = t * TILE_K + j * C
-        if G < TILE_K:
+        k0 = t * TK + j * C
+        if G < TK:
             s, b = _group_sb(s_ptrs, o_ptrs, k0 // G, NW, BITS)
         if EVEN_K:
             xv = tl.load(xp + k0 + rc).to(tl.float32)
@@ -202,10 +203,10 @@ def _w4a16_gemv_act_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, I, K, 
     b = s
     s2 = s
     b2 = s
-    for t in range(0, tl.cdiv(K, TILE_K)):
-        if G >= TILE_K:
-            s, b = _group_sb(sp, op, (t * TILE_K) // G, NW, BITS)
-            s2, b2 = _group_sb(sp + I, op + I, (t * TILE_K) // G, NW, BITS)
+    for t in range(0, tl.cdiv(K, TK)):
+        if G >= TK:
+            s, b = _group_sb(sp, op, (t * TK) // G, NW, BITS)
+            s2, b2 = _group_sb(sp + I, op + I, (t * TK) // G, NW, BITS)
         g = tl.load(wp + t * C * NW, eviction_policy='evict_first')
         u = tl.load(wp + t * C * NW + I, eviction_policy='evict_first')
         acc_g = _gemv_tile(acc_g, xp, g, s, b, t, K, ONE, BITS, EVEN_K, G, sp, op, NW, 1.0)
@@ -240,9 +241,9 @@ def _w4a16_gemv_down_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, ids_ptr, tw_ptr, out_pt
         sp = s_ptr + e * stride_se + cols
         op = o_ptr + e * stride_se + cols
         xp = a_ptr + a.to(tl.int64) * stride_am
-        for kt in range(0, tl.cdiv(K, TILE_K)):
-            if G >= TILE_K:
-                s, b = _group_sb(sp, op, (kt * TILE_K) // G, N, BITS)
+        for kt in range(0, tl.cdiv(K, TK)):
+            if G >= TK:
+                s, b = _group_sb(sp, op, (kt * TK) // G, N, BITS)
             words = tl.load(wp + kt * C * N, eviction_policy='evict_first')
             acc = _gemv_tile(acc, xp, words, s, b, kt, K, ONE, BITS, EVEN_K, G, sp, op, N, wt)
     store_out(tl.sum(acc, axis=0), out_ptr + t.to(tl.int64) * stride_om + rn, nmask, ws_ptr + t * N + rn,
