@@ -51,7 +51,7 @@ def rel_max(a, b):
 def test_w4a16_moe_real_shape(experts, M):
     x, tw, ids = routed(M, M)
     ref = fused_moe_w4a16_ref(x, *experts, tw, ids)
-    assert ref.float().abs().max() > 0.1, 'the problem is scaled so that the output is O(1)'
+    assert ref.float().abs().max() > 0.05, 'the problem is scaled so that the output is not vanishing (about 0.06 std)'
     paths = [None, dict(decode=None)] if M <= DECODE_MAX_T else [None]
     for cfg in paths:
         out = fused_moe_w4a16(x, *experts, tw, ids, config=cfg)
