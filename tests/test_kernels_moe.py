@@ -349,11 +349,12 @@ def test_fused_moe_decode_in_cuda_graph():
 @pytest.mark.parametrize('T,E,k,block_m,skew', [(256, 128, 8, 32, False), (8192, 128, 8, 64, False),
                                                 (8192, 128, 8, 128, False), (8192, 128, 8, 128, True),
                                                 (8192, 64, 6, 64, False), (8192, 64, 6, 128, True),
-                                                (16384, 128, 8, 128, False), (3000, 8, 2, 64, True)])
+                                                (16384, 128, 8, 128, False), (16384, 256, 8, 64, False),
+                                                (3000, 8, 2, 64, True)])
 def test_moe_align_grid_real_sizes(T, E, k, block_m, skew):
     """The three-launch alignment at a batch-256 decode step and prefill chunks (Qwen3-30B-A3B's 128 experts top-8,
-    DeepSeek-V2-Lite's 64 top-6, Mixtral's 8 top-2) equals the PyTorch ops exactly; `skew`: every token routed
-    among 2k experts, the others left empty."""
+    DeepSeek-V2-Lite's 64 top-6, Mixtral's 8 top-2; 2048 chunks of 64 at 256 experts: the offsets scan loops)
+    equals the PyTorch ops exactly; `skew`: every token routed among 2k experts, the others left empty."""
     logits = torch.randn(T, E, device='cuda')
     if skew: logits[:, E // 4:E // 4 + 2 * k] += 100
     ids = logits.topk(k, dim=-1).indices.to(torch.int32)
