@@ -22,9 +22,11 @@ from ..models.llama import LlamaForCausalLM
 from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 
 # %% auto #0
-__all__ = ['CPU_KV_CACHE_BYTES', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput', 'StepHandle']
+__all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
+PREFILL_SPLIT_MIN_TOKENS = 128   # a chunk over cached tokens this short stays on the paged kernel
+
 class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
@@ -37,6 +39,9 @@ class ModelRunner:
         if self.cpu_fast: self.setup_cpu()
         self.sampler = Sampler()
         self.block_size = cfg.block_size
+        # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, below)
+        self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
+        self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
         self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
@@ -114,14 +119,20 @@ def determine_num_blocks(self: ModelRunner) -> int:
 @patch
 @torch.inference_mode()
 def profile_run(self: ModelRunner):
-    "A forward of `max_num_batched_tokens` tokens (one sequence) with a scratch cache, to measure peak memory."
+    """A forward of `max_num_batched_tokens` tokens (one sequence) with a scratch cache, to measure peak memory. Where
+    a layer splits prefills, the sequence reads `prefill_split_max_keys` keys (its blocks wrap around the scratch
+    cache), so the largest K/V gather of the prefill split is measured too."""
     T, bs = self.cfg.max_num_batched_tokens, self.block_size
     T = min(T, self.cfg.max_model_len)
-    nb = -(-T // bs)
+    nb = -(-T // bs) + 1
+    split = not self.fp8_kv and any(getattr(a, 'prefill_fn', None) is not None for a in self.model.attention_layers())
+    S = max(T, self.prefill_split_max_keys) if split else T
     bind_kv_cache(self.model, nb, bs, self.cfg.kv_cache_torch_dtype, self.device)
-    ctx = ForwardContext(torch.arange(T, device=self.device), torch.tensor([0, T], dtype=torch.int32, device=self.device),
-                         torch.tensor([T], dtype=torch.int32, device=self.device),
-                         torch.arange(nb, dtype=torch.int32, device=self.device)[None], T, T)
+    bt = (torch.arange(-(-S // bs), device=self.device) % nb).int()[None]
+    pos = torch.arange(S - T, S, device=self.device)
+    ctx = ForwardContext(bt[0, pos // bs].long() * bs + pos % bs, torch.tensor([0, T], dtype=torch.int32, device=self.device),
+                         torch.tensor([S], dtype=torch.int32, device=self.device), bt, T, S)
+    if split: ctx.prefill = PrefillMetadata.build([0, T], [S], 0, self.device)
     with set_forward_context(ctx):
         h = self.model(torch.zeros(T, dtype=torch.long, device=self.device), torch.arange(T, device=self.device))
         self.compute_logits(h[:min(T, self.cfg.max_num_seqs)])
@@ -144,7 +155,7 @@ class InputBatch:
     sample_rows: list[int] | slice              # rows to sample (`slice(None)`: every row)
     sample_reqs: list[Request]                  # the request of each sampled row
     prompt_logprobs: list[tuple[Request, list[int], list[int]]]   # (request, rows, the prompt tokens they predict)
-    # first sequence of the trailing run of prefills (more than one new token each); None when the last one decodes
+    # first sequence of the step's trailing run of prefills for FlashAttention (`prefill_metadata`); None: no run
     prefill_start: int | None = None
     # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
     group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
@@ -177,8 +188,10 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     groups = [(torch.tensor(gs, dtype=torch.long), torch.from_numpy(_table_array([tabs[r.request_id] for r in so.scheduled])))
               for gs, tabs in zip(gslots, more)]
     qlen, B = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], len(seq_lens)
-    s = B
-    while s and qlen[s - 1] > 1: s -= 1   # back over the prefills at the end of the step
+    s, keys = B, 0   # back over the prefills at the end of the step that may run on FlashAttention
+    while s and qlen[s - 1] >= min(seq_lens[s - 1], self.prefill_split_min_tokens) and (
+            keys + seq_lens[s - 1] <= self.prefill_split_max_keys):
+        s -= 1; keys += seq_lens[s]
     return InputBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                       torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
                       torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(bt),
