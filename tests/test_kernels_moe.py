@@ -381,19 +381,22 @@ def test_moe_sum_real_size(T, k, H, dtype):
 @cuda
 def test_prefill_bookkeeping_time(capsys):
     """Device time (CUDA graph replays) of the alignment and the top-k sum at one 8192-token chunk of
-    Qwen3-30B-A3B; printed (`-s`) with the top-k sum's other tile shapes. Before the parallel offsets scan the
-    alignment took ~80 us per layer and torch's sum ~110 us."""
+    Qwen3-30B-A3B, printed (`-s`) with the other launch shapes; `moe_sum` must beat torch's sum over the middle
+    axis, and the three alignment launches stay under 60 us."""
     from triton.testing import do_bench_cudagraph
+    from cvllm_lab.kernels.fused_moe_align import moe_align_block_size_grid
     from cvllm_lab.kernels.moe_sum import moe_sum
     T, (E, k, H, _) = 8192, REAL
     ids = torch.randn(T, E, device='cuda').topk(k, dim=-1).indices.to(torch.int32)
     us = lambda f: do_bench_cudagraph(f, rep=50) * 1e3
     t_align = us(lambda: fm.moe_align_block_size(ids, 128, E))
+    em = fm.moe_align_block_size_ref(ids, 128, E)[0].numel()
+    t_align8 = us(lambda: moe_align_block_size_grid(ids.flatten(), em, 128, E, num_warps=8))
     x = torch.randn(T, k, H, device='cuda', dtype=torch.bfloat16)
     gbs = lambda t: (x.numel() + T * H) * 2 / t / 1e3
     t_torch, t_sum = us(lambda: x.sum(1)), us(lambda: moe_sum(x))
     with capsys.disabled():
-        print(f'\nalign T={T} E={E} k={k} BLOCK_M=128: {t_align:.1f} us')
+        print(f'\nalign T={T} E={E} k={k} BLOCK_M=128: {t_align:.1f} us (count and scatter at 8 warps: {t_align8:.1f})')
         print(f'top-k sum [{T}, {k}, {H}] bf16: torch {t_torch:.1f} us ({gbs(t_torch):.0f} GB/s), '
               f'moe_sum {t_sum:.1f} us ({gbs(t_sum):.0f} GB/s)')
         for bt, bh, w in [(1, 1024, 4), (1, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 512, 4), (8, 256, 4)]:
