@@ -174,7 +174,7 @@ def moe_align_block_size_ref(topk_ids, block_m: int, num_experts: int):
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, EM,
-                      BM: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+                      BM: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     "One program: per-expert counts, their padded prefix sums, the block experts, then a stable scatter."
     experts = tl.arange(0, E_P2)
     rows = tl.arange(0, CHUNK)
@@ -186,8 +186,9 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, EM,
     pend = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(ntpp_ptr, total)
-    for c in range(0, EM, CHUNK):
-        tl.store(sorted_ptr + c + rows, tl.zeros([CHUNK], dtype=tl.int32) + n, mask=c + rows < EM)
+    fill = tl.arange(0, FILL)                            # the sentinel fill in wide stores: EM >> n at large BM
+    for c in range(0, EM, FILL):
+        tl.store(sorted_ptr + c + fill, tl.zeros([FILL], dtype=tl.int32) + n, mask=c + fill < EM)
     for c in range(0, EM // BM, CHUNK):
         start = (c + rows) * BM                          # a block's expert: how many experts end at or before it
         eid = tl.sum((pend[None, :] <= start[:, None]).to(tl.int32), axis=1)
@@ -222,7 +223,8 @@ def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
     ntpp = torch.empty(1, dtype=torch.int32, device=ids.device)
     e_p2 = triton.next_power_of_2(num_experts)
     _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, n, em, BM=block_m, E_P2=e_p2,
-                            CHUNK=max(16, min(128, 8192 // e_p2)), num_warps=4)
+                            CHUNK=max(16, min(128, 8192 // e_p2)), FILL=min(1024, triton.next_power_of_2(em)),
+                            num_warps=4)
     return sorted_ids, expert_ids, ntpp
 
 
