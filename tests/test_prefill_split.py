@@ -89,3 +89,39 @@ def test_layer_split_equals_reference_and_paged(Hkv, window):
     torch.testing.assert_close(outs['split'].float(), outs['paged'].float(), **TOL)
     err = lambda o: (o.float() - ref.float()).norm() / ref.float().norm()
     assert err(outs['split']) <= 1.5 * err(outs['paged']) + 1e-3, (err(outs['split']), err(outs['paged']))
+
+
+def test_engine_split_on_equals_off():
+    """A tiny bf16 Llama through `LLM` with chunked prefill (256 tokens a step) and prefix caching (a shared 512-token
+    prefix): the split on (later chunks and prefix-cache hits on FlashAttention) and off (`prefill_fn` None, as with
+    CVLLM_LAB_FLASH_PREFILL=0) give the same first greedy tokens and prompt log-probs within bf16 noise."""
+    import tempfile
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from cvllm_lab import LLM, SamplingParams
+    torch.manual_seed(0)
+    d = tempfile.mkdtemp()
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                 architectures=['LlamaForCausalLM'])).save_pretrained(d)
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, 512, (n,), generator=g).tolist()
+    prefix = rand(512)
+    rounds = [[prefix + rand(300), rand(700)], [prefix + rand(400), prefix + rand(150), rand(900)]]
+    calls, outs = [], {}
+    def spy(q, k, v, cu_q, cu_k, *a):
+        calls.append(cu_q.tolist() != cu_k.tolist()); return flash_varlen_attention(q, k, v, cu_q, cu_k, *a)
+    for fn in (None, spy):
+        llm = LLM(d, progress=False, device='cuda', dtype='bfloat16', skip_tokenizer_init=True, block_size=16,
+                  kv_cache_memory=256 << 20, max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=True)
+        for a in llm.engine.runner.model.attention_layers(): a.prefill_fn = fn
+        outs[fn] = [o for ps in rounds for o in llm.generate(
+            [{'prompt_token_ids': p} for p in ps],
+            [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0 if i % 2 else None)
+             for i in range(len(ps))], use_tqdm=False)]
+        del llm
+    assert any(calls) and any(o.num_cached_tokens for o in outs[spy])
+    for a, b in zip(outs[None], outs[spy]):
+        assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4]
+        if a.prompt_logprobs is not None:
+            la, lb = ([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in (a, b))
+            assert max(abs(x - y) for x, y in zip(la, lb)) < 0.05

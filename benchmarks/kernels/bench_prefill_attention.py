@@ -1,6 +1,6 @@
 """Time prefill attention on a GPU: the paged Triton kernel against the attention layer's FlashAttention-2 split.
 
-    python -m benchmarks.kernels.bench_prefill_attention [--shapes 8x1024,4x2048,1x8192,8x512+3000]
+    python -m benchmarks.kernels.bench_prefill_attention [--shapes 8x1024,4x2048,16x512+3000 (default: SHAPES)]
         [--heads 32,8,128 32,4,128] [--reps 20] [--out FILE.csv]
 
 A shape `BxL` is B fresh prompts of L tokens; `BxL+P` is B chunks of L new tokens over P cached tokens each (a later
@@ -11,7 +11,8 @@ runs: `paged_attention` over the block table, and what the attention layer does 
 `flash_varlen_attention` with separate query and key bounds). The gather's slots are worked out once per step
 (`PrefillMetadata.kv_slots`), outside the timing, as in the engine. Printed with TFLOP/s of the causal attention
 (2 matmuls over P+L/2 keys per query on average: `4 * H * D * B * (L*P + L^2/2)` FLOPs) and the two outputs' largest
-difference.
+difference. The last points (short chunks over long prefixes) show where the gather stops paying for itself: the
+runner keeps chunks under `PREFILL_SPLIT_MIN_TOKENS` over cached tokens on the paged kernel.
 """
 from benchmarks.kernels import common as C
 
@@ -23,6 +24,8 @@ import torch
 from cvllm_lab.kernels import paged_attention as pa
 from cvllm_lab.layers.attention import Attention
 from cvllm_lab.utils.context import ForwardContext, PrefillMetadata
+
+SHAPES = '8x1024,4x2048,1x8192,16x512+3000,4x2048+2000,2x4096+4000,32x64+4000,32x128+4000,16x256+4000'
 
 
 def prefill_step(B, L, P, H, Hkv, D, bs=16, dtype=torch.bfloat16, device='cuda'):
@@ -45,7 +48,7 @@ def prefill_step(B, L, P, H, Hkv, D, bs=16, dtype=torch.bfloat16, device='cuda')
 
 def main():
     shapes = []
-    for s in C.arg('--shapes', '8x1024,4x2048,1x8192,16x512+3000,4x2048+2000,2x4096+4000').split(','):
+    for s in C.arg('--shapes', SHAPES).split(','):
         bl, _, p = s.partition('+')
         shapes.append(tuple(int(x) for x in bl.split('x')) + (int(p or 0),))
     i = sys.argv.index('--heads') + 1 if '--heads' in sys.argv else None
