@@ -1,4 +1,4 @@
-"""Perplexity of SmolLM2-135M on a fixed text for the float baseline and every in-situ quantization format, on CPU: the accuracy check of the quantization work.
+"""Perplexity of SmolLM2-135M on a fixed text for the float baseline and every in-situ quantization format, on CPU: the accuracy check of the quantization work. `python -m cvllm_lab.bench.perplexity` loads a model through `LLM(quantization=, dtype=)`, sets the FP8 layers to the GPU's numerics (weight-only or W8A8), runs the text as one flat prefill and writes one CSV row per format.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/perplexity.html.md"""
 
@@ -14,7 +14,7 @@ from ..quant.w4a16 import QuantLinear
 from ..layers.basic import Linear
 
 # %% auto #0
-__all__ = ['perplexity', 'decoder_bits_per_weight', 'layer_types']
+__all__ = ['FORMATS', 'perplexity', 'decoder_bits_per_weight', 'layer_types', 'scored_tokens', 'measure', 'main']
 
 # %% ../../nbs/65_perplexity.ipynb #6a9e3fd8
 @torch.no_grad()
@@ -53,3 +53,83 @@ def layer_types(model) -> str:
         if isinstance(m, QuantLinear) and not any(isinstance(p, QuantLinear) for p in m.children()):
             c[getattr(getattr(m, 'qtype', None), 'name', None) or type(m).__name__] += 1
     return ', '.join(f'{k} x{v}' for k, v in sorted(c.items()))
+
+# %% ../../nbs/65_perplexity.ipynb #79c4529a
+import argparse, os, subprocess, time
+from pathlib import Path
+from ..quant.fp8 import set_fp8_numerics
+
+FORMATS = {   # name: (format, quantization, dtype, FP8 numerics, execution)
+    'fp32': ('fp32', None, 'float32', None, 'baseline: float weights, fp32'),
+    'bf16': ('bf16', None, 'bfloat16', None, 'weights and activations bf16'),
+    'fp8-w8a16': ('fp8', 'fp8', 'float32', 'w8a16', 'W8A16 as batch 1 runs it: e4m3 128x128 weights, fp32 activations'),
+    'fp8-w8a8': ('fp8', 'fp8', 'float32', 'w8a8', 'W8A8 as M > 1 runs it: + activations e4m3 per 1x128 group'),
+    'w4a16': ('w4a16', 'w4a16', 'float32', None, 'W4A16 reference (int4 sym g128 dequantized), fp32 activations'),
+    'fp8-w8a16-bf16': ('fp8', 'fp8', 'bfloat16', 'w8a16', 'W8A16 as batch 1 runs it, bf16 activations'),
+    'fp8-w8a8-bf16': ('fp8', 'fp8', 'bfloat16', 'w8a8', 'W8A8 as M > 1 runs it, bf16 activations'),
+    'w4a16-bf16': ('w4a16', 'w4a16', 'bfloat16', None, 'W4A16 reference, bf16 activations'),
+}
+
+def scored_tokens(n: int, window: int = 512) -> int:
+    "How many tokens `perplexity` scores in `n` tokens cut into windows (all but the first of each window)."
+    return sum(min(window, n - s) - 1 for s in range(0, n, window) if n - s > 1)
+
+def measure(model, ids: torch.Tensor, quantization=None, dtype: str = 'float32', numerics=None, window: int = 512,
+            device: str = 'cpu') -> float:
+    """Perplexity of `ids` for `LLM(model, quantization=, dtype=, device=)`, its FP8 layers set to `numerics`
+    (`set_fp8_numerics`; CPU only); the CPU fast path off."""
+    from cvllm_lab.entrypoints.llm import LLM
+    prev = os.environ.get('CVLLM_LAB_CPU_FAST_PATH')
+    os.environ['CVLLM_LAB_CPU_FAST_PATH'] = '0'
+    try:
+        llm = LLM(model=str(model), quantization=quantization, dtype=dtype, device=device, skip_tokenizer_init=True,
+                  progress=False, max_model_len=window, block_size=16, num_gpu_blocks_override=-(-window // 16))
+    finally:
+        if prev is None: del os.environ['CVLLM_LAB_CPU_FAST_PATH']
+        else: os.environ['CVLLM_LAB_CPU_FAST_PATH'] = prev
+    runner = llm.engine.runner
+    if set_fp8_numerics(runner.model, numerics) == 0 and numerics is not None:
+        raise ValueError(f"numerics={numerics!r} but the model has no FP8 layer (quantization={quantization!r})")
+    return perplexity(runner.model, ids, window, logits=runner.compute_logits)
+
+# %% ../../nbs/65_perplexity.ipynb #17e8e948
+def _commit() -> str:
+    try: return subprocess.run(['git', 'describe', '--always', '--dirty'], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError): return ''
+
+def main(argv=None):
+    from cvllm_lab.config import default_model_path
+    from cvllm_lab.tokenizer import load_tokenizer
+    from cvllm_lab.weights.loader import resolve_model_source
+    ap = argparse.ArgumentParser(prog='python -m cvllm_lab.bench.perplexity', description=__doc__)
+    ap.add_argument('--model', default=None, help='a model folder or GGUF (default: the embedded SmolLM2 GGUF)')
+    ap.add_argument('--text', default='data/ppl_text.txt')
+    ap.add_argument('--window', type=int, default=512)
+    ap.add_argument('--device', default='cpu')
+    ap.add_argument('--formats', nargs='*', default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument('--quantization', default=None, help='measure this method instead of --formats')
+    ap.add_argument('--dtype', default='float32')
+    ap.add_argument('--fp8-numerics', default=None, choices=['w8a16', 'w8a8', 'cuda'])
+    ap.add_argument('--out', default=None, help='write the table as CSV here')
+    a = ap.parse_args(argv)
+    model = a.model or str(default_model_path())
+    src = resolve_model_source(model)
+    ids = torch.tensor(load_tokenizer(src.root, src.gguf_file).encode(Path(a.text).read_text()))
+    runs = ([(a.quantization or 'float', a.quantization, a.dtype, a.fp8_numerics, f'{a.dtype}, fp8 numerics {a.fp8_numerics}')]
+            if a.quantization or a.fp8_numerics else [FORMATS[f] for f in a.formats])
+    rows, base, commit = [], None, _commit()
+    for fmt, q, dtype, num, what in runs:
+        t0 = time.time()
+        p = measure(model, ids, q, dtype, num, a.window, a.device)
+        if fmt == 'fp32': base = p
+        rows.append(dict(format=fmt, execution=what, dtype=dtype, perplexity=round(p, 3),
+                         delta_pct=round(100 * (p / base - 1), 2) if base else float('nan'),
+                         tokens=scored_tokens(len(ids), a.window), device=a.device, commit=commit))
+        print(f"{fmt:6} {dtype:9} {p:8.3f} {rows[-1]['delta_pct']:+7.2f}%  {time.time() - t0:5.1f} s  {what}", flush=True)
+    if a.out:
+        import pandas as pd
+        pd.DataFrame(rows).to_csv(a.out, index=False)
+    return rows
+
+# %% ../../nbs/65_perplexity.ipynb #45016dd3
+if __name__ == '__main__': main()
