@@ -12,8 +12,8 @@ from ..kernels.fp8_layout import BLOCK, dequantize_fp8_block
 from .base import QuantLinear
 
 # %% auto #0
-__all__ = ['FP8_MAX', 'FP8_NUMERICS', 'FP8_METHODS', 'quantize_fp8_block', 'quantize_fp8_channel', 'FP8Linear',
-           'set_fp8_numerics', 'fp8_checkpoint_config', 'fp8_shard_tensors']
+__all__ = ['FP8_MAX', 'FP8_NUMERICS', 'FP8_NUMERICS_GPU', 'FP8_METHODS', 'quantize_fp8_block', 'quantize_fp8_channel',
+           'FP8Linear', 'set_fp8_numerics', 'fp8_checkpoint_config', 'fp8_shard_tensors']
 
 # %% ../../nbs/44_fp8.ipynb #ad64a59f
 FP8_MAX = 448.0
@@ -122,16 +122,25 @@ class FP8Linear(QuantLinear):
 # %% ../../nbs/44_fp8.ipynb #724f835c
 FP8_NUMERICS = ('cuda', 'w8a16', 'w8a8')
 
+FP8_NUMERICS_GPU = 'NVIDIA_H200'   # the GPU (a `tuned.device_key`) whose tuned tables `'cuda'` follows off CUDA
+
+def _rows_config(N: int, K: int, M: int, block: bool, device: torch.device) -> tuple[bool, dict]:
+    """`fp8_matmul`'s choice for M rows: (whether the GEMV takes them, the row bucket's `configs/fp8_gemm` config, as
+    `fp8_matmul.gemm_config` looks it up); on CUDA the device's tables, elsewhere those of `FP8_NUMERICS_GPU`."""
+    from cvllm_lab.kernels.fp8_gemm import gemm_bucket
+    from cvllm_lab.kernels.tuned import configs_for, load_configs
+    T = configs_for('fp8_gemm', device) if device.type == 'cuda' else load_configs('fp8_gemm', FP8_NUMERICS_GPU)
+    b = gemm_bucket(M)
+    cfg = T[f"{'block' if block else 'channel'}_shapes"].get((N, K, b)) or T['default' if block else 'channel'][b]
+    return M <= T['dispatch'].get('gemv_max_m', 1), cfg
+
 @patch
 def execution(self: FP8Linear, M: int, device=None) -> str:
-    """What `fp8_matmul` runs for M rows on `device` (default: the layer's; off CUDA the `default.json` tables): 'w8a16'
-    (the GEMV up to `gemv_max_m` rows; `fp8_mm` where the row bucket's backend is `w8a16`) or 'w8a8' (x quantized to e4m3)."""
-    from cvllm_lab.kernels.fp8_matmul import MM_MAX_M, gemm_config
-    from cvllm_lab.kernels.tuned import configs_for
-    device = torch.device(device or self.weight.device)
-    if M <= configs_for('fp8_gemm', device)['dispatch'].get('gemv_max_m', 1): return 'w8a16'
-    cfg = gemm_config(self.output_size, self.input_size, M, 'block' if self.block else 'channel', device)
-    return 'w8a16' if cfg.get('backend') == 'w8a16' and self.block and M <= MM_MAX_M else 'w8a8'
+    """What `fp8_matmul` runs for M rows (`_rows_config`; `device` defaults to the layer's): 'w8a16' (the GEMV up to
+    `gemv_max_m` rows; `fp8_mm` where the row bucket's backend is `w8a16`) or 'w8a8' (x quantized to e4m3)."""
+    from cvllm_lab.kernels.fp8_matmul import MM_MAX_M
+    gemv, cfg = _rows_config(self.output_size, self.input_size, M, self.block, torch.device(device or self.weight.device))
+    return 'w8a16' if gemv or (cfg.get('backend') == 'w8a16' and self.block and M <= MM_MAX_M) else 'w8a8'
 
 @patch
 def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
@@ -139,7 +148,7 @@ def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
     quantized with the activation grouping of M's row bucket, or the checkpoint's static scale / scale bound), or
     `'cuda'`: the one `fp8_matmul` runs for this many rows (`execution`)."""
     from cvllm_lab.kernels.fp8_gemm import fp8_gemm_ref
-    from cvllm_lab.kernels.fp8_matmul import fp8_matmul_ref, gemm_config
+    from cvllm_lab.kernels.fp8_matmul import fp8_matmul_ref
     if numerics not in FP8_NUMERICS: raise ValueError(f"numerics must be one of {FP8_NUMERICS}, got {numerics!r}")
     N, K = self.output_size, self.input_size
     x2 = x.reshape(-1, K)
@@ -147,7 +156,7 @@ def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
     if (self.execution(M, x.device) if numerics == 'cuda' else numerics) == 'w8a16':
         y = fp8_matmul_ref(x2, self.weight, self.scale, N, K)
     else:
-        ag = gemm_config(N, K, M, 'block' if self.block else 'channel', x.device).get('act_group', 128)
+        ag = _rows_config(N, K, M, self.block, x.device)[1].get('act_group', 128)
         y = fp8_gemm_ref(x2, self.weight, self.scale, N, K, ag, self.input_scale, self.input_scale_ub)
     return self._add_bias(y).reshape(*x.shape[:-1], N)
 
