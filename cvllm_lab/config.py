@@ -35,7 +35,7 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if dtype not in DTYPES: raise ValueError(f"Unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
-KV_CACHE_DTYPES = {'auto': None, 'fp8': torch.float8_e4m3fn, 'fp8_e4m3': torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {'auto': None, 'bfloat16': torch.bfloat16, 'fp8': torch.float8_e4m3fn, 'fp8_e4m3': torch.float8_e4m3fn}
 
 # %% ../nbs/00_config.ipynb #595477ac
 @dataclass
@@ -59,7 +59,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None       # bytes for the KV cache (candle-vllm --mem is MB); wins over the above
     num_gpu_blocks_override: int | None = None
     attention_backend: str = 'auto'          # 'torch' | 'triton'
-    kv_cache_dtype: str = 'auto'             # 'auto' (model dtype) | 'fp8' / 'fp8_e4m3' (float8_e4m3fn + scales)
+    kv_cache_dtype: str = 'auto'             # 'auto' (model dtype; bf16 on the CPU fast path) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
     enforce_eager: bool = False
     async_scheduling: bool | None = None     # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None

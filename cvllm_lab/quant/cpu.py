@@ -20,8 +20,9 @@ from .base import QuantLinear
 from .gguf import GGUFLinear, quantize
 
 # %% auto #0
-__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'DENSE_BYTES', 'cpu_threads', 'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary',
-           'CPUDecodeAttention', 'CPUDecodeStep', 'CPUDecoderLayer', 'cpu_fast_path']
+__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'DENSE_BYTES', 'cpu_threads', 'pack_bf16', 'dense_linear',
+           'CPUInt4Linear', 'CPURotary', 'decode_attention', 'CPUDecodeAttention', 'CPUDecodeStep', 'CPUDecoderLayer',
+           'cpu_fast_path']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -137,6 +138,20 @@ class CPURotary(nn.Module):
             return (x * cos + torch.cat([x[..., h:], x[..., :h]], -1) * sin).view(T, -1)
         return rot(q), rot(k)
 
+# %% ../../nbs/42_cpu_linear.ipynb #2481ed3f
+CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode path reads
+
+def decode_attention(q, k, v, mask, pad, scale):
+    """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
+    kept / padding, `[B, 1, 1, L]`, or None). An fp32 cache goes to SDPA; a bf16 one is made contiguous and multiplied
+    in bf16 (both operands' bytes halved), the softmax in fp32. Returns `[B, Hkv, G, D]` fp32."""
+    if k.dtype == torch.float32: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    k, v = k.contiguous(), v.contiguous()
+    s = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).float().mul_(scale)
+    if pad is not None: s.masked_fill_(pad, float('-inf'))
+    return torch.matmul(torch.softmax(s, -1).to(v.dtype), v).float()
+
+
 # %% ../../nbs/42_cpu_linear.ipynb #374ad904
 class CPUDecodeAttention:
     """The torch backend's `(reshape_and_cache, paged_attention)` pair with a lean path for decode batches on CPU:
@@ -149,8 +164,8 @@ class CPUDecodeAttention:
             self._slots, self._slots_long = [(slot_mapping, slot_mapping.clone())], slot_mapping.long()
             self._all_real = bool((self._slots_long >= 0).all())
         if ks is not None or not self._all_real: return reshape_and_cache_ref(k, v, kc, vc, slot_mapping, ks, vs)
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self._slots_long, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, self._slots_long, v)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self._slots_long, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, self._slots_long, v.to(vc.dtype))
 
     def _prepare(self, bt, seq_lens, L, bs):
         "The step's block ids `[B * nblk]` and the key-padding mask (none for one sequence: its keys are cut at its length)."
@@ -158,11 +173,12 @@ class CPUDecodeAttention:
         self._meta, self._blocks = [(bt, bt.clone()), (seq_lens, seq_lens.clone())], bt[:, :nblk].long().reshape(-1)
         self._L = int(seq_lens[0]) if B == 1 else nblk * bs
         self._mask = None if B == 1 else (torch.arange(nblk * bs) < seq_lens.long()[:, None])[:, None, None]
+        self._pad = None if B == 1 else ~self._mask
 
     def attn(self, q, kc, vc, qsl, seq_lens, bt, scale, sliding_window=None, max_query_len=None, max_seq_len=None,
              k_scale=None, v_scale=None, **kw):
         "Decode rows (one query token each): gather each sequence's blocks, one SDPA; else the reference."
-        if (k_scale is not None or sliding_window is not None or max_query_len != 1 or not max_seq_len
+        if (k_scale is not None or kc.dtype not in CPU_KV_DTYPES or sliding_window is not None or max_query_len != 1 or not max_seq_len
                 or any(v is not None for v in kw.values())):   # e.g. a logit soft-cap
             return paged_attention_ref(q, kc, vc, qsl, seq_lens, bt, scale, sliding_window, max_query_len, max_seq_len,
                                        k_scale, v_scale, **kw)
@@ -171,8 +187,7 @@ class CPUDecodeAttention:
         B, H, D = q.shape
         nb, bs, Hkv = kc.shape[:3]
         kv = [c.view(nb, -1).index_select(0, self._blocks).view(B, -1, Hkv, D)[:, :self._L].transpose(1, 2) for c in (kc, vc)]
-        o = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), *kv, attn_mask=self._mask, scale=scale)
-        return o.reshape(B, H, D)
+        return decode_attention(q.view(B, Hkv, H // Hkv, D), *kv, self._mask, self._pad, scale).to(q.dtype).reshape(B, H, D)
 
 # %% ../../nbs/42_cpu_linear.ipynb #eba27e01
 class CPUDecodeStep:
@@ -197,9 +212,11 @@ class CPUDecodeStep:
             L, b0 = int(ctx.seq_lens[0]), int(ids[0, 0])
             self.span = (b0, b0 + nblk, L) if torch.equal(ids[0], torch.arange(b0, b0 + nblk)) else None
             self.L, self.mask = L, None
+            self.pad = None
         else:
             self.span, self.L = None, nblk * block_size
             self.mask = (torch.arange(self.L) < ctx.seq_lens.long()[:, None])[:, None, None]
+        self.pad = None if self.mask is None else ~self.mask
         self.blocks = None if self.span else ids.reshape(-1)
         return True
 
@@ -249,7 +266,7 @@ class CPUDecoderLayer(nn.Module):
     def forward(self, positions, h, residual):
         a, att = self.self_attn, self.self_attn.attn
         kv = att.kv_cache
-        if (kv is None or att.kv_scale is not None or kv.dtype != torch.float32 or h.dtype not in (torch.float32, torch.bfloat16)
+        if (kv is None or att.kv_scale is not None or kv.dtype not in CPU_KV_DTYPES or h.dtype not in (torch.float32, torch.bfloat16)
                 or not self.step.prepare(get_forward_context(), positions, kv.shape[2])):
             return self._fallback(self, positions, h, residual)
         st, T, H, Hkv, D = self.step, h.shape[0], a.H, a.Hkv, a.D
@@ -259,9 +276,8 @@ class CPUDecoderLayer(nn.Module):
         qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)           # NeoX RoPE on q and k at once
         k, v = qk[:, H:].reshape(T, -1), qkv[:, (H + Hkv) * D:]
         flat = kv.view(2, -1, Hkv * D)
-        flat[0].index_copy_(0, st.slots, k); flat[1].index_copy_(0, st.slots, v)
-        ks, vs = st.keys_values(kv)
-        o = F.scaled_dot_product_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), ks, vs, attn_mask=st.mask, scale=att.scale)
+        flat[0].index_copy_(0, st.slots, k.to(kv.dtype)); flat[1].index_copy_(0, st.slots, v.to(kv.dtype))
+        o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv), st.mask, st.pad, att.scale)
         residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
         gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
         I = gu.shape[1] // 2
