@@ -125,3 +125,16 @@ def test_engine_split_on_equals_off():
         if a.prompt_logprobs is not None:
             la, lb = ([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in (a, b))
             assert max(abs(x - y) for x, y in zip(la, lb)) < 0.05
+
+
+@pytest.mark.parametrize('n,L', [(8, 1024), (1, 4096), (3, 600)])
+def test_cudnn_equal_fresh_prompts(n, L):
+    "Equal-length fresh prompts on cuDNN's fused attention (`cudnn_prefill_attention`) = FlashAttention-2 = the reference."
+    from cvllm_lab.layers.attention import cudnn_attention_available, cudnn_prefill_attention
+    q = torch.randn(n * L, H, D, device='cuda', dtype=torch.bfloat16)
+    k, v = (torch.randn(n * L, 8, D, device='cuda', dtype=torch.bfloat16) for _ in range(2))
+    if not cudnn_attention_available(q): pytest.skip('cuDNN fused attention needs sm90 and cuDNN 9')
+    c = cu([L] * n)
+    got = cudnn_prefill_attention(q, k, v, n, D ** -0.5).float()
+    torch.testing.assert_close(got, varlen_attention_ref(q, k, v, c, c, L, L, D ** -0.5).float(), **TOL)
+    torch.testing.assert_close(got, flash_varlen_attention(q, k, v, c, c, L, L, D ** -0.5).float(), **TOL)

@@ -47,7 +47,7 @@ class ModelRunner:
         self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
                                 else [KVCacheGroupSpec(None, tuple(range(len(layers))))])
         self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size, cfg.kv_cache_torch_dtype, self.device,
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device,
                                        self.kv_cache_groups)
         if progress: print(f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens "
                            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc}"
@@ -61,10 +61,15 @@ class ModelRunner:
             self.capture_cudagraphs(progress)
 
     @property
-    def fp8_kv(self) -> bool: return self.cfg.kv_cache_torch_dtype == torch.float8_e4m3fn
+    def kv_dtype(self) -> torch.dtype:
+        "The cache's storage dtype: `kv_cache_dtype`, whose 'auto' is bf16 for a GGUF on the CPU fast path (as llama.cpp's f16 cache: half the bytes a decode step's attention reads, notebook 42)."
+        if self.cfg.kv_cache_dtype == 'auto' and self.cpu_fast and getattr(self, 'gguf', False): return torch.bfloat16
+        return self.cfg.kv_cache_torch_dtype
+    @property
+    def fp8_kv(self) -> bool: return self.kv_dtype == torch.float8_e4m3fn
     @property
     def kv_cache_desc(self) -> str:
-        return 'fp8 e4m3 + fp32 scale per token and KV head' if self.fp8_kv else str(self.cfg.kv_cache_torch_dtype).removeprefix('torch.')
+        return 'fp8 e4m3 + fp32 scale per token and KV head' if self.fp8_kv else str(self.kv_dtype).removeprefix('torch.')
 
     @property
     def num_tokens_capacity(self) -> int: return self.num_blocks * self.block_size
@@ -72,7 +77,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         "Cache bytes of one block over every cache tensor (each layer's own row layout; with KV cache groups, one per group slot)."
         return self.block_size * kv_cache_bytes_per_token(self.model.attention_layers(), self.kv_cache_groups,
-                                                          self.cfg.kv_cache_torch_dtype)
+                                                          self.kv_dtype)
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
@@ -127,7 +132,7 @@ def profile_run(self: ModelRunner):
     nb = -(-T // bs) + 1
     split = not self.fp8_kv and any(getattr(a, 'prefill_fn', None) is not None for a in self.model.attention_layers())
     S = max(T, self.prefill_split_max_keys) if split else T
-    bind_kv_cache(self.model, nb, bs, self.cfg.kv_cache_torch_dtype, self.device)
+    bind_kv_cache(self.model, nb, bs, self.kv_dtype, self.device)
     bt = (torch.arange(-(-S // bs), device=self.device) % nb).int()[None]
     pos = torch.arange(S - T, S, device=self.device)
     ctx = ForwardContext(bt[0, pos // bs].long() * bs + pos % bs, torch.tensor([0, T], dtype=torch.int32, device=self.device),

@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastcore.basics import patch
 from torch import nn
 from ..utils.context import get_forward_context
 
 # %% auto #0
-__all__ = ['get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention', 'flash_attention_available']
+__all__ = ['CUDNN_PREFILL_MIN_LEN', 'get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention',
+           'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_len', 'cudnn_prefill_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -97,6 +99,27 @@ def flash_attention_available(q) -> bool:
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled()
             and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
+CUDNN_PREFILL_MIN_LEN = 512   # equal-length prompts from this length on go to cuDNN (shorter ones: FlashAttention-2)
+
+def cudnn_attention_available(q) -> bool:
+    "Whether cuDNN's fused attention runs on `q`: CUDA sm90+, cuDNN 9, fp16/bf16, its SDPA backend enabled (`CVLLM_LAB_CUDNN_PREFILL=0`: off)."
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
+            and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability(q.device)[0] >= 9
+            and os.environ.get('CVLLM_LAB_CUDNN_PREFILL', '1') != '0')
+
+def dense_prefill_len(p) -> int | None:
+    "`L` when every sequence of the prefill run `p` (`PrefillMetadata`) is a fresh prompt of `L` >= `CUDNN_PREFILL_MIN_LEN` tokens, else None."
+    q = p.query_lens
+    return int(q[0]) if (q == p.seq_lens).all() and (q == q[0]).all() and q[0] >= CUDNN_PREFILL_MIN_LEN else None
+
+def cudnn_prefill_attention(q, k, v, n: int, scale):
+    """`n` fresh sequences of one length, packed as `q` `[n L, H, D]` and `k`/`v` `[n L, Hkv, D]`: causal attention as
+    one batched call of cuDNN's fused attention (SDPA's cuDNN backend, GQA). Returns `[n L, H, D]`."""
+    qb, kb, vb = (x.unflatten(0, (n, -1)).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).flatten(0, 1)
+
 # %% ../../nbs/22_attention.ipynb #8f39ab5d
 @patch
 def _prefill_split_ok(self: Attention, q, kc) -> bool:
@@ -113,7 +136,9 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt):
     s, t0 = p.seq_start, p.token_start
     cu_k, max_k, _, _ = p.keys(w)
     kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
-    o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    if self.prefill_fn is flash_varlen_attention and w is None and dense_prefill_len(p) and cudnn_attention_available(q):
+        o = cudnn_prefill_attention(q[t0:], kv[0], kv[1], len(p.query_lens), self.scale)   # equal fresh prompts, batched
+    else: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
     if s == 0: return o
     out = torch.empty_like(q)
     out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
