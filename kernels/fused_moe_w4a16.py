@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.fused_moe import moe_align_block_size
+from cvllm_lab.kernels.moe_sum import moe_sum
 from cvllm_lab.kernels.split_k import split_k_workspace, store_out
 from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_packed_ref
@@ -311,4 +312,4 @@ def fused_moe_w4a16(x, w13_qweight, w2_qweight, w13_scales, w2_scales, w13_offse
     _grouped(x, *w13, inter, tw, sorted_ids, expert_ids, ntpp, n, k, False, True, bits, G, H, cfg)
     out_k = x.new_empty(n, H)
     _grouped(inter, *w2, out_k, tw, sorted_ids, expert_ids, ntpp, n, 1, True, False, bits, G, I, cfg)
-    return out_k.view(T, k, H).sum(dim=1)
+    return moe_sum(out_k.view(T, k, H))
