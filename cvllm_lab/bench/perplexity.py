@@ -79,6 +79,8 @@ def measure(model, ids: torch.Tensor, quantization=None, dtype: str = 'float32',
     """Perplexity of `ids` for `LLM(model, quantization=, dtype=, device=)`, its FP8 layers set to `numerics`
     (`set_fp8_numerics`; CPU only); the CPU fast path off."""
     from cvllm_lab.entrypoints.llm import LLM
+    if numerics == 'w8a16' and not str(device).startswith('cpu'):   # the kernels run there: a flat prefill is W8A8
+        raise ValueError("numerics='w8a16' is a CPU mode: on the GPU the kernels run, and a prefill quantizes x")
     prev = os.environ.get('CVLLM_LAB_CPU_FAST_PATH')
     os.environ['CVLLM_LAB_CPU_FAST_PATH'] = '0'
     try:
