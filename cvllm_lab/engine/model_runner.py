@@ -25,7 +25,7 @@ from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 __all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-PREFILL_SPLIT_MIN_TOKENS = 128   # a chunk over cached tokens this short stays on the paged kernel
+PREFILL_SPLIT_MIN_TOKENS = 256   # a chunk over cached tokens this short stays on the paged kernel
 
 class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."

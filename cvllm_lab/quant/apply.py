@@ -34,15 +34,15 @@ __all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'QUANT_S
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
-METHODS = ISQ_NAMES + ('w4a16', 'fp8')
+METHODS = ISQ_NAMES + ('w4a16', 'fp8', 'fp8_channel')
 METHOD_ALIASES = {'marlin': 'w4a16'}   # candle-vllm's `--isq marlin` is our W4A16
 KQUANT_FALLBACK = {GT.Q2_K: GT.Q4_0, GT.Q3_K: GT.Q4_0, GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0}
 
 def resolve_method(method: str):
-    "`'w4a16'` (also for its alias `'marlin'`), `'fp8'`, or a `GGMLQuantizationType` for a GGUF type name; ValueError listing the choices otherwise."
+    "`'w4a16'` (also for its alias `'marlin'`), `'fp8'`, `'fp8_channel'`, or a `GGMLQuantizationType` for a GGUF type name; ValueError listing the choices otherwise."
     m = str(method).strip().lower()
     m = METHOD_ALIASES.get(m, m)
-    if m in ('w4a16', 'fp8'): return m
+    if m in ('w4a16', 'fp8', 'fp8_channel'): return m
     try: t = parse_qtype(m)
     except (ValueError, TypeError): t = None
     if t is None or t not in QUANT_TYPES:
@@ -62,14 +62,15 @@ def quantize_linear(lin: Linear, method, pack: bool = False, name: str = 'layer'
     """A quantized copy of `lin` (same shards, bias, device); of a tensor-parallel layer, its shard quantized with
     the layer's all-reduce kept (`quantize_parallel`: refused when a shard would cut a group or block)."""
     m = resolve_method(method) if isinstance(method, str) else method
-    t = None if m in ('w4a16', 'fp8') else gguf_type_for(m, getattr(lin, 'full_input_size', lin.input_size))  # TP 1's type
+    t = None if m in ('w4a16', 'fp8', 'fp8_channel') else gguf_type_for(m, getattr(lin, 'full_input_size', lin.input_size))  # TP 1's type
     def make(l):
         if m == 'w4a16': return W4A16Linear.from_linear(l, group=128, bits=4, sym=True)
-        if m == 'fp8': return FP8Linear.from_linear(l)
+        if m in ('fp8', 'fp8_channel'): return FP8Linear.from_linear(l, block=m == 'fp8')
         q = GGUFLinear.from_linear(l, t)
         return q.pack() if pack else q
+    unit = 1 if m == 'fp8_channel' else 128 if t is None else block_info(t)[0]   # a shard's K cut: whole groups / blocks
     with torch.no_grad():
-        return quantize_parallel(lin, make, 128 if t is None else block_info(t)[0], name, col_unit=128 if m == 'fp8' else 1)
+        return quantize_parallel(lin, make, unit, name, col_unit=128 if m == 'fp8' else 1)
 
 def _targets(model: nn.Module) -> list[tuple[str, Linear]]:
     root = model.model.layers if hasattr(model, 'model') and hasattr(model.model, 'layers') else model
