@@ -187,7 +187,7 @@ def quantize_moe(model: nn.Module, method) -> int:
     m = resolve_method(method) if isinstance(method, str) else method
     layers = [(n, l) for n, l in model.named_modules() if isinstance(l, FusedMoE) and l.quant_method is None]
     for n, l in layers:
-        if m == 'fp8': Fp8MoEMethod.quantize(l, n)
+        if m in ('fp8', 'fp8_channel'): Fp8MoEMethod.quantize(l, n)   # experts: 128 x 128 blocks either way
         elif m == 'w4a16': W4A16MoEMethod.quantize(l, n)
         else: GGUFMoEMethod.quantize(l, m, n)
     return len(layers)
