@@ -59,7 +59,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None       # bytes for the KV cache (candle-vllm --mem is MB); wins over the above
     num_gpu_blocks_override: int | None = None
     attention_backend: str = 'auto'          # 'torch' | 'triton'
-    kv_cache_dtype: str = 'auto'             # 'auto' (model dtype; bf16 on the CPU fast path) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
+    kv_cache_dtype: str = 'auto'             # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
     enforce_eager: bool = False
     async_scheduling: bool | None = None     # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None

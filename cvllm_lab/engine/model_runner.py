@@ -61,10 +61,7 @@ class ModelRunner:
             self.capture_cudagraphs(progress)
 
     @property
-    def kv_dtype(self) -> torch.dtype:
-        "The cache's storage dtype: `kv_cache_dtype`, whose 'auto' is bf16 for a GGUF on the CPU fast path (as llama.cpp's f16 cache: half the bytes a decode step's attention reads, notebook 42)."
-        if self.cfg.kv_cache_dtype == 'auto' and self.cpu_fast and getattr(self, 'gguf', False): return torch.bfloat16
-        return self.cfg.kv_cache_torch_dtype
+    def kv_dtype(self) -> torch.dtype: return self.cfg.kv_cache_torch_dtype   # the cache's storage dtype
     @property
     def fp8_kv(self) -> bool: return self.kv_dtype == torch.float8_e4m3fn
     @property
