@@ -57,7 +57,7 @@ def measure(base: str, concurrency: int, num_prompts: int, input_len: int, outpu
     from cvllm_lab.bench.loadgen import run_load_async
     return asyncio.run(run_load_async(base, None, 'completions', concurrency, num_prompts, progress=False,
                                       prompt_tokens=input_len, max_tokens=output_len, ignore_eos=True,
-                                      dataset='random', vocab_size=vocab, seed=concurrency))
+                                      dataset='random', vocab_size=vocab, seed=concurrency, keep_requests=True))
 
 
 def server_latency(base: str) -> dict:
@@ -130,6 +130,8 @@ def main(argv=None):
             after = server_latency(base)
             d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
             rows.append(row(rep, gpu, spec['name'], commit, a.input_len, a.output_len))
+            # per request: send time, TTFT, e2e (s), to see which requests make the percentiles
+            pd.DataFrame(rep['requests']).to_csv(work / f'requests_c{c}.csv', index=False)
             # client and server means side by side: their gap is what the HTTP/SSE path and the client add
             rows[-1] |= dict(ttft_mean_ms=rep['ttft_ms_mean'], e2el_mean_ms=rep['e2e_ms_mean'],
                              server_ttft_mean_ms=1e3 * d('time_to_first_token_seconds_sum') / max(1, d('time_to_first_token_seconds_count')),

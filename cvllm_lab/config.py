@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['DTYPES', 'KV_CACHE_DTYPES', 'default_model_path', 'resolve_dtype', 'EngineConfig']
+__all__ = ['DTYPES', 'KV_CACHE_DTYPES', 'TOKEN_BUDGETS', 'default_model_path', 'resolve_dtype', 'token_budget',
+           'default_max_num_batched_tokens', 'EngineConfig']
 
 # %% ../nbs/00_config.ipynb #2c420c54
 def default_model_path() -> Path:
@@ -37,6 +38,20 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
 
 KV_CACHE_DTYPES = {'auto': None, 'bfloat16': torch.bfloat16, 'fp8': torch.float8_e4m3fn, 'fp8_e4m3': torch.float8_e4m3fn}
 
+# %% ../nbs/00_config.ipynb #3ade8aa7
+TOKEN_BUDGETS = {'llm': (16384, 8192), 'server': (8192, 2048)}   # (large GPU, other GPU) per usage context
+
+def token_budget(usage_context: str, total_memory: int, name: str) -> int:
+    "vLLM's default `max_num_batched_tokens` for a usage context on a GPU of `total_memory` bytes named `name`."
+    big = total_memory >= 70 * 2**30 and 'a100' not in name.lower()
+    return TOKEN_BUDGETS[usage_context][0 if big else 1]
+
+def default_max_num_batched_tokens(device: str, usage_context: str = 'llm') -> int:
+    "The default token budget per step on `device` (8192 on CPU)."
+    if not str(device).startswith('cuda'): return 8192
+    p = torch.cuda.get_device_properties(torch.device(device))
+    return token_budget(usage_context, p.total_memory, p.name)
+
 # %% ../nbs/00_config.ipynb #595477ac
 @dataclass
 class EngineConfig:
@@ -52,7 +67,8 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    prefill_chunk_size: int = 8192           # per-request prefill tokens per step; 0 disables chunked prefill
+    prefill_chunk_size: int | None = None    # per-request prefill tokens per step (None: the step's budget); 0: no chunking
+    usage_context: str = 'llm'               # 'llm' (offline) | 'server': picks vLLM's default max_num_batched_tokens
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9      # fraction of total GPU memory the engine may use
     gpu_memory_fraction: float | None = None # candle-vllm: fraction of the memory left after weights for KV
@@ -91,9 +107,12 @@ class EngineConfig:
         elif max_position_embeddings and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}")
+        if self.usage_context not in TOKEN_BUDGETS: raise ValueError(f"Unknown usage_context {self.usage_context!r}; use llm or server")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = self.prefill_chunk_size if self.prefill_chunk_size > 0 else self.max_model_len
+            if self.prefill_chunk_size == 0: self.max_num_batched_tokens = self.max_model_len
+            else: self.max_num_batched_tokens = self.prefill_chunk_size or default_max_num_batched_tokens(self.device, self.usage_context)
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+        if self.prefill_chunk_size is None: self.prefill_chunk_size = self.max_num_batched_tokens
         if self.prefill_chunk_size == 0 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("Chunked prefill is off (prefill_chunk_size=0), so max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")

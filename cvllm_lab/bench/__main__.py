@@ -24,7 +24,7 @@ def main(cfg: DictConfig):
     c = OmegaConf.to_container(cfg, resolve=True)
     df = run_sweep(c, CONF_DIR, Path(c['out']))
     cols = [k for k in ('shape', 'quant', 'batch_size', 'prompt_len', 'output_len', 'prefill_tok_s', 'decode_tok_s',
-                        'ms_per_step', 'bw_fraction', 'roofline_tok_s', 'error') if k in df]
+                        'decode_steady_tok_s', 'ms_per_step', 'bw_fraction', 'roofline_tok_s', 'error') if k in df]
     print(df[cols].to_string(index=False))
     if c.get('plot', True) and c.get('sweep') and len(df) and (df.error.fillna('') == '').any():
         out = Path(c['out'])   # all rows of this sweep in the CSV (it is appended to), plotted beside it

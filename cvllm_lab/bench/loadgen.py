@@ -29,6 +29,7 @@ def make_prompt(n_words: int, rng: random.Random) -> str:
 class RequestResult:
     "What one streamed request measured (seconds)."
     ok: bool = False
+    start: float | None = None     # perf_counter() when it was sent
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     e2e: float | None = None
@@ -49,7 +50,7 @@ def _chunk_text(chunk: dict) -> str:
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
     "Send one streaming request and time its events."
     r, usage, n_text = RequestResult(), None, 0
-    t0 = last = time.perf_counter()
+    t0 = last = r.start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -120,8 +121,9 @@ def request_bodies(model: str, endpoint: str = "chat", num_requests: int = 64, p
 
 async def run_load_async(base_url: str, model: str | None = None, endpoint: str = "chat", concurrency: int = 16,
                          num_requests: int = 64, api_key: str | None = None, timeout: float = 600.0,
-                         progress: bool = True, **body_kw) -> dict:
-    "Run `num_requests` streamed requests, `concurrency` at a time, and summarize them."
+                         progress: bool = True, keep_requests: bool = False, **body_kw) -> dict:
+    """Run `num_requests` streamed requests, `concurrency` at a time, and summarize them; `keep_requests` adds each
+    request's send time (from the run's start), TTFT and end-to-end seconds under `requests`."""
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -140,7 +142,10 @@ async def run_load_async(base_url: str, model: str | None = None, endpoint: str 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - t0
         bar.close()
-    return summarize(results, duration, model=model, endpoint=endpoint, concurrency=concurrency)
+    rep = summarize(results, duration, model=model, endpoint=endpoint, concurrency=concurrency)
+    if keep_requests:
+        rep['requests'] = [dict(start=r.start - t0 if r.start else None, ttft=r.ttft, e2e=r.e2e, ok=r.ok) for r in results]
+    return rep
 
 def run_load(*args, **kwargs) -> dict:
     "`run_load_async` from synchronous code (in a worker thread when an event loop is already running, e.g. Jupyter)."

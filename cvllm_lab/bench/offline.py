@@ -11,7 +11,7 @@ import torch
 from ..sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['device_name', 'git_commit', 'bench_offline', 'bench_llamacpp']
+__all__ = ['device_name', 'git_commit', 'steady_decode', 'bench_offline', 'bench_llamacpp']
 
 # %% ../../nbs/60_bench_offline.ipynb #afb80d65
 def device_name(device: str) -> str:
@@ -34,6 +34,29 @@ def git_commit() -> str:
         h, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', '--untracked-files=no')
         return h + ('+dirty' if dirty else '')
     except Exception: return 'unknown'
+
+# %% ../../nbs/60_bench_offline.ipynb #47fec4d4
+def steady_decode(llm, B: int, P: int, O: int, g: torch.Generator, max_steps: int = 64) -> tuple[float, int]:
+    """Seconds per engine step while all `B` sequences decode and none prefills, and the number of steps timed (0, with
+    NaN seconds, when `O` leaves fewer than 4 such steps)."""
+    eng, vocab = llm.engine, llm.engine.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
+    ids = [eng.add_request(None, {'prompt_token_ids': torch.randint(10, vocab, (P,), generator=g).tolist()}, sp)
+           for _ in range(B)]
+    reqs = [r for i in ids for r in eng.parents[i]]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    try:
+        while any(r.first_token_time is None for r in reqs): eng.step_parents()
+        k = min(max_steps, O - max(r.num_output_tokens for r in reqs) - 2)   # 2: a step launched ahead, and margin
+        if k < 4: return float('nan'), 0
+        sync(); t = time.perf_counter()
+        for _ in range(k): eng.step_parents()
+        sync(); dt = time.perf_counter() - t
+        assert not any(r.is_finished for r in reqs), "a sequence finished inside the timed steps"
+        return dt / k, k
+    finally:
+        eng.abort_request(ids)
+        while eng.has_unfinished_requests(): eng.step_parents()
 
 # %% ../../nbs/60_bench_offline.ipynb #0c47223d
 def _timed_generate(llm, B: int, P: int, O: int, g: torch.Generator) -> float:
@@ -58,12 +81,14 @@ def bench_offline(llm, batch_size: int, prompt_len: int, output_len: int, runs: 
     t1, tO = statistics.median(t1s), statistics.median(tOs)
     dec = [(b - a) for a, b in zip(t1s, tOs)]
     decode_time = statistics.median(dec)
+    steady = statistics.median(steady_decode(llm, B, P, O, g)[0] for _ in range(runs))
     cfg = llm.engine.cfg
     return dict(device_name=device_name(cfg.device), commit=git_commit(), model=llm.engine.src.name,
                 dtype=str(cfg.torch_dtype).replace('torch.', ''), attention_backend=cfg.attention_backend,
                 batch_size=B, prompt_len=P, output_len=O, runs=runs,
                 prefill_tok_s=B * P / t1, decode_tok_s=B * (O - 1) / decode_time,
-                ttft_ms=1000 * t1, ms_per_step=1000 * decode_time / (O - 1), e2e_s=tO)
+                ttft_ms=1000 * t1, ms_per_step=1000 * decode_time / (O - 1), e2e_s=tO,
+                decode_steady_tok_s=B / steady, steady_ms_per_step=1000 * steady)
 
 # %% ../../nbs/60_bench_offline.ipynb #124d242a
 def bench_llamacpp(path, batch_size: int, prompt_len: int, output_len: int, threads: int, runs: int = 3, seed: int = 0) -> dict:

@@ -47,9 +47,13 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
     shapes = list(dict.fromkeys(res['shape']))
     fig, axes = plt.subplots(1, max(1, len(shapes)), figsize=(6 * max(1, len(shapes)), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        ours = res[res['shape'] == shape].groupby('batch_size', as_index=False).agg(
-            decode_tok_s=('decode_tok_s', 'max'), roofline_tok_s=('roofline_tok_s', 'max'))
+        sub = res[res['shape'] == shape]
+        steady = 'decode_steady_tok_s' in sub and sub.decode_steady_tok_s.notna().any()
+        ours = sub.groupby('batch_size', as_index=False).agg(
+            decode_tok_s=('decode_tok_s', 'max'), roofline_tok_s=('roofline_tok_s', 'max'),
+            **({'steady': ('decode_steady_tok_s', 'max')} if steady else {}))
         ax.plot(ours.batch_size, ours.decode_tok_s, 'o-', label='cvllm_lab (measured)')
+        if steady: ax.plot(ours.batch_size, ours.steady, 'o:', mfc='none', label='cvllm_lab, all prompts prefilled')
         ax.plot(ours.batch_size, ours.roofline_tok_s, 'k--', lw=1, label='bandwidth roofline')
         v = vllm[(vllm['shape'] == shape) & (vllm.precision == precision)].groupby('batch', as_index=False).decode_tok_s.max()
         if len(v): ax.plot(v.batch, v.decode_tok_s, 's-', label=f'vLLM 0.26 ({gpu}, measured)')

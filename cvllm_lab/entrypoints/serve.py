@@ -42,8 +42,9 @@ def make_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group('engine')
     g.add_argument('--max-model-len', type=int, help="context length (default: the model's)")
     g.add_argument('--max-num-seqs', type=int, default=256, help="sequences per batch")
-    g.add_argument('--max-num-batched-tokens', type=int, help="tokens per step (default: the prefill chunk size)")
-    g.add_argument('--prefill-chunk-size', type=int, default=8192, help="per-request prefill tokens per step; 0 = no chunking")
+    g.add_argument('--max-num-batched-tokens', type=int,
+                   help="tokens per step (default: vLLM's server budget, 8192 on GPUs of >= 70 GiB, 2048 on smaller ones, 8192 on CPU)")
+    g.add_argument('--prefill-chunk-size', type=int, help="per-request prefill tokens per step (default: the step budget); 0 = no chunking")
     g.add_argument('--enable-prefix-caching', '--prefix-cache', action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     g.add_argument('--block-size', type=int, default=16)
@@ -183,7 +184,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
     ecfg = EngineConfig(model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=device, seed=args.seed,
                         load_format=args.load_format, max_model_len=args.max_model_len, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_chunk_size=args.prefill_chunk_size, enable_prefix_caching=args.enable_prefix_caching,
+                        prefill_chunk_size=args.prefill_chunk_size, usage_context='server', enable_prefix_caching=args.enable_prefix_caching,
                         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_fraction=args.gpu_memory_fraction,
                         kv_cache_memory=args.mem << 20 if args.mem else None, enforce_eager=args.enforce_eager,
                         async_scheduling=args.async_scheduling, tensor_parallel_size=tp, device_ids=ids,
