@@ -53,11 +53,12 @@ def start_server(model_dir: Path, port: int, extra: list[str], log: Path) -> sub
     proc.kill(); raise TimeoutError(f"server not healthy after 900 s:\n{log.read_text()[-3000:]}")
 
 
-def measure(base: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab: int) -> dict:
+def measure(base: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab: int,
+            seed: int) -> dict:
     from cvllm_lab.bench.loadgen import run_load_async
     return asyncio.run(run_load_async(base, None, 'completions', concurrency, num_prompts, progress=False,
                                       prompt_tokens=input_len, max_tokens=output_len, ignore_eos=True,
-                                      dataset='random', vocab_size=vocab, seed=concurrency, keep_requests=True))
+                                      dataset='random', vocab_size=vocab, seed=seed, keep_requests=True))
 
 
 def server_latency(base: str) -> dict:
@@ -124,9 +125,10 @@ def main(argv=None):
         for c, n in zip(a.concurrency, a.num_prompts):
             # warm-up at this concurrency: Triton compiles a kernel once per specialization (argument values of 1,
             # multiples of 16) on first use, and a cold cache puts seconds of compiling into the measured TTFTs
-            measure(base, c, c, a.input_len, 16, spec['hf_config']['vocab_size'])
+            # (other prompts than the measured ones: the same would be prefix-cache hits in the measured run)
+            measure(base, c, c, a.input_len, 16, spec['hf_config']['vocab_size'], seed=-c)
             before = server_latency(base)
-            rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'])
+            rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'], seed=c)
             after = server_latency(base)
             d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
             rows.append(row(rep, gpu, spec['name'], commit, a.input_len, a.output_len))
