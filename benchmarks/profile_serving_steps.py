@@ -26,15 +26,16 @@ def main(model='llama3_8b', C=64, N=256, P=1024, O=256):
     C, N, P, O = int(C), int(N), int(P), int(O)
     hook_triton()
     llm = LLM(str(model_dir(yaml.safe_load(open(f'conf/model/{model}.yaml')))), load_format='dummy',
-              skip_tokenizer_init=True, progress=False, max_model_len=8192, gpu_memory_utilization=0.85,
-              usage_context='server')
+              skip_tokenizer_init=True, progress=False, max_model_len=max(2048, P + O), gpu_memory_utilization=0.85,
+              usage_context='server', **({} if torch.cuda.is_available() else {'kv_cache_memory': 256 << 20}))
     eng, g = llm.engine, torch.Generator().manual_seed(1)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sp = SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
     new = lambda: eng.add_request(None, {'prompt_token_ids': torch.randint(100, eng.vocab_size, (P,), generator=g).tolist()}, sp)
     sp.max_tokens = 16
     for _ in range(2):   # warm-up rounds on other prompts, as the server benchmark does
         for _ in range(C): new()
-        while eng.has_unfinished_requests(): eng.step_parents()
+        while eng.has_unfinished_requests(): eng.step()      # step(), not step_parents(): it forgets finished requests
     sp.max_tokens = O
     compiles.clear()
     live, sent, steps = set(), 0, []
@@ -42,14 +43,13 @@ def main(model='llama3_8b', C=64, N=256, P=1024, O=256):
     t_start = time.perf_counter()
     while live:
         n_c = len(compiles)
-        torch.cuda.synchronize(); t = time.perf_counter()
-        eng.step_parents()
-        torch.cuda.synchronize(); dt = time.perf_counter() - t
+        sync(); t = time.perf_counter()
+        outs = eng.step()
+        sync(); dt = time.perf_counter() - t
         sched = eng.last_scheduled or []
         pre = sum(1 for r in sched if r.num_output_tokens <= 1)   # prefilling, or its first token just made
         steps.append(dict(t=t - t_start, ms=1e3 * dt, seqs=len(sched), prefills=pre, compiles=compiles[n_c:]))
-        done = [i for i in live if i not in eng.parents]
-        for i in done:
+        for i in [o.request_id for o in outs if o.finished]:
             live.discard(i)
             if sent < N: live.add(new()); sent += 1
     total = time.perf_counter() - t_start
