@@ -125,8 +125,9 @@ def main(argv=None):
         for c, n in zip(a.concurrency, a.num_prompts):
             # warm-up at this concurrency: Triton compiles a kernel once per specialization (argument values of 1,
             # multiples of 16) on first use, and a cold cache puts seconds of compiling into the measured TTFTs
-            # (other prompts than the measured ones: the same would be prefix-cache hits in the measured run)
-            measure(base, c, c, a.input_len, 16, spec['hf_config']['vocab_size'], seed=-c)
+            # (other prompts than the measured ones: the same would be prefix-cache hits in the measured run; not -c,
+            # which `random.Random` seeds as c)
+            measure(base, c, c, a.input_len, 16, spec['hf_config']['vocab_size'], seed=10_000 + c)
             before = server_latency(base)
             rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'], seed=c)
             after = server_latency(base)
