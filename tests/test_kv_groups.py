@@ -1,7 +1,7 @@
 """KV cache groups on a GPU (the CPU checks are in notebooks 10, 11, 22, 36 and 50): a tiny Gemma 3 whose sliding
 layers free the blocks that leave their window, run by the engine with CUDA graphs and async scheduling (the decode
 graphs read every group's slots and tables from their buffers; the look-ahead step counts a block per group) and with
-the FlashAttention fresh-prefill split, against `transformers` on the same GPU. Skipped without CUDA."""
+the FlashAttention prefill split, against `transformers` on the same GPU. Skipped without CUDA."""
 import tempfile
 from pathlib import Path
 
@@ -71,7 +71,7 @@ def test_gemma3_groups_graphs_async(dtype):
 
 
 def test_gemma3_groups_prompt_logprobs_fresh_prefill():
-    "bf16 prompt log-probs (fresh prefills on FlashAttention over each group's slots, chunks on the paged kernel) near HF's fp32."
+    "bf16 prompt log-probs (long prefill chunks on FlashAttention over each group's slots, the rest on the paged kernel) near HF's fp32."
     from cvllm_lab import LLM, SamplingParams
     hf, d = _gemma3()
     hf = hf.to('cuda')
