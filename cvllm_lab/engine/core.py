@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/engine_core.html.md"""
 
 # %% ../../nbs/53_engine_core.ipynb #93170b04
 from __future__ import annotations
-import io, os, pickle, signal, sys, traceback
+import gc, io, os, pickle, signal, sys, traceback
 from collections import deque
 from typing import Any, Callable
 import msgspec
@@ -18,7 +18,7 @@ from .llm_engine import LLMEngine
 
 # %% auto #0
 __all__ = ['EngineCoreInput', 'EngineCoreRequest', 'EngineCoreAbort', 'EngineCoreStop', 'EngineCoreCall', 'EngineCoreShutdown',
-           'EngineCoreOutput', 'EngineCoreOutputs', 'dumps', 'EngineCore', 'run_engine_core']
+           'EngineCoreOutput', 'EngineCoreOutputs', 'dumps', 'EngineCore', 'freeze_gc_heap', 'run_engine_core']
 
 # %% ../../nbs/53_engine_core.ipynb #4407c0cd
 class EngineCoreRequest(msgspec.Struct, tag='add', array_like=True, omit_defaults=True):
@@ -294,6 +294,12 @@ def run_busy_loop(self: EngineCore, recv: Callable[[bool], list], send: Callable
             out = self.step()
             if out is not None: send(out)
 
+# %% ../../nbs/53_engine_core.ipynb #17d86199
+def freeze_gc_heap() -> int:
+    "Collect, then exempt every object alive now from later collections (`gc.freeze`); returns how many are frozen."
+    gc.collect(); gc.freeze()
+    return gc.get_freeze_count()
+
 # %% ../../nbs/53_engine_core.ipynb #612f2dfa
 def run_engine_core(cfg: EngineConfig, in_addr: str, out_addr: str, num_threads: int | None = None, progress: bool = False):
     "The engine-core process: build the engine, say ready (or why not), run the busy loop until shut down."
@@ -313,8 +319,9 @@ def run_engine_core(cfg: EngineConfig, in_addr: str, out_addr: str, num_threads:
             return
         _core_tokenizer = engine.tokenizer
         core = EngineCore(engine, pickled=True)
+        frozen = freeze_gc_heap()
         out.send(pickle.dumps(dict(cfg=engine.cfg, eos_token_ids=sorted(engine.eos_token_ids), vocab_size=engine.vocab_size,
-                                   stats=engine.stats(), counters=dict(core.counters))))
+                                   stats=engine.stats(), counters=dict(core.counters), gc_frozen_objects=frozen)))
         enc, dec, ppid = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInput), os.getppid()
         def recv(block: bool) -> list:
             if block:

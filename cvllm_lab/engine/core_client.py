@@ -118,6 +118,7 @@ class MPClient(CoreClient):
             self.shutdown(); raise
         self.info = EngineInfo(ready['cfg'], ready['eos_token_ids'], ready['vocab_size'], tok)
         self.stats, self.counters = ready['stats'], ready['counters']
+        self.gc_frozen_objects = ready['gc_frozen_objects']   # the core's heap, frozen once it started (53_engine_core)
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreOutputs)
         threading.Thread(target=self._watch, name='engine-core-watch', daemon=True).start()
 

@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None):
     except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"cvllm-serve: error: {e}", file=sys.stderr); sys.exit(1)
     app = build_app(aengine, scfg)
+    from cvllm_lab.engine.core import freeze_gc_heap
+    freeze_gc_heap()                                       # this process's start-up heap too (53_engine_core)
     srv = app.state.serving
     print(f"cvllm-serve: serving {srv.model_names} (max_model_len {srv.max_model_len}) on http://{args.host}:{args.port}"
           + (" with the chat page at /" if scfg.ui else ""), file=sys.stderr, flush=True)
