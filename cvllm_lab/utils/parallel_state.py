@@ -95,10 +95,14 @@ def init_distributed(init: DistInit | None = None, device: str | torch.device = 
     _CPU_GROUP = _TP_GROUP if backend == 'gloo' else dist.new_group(backend='gloo', timeout=timeout)
     return True
 
-def destroy_distributed():
-    "Leave the group (safe to call when none was started)."
+def destroy_distributed(barrier_timeout_s: float = 10):
+    """Leave the group (safe to call when none was started), after a barrier on the gloo group: gloo finishes a rank's
+    last sends on its own threads, and a rank that tears down (or exits) with one still in flight aborts the process."""
     global _TP_GROUP, _CPU_GROUP
-    if _TP_GROUP is not None: dist.destroy_process_group()
+    if _TP_GROUP is not None:
+        try: dist.monitored_barrier(group=_CPU_GROUP, timeout=timedelta(seconds=barrier_timeout_s))
+        except RuntimeError: pass                          # a rank is gone: leave anyway
+        dist.destroy_process_group()
     _TP_GROUP = _CPU_GROUP = None
 
 # %% ../../nbs/13_parallel_state.ipynb #d2bbc0ae
