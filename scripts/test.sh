@@ -22,7 +22,7 @@ nbdev-export
 echo "== house rules: import floors and loops, file sizes, no commit hashes in sources"
 python tools/check_house.py
 echo "== nbdev-test"
-# in groups: nbdev-test's worker processes keep what each notebook allocated (one grew past 15 GB over ~30
+# in groups: nbdev-test's worker processes keep what each notebook allocated (they grow over a long run of
 # notebooks); fresh workers per group keep the peak within a small machine's memory
 fail=0
 for g in '^[0-2]' '^3' '^4' '^5' '^[6-9]'; do

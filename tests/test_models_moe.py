@@ -11,7 +11,7 @@ import yaml
 from cvllm_lab import LLM, SamplingParams
 from cvllm_lab.layers.fused_moe import FusedMoE
 
-from helpers import ROOT, bench_model_dir, tiny_tokenizer
+from helpers import ROOT, bench_model_dir, tiny_qwen3_moe, tiny_tokenizer
 
 
 SHRINK = dict(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, intermediate_size=96, num_experts=16,
@@ -88,19 +88,7 @@ def check_qwen3_moe_through_engine(device, quantization):
     tokens in fp32. FP8 (W8A16; bf16 activations on CUDA, fp32 on the CPU) against the same model with the FP8
     weights dequantized: at every position our top token is within 0.1 nats of the reference's best (a near tie may
     pick either) and the log-probs are close (bf16: 0.05 on average; fp32: 1e-3 everywhere)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=128,
-                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=256,
-                         eos_token_id=None, bos_token_id=None, architectures=['Qwen3MoeForCausalLM'])
-    torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if 'norm' in n: p.normal_(0, 0.5)
-            elif 'gate.weight' in n: p.normal_(0, 0.3)
-    d = Path(tempfile.mkdtemp())
-    hf.save_pretrained(d)
+    cfg, hf, d = tiny_qwen3_moe()
     tiny_tokenizer(cfg.vocab_size).save_pretrained(d)
     dtype = torch.bfloat16 if quantization and device == 'cuda' else torch.float32
     llm = LLM(str(d), device=device, dtype=str(dtype).removeprefix('torch.'), progress=False,

@@ -16,6 +16,8 @@ from cvllm_lab.kernels.fused_moe_w4a16 import DECODE_MAX_T, fused_moe_w4a16, fus
 from cvllm_lab.kernels.w4a16_layout import padded_k
 from cvllm_lab.quant.w4a16 import pack_weights
 
+from helpers import tiny_qwen3_moe
+
 E, H, I, TOP_K, GROUP = 128, 2048, 768, 8, 128
 TOL = 3e-2      # max |out - ref| / max |ref| with bf16 x, bf16-rounded weights and intermediates (fused_moe's bf16 bound)
 
@@ -80,22 +82,9 @@ def test_w4a16_moe_cuda_graph(experts, M):
 def test_qwen3_moe_w4a16_through_engine_cuda():
     """A tiny Qwen3-MoE with `quantization='w4a16'` in bf16 on CUDA (CUDA graphs, the kernels) against `transformers`
     in fp32 holding the dequantized weights: our top token within 0.1 nats of the best, mean |log-prob error| < 0.05."""
-    import copy, tempfile
-    from pathlib import Path
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import copy
     from cvllm_lab import LLM, SamplingParams
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, moe_intermediate_size=256,
-                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=256,
-                         eos_token_id=None, bos_token_id=None, architectures=['Qwen3MoeForCausalLM'])
-    torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if 'norm' in n: p.normal_(0, 0.5)
-            elif 'gate.weight' in n: p.normal_(0, 0.3)
-    d = Path(tempfile.mkdtemp())
-    hf.save_pretrained(d)
+    cfg, hf, d = tiny_qwen3_moe(hidden=256, head_dim=64)
     llm = LLM(str(d), device='cuda', dtype='bfloat16', quantization='w4a16', skip_tokenizer_init=True, progress=False,
               block_size=16, max_num_seqs=8, kv_cache_memory=64 << 20)
     model = llm.engine.runner.model
