@@ -68,7 +68,7 @@ def _quant_rows(x, EPS_: tl.constexpr):
     return to_e4m3(tl.clamp(xf / s[:, None], -448.0, 448.0)), s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KB, stride_am, stride_om,
                  stride_asm, stride_asg, TPS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_W: tl.constexpr, GROUP_A: tl.constexpr,

@@ -91,7 +91,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, K
     store_out(y, out_ptr + rn, nmask, ws_ptr + rn, cnt_ptr + pid_n, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, KB,
                    BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
                    PREC: tl.constexpr):

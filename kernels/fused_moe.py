@@ -172,7 +172,7 @@ def moe_align_block_size_ref(topk_ids, block_m: int, num_experts: int):
     return sorted_ids, expert_ids, total.to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n', 'EM'])
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, EM,
                       BM: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     "One program: per-expert counts, their padded prefix sums, the block experts, then a stable scatter."
@@ -230,7 +230,7 @@ def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
 
 # ------------------------------------------------------------------------------------------------ grouped GEMM
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_valid'])
 def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, bs_ptr,
                       N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                       stride_bse, stride_bsn, stride_bsk,
@@ -360,7 +360,7 @@ def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_valid'])
 def _moe_permute_kernel(x_ptr, out_ptr, sorted_ids_ptr, ntpp_ptr, num_valid, H, stride_x, stride_o,
                         TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     "out[p] = x[sorted_ids[p] // TOP_K] for the real positions `p` of BLOCK_R rows; padding rows are left as they are."

@@ -26,7 +26,7 @@ import triton.language as tl
 __all__ = ['moe_align_block_size_grid']
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n', 'EM', 'fill_per'])
 def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, n, EM, fill_per,
                         E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     "counts[g, e] of chunk g; sorted_token_ids[g * fill_per : (g + 1) * fill_per] = n (the padding sentinel)."
@@ -57,7 +57,7 @@ def _align_offsets_kernel(counts_ptr, base_ptr, totals_ptr, G, E_P2: tl.constexp
     tl.store(totals_ptr + cols, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n', 'NB', 'nb_per'])
 def _align_scatter_kernel(ids_ptr, base_ptr, totals_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, NB, nb_per,
                           BM: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, EXB: tl.constexpr):
     "Chunk g's assignments into their experts' slots, in order; block experts [g * nb_per, (g + 1) * nb_per)."

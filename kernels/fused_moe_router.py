@@ -21,7 +21,7 @@ __all__ = ['fused_topk', 'FUSED_TOPK_MAX_EXPERTS']
 FUSED_TOPK_MAX_EXPERTS = 1024     # one row's logits stay in registers up to this many experts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
                          E_P2: tl.constexpr, ROWS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
     "Rows `pid * ROWS ..`: fp32 softmax over E, the k largest (first index on ties), optionally renormalized."

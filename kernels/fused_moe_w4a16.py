@@ -103,7 +103,7 @@ def _group_sb(s_ptrs, o_ptrs, go, NW, BITS: tl.constexpr):
     return s, tl.load(o_ptrs + go * NW).to(tl.float32) - s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_valid'])
 def _w4a16_moe_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
                       N, K, NW, num_valid, ONE, stride_am, stride_cm, stride_qe, stride_se,
                       A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ACT: tl.constexpr,

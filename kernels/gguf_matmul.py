@@ -286,7 +286,7 @@ def _tile(QT: tl.constexpr, wq, wb, rw, rb, sb, P: tl.constexpr, BN: tl.constexp
 
 # --------------------------------------------------------------------------------------------- kernels
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _gemv_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr, SPLIT_K,
                  QT: tl.constexpr, NB: tl.constexpr, NPASS: tl.constexpr, STEP: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, ATOMIC: tl.constexpr):
@@ -332,7 +332,7 @@ def _gemv_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr
             tl.store(out_ptr + 3 * stride_om + rows, acc3.to(ty), mask=nmask & (tl.full([BN], 3, tl.int32) < M))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _mm_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr, SPLIT_K,
                QT: tl.constexpr, NB: tl.constexpr, NPASS: tl.constexpr, STEP: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr):

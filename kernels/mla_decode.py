@@ -159,7 +159,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=None):
 # mla_decode
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_bt', 'min_tiles'])
 def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, scale_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                        seq_lens_ptr, block_tables_ptr, qk_scale, H, L, R,
                        stride_qnb, stride_qnh, stride_qpb, stride_qph, stride_ob, stride_oh,
@@ -234,7 +234,7 @@ def _mla_decode_kernel(qn_ptr, qp_ptr, cache_ptr, scale_ptr, out_ptr, part_acc_p
                  out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_splits'])
 def _mla_merge_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, H, L, num_splits, stride_ob, stride_oh,
                       SPLITS_P: tl.constexpr, BLOCK_L: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)

@@ -18,7 +18,7 @@ def moe_sum_ref(x):
     return x.sum(dim=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _moe_sum_kernel(x_ptr, out_ptr, T, H, stride_xt, stride_xk, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     "out[t, h] = sum_j x[t, j, h] for one [BLOCK_T, BLOCK_H] tile, in fp32."

@@ -25,7 +25,7 @@ def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
     return rms_norm_ref(new_residual, weight, eps).to(x.dtype), new_residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_rows'])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_xi, inner, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

@@ -140,7 +140,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 # paged_attention
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_seqs', 'stride_bt', 'stride_pt', 'stride_ph'])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         qsl_ptr, seq_lens_ptr, block_tables_ptr,
@@ -280,7 +280,7 @@ def _paged_attention_kernel(
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_splits', 'stride_pt', 'stride_ph'])
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, head_dim,
                          stride_ot, stride_oh, stride_pt, stride_ph,
                          SPLITS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, PDL: tl.constexpr):

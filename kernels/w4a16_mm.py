@@ -32,7 +32,7 @@ __all__ = ['w4a16_mm', 'w4a16_tc', 'tc_supported', 'w4a16_dequantize']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
@@ -141,7 +141,7 @@ def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr, 
         return f.to(DT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SYM: tl.constexpr):

@@ -446,3 +446,33 @@ def test_cuda_graph_fp8_decode_replay():
         torch.cuda.synchronize()
         want = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, k_scale=ks, v_scale=vs)
         assert_close(out, want, torch.bfloat16)
+
+
+def compiled_variants(kernel):
+    "How many binaries Triton's JIT holds for `kernel` (its per-device caches, keyed by specialization)."
+    return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
+@pytest.mark.cuda
+def test_cuda_step_sizes_do_not_recompile():
+    """A serving step's sizes (sequences in the batch, block-table width, KV splits) vary every step; each value
+    Triton specializes on (== 1, divisible by 16) would compile a new binary in the middle of serving (0.6 s at
+    the 8B shape). They are `do_not_specialize`, so one binary per path serves every size."""
+    torch.manual_seed(14)
+    kern = pa._paged_attention_kernel
+    # mixed path: sequence counts and table widths of each residue class
+    for i, (q_lens, ctx) in enumerate((([300, 1, 1], [0, 40, 7]), ([17] * 16, [15] * 16), ([33], [1]),
+                                       ([5, 90] * 8, [150] * 16))):
+        args = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16)
+        if i == 0: paged_attention(*args, scale=128 ** -0.5); n = compiled_variants(kern)
+        assert_close(paged_attention(*args, scale=128 ** -0.5), paged_attention_ref(*args, scale=128 ** -0.5),
+                     torch.bfloat16)
+        assert compiled_variants(kern) == n, (q_lens[:3], args[-1].shape)
+    # decode path with KV splits: 1 and 16 sequences, split counts 3 and 16 (the merge kernel too)
+    merge = pa._merge_splits_kernel
+    for i, (B, splits) in enumerate(((3, 3), (16, 16), (1, 32), (16, 5))):
+        args = make_batch([1] * B, [1500] * B, 32, 8, 128, 16, torch.bfloat16)
+        out = paged_attention(*args, scale=128 ** -0.5, num_kv_splits=splits)
+        if i == 0: n, m = compiled_variants(kern), compiled_variants(merge)
+        assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), torch.bfloat16)
+        assert (compiled_variants(kern), compiled_variants(merge)) == (n, m), (B, splits)
