@@ -312,7 +312,11 @@ def _num_sms(device_index):
 MIN_KEYS_PER_SPLIT = 256   # a decode step whose `max_seq_len` bound is at most this runs one split (no merge kernel)
 
 
-def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=MIN_KEYS_PER_SPLIT, max_splits=32):
+MAX_KV_SPLITS = 32         # the default split count's cap; the merge kernel's compile-time width (one binary for all counts)
+
+
+def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=MIN_KEYS_PER_SPLIT,
+                        max_splits=MAX_KV_SPLITS):
     "Enough KV splits for about four waves of programs, each covering >= `min_keys_per_split` keys."
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 8
     want = triton.cdiv(4 * sms, max(1, num_seqs * num_kv_heads))
@@ -353,7 +357,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     qk_scale = scale * math.log2(math.e)
     decode = max_query_len <= DECODE_MAX_QUERY_LEN
     if decode:
-        block_q = triton.next_power_of_2(max(1, max_query_len))
+        # two compile-time query tiles only (one token, or up to DECODE_MAX_QUERY_LEN): a step's last short prefill
+        # chunk, or a prompt cached but for a few tokens, must not compile a new binary mid-serving
+        block_q = 1 if max_query_len <= 1 else DECODE_MAX_QUERY_LEN
         block_m = max(16, block_q * G_P)
         splits = num_kv_splits or _default_num_splits(q, B, Hkv, max_seq_len)
         grid = (B, Hkv, splits)
@@ -387,6 +393,6 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     if split:
         _merge_splits_kernel[(T, H)](
             out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,
-            SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2,
+            SPLITS_P=max(MAX_KV_SPLITS, triton.next_power_of_2(splits)), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2,
             **pdl_kw(q.device))
     return out

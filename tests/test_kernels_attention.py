@@ -455,9 +455,10 @@ def compiled_variants(kernel):
 
 @pytest.mark.cuda
 def test_cuda_step_sizes_do_not_recompile():
-    """A serving step's sizes (sequences in the batch, block-table width, KV splits) vary every step; each value
-    Triton specializes on (== 1, divisible by 16) would compile a new binary in the middle of serving (0.6 s at
-    the 8B shape). They are `do_not_specialize`, so one binary per path serves every size."""
+    """A serving step's sizes (sequences in the batch, block-table width, KV splits, the longest short query) vary
+    every step; each value Triton specializes on (== 1, divisible by 16) or that picks a compile-time size would
+    compile a new binary in the middle of serving (0.5-0.9 s at the 8B shape). Sizes are `do_not_specialize` and
+    compile-time sizes come from a fixed few, which the runner compiles at start-up (`warm_up_kernels`)."""
     torch.manual_seed(14)
     kern = pa._paged_attention_kernel
     # mixed path: sequence counts and table widths of each residue class
@@ -468,12 +469,15 @@ def test_cuda_step_sizes_do_not_recompile():
         assert_close(paged_attention(*args, scale=128 ** -0.5), paged_attention_ref(*args, scale=128 ** -0.5),
                      torch.bfloat16)
         assert compiled_variants(kern) == n, (q_lens[:3], args[-1].shape)
-    # decode path with KV splits: 1, 16 and 17 sequences, 3 and 4 splits (the merge kernel's SPLITS_P = 4 for both;
-    # it is a compile-time size, so a new power of two of splits is a new binary, at most six of them)
-    merge = pa._merge_splits_kernel
-    for i, (B, splits) in enumerate(((3, 3), (16, 4), (1, 3), (17, 4))):
-        args = make_batch([1] * B, [1500] * B, 32, 8, 128, 16, torch.bfloat16)
-        out = paged_attention(*args, scale=128 ** -0.5, num_kv_splits=splits)
-        if i == 0: n, m = compiled_variants(kern), compiled_variants(merge)
-        assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), torch.bfloat16)
-        assert (compiled_variants(kern), compiled_variants(merge)) == (n, m), (B, splits)
+    # the split-KV decode path: 1 to 17 sequences, 3 to 32 splits, one-token queries, then queries of 2 to 8 tokens
+    # (a short last prefill chunk): one binary each for one-token and short queries, one merge binary for all
+    merge, seen = pa._merge_splits_kernel, None
+    for q_len in (1, 3, 2, 8):
+        before = compiled_variants(kern)
+        for B, splits in ((3, 3), (16, 16), (1, 32), (17, 5)):
+            args = make_batch([q_len] * B, [1500] * B, 32, 8, 128, 16, torch.bfloat16)
+            out = paged_attention(*args, scale=128 ** -0.5, num_kv_splits=splits)
+            assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), torch.bfloat16)
+            if seen is None: seen = compiled_variants(merge)
+            assert compiled_variants(merge) == seen, (q_len, B, splits)
+        assert compiled_variants(kern) - before <= (1 if q_len in (1, 3) else 0), q_len   # 2 and 8 reuse 3's binary

@@ -47,6 +47,7 @@ IDS = [f'{b}bit-g{g}-{"sym" if s else "asym"}' for b, g, s in CONFIGS]
 @pytest.mark.interp
 @pytest.mark.parametrize('bits,group,sym', CONFIGS, ids=IDS)
 def test_w4a16_cpu(bits, group, sym):
+    torch.manual_seed(1000 * bits + group)  # x below: the test must not depend on which tests ran before it
     tol = _gemv_tol(bits, group)
     for N, K in ((64, 256), (40, 200)):                       # the second: N % BN != 0, K % 128 != 0 (padded)
         args = _packed(N, K, bits, group, sym, N + K)
@@ -91,11 +92,12 @@ def test_w4a16_cpu(bits, group, sym):
     for M in (1, 3):                                            # silu(gate) * up of interleaved gate/up rows
         x = torch.randn(M, 512)
         ref = silu_and_mul_ref(w4a16_matmul_ref(x, *args), interleaved=True)
-        assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < (tol if M == 1 else 1e-5), M
+        # silu(gate) * up: the relative errors of the two GEMV outputs add up
+        assert _rel(w4a16_matmul(x, *args, act='silu_and_mul'), ref) < (2 * tol if M == 1 else 1e-5), M
         if M == 1:                                              # the GEMV epilogue, with and without split-K
             for split, nh in ((1, 1), (4, 1), (1, 2), (4, 2)):
                 y = w4a16_gemv(x, *args, tpi=1, split_k=split, bn=8, act='silu_and_mul', nh=nh)
-                assert y.shape == (1, 16) and _rel(y, ref) < tol, (split, nh)
+                assert y.shape == (1, 16) and _rel(y, ref) < 2 * tol, (split, nh)
     assert _ws_clean()
 
 

@@ -16,13 +16,15 @@ from ..utils.context import (ForwardContext, PrefillMetadata, KVCacheGroupSpec, 
                                      kv_cache_groups, set_forward_context)
 from .request import Request
 from .scheduler import SchedulerOutput
+from ..sampling_params import SamplingParams
 from ..layers.sampler import Sampler, topk_logprobs
 from ..weights.loader import load_model, ModelSource, resolve_model_source
 from ..models.llama import LlamaForCausalLM
 from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 
 # %% auto #0
-__all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput', 'StepHandle']
+__all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput',
+           'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
 PREFILL_SPLIT_MIN_TOKENS = 256   # a chunk over cached tokens this short stays on the paged kernel
@@ -59,6 +61,7 @@ class ModelRunner:
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
         if self.device.type == 'cuda' and not cfg.enforce_eager and cfg.attention_backend == 'triton':
             self.capture_cudagraphs(progress)
+        if self.device.type == 'cuda': self.warm_up_kernels()
 
     @property
     def kv_dtype(self) -> torch.dtype: return self.cfg.kv_cache_torch_dtype   # the cache's storage dtype
@@ -376,3 +379,33 @@ def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | Non
     if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
     self.graphs[bs].replay()
     return self.g_hidden[bs][:B]
+
+# %% ../../nbs/50_model_runner.ipynb #26bb5d28
+# (cached, new) tokens of each sequence of each warm-up step; True: the step asks for prompt log-probs (eager decode)
+WARM_UP_STEPS = [([(100, 1), (20, 5)], False), ([(40, 1), (0, 20), (30, 60)], False), ([(100, 1), (50, 1)], True),
+                 ([(300, 1), (0, 300)], False), ([(600, 3)], False)]
+
+@patch
+@torch.inference_mode()
+def warm_up_kernels(self: ModelRunner) -> int:
+    """Run `WARM_UP_STEPS` through `launch` (inputs, forward, sampling) so that the kernel variants a server meets are
+    compiled before the first request; steps that do not fit the context or the cache are skipped. Returns how many ran."""
+    n, bs = 0, self.block_size
+    vocab = getattr(self.hf_config, 'vocab_size', None) or 2
+    for seqs, plp in WARM_UP_STEPS:
+        nblk = [-(-(c + q) // bs) for c, q in seqs]
+        if max(c + q for c, q in seqs) > self.cfg.max_model_len or sum(nblk) > self.num_blocks: continue
+        so, first = SchedulerOutput(), 0
+        for i, ((c, q), k) in enumerate(zip(seqs, nblk)):
+            greedy = i % 2 == 0 or plp
+            sp = SamplingParams(temperature=0.0 if greedy else 1.0, top_p=1.0 if greedy else 0.9, top_k=0 if greedy else 50,
+                                prompt_logprobs=0 if plp else None, seed=i)
+            r = Request(f'warm-up-{n}-{i}', [(7 * j + i) % vocab for j in range(c + q)], sp, block_size=bs)
+            r.num_computed_tokens = c
+            so.scheduled.append(r); so.num_scheduled_tokens[r.request_id] = q
+            so.block_tables[r.request_id] = list(range(first, first + k)); first += k
+        if len(self.kv_cache_groups) > 1: so.group_block_tables = [so.block_tables] * len(self.kv_cache_groups)
+        h = self.launch(so)
+        if h is not None and h.reqs: h.result()
+        n += 1
+    return n
