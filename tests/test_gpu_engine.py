@@ -82,3 +82,28 @@ def test_async_scheduling_matches_sync():
         assert (llm.engine.num_steps_ahead > ahead) == mode
     assert runs[True] == runs[False]
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_no_compiles_after_start_up():
+    """After `LLM(...)` (graph capture and `warm_up_kernels`), a serving-like mix compiles no Triton kernel: chunked
+    prefills beside decodes, a prompt cached but for its last 3 tokens, long contexts (KV splits), greedy and sampled
+    requests, prompt log-probs. Counts every binary the JIT holds for the attention and sampling kernels."""
+    from cvllm_lab import LLM, SamplingParams
+    from cvllm_lab.kernels import paged_attention as pa, sampling as ks
+    _, d = _model('llama')
+    llm = LLM(str(d), progress=False, device='cuda', dtype='bfloat16', skip_tokenizer_init=True, kv_cache_memory=512 << 20,
+              max_num_batched_tokens=512, max_num_seqs=16, enable_prefix_caching=True)
+    kernels = [pa._paged_attention_kernel, pa._merge_splits_kernel, ks._sample_kernel, ks._argmax_kernel]
+    count = lambda: [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+    before = count()
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(0, V, (700,), generator=g).tolist()
+    prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(5, 1500, (12,), generator=g)]
+    llm.generate([{'prompt_token_ids': base}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    prompts += [base[:-3] + [1, 2, 3]]     # all but the last few tokens cached: a short query
+    sps = [SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9, max_tokens=20, ignore_eos=True,
+                          prompt_logprobs=0 if i == 3 else None) for i in range(len(prompts))]
+    outs = llm.generate([{'prompt_token_ids': p} for p in prompts], sps, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert outs[-1].num_cached_tokens >= 688
+    assert count() == before, (before, count())
