@@ -5,9 +5,10 @@ runs, against the GPU kernel time of one profiled run; then the top kernels of t
     python -m benchmarks.profile_ttft [model] [prompt_len ...]      (default llama3_8b 512 1024 2048)
 
 Dummy weights, the server's token budget, prefix caching off (every run computes the whole prompt). The gap between
-the wall time and the kernel time is host work the GPU waits for. `CVLLM_LAB_CUDNN_PREFILL=0` for FlashAttention-2.
+the wall time and the kernel time is host work the GPU waits for. `CVLLM_LAB_CUDNN_PREFILL=0` for FlashAttention-2;
+`PROFILE_HOST=1` also prints the ops with the most host (self CPU) time.
 """
-import collections, statistics, sys, time
+import collections, os, statistics, sys, time
 import torch, yaml
 from cvllm_lab import LLM
 from cvllm_lab.bench.sweep import model_dir
@@ -26,7 +27,9 @@ def main(model='llama3_8b', *lens, reps=15):
         for _ in range(reps):
             p = prompt(P); torch.cuda.synchronize(); t = time.perf_counter()
             llm.generate(p, sp, use_tqdm=False); walls.append(time.perf_counter() - t)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        host = os.environ.get('PROFILE_HOST') == '1'
+        acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+        with torch.profiler.profile(activities=acts) as prof:
             llm.generate(prompt(P), sp, use_tqdm=False); torch.cuda.synchronize()
         agg = collections.defaultdict(lambda: [0, 0.0])
         for e in prof.events():
@@ -38,5 +41,6 @@ def main(model='llama3_8b', *lens, reps=15):
               f'kernels {kern:.2f} ms, host-only {w - kern:.2f} ms', flush=True)
         if P == lens[len(lens) // 2]:
             for k, (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:14]: print(f'{us / 1e3:8.3f} ms {n:5d}  {k}')
+            if host: print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=25, max_name_column_width=60))
 
 if __name__ == '__main__': main(*sys.argv[1:])

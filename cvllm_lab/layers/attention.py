@@ -15,8 +15,9 @@ from torch import nn
 from ..utils.context import get_forward_context
 
 # %% auto #0
-__all__ = ['CUDNN_PREFILL_MIN_LEN', 'get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention',
-           'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_len', 'cudnn_prefill_attention']
+__all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'get_attention_backend', 'Attention', 'varlen_attention_ref',
+           'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_len',
+           'cudnn_prefill_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -100,6 +101,7 @@ def flash_attention_available(q) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 CUDNN_PREFILL_MIN_LEN = 512   # equal-length prompts from this length on go to cuDNN (shorter ones: FlashAttention-2)
+CUDNN_PREFILL_MIN_TOKENS = 4096   # ... when the run holds this many tokens (fewer: the call's host time is not hidden)
 
 def cudnn_attention_available(q) -> bool:
     "Whether cuDNN's fused attention runs on `q`: CUDA sm90+, cuDNN 9, fp16/bf16, its SDPA backend enabled (`CVLLM_LAB_CUDNN_PREFILL=0`: off)."
@@ -108,9 +110,11 @@ def cudnn_attention_available(q) -> bool:
             and os.environ.get('CVLLM_LAB_CUDNN_PREFILL', '1') != '0')
 
 def dense_prefill_len(p) -> int | None:
-    "`L` when every sequence of the prefill run `p` (`PrefillMetadata`) is a fresh prompt of `L` >= `CUDNN_PREFILL_MIN_LEN` tokens, else None."
+    """`L` when every sequence of the prefill run `p` (`PrefillMetadata`) is a fresh prompt of `L` >= `CUDNN_PREFILL_MIN_LEN`
+    tokens and the run holds >= `CUDNN_PREFILL_MIN_TOKENS`, else None."""
     q = p.query_lens
-    return int(q[0]) if (q == p.seq_lens).all() and (q == q[0]).all() and q[0] >= CUDNN_PREFILL_MIN_LEN else None
+    return (int(q[0]) if (q == p.seq_lens).all() and (q == q[0]).all() and q[0] >= CUDNN_PREFILL_MIN_LEN
+            and q.sum() >= CUDNN_PREFILL_MIN_TOKENS else None)
 
 def cudnn_prefill_attention(q, k, v, n: int, scale):
     """`n` fresh sequences of one length, packed as `q` `[n L, H, D]` and `k`/`v` `[n L, Hkv, D]`: causal attention as
