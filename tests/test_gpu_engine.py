@@ -107,3 +107,24 @@ def test_no_compiles_after_start_up():
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
     assert outs[-1].num_cached_tokens >= 688
     assert count() == before, (before, count())
+
+
+def test_no_moe_compiles_after_start_up():
+    """The same for a Qwen3-MoE: the fused-MoE tile configs are picked per row bucket, so the warm-up's
+    power-of-two prefill steps compile each bucket's binary before serving; mixed steps of any size then compile
+    nothing."""
+    from helpers import tiny_qwen3_moe
+    from cvllm_lab import LLM, SamplingParams
+    from cvllm_lab.kernels import fused_moe as fm, moe_sum, fused_moe_router as fr
+    _, _, d = tiny_qwen3_moe()
+    llm = LLM(str(d), progress=False, device='cuda', dtype='bfloat16', skip_tokenizer_init=True, kv_cache_memory=256 << 20,
+              max_num_batched_tokens=1024, max_num_seqs=16)
+    kernels = [fm._fused_moe_kernel, moe_sum._moe_sum_kernel, fr._topk_softmax_kernel]
+    count = lambda: [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+    before = count()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 250, (24,), generator=g)]
+    outs = llm.generate([{'prompt_token_ids': p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert count() == before, (before, count())

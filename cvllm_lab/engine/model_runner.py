@@ -386,15 +386,27 @@ WARM_UP_STEPS = [([(100, 1), (20, 5)], False), ([(40, 1), (0, 20), (30, 60)], Fa
                  ([(300, 1), (0, 300)], False), ([(600, 3)], False)]
 
 @patch
+def warm_up_steps(self: ModelRunner) -> list[tuple[list[tuple[int, int]], bool]]:
+    """`WARM_UP_STEPS`, then one step of fresh prompts per power of two of tokens up to the step budget (the row
+    buckets of the tuned GEMM and MoE configs), each prompt at most `max_model_len - 1` tokens."""
+    steps, T = list(WARM_UP_STEPS), 1
+    cap = max(1, self.cfg.max_model_len - 1)
+    while T <= self.cfg.max_num_batched_tokens:
+        steps.append(([(0, min(cap, T - i)) for i in range(0, T, cap)], False)); T *= 2
+    return steps
+
+@patch
 @torch.inference_mode()
 def warm_up_kernels(self: ModelRunner) -> int:
-    """Run `WARM_UP_STEPS` through `launch` (inputs, forward, sampling) so that the kernel variants a server meets are
-    compiled before the first request; steps that do not fit the context or the cache are skipped. Returns how many ran."""
+    """Run `warm_up_steps` through `launch` (inputs, forward, sampling) so that the kernel variants a server meets are
+    compiled before the first request; steps that do not fit the context, the cache or `max_num_seqs` are skipped.
+    Returns how many ran."""
     n, bs = 0, self.block_size
     vocab = getattr(self.hf_config, 'vocab_size', None) or 2
-    for seqs, plp in WARM_UP_STEPS:
+    for seqs, plp in self.warm_up_steps():
         nblk = [-(-(c + q) // bs) for c, q in seqs]
-        if max(c + q for c, q in seqs) > self.cfg.max_model_len or sum(nblk) > self.num_blocks: continue
+        if (max(c + q for c, q in seqs) > self.cfg.max_model_len or sum(nblk) > self.num_blocks
+                or len(seqs) > self.cfg.max_num_seqs): continue
         so, first = SchedulerOutput(), 0
         for i, ((c, q), k) in enumerate(zip(seqs, nblk)):
             greedy = i % 2 == 0 or plp
