@@ -20,9 +20,9 @@ from .base import QuantLinear
 from .gguf import GGUFLinear, quantize
 
 # %% auto #0
-__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'DENSE_BYTES', 'cpu_threads', 'pack_bf16', 'dense_linear',
-           'CPUInt4Linear', 'CPURotary', 'decode_attention', 'CPUDecodeAttention', 'CPUDecodeStep', 'CPUDecoderLayer',
-           'cpu_fast_path']
+__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'DENSE_BYTES', 'cpu_threads', 'pack_bf16',
+           'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention', 'CPUDecodeAttention', 'CPUDecodeStep',
+           'CPUDecoderLayer', 'cpu_fast_path']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -190,43 +190,79 @@ class CPUDecodeAttention:
         return decode_attention(q.view(B, Hkv, H // Hkv, D), *kv, self._mask, self._pad, scale).to(q.dtype).reshape(B, H, D)
 
 # %% ../../nbs/42_cpu_linear.ipynb #eba27e01
+MIRROR_BYTES = 256 << 20   # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
+
 class CPUDecodeStep:
     """What every layer of a decode step shares, worked out once (by the first layer): RoPE rows as `[T, 1, 2, D/2]`,
-    the cache slots, and the keys each sequence reads (a slice of the cache when its blocks are consecutive, else
-    one gather of whole blocks) with the padding mask. One step is one `ForwardContext` object."""
-    def __init__(self, rotary: CPURotary): self.rotary, self.ctx, self.positions = rotary, None, None
+    the cache slots, and the keys each sequence reads with the padding mask. One sequence on consecutive blocks reads
+    a slice of the cache. Several read a *mirror*: per layer a `[2, B, Hkv, cap, D]` copy of the batch's K/V, filled
+    by one gather when the batch changes and then extended by the step's new row per sequence, as long as the same
+    sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks.
+    One step is one `ForwardContext` object."""
+    def __init__(self, rotary: CPURotary):
+        self.rotary, self.ctx, self.positions, self.num_layers = rotary, None, None, 0
+        self.mirrors, self.mode, self.mlen, self.mbt = {}, None, None, None
 
-    def prepare(self, ctx, positions, block_size: int) -> bool:
-        "Work out the step's shared pieces if `ctx` is a new step; whether the lean path takes it."
+    def prepare(self, ctx, positions, block_size: int, row_bytes: int = 0) -> bool:
+        """Work out the step's shared pieces if `ctx` is a new step; whether the lean path takes it. `row_bytes`: one
+        token's K and V in one layer's cache (0: no mirror)."""
         if ctx is self.ctx and positions is self.positions: return self.ok
         self.ctx, self.positions = ctx, positions
         slots, bt = ctx.slot_mapping.long(), ctx.block_tables
         B = bt.shape[0]
         self.ok = ctx.max_query_len == 1 and B == positions.shape[0] and bool((slots >= 0).all())
-        if not self.ok: return False
+        if not self.ok:
+            self.mode, self.mlen, self.mirrors = None, None, {}
+            return False
         cos, sin = self.rotary._cos_sin(positions)
         self.cos, self.sin, self.slots = cos.view(B, 1, 2, -1), sin.view(B, 1, 2, -1), slots
         nblk = -(-ctx.max_seq_len // block_size)
         ids = bt[:, :nblk].long()
+        self.mode = None
         if B == 1:
             L, b0 = int(ctx.seq_lens[0]), int(ids[0, 0])
             self.span = (b0, b0 + nblk, L) if torch.equal(ids[0], torch.arange(b0, b0 + nblk)) else None
-            self.L, self.mask = L, None
-            self.pad = None
+            self.L, self.mask, self.mlen, self.mirrors = L, None, None, {}
         else:
             self.span, self.L = None, nblk * block_size
-            self.mask = (torch.arange(self.L) < ctx.seq_lens.long()[:, None])[:, None, None]
+            self._plan_mirror(ctx.seq_lens.long(), ids, block_size, row_bytes)
+            self.mask = (torch.arange(self.cap if self.mode else self.L) < self.seq[:, None])[:, None, None]
         self.pad = None if self.mask is None else ~self.mask
         self.blocks = None if self.span else ids.reshape(-1)
         return True
 
-    def keys_values(self, kv: torch.Tensor):
-        "`kv` `[2, blocks, block_size, Hkv, D]` -> this step's K and V, `[B, Hkv, L, D]` each."
+    def _plan_mirror(self, seq, ids, block_size: int, row_bytes: int):
+        "`mode`: 'append' when this step continues the mirrored batch, 'fill' when a new mirror fits `MIRROR_BYTES`, else None."
+        self.seq, prev = seq, self.mlen
+        if (prev is not None and prev.shape == seq.shape and torch.equal(seq, prev + 1) and int(seq.max()) <= self.cap
+                and torch.equal(ids[:, :self.mbt.shape[1]], self.mbt)):
+            self.mode = 'append'
+        else:
+            self.cap = -(-(int(seq.max()) + 64) // block_size) * block_size   # room for 64+ steps before a refill
+            fits = 0 < len(seq) * self.cap * row_bytes * max(1, self.num_layers) <= MIRROR_BYTES
+            self.mode, self.mirrors = ('fill' if fits else None), {}
+        self.mlen, self.mbt = (seq, ids) if self.mode else (None, None)
+
+    def keys_values(self, kv: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
+        """`kv` `[2, blocks, block_size, Hkv, D]` (this step's rows written) -> this step's K and V, `[B, Hkv, L, D]`
+        each; `k`, `v` `[B, Hkv D]`: the step's new rows, which extend the mirror."""
         B, Hkv, D = self.slots.shape[0], kv.shape[3], kv.shape[4]
         if self.span:
             a, b, L = self.span
             kv = kv[:, a:b].reshape(2, 1, -1, Hkv, D)[:, :, :L]
-        else: kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
+            return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        if self.mode is not None:
+            m = self.mirrors.get(kv.data_ptr())
+            if self.mode == 'append' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
+                rows, pos = torch.arange(B), self.seq - 1
+                m[0, rows, :, pos] = k.view(B, Hkv, D).to(m.dtype); m[1, rows, :, pos] = v.view(B, Hkv, D).to(m.dtype)
+                return m[0], m[1]
+            g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
+            m = kv.new_zeros(2, B, Hkv, self.cap, D)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
+            m[:, :, :, :self.L].copy_(g.transpose(2, 3))
+            self.mirrors[kv.data_ptr()] = m
+            return m[0], m[1]
+        kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 class CPUDecoderLayer(nn.Module):
@@ -239,6 +275,7 @@ class CPUDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
         self.post_attention_layernorm, self.mlp, self.step = layer.post_attention_layernorm, layer.mlp, step
+        step.num_layers += 1
         self._fallback = type(layer).forward
         H = self.input_layernorm.weight.shape[0]
         for n in ('input_layernorm', 'post_attention_layernorm'):   # w sqrt(H): the scale goes in as 1 / sqrt(sum x^2 + H eps)
@@ -267,7 +304,7 @@ class CPUDecoderLayer(nn.Module):
         a, att = self.self_attn, self.self_attn.attn
         kv = att.kv_cache
         if (kv is None or att.kv_scale is not None or kv.dtype not in CPU_KV_DTYPES or h.dtype not in (torch.float32, torch.bfloat16)
-                or not self.step.prepare(get_forward_context(), positions, kv.shape[2])):
+                or not self.step.prepare(get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * kv.element_size())):
             return self._fallback(self, positions, h, residual)
         st, T, H, Hkv, D = self.step, h.shape[0], a.H, a.Hkv, a.D
         residual = h.float() if residual is None else h + residual
@@ -277,7 +314,7 @@ class CPUDecoderLayer(nn.Module):
         k, v = qk[:, H:].reshape(T, -1), qkv[:, (H + Hkv) * D:]
         flat = kv.view(2, -1, Hkv * D)
         flat[0].index_copy_(0, st.slots, k.to(kv.dtype)); flat[1].index_copy_(0, st.slots, v.to(kv.dtype))
-        o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv), st.mask, st.pad, att.scale)
+        o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv, k, v), st.mask, st.pad, att.scale)
         residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
         gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
         I = gu.shape[1] // 2
