@@ -16,6 +16,8 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from .basic import Linear, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, divide
 from .rotary import RotaryEmbedding, rope_parameters
+from .attention import (CUDNN_PREFILL_MIN_LEN, CUDNN_PREFILL_MIN_TOKENS, cudnn_attention_available,
+                                        cudnn_prefill_attention, flash_attention_available, flash_varlen_attention)
 
 # %% auto #0
 __all__ = ['yarn_get_mscale', 'mla_softmax_scale', 'get_mla_backend', 'MLAAttention']
@@ -71,6 +73,7 @@ class MLAAttention(nn.Module):
         self.rotary_emb = rotary
         self.scale = mla_softmax_scale(config)
         self.num_kv_heads, self.head_dim = 1, L + R   # one shared "KV head": the latent row
+        self.sliding_window = None                    # read by the runner, which marks prefill runs for `prefill_fn`
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale = None                          # FP8 cache only: fp32 [num_blocks, block_size], one per latent row
         self._w_kv_b = None                           # (key, dequantized kv_b_proj weight) when kv_b_proj is quantized
@@ -81,6 +84,8 @@ class MLAAttention(nn.Module):
         self._cache_fn, self._decode_fn, self._attn_fn = get_mla_backend(name)
         from cvllm_lab.kernels.mla_prepare import mla_rope_norm_cache
         self._prepare_fn = mla_rope_norm_cache if name == 'triton' else None   # norm + RoPE + cache write, one launch
+        # a step's trailing run of fresh prompts: FlashAttention-2 over K/V decompressed from their own rows (`forward_split`)
+        self.prefill_fn = flash_varlen_attention if name == 'triton' else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int]:
         "One latent row per token: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (read by `bind_kv_cache`)."
@@ -166,15 +171,15 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | 
     return o
 
 @patch
-def forward_mixed(self: MLAAttention, q: torch.Tensor) -> torch.Tensor:
-    """A step with prefill rows: its one-query sequences (decodes) take the absorbed path, the others are
-    decompressed from their own blocks only; returns `[T, H, V]`. Reads the query lengths on the host (one sync;
-    the decompressed path's `torch.unique` syncs anyway)."""
-    ctx = get_forward_context()
+def forward_mixed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    """A step (default: the current one) with prefill rows: its one-query sequences (decodes) take the absorbed path,
+    the others are decompressed from their own blocks only; returns `[T, H, V]`. Reads the query lengths on the host
+    (one sync; the decompressed path's `torch.unique` syncs anyway)."""
+    ctx = ctx or get_forward_context()
     qsl = ctx.query_start_loc.tolist()
     n = [b - a for a, b in zip(qsl, qsl[1:])]
     dec = [i for i, k in enumerate(n) if k == 1]
-    if not dec: return self.forward_decompressed(q)
+    if not dec: return self.forward_decompressed(q, ctx)
     pre = [i for i, k in enumerate(n) if k > 1]
     o = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
     t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=q.device)
@@ -200,5 +205,47 @@ def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> tor
     else:
         q, kv_c, k_pe = self.project(positions, h)
         self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self.kv_scale)
-    o = self.forward_absorbed(q) if ctx.max_query_len == 1 else self.forward_mixed(q)
+    if ctx.max_query_len == 1: o = self.forward_absorbed(q)
+    elif ctx.prefill is not None and self._prefill_ok(q): o = self.forward_split(q, ctx)
+    else: o = self.forward_mixed(q)
     return self.o_proj(o.reshape(h.shape[0], -1))
+
+# %% ../../nbs/26_mla.ipynb #ba75c3cc
+@patch
+def _prefill_ok(self: MLAAttention, q) -> bool:
+    "Whether this layer can send a run of fresh prompts to `prefill_fn` (not with an FP8 cache)."
+    if self.prefill_fn is None or self.kv_scale is not None: return False
+    return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
+
+@patch
+def forward_split(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    "The step split at its fresh-prompt tail (`ctx.prefill`): the head as `forward_absorbed`/`forward_mixed`, the tail on `prefill_fn`."
+    p = ctx.prefill
+    ql, sl = p.query_lens, p.seq_lens
+    f = len(ql)
+    while f and ql[f - 1] == sl[f - 1]: f -= 1          # run sequences f.. have no cached token
+    if f == len(ql): return self.forward_mixed(q, ctx)
+    H, P, R, V, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
+    hs, ht = p.seq_start + f, p.token_start + int(ql[:f].sum())   # head: sequences 0..hs-1, rows 0..ht-1
+    o = q.new_empty(q.shape[0], H, V)
+    if hs:
+        mq = max(p.head_max_query_len, int(ql[:f].max(initial=0)))
+        head = ForwardContext(ctx.slot_mapping[:ht], ctx.query_start_loc[:hs + 1], ctx.seq_lens[:hs], ctx.block_tables[:hs],
+                              mq, ctx.max_seq_len)
+        o[:ht] = self.forward_absorbed(q[:ht], head) if mq == 1 else self.forward_mixed(q[:ht], head)
+    lat = self.kv_cache.view(-1, L + R).index_select(0, ctx.slot_mapping[ht:])   # the tail's rows, written this step
+    kv = F.linear(lat[:, :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(-1, H, P + V)
+    k = torch.cat([kv[..., :P], lat[:, None, L:].expand(-1, H, R)], -1)
+    D = max(P + R, V)
+    qt, v = q[ht:], kv[..., P:]
+    if D > P + R: qt, k = F.pad(qt, (0, D - P - R)), F.pad(k, (0, D - P - R))
+    if D > V: v = F.pad(v, (0, D - V))
+    lens = ql[f:]
+    if (lens == lens[0]).all() and lens[0] >= CUDNN_PREFILL_MIN_LEN and lens.sum() >= CUDNN_PREFILL_MIN_TOKENS \
+            and self.prefill_fn is flash_varlen_attention and cudnn_attention_available(q):
+        ot = cudnn_prefill_attention(qt, k, v, len(lens), self.scale)
+    else:
+        cu = p.cu_seqlens_q[f:] - p.cu_seqlens_q[f]                      # on the device already: no copy, no sync
+        ot = self.prefill_fn(qt.contiguous(), k, v, cu, cu, int(lens.max()), int(lens.max()), self.scale)
+    o[ht:] = ot[..., :V]
+    return o
