@@ -144,9 +144,12 @@ CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode p
 def decode_attention(q, k, v, mask, pad, scale):
     """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
     kept / padding, `[B, 1, 1, L]`, or None). An fp32 cache goes to SDPA; a bf16 one is made contiguous and multiplied
-    in bf16 (both operands' bytes halved), the softmax in fp32. Returns `[B, Hkv, G, D]` fp32."""
+    in bf16 (both operands' bytes halved), the softmax in fp32; `k`/`v` whose `[L, D]` matrices are evenly spaced (the mirrors'
+views) are read in place. Returns `[B, Hkv, G, D]` fp32."""
     if k.dtype == torch.float32: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    k, v = k.contiguous(), v.contiguous()
+    B, Hkv, L, D = k.shape
+    rows = lambda t: t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)   # one bmm batch stride
+    k, v = (t if rows(t) else t.contiguous() for t in (k, v))
     s = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).float().mul_(scale)
     if pad is not None: s.masked_fill_(pad, float('-inf'))
     return torch.matmul(torch.softmax(s, -1).to(v.dtype), v).float()
@@ -226,7 +229,7 @@ class CPUDecodeStep:
         else:
             self.span, self.L = None, nblk * block_size
             self._plan_mirror(ctx.seq_lens.long(), ids, block_size, row_bytes)
-            self.mask = (torch.arange(self.cap if self.mode else self.L) < self.seq[:, None])[:, None, None]
+            self.mask = (torch.arange(self.L) < self.seq[:, None])[:, None, None]
         self.pad = None if self.mask is None else ~self.mask
         self.blocks = None if self.span else ids.reshape(-1)
         return True
@@ -256,12 +259,12 @@ class CPUDecodeStep:
             if self.mode == 'append' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
                 rows, pos = torch.arange(B), self.seq - 1
                 m[0, rows, :, pos] = k.view(B, Hkv, D).to(m.dtype); m[1, rows, :, pos] = v.view(B, Hkv, D).to(m.dtype)
-                return m[0], m[1]
+                return m[0, :, :, :self.L], m[1, :, :, :self.L]   # the step's keys only (views: no copy)
             g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
             m = kv.new_zeros(2, B, Hkv, self.cap, D)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
             m[:, :, :, :self.L].copy_(g.transpose(2, 3))
             self.mirrors[kv.data_ptr()] = m
-            return m[0], m[1]
+            return m[0, :, :, :self.L], m[1, :, :, :self.L]
         kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
