@@ -143,17 +143,16 @@ CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode p
 
 def decode_attention(q, k, v, mask, pad, scale):
     """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
-    kept / padding, `[B, 1, 1, L]`, or None). An fp32 cache goes to SDPA; a bf16 one is made contiguous and multiplied
-    in bf16 (both operands' bytes halved), the softmax in fp32; `k`/`v` whose `[L, D]` matrices are evenly spaced (the mirrors'
-views) are read in place. Returns `[B, Hkv, G, D]` fp32."""
-    if k.dtype == torch.float32: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    kept / padding, `[B, 1, 1, L]`, or None). One unmasked sequence in fp32 goes to SDPA; otherwise two batched
+    matmuls in the cache's dtype (bf16: both operands' bytes halved) around an fp32 softmax. `k`/`v` whose `[L, D]`
+    matrices are evenly spaced (the mirrors' views) are read in place. Returns `[B, Hkv, G, D]` fp32."""
+    if k.dtype == torch.float32 and mask is None: return F.scaled_dot_product_attention(q, k, v, scale=scale)
     B, Hkv, L, D = k.shape
     rows = lambda t: t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)   # one bmm batch stride
     k, v = (t if rows(t) else t.contiguous() for t in (k, v))
     s = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).float().mul_(scale)
     if pad is not None: s.masked_fill_(pad, float('-inf'))
     return torch.matmul(torch.softmax(s, -1).to(v.dtype), v).float()
-
 
 # %% ../../nbs/42_cpu_linear.ipynb #374ad904
 class CPUDecodeAttention:
