@@ -13,10 +13,11 @@ import torch
 from tqdm.auto import tqdm
 from .offline import bench_offline, bench_llamacpp, device_name, git_commit
 from ..layers.linear import VocabParallelEmbedding, ParallelLMHead
+from ..layers.fused_moe import FusedMoE
 
 # %% auto #0
-__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'roofline', 'append_row', 'run_sweep', 'param_count',
-           'available_memory', 'check_memory', 'llamacpp_rows']
+__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'expert_bytes', 'roofline', 'append_row', 'run_sweep',
+           'param_count', 'available_memory', 'check_memory', 'llamacpp_rows']
 
 # %% ../../nbs/61_bench_sweep.ipynb #e2b92cf5
 def measure_read_bandwidth(device: str, gib: float = 4.0, iters: int = 10) -> float:
@@ -65,10 +66,21 @@ def _load_group_cfg(conf_dir: Path, group: str, name: str | None, default: dict)
     import yaml
     return yaml.safe_load((conf_dir / group / f'{name}.yaml').read_text())
 
+def expert_bytes(model) -> list[tuple[int, int, int]]:
+    "Per MoE layer `(bytes of its expert tensors, num_experts, top_k)`: its parameters and buffers with one row per expert."
+    out = []
+    for m in model.modules():
+        if not isinstance(m, FusedMoE): continue   # its experts: bf16 parameters, or a quantized format's buffers
+        E, k = m.num_experts, m.top_k
+        ts = [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if t.dim() and t.shape[0] == E]
+        out.append((sum(t.numel() * t.element_size() for t in ts), E, k))
+    return out
+
 def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
     """Bytes read per decode step, and the tok/s that the measured bandwidth allows. An embedding table that is not
     also the LM head (or whose LM head is a separate CPU copy, `runner.lm_head`) is gathered, not streamed: a step
-    reads B of its rows."""
+    reads B of its rows. Of an MoE layer's experts a step reads those its B tokens route to: with `top_k` of `E`
+    picked uniformly, the expected share `1 - (1 - top_k / E) ** B` (active parameters, not all of them)."""
     model = llm.engine.runner.model
     ts = {t.data_ptr(): t for t in model.state_dict().values()}   # parameters + persistent buffers (quantized weights), tied ones once
     wbytes = sum(t.numel() * t.element_size() for t in ts.values())
@@ -78,8 +90,9 @@ def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
         m.weight.numel() * m.weight.element_size() * (1 - B / m.num_embeddings)
         for m in model.modules()
         if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead))
+    idle = sum(b * (1 - k / E) ** B for b, E, k in expert_bytes(model))   # experts no token of the step routes to
     kv_tok = llm.engine.runner.bytes_per_block / llm.engine.cfg.block_size
-    step = wbytes - gathered + B * (P + O / 2) * kv_tok
+    step = wbytes - gathered - idle + B * (P + O / 2) * kv_tok
     return dict(weight_bytes=wbytes, bytes_per_step=step, read_bw_GBs=bw / 1e9, roofline_tok_s=B * bw / step)
 
 def append_row(out: Path | None, row: dict):
