@@ -14,7 +14,8 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
 # %% auto #0
-__all__ = ['gpu_kind', 'load_reference', 'plot_decode', 'plot_formats', 'plot_vs_llamacpp', 'plot_sweep']
+__all__ = ['MIN_DECODE_TOKENS', 'gpu_kind', 'load_reference', 'decode_points', 'plot_decode', 'plot_formats', 'plot_vs_llamacpp',
+           'plot_sweep']
 
 # %% ../../nbs/63_bench_plot.ipynb #e6b7176e
 _CANDLE_MODEL = {'Llama-3-8B': 'LLaMA', 'Mistral-7B': 'Mistral', 'Qwen3-8B': 'Qwen2/Qwen3 dense'}
@@ -37,9 +38,17 @@ def load_reference(ref_dir: Path, gpu: str) -> tuple[pd.DataFrame, pd.DataFrame]
     table = 'Hopper' if gpu in ('H100', 'H200') else gpu
     return vllm, candle[candle.gpu == table]
 
+MIN_DECODE_TOKENS = 8   # a point generating fewer tokens measures its prefill: its decode figure is one or two steps
+
+def decode_points(results: pd.DataFrame, quant: str = 'none') -> pd.DataFrame:
+    "The rows of `quant` that ran and decoded at least `MIN_DECODE_TOKENS` tokens per request."
+    ok = (results.error.fillna('') == '') & (results.quant == quant)
+    if 'output_len' in results: ok &= results.output_len.fillna(MIN_DECODE_TOKENS) >= MIN_DECODE_TOKENS
+    return results[ok]
+
 def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'none') -> Path:
     "One panel per model shape: decode tok/s vs batch size, ours vs vLLM vs candle-vllm vs roofline."
-    res = results[(results.error.fillna('') == '') & (results.quant == quant)]
+    res = decode_points(results, quant)
     precision = 'bf16' if quant == 'none' else quant     # the reference tables' name for the weight format
     ran = str(res.dtype.iloc[0]) if quant == 'none' and len(res) and 'dtype' in res else precision   # the title says what ran
     gpu = gpu_kind(res.device_name.iloc[0]) if len(res) else '?'
