@@ -109,11 +109,11 @@ def cudnn_attention_available(q) -> bool:
             and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability(q.device)[0] >= 9
             and os.environ.get('CVLLM_LAB_CUDNN_PREFILL', '1') != '0')
 
-def dense_prefill_len(p) -> int | None:
-    """`L` when every sequence of the prefill run `p` (`PrefillMetadata`) is a fresh prompt of `L` >= `CUDNN_PREFILL_MIN_LEN`
-    tokens and the run holds >= `CUDNN_PREFILL_MIN_TOKENS`, else None."""
-    q = p.query_lens
-    return (int(q[0]) if (q == p.seq_lens).all() and (q == q[0]).all() and q[0] >= CUDNN_PREFILL_MIN_LEN
+def dense_prefill_len(query_lens, seq_lens) -> int | None:
+    """`L` when a prefill run (host-side lengths, as in `PrefillMetadata`) is fresh prompts of one length `L` >=
+    `CUDNN_PREFILL_MIN_LEN` tokens, `CUDNN_PREFILL_MIN_TOKENS` or more in all; else None."""
+    q = query_lens
+    return (int(q[0]) if len(q) and (q == seq_lens).all() and (q == q[0]).all() and q[0] >= CUDNN_PREFILL_MIN_LEN
             and q.sum() >= CUDNN_PREFILL_MIN_TOKENS else None)
 
 def cudnn_prefill_attention(q, k, v, n: int, scale):
@@ -140,7 +140,7 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt):
     s, t0 = p.seq_start, p.token_start
     cu_k, max_k, _, _ = p.keys(w)
     kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
-    if self.prefill_fn is flash_varlen_attention and w is None and dense_prefill_len(p) and cudnn_attention_available(q):
+    if self.prefill_fn is flash_varlen_attention and w is None and dense_prefill_len(p.query_lens, p.seq_lens) and cudnn_attention_available(q):
         o = cudnn_prefill_attention(q[t0:], kv[0], kv[1], len(p.query_lens), self.scale)   # equal fresh prompts, batched
     else: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
     if s == 0: return o

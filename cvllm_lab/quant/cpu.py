@@ -244,6 +244,7 @@ class CPUDecodeStep:
             fits = 0 < len(seq) * self.cap * row_bytes * max(1, self.num_layers) <= MIRROR_BYTES
             self.mode, self.mirrors = ('fill' if fits else None), {}
         self.mlen, self.mbt = (seq, ids) if self.mode else (None, None)
+        self.rows, self.pos = torch.arange(len(seq)), seq - 1   # where this step's new rows go
 
     def keys_values(self, kv: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
         """`kv` `[2, blocks, block_size, Hkv, D]` (this step's rows written) -> this step's K and V, `[B, Hkv, L, D]`
@@ -256,8 +257,8 @@ class CPUDecodeStep:
         if self.mode is not None:
             m = self.mirrors.get(kv.data_ptr())
             if self.mode == 'append' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
-                rows, pos = torch.arange(B), self.seq - 1
-                m[0, rows, :, pos] = k.view(B, Hkv, D).to(m.dtype); m[1, rows, :, pos] = v.view(B, Hkv, D).to(m.dtype)
+                m[0, self.rows, :, self.pos] = k.view(B, Hkv, D).to(m.dtype)
+                m[1, self.rows, :, self.pos] = v.view(B, Hkv, D).to(m.dtype)
                 return m[0, :, :, :self.L], m[1, :, :, :self.L]   # the step's keys only (views: no copy)
             g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
             m = kv.new_zeros(2, B, Hkv, self.cap, D)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
