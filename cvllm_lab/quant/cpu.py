@@ -144,15 +144,17 @@ CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode p
 def decode_attention(q, k, v, mask, pad, scale):
     """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
     kept / padding, `[B, 1, 1, L]`, or None). One unmasked sequence in fp32 goes to SDPA; otherwise two batched
-    matmuls in the cache's dtype (bf16: both operands' bytes halved) around an fp32 softmax. `k`/`v` whose `[L, D]`
-    matrices are evenly spaced (the mirrors' views) are read in place. Returns `[B, Hkv, G, D]` fp32."""
+    matmuls in the cache's dtype (bf16: both operands' bytes halved; the scores are the bf16 matmul's output, and
+    the softmax of bf16 rows runs in fp32 inside the op). `k`/`v` whose `[L, D]` matrices are evenly spaced are read
+    in place. Returns `[B, Hkv, G, D]` in the cache's dtype."""
     if k.dtype == torch.float32 and mask is None: return F.scaled_dot_product_attention(q, k, v, scale=scale)
     B, Hkv, L, D = k.shape
     rows = lambda t: t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)   # one bmm batch stride
     k, v = (t if rows(t) else t.contiguous() for t in (k, v))
-    s = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).float().mul_(scale)
-    if pad is not None: s.masked_fill_(pad, float('-inf'))
-    return torch.matmul(torch.softmax(s, -1).to(v.dtype), v).float()
+    k, v = (t.view(B * Hkv, L, D) for t in (k, v))                 # 3-d `bmm`: less per-call work than 4-d `matmul`
+    s = torch.bmm((q * scale).to(k.dtype).view(B * Hkv, -1, D), k.transpose(1, 2))
+    if pad is not None: s.view(B, Hkv, -1, L).masked_fill_(pad, float('-inf'))
+    return torch.bmm(torch.softmax(s, -1), v).view(q.shape)
 
 # %% ../../nbs/42_cpu_linear.ipynb #374ad904
 class CPUDecodeAttention:
@@ -200,7 +202,9 @@ class CPUDecodeStep:
     a slice of the cache. Several read a *mirror*: per layer a `[2, B, Hkv, cap, D]` copy of the batch's K/V, filled
     by one gather when the batch changes and then extended by the step's new row per sequence, as long as the same
     sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks.
-    One step is one `ForwardContext` object."""
+    A mirror is read whole, `cap` keys with the padding mask over the tail: batched matmuls over evenly spaced
+    `[L, D]` slices of it (a batch stride of `cap D`) take CPU BLAS's slow path, about twice the time of whole
+    contiguous matrices. One step is one `ForwardContext` object."""
     def __init__(self, rotary: CPURotary):
         self.rotary, self.ctx, self.positions, self.num_layers = rotary, None, None, 0
         self.mirrors, self.mode, self.mlen, self.mbt = {}, None, None, None
@@ -228,7 +232,8 @@ class CPUDecodeStep:
         else:
             self.span, self.L = None, nblk * block_size
             self._plan_mirror(ctx.seq_lens.long(), ids, block_size, row_bytes)
-            self.mask = (torch.arange(self.L) < self.seq[:, None])[:, None, None]
+            W = self.cap if self.mode else self.L   # the keys attention reads: a whole mirror, or the gathered blocks
+            self.mask = (torch.arange(W) < self.seq[:, None])[:, None, None]
         self.pad = None if self.mask is None else ~self.mask
         self.blocks = None if self.span else ids.reshape(-1)
         return True
@@ -244,11 +249,12 @@ class CPUDecodeStep:
             fits = 0 < len(seq) * self.cap * row_bytes * max(1, self.num_layers) <= MIRROR_BYTES
             self.mode, self.mirrors = ('fill' if fits else None), {}
         self.mlen, self.mbt = (seq, ids) if self.mode else (None, None)
-        self.rows, self.pos = torch.arange(len(seq)), seq - 1   # where this step's new rows go
+        self.rows = None   # where this step's new rows go in a mirror (`keys_values` works it out once per step)
 
     def keys_values(self, kv: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
         """`kv` `[2, blocks, block_size, Hkv, D]` (this step's rows written) -> this step's K and V, `[B, Hkv, L, D]`
-        each; `k`, `v` `[B, Hkv D]`: the step's new rows, which extend the mirror."""
+        each (a mirror: `[B, Hkv, cap, D]`, zeros past each sequence); `k`, `v` `[B, Hkv D]`: the step's new rows,
+        which extend the mirror."""
         B, Hkv, D = self.slots.shape[0], kv.shape[3], kv.shape[4]
         if self.span:
             a, b, L = self.span
@@ -257,14 +263,17 @@ class CPUDecodeStep:
         if self.mode is not None:
             m = self.mirrors.get(kv.data_ptr())
             if self.mode == 'append' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
-                m[0, self.rows, :, self.pos] = k.view(B, Hkv, D).to(m.dtype)
-                m[1, self.rows, :, self.pos] = v.view(B, Hkv, D).to(m.dtype)
-                return m[0, :, :, :self.L], m[1, :, :, :self.L]   # the step's keys only (views: no copy)
+                if self.rows is None:   # row (b, h, len_b - 1) of the mirror's `[B Hkv cap, D]` rows
+                    self.rows = ((torch.arange(B)[:, None] * Hkv + torch.arange(Hkv)) * self.cap + self.seq[:, None] - 1).view(-1)
+                flat = m.view(2, -1, D)
+                flat[0].index_copy_(0, self.rows, k.reshape(-1, D).to(m.dtype))
+                flat[1].index_copy_(0, self.rows, v.reshape(-1, D).to(m.dtype))
+                return m[0], m[1]
             g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
             m = kv.new_zeros(2, B, Hkv, self.cap, D)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
             m[:, :, :, :self.L].copy_(g.transpose(2, 3))
             self.mirrors[kv.data_ptr()] = m
-            return m[0, :, :, :self.L], m[1, :, :, :self.L]
+            return m[0], m[1]
         kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
@@ -314,9 +323,9 @@ class CPUDecoderLayer(nn.Module):
         qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)   # [T, (H + 2 Hkv) D] fp32
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
         qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)           # NeoX RoPE on q and k at once
-        k, v = qk[:, H:].reshape(T, -1), qkv[:, (H + Hkv) * D:]
+        k, v = qk[:, H:].to(kv.dtype).reshape(T, -1), qkv[:, (H + Hkv) * D:].to(kv.dtype)   # cast once: cache and mirror
         flat = kv.view(2, -1, Hkv * D)
-        flat[0].index_copy_(0, st.slots, k.to(kv.dtype)); flat[1].index_copy_(0, st.slots, v.to(kv.dtype))
+        flat[0].index_copy_(0, st.slots, k); flat[1].index_copy_(0, st.slots, v)
         o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv, k, v), st.mask, st.pad, att.scale)
         residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
         gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
