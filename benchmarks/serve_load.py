@@ -106,6 +106,9 @@ def main(argv=None):
     ap.add_argument('--num-prompts', type=int, nargs='+', default=[16, 256], help='one per concurrency')
     ap.add_argument('--input-len', type=int, default=1024)
     ap.add_argument('--output-len', type=int, default=256)
+    ap.add_argument('--warmup-prompts', type=int, default=None,
+                    help='warm-up requests before each level (16 tokens out; default: as many as the concurrency; '
+                         "1 is vLLM's client, `vllm bench serve`, which sends one test prompt first)")
     ap.add_argument('--out', default='results/serve.csv')
     ap.add_argument('--workdir', default='/tmp/cvllm_serve_load')
     ap.add_argument('--reference', default=str(ROOT / 'results/reference/vllm_serve_h200.csv'))
@@ -122,19 +125,22 @@ def main(argv=None):
     proc = start_server(work / a.model, port, a.server_args, work / 'server.log')
     rows = []
     try:
-        for c, n in zip(a.concurrency, a.num_prompts):
+        for i, (c, n) in enumerate(zip(a.concurrency, a.num_prompts)):
+            again = sum(c2 == c for c2 in a.concurrency[:i])   # a level measured again: fresh prompts (no cache hits)
             # warm-up at this concurrency: Triton compiles a kernel once per specialization (argument values of 1,
             # multiples of 16) on first use, and a cold cache puts seconds of compiling into the measured TTFTs
             # (other prompts than the measured ones: the same would be prefix-cache hits in the measured run; not -c,
             # which `random.Random` seeds as c)
-            measure(base, c, c, a.input_len, 16, spec['hf_config']['vocab_size'], seed=10_000 + c)
+            w = c if a.warmup_prompts is None else a.warmup_prompts
+            if w: measure(base, min(c, w), w, a.input_len, 16, spec['hf_config']['vocab_size'], seed=10_000 + c + 1_000 * again)
             before = server_latency(base)
-            rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'], seed=c)
+            rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'], seed=c + 1_000 * again)
             after = server_latency(base)
             d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
             rows.append(row(rep, gpu, spec['name'], commit, a.input_len, a.output_len))
+            rows[-1]['notes'] = '; '.join(x for x in (rows[-1]['notes'], f'warm-up {w} requests') if x)
             # per request: send time, TTFT, e2e (s), to see which requests make the percentiles
-            pd.DataFrame(rep['requests']).to_csv(work / f'requests_c{c}.csv', index=False)
+            pd.DataFrame(rep['requests']).to_csv(work / f'requests_c{c}{"_" + str(again) if again else ""}.csv', index=False)
             # client and server means side by side: their gap is what the HTTP/SSE path and the client add
             rows[-1] |= dict(ttft_mean_ms=rep['ttft_ms_mean'], e2el_mean_ms=rep['e2e_ms_mean'],
                              server_ttft_mean_ms=1e3 * d('time_to_first_token_seconds_sum') / max(1, d('time_to_first_token_seconds_count')),

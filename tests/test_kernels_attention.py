@@ -115,10 +115,15 @@ def test_rotary_and_cache(is_neox, rot_dim, kv):
     caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=cdt) for _ in range(4)]
     scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)] if kv == 'fp8' else [None] * 4
     key0 = key.clone()
-    qr = pa.rotary_and_cache_ref(q.clone(), key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3])
-    got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1])
+    k_outs = [torch.full((T, Hkv, D), 7.0, device=DEV, dtype=dtype) for _ in range(2)]   # the rotated keys, if asked for
+    qr = pa.rotary_and_cache_ref(q.clone(), key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3],
+                                 k_out=k_outs[1])
+    got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1],
+                              k_out=k_outs[0])
     assert got.data_ptr() == q.data_ptr() and torch.equal(key, key0)     # q in place, k untouched
     torch.testing.assert_close(q, qr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_outs[0], k_outs[1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(k_outs[0][..., :rot_dim], key[..., :rot_dim])   # rotated, slot or not
     if kv == 'fp8':
         for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): assert fp8_ulps(a, b).max() <= 1
         for a, b in ((scales[0], scales[2]), (scales[1], scales[3])): torch.testing.assert_close(a, b, rtol=1e-5, atol=0)

@@ -60,13 +60,19 @@ class Attention(nn.Module):
         kc, vc = self.kv_cache[0], self.kv_cache[1]
         ks, vs = (None, None) if self.kv_scale is None else (self.kv_scale[0], self.kv_scale[1])
         slots, bt = ctx.group_tables(self.kv_cache_group)
+        split = ctx.prefill is not None and self._prefill_split_ok(q, kc)
+        own = split and ctx.prefill.fresh   # the run's keys are this step's rows: no read-back from the cache
         if rotary is None: self._cache_fn(k, v, kc, vc, slots, ks, vs)
         else:
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
+            kr = torch.empty(k.shape, dtype=k.dtype, device=k.device) if own else None   # the rotated keys
             rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
-                             slots, ks, vs)
-        if ctx.prefill is not None and self._prefill_split_ok(q, kc):
-            return self._split_prefill(q, kc, vc, ks, vs, ctx, bt).reshape(T, self.num_heads * self.head_dim)
+                             slots, ks, vs, k_out=kr)
+            if own: k = kr
+        if split:
+            t0 = ctx.prefill.token_start
+            kv = (k[t0:], v[t0:]) if own else None
+            return self._split_prefill(q, kc, vc, ks, vs, ctx, bt, kv).reshape(T, self.num_heads * self.head_dim)
         o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, bt, self.scale,
                           sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
                           max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
@@ -133,13 +139,16 @@ def _prefill_split_ok(self: Attention, q, kc) -> bool:
     return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
 
 @patch
-def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt):
+def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
     """The paged kernel for the sequences before the prefill run, `prefill_fn` for the run over its K/V gathered from
-    the cache (cached prefix and this step's rows; `bt`: the layer's group's block tables)."""
+    the cache (cached prefix and this step's rows; `bt`: the layer's group's block tables), or over `kv`, the run's
+    own rotated K and V rows when it is fresh prompts (every key a row of this step; a window masks, not trims)."""
     p, w = ctx.prefill, self.sliding_window
     s, t0 = p.seq_start, p.token_start
-    cu_k, max_k, _, _ = p.keys(w)
-    kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
+    if kv is None:
+        cu_k, max_k, _, _ = p.keys(w)
+        kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
+    else: cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
     if self.prefill_fn is flash_varlen_attention and w is None and dense_prefill_len(p.query_lens, p.seq_lens) and cudnn_attention_available(q):
         o = cudnn_prefill_attention(q[t0:], kv[0], kv[1], len(p.query_lens), self.scale)   # equal fresh prompts, batched
     else: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)

@@ -28,6 +28,7 @@ class PrefillMetadata:
     max_seqlen_q: int
     head_max_query_len: int      # maxima of sequences 0 .. seq_start-1 (for the paged kernel)
     head_max_seq_len: int
+    fresh: bool = False          # no sequence of the run has cached tokens: its keys are exactly the step's rows
     _keys: dict = field(default_factory=dict, repr=False)    # window -> keys(window)
     _slots: dict = field(default_factory=dict, repr=False)   # (group, window) -> kv_slots
 
@@ -38,7 +39,8 @@ class PrefillMetadata:
         q, t0 = np.diff(qsl), int(qsl[seq_start])
         cu = torch.from_numpy((qsl[seq_start:] - t0).astype(np.int32)).to(device)
         return cls(seq_start, t0, q[seq_start:], L[seq_start:], cu, int(q[seq_start:].max()),
-                   int(q[:seq_start].max(initial=0)), int(L[:seq_start].max(initial=0)))
+                   int(q[:seq_start].max(initial=0)), int(L[:seq_start].max(initial=0)),
+                   bool((q[seq_start:] == L[seq_start:]).all()))
 
     def keys(self, window: int | None = None) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
         """`(cu_seqlens_k, max_seqlen_k, seq, pos)`: the keys each sequence's queries read (all its tokens; with a
