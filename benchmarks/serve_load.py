@@ -86,7 +86,9 @@ def row(rep: dict, gpu: str, shape: str, commit: str, input_len: int, output_len
 def plot(df: pd.DataFrame, ref: pd.DataFrame, png: Path, title: str):
     "Ours beside vLLM per concurrency: TTFT p50/p99, TPOT p50, ITL p50/p99 (ms, log scale) and output tok/s."
     import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
-    both = pd.concat([ref.assign(who='vLLM ' + ref.version.astype(str)), df.assign(who='cvllm_lab')])
+    run = df.groupby('concurrency').cumcount()   # a level measured again right after: its own bars
+    ours = df.assign(who=['cvllm_lab' + (f' (run {i + 1})' if i else '') for i in run])
+    both = pd.concat([ref.assign(who='vLLM ' + ref.version.astype(str)), ours])
     conc = sorted(both.concurrency.unique())
     fig, axes = plt.subplots(1, len(conc) + 1, figsize=(5 * (len(conc) + 1), 4))
     lat = ['ttft_p50_ms', 'ttft_p99_ms', 'tpot_p50_ms', 'itl_p50_ms', 'itl_p99_ms']
