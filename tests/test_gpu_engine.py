@@ -84,36 +84,6 @@ def test_async_scheduling_matches_sync():
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_async_scheduling_mixed_steps_match_sync():
-    """Steps launched ahead that mix decodes with prompt chunks and new arrivals (a 128-token budget, a request added
-    every other step), on CUDA graphs and eager steps, give exactly the synchronous loop's tokens."""
-    from cvllm_lab import LLM, SamplingParams
-    _, d = _model('llama')
-    llm = LLM(str(d), progress=False, device='cuda', dtype='float32', skip_tokenizer_init=True, kv_cache_memory=256 << 20,
-              max_num_seqs=8, max_num_batched_tokens=128)
-    e, g = llm.engine, torch.Generator().manual_seed(5)
-    prompts = [{'prompt_token_ids': torch.randint(0, V, (int(n),), generator=g).tolist()} for n in (300, 5, 60, 17, 200, 2, 90, 33, 7, 150)]
-    sps = [SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True) if i % 3 else
-           SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(len(prompts))]
-    mixed, launch = [], e.runner.launch
-    def spy(so, prev_tokens=None, prev_rows=None):
-        if prev_rows is not None: mixed.append(so.total_num_scheduled_tokens > len(so.scheduled))
-        return launch(so, prev_tokens, prev_rows)
-    e.runner.launch = spy
-    runs = {}
-    for mode in (False, True):
-        e.cfg.async_scheduling, todo, out, n = mode, list(enumerate(zip(prompts, sps))), {}, 0
-        while todo or e.has_unfinished_requests():
-            if todo and n % 2 == 0:
-                i, (p, sp) = todo.pop(0); e.add_request(f'{mode}-{i}', p, sp)
-            for o in e.step(): out[o.request_id.split('-')[1]] = [c.token_ids for c in o.outputs]
-            n += 1
-        runs[mode] = out
-    assert runs[True] == runs[False]
-    assert sum(mixed) >= 3, mixed
-    assert e.kv.num_free_blocks == e.kv.num_blocks
-
-
 def test_no_compiles_after_start_up():
     """After `LLM(...)` (graph capture and `warm_up_kernels`), a serving-like mix compiles no Triton kernel: chunked
     prefills beside decodes, a prompt cached but for its last 3 tokens, long contexts (KV splits), greedy and sampled
