@@ -290,27 +290,20 @@ def _decode_lps(self: LLMEngine, lps: list[dict]) -> list[dict]:
 # %% ../../nbs/51_llm_engine.ipynb #3b0b9641
 @patch
 def _schedule_ahead(self: LLMEngine, so, handle):
-    """Async scheduling: schedule and launch the next step now, while step `so` runs, when nothing in it waits on the
-    host; the rows of the requests `so` samples are fed with its tokens on the device."""
-    sched = self.scheduler
-    if handle.tokens is None: return
-    live = [r for r in handle.reqs if not r.is_finished]   # they get a token from this step
+    "Async scheduling: launch the next decode step now, fed with this step's tokens on the device, when it is certain."
+    sched, live = self.scheduler, [r for r in so.scheduled if not r.is_finished]
+    if handle.tokens is None or sched.waiting or not live or live != sched.running or handle.reqs != so.scheduled: return
+    bs, need = self.cfg.block_size, 0
     for r in live:
-        if r.num_output_tokens + 1 >= r.sampling_params.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
-    ids = {r.request_id for r in live}
-    for r in itertools.chain(sched.running, sched.waiting):   # whoever the next step may sample
-        if ((r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens)
-                or not Sampler.host_free(r, ahead=int(r.request_id in ids))): return
+        sp = r.sampling_params
+        if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
+        if not Sampler.host_free(r, ahead=1): return
+        need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
+    if need * self.kv.num_groups > self.kv.num_free_blocks: return   # every KV cache group opens its block
     for r in live: r.append_placeholder()
-    nxt = sched.schedule(preempt=False)   # a request short of blocks sits out: the running step still reads them
-    if nxt.is_empty: return
-    row = {r.request_id: i for i, r in enumerate(handle.reqs)}
-    rows, src, q = [], [], 0
-    for r in nxt.scheduled:   # a placeholder is the one token of its request this step
-        if r.has_placeholder: rows.append(q); src.append(row[r.request_id])
-        q += nxt.num_scheduled_tokens[r.request_id]
-    if q == len(rows) and src == list(range(len(handle.reqs))):   # a decode step of the same requests, in order
-        tokens, rows = handle.tokens, None
-    else: tokens = handle.tokens[torch.tensor(src, device=handle.tokens.device)]
-    self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens, prev_rows=rows))
+    nxt = sched.schedule()
+    assert nxt.scheduled == live and not nxt.preempted and nxt.total_num_scheduled_tokens == len(live), nxt
+    rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
+    tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
+    self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
     self.num_steps_ahead += 1

@@ -269,35 +269,29 @@ class StepHandle:
 
 # %% ../../nbs/50_model_runner.ipynb #af4167d1
 @patch
-def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None,
-             prev_rows: list[int] | None = None) -> torch.Tensor:
-    """The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager
-    forward. `prev_tokens` (on the device) replace the input ids of rows `prev_rows` (None: every row, a decode step)."""
-    if prev_tokens is not None and (len(prev_tokens) != (len(b.input_ids) if prev_rows is None else len(prev_rows))
-                                    or (prev_rows is None and b.max_query_len != 1)):
-        raise ValueError("prev_tokens feed rows prev_rows (None: a decode step of one token per request, every row)")
-    if prev_rows is not None: prev_rows = torch.as_tensor(prev_rows, dtype=torch.long).to(self.device)
+def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    "The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager forward."
+    if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
+        raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
-        return self._run_graph(b, prev_tokens, prev_rows)
+        return self._run_graph(b, prev_tokens)
     t = lambda x: torch.as_tensor(x).to(self.device)
     ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
                          b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if b.group_tables:
         ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
-    ids = t(b.input_ids) if prev_tokens is None or prev_rows is not None else prev_tokens.to(torch.long)
-    if prev_rows is not None: ids[prev_rows] = prev_tokens.to(torch.long)
+    ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
     with set_forward_context(ctx): return self.model(ids, t(b.positions))
 
 @patch
 @torch.inference_mode()
-def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-           prev_rows: list[int] | None = None) -> StepHandle:
+def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
     """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
     sampling (log-probs, logits processors, penalties, min_tokens), nothing waits for the device: the handle
-    holds the token ids on the device. `prev_tokens` (async scheduling): input ids still on the device, overriding
-    the host's (placeholders) in rows `prev_rows` (None: every row of a decode step)."""
+    holds the token ids on the device. `prev_tokens` (async scheduling): the input ids of a decode step, still
+    on the device, overriding the host's (placeholders)."""
     b = self.prepare_inputs(so)
-    hidden = self._forward(so, b, prev_tokens, prev_rows)
+    hidden = self._forward(so, b, prev_tokens)
     sample_rows, sample_reqs = b.sample_rows, b.sample_reqs
     if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
         tokens = self.sampler.sample_tokens(self.compute_logits(hidden[sample_rows]), sample_reqs)
@@ -367,8 +361,7 @@ def capture_cudagraphs(self: ModelRunner, progress: bool = True):
     torch.cuda.synchronize()
 
 @patch
-def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | None = None,
-               prev_rows: torch.Tensor | None = None) -> torch.Tensor:
+def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
     "Replay the smallest bucket that holds the batch (its short-context graph if it has one and the batch fits)."
     B = len(b.input_ids)
     bs = next(s for s in sorted(self.graphs) if s >= B)
@@ -382,8 +375,7 @@ def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | Non
     self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
     self.g_bt[:, :B, :w].copy_(self.g_bt_staging[:, :B, :w], non_blocking=True)
     self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
-    if prev_tokens is not None and prev_rows is None: self.g_ids[:B].copy_(prev_tokens)   # async: ids from the last step
-    elif prev_tokens is not None: self.g_ids[prev_rows] = prev_tokens.to(self.g_ids.dtype)
+    if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
     if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
     self.graphs[bs].replay()
     return self.g_hidden[bs][:B]

@@ -95,16 +95,14 @@ def _preempt(self: Scheduler, out: SchedulerOutput) -> Request:
     return victim
 
 @patch
-def schedule(self: Scheduler, preempt: bool = True) -> SchedulerOutput:
-    """Pick this step's requests and token counts. `preempt=False` (a step scheduled while the previous one still
-    runs): a running request that does not get its blocks sits this step out, and nothing new is admitted."""
+def schedule(self: Scheduler) -> SchedulerOutput:
+    "Pick this step's requests and token counts."
     out, budget = SchedulerOutput(), self.max_num_batched_tokens
-    i, short = 0, False
+    i = 0
     while i < len(self.running) and budget > 0:
         req = self.running[i]
         n = self._num_new(req, req.num_computed_tokens, budget)
         if n <= 0: i += 1; continue
-        if not preempt and not self.kv.allocate_slots(req, n): short = True; i += 1; continue
         while not self.kv.allocate_slots(req, n):
             victim = self._preempt(out)
             if victim.request_id in out.num_scheduled_tokens:   # priority: scheduled earlier in this step; undo it
@@ -113,7 +111,7 @@ def schedule(self: Scheduler, preempt: bool = True) -> SchedulerOutput:
         else:
             out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
             budget -= n; i += 1
-    if not out.preempted and not short:   # don't admit new work in a step that was short of blocks
+    if not out.preempted:   # don't admit new work in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
