@@ -202,9 +202,9 @@ class CPUDecodeStep:
     a slice of the cache. Several read a *mirror*: per layer a `[2, B, Hkv, cap, D]` copy of the batch's K/V, filled
     by one gather when the batch changes and then extended by the step's new row per sequence, as long as the same
     sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks.
-    A mirror is read whole, `cap` keys with the padding mask over the tail: batched matmuls over evenly spaced
-    `[L, D]` slices of it (a batch stride of `cap D`) take CPU BLAS's slow path, about twice the time of whole
-    contiguous matrices. One step is one `ForwardContext` object."""
+    A mirror is read whole, `cap` keys with the padding mask over the tail: bf16 batched matmuls over evenly spaced
+    `[L, D]` slices of it (a batch stride of `cap D`) take a slower CPU BLAS path than whole contiguous matrices
+    (`results/NOTES.md`). One step is one `ForwardContext` object."""
     def __init__(self, rotary: CPURotary):
         self.rotary, self.ctx, self.positions, self.num_layers = rotary, None, None, 0
         self.mirrors, self.mode, self.mlen, self.mbt = {}, None, None, None
