@@ -20,9 +20,9 @@ from .base import QuantLinear
 from .gguf import GGUFLinear, quantize
 
 # %% auto #0
-__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'DENSE_BYTES', 'cpu_threads', 'pack_bf16',
-           'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention', 'CPUDecodeAttention', 'CPUDecodeStep',
-           'CPUDecoderLayer', 'cpu_fast_path']
+__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'MIRROR_DTYPE', 'DENSE_BYTES', 'cpu_threads',
+           'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention', 'CPUDecodeAttention',
+           'CPUDecodeStep', 'CPUDecoderLayer', 'cpu_fast_path']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -144,9 +144,9 @@ CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode p
 def decode_attention(q, k, v, mask, pad, scale):
     """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
     kept / padding, `[B, 1, 1, L]`, or None). One unmasked sequence in fp32 goes to SDPA; otherwise two batched
-    matmuls in the cache's dtype (bf16: both operands' bytes halved; the scores are the bf16 matmul's output, and
+    matmuls in K/V's dtype (bf16, e.g. a decode mirror: both operands' bytes halved; the scores are the bf16 matmul's output, and
     the softmax of bf16 rows runs in fp32 inside the op). `k`/`v` whose `[L, D]` matrices are evenly spaced are read
-    in place. Returns `[B, Hkv, G, D]` in the cache's dtype."""
+    in place. Returns `[B, Hkv, G, D]` in K/V's dtype."""
     if k.dtype == torch.float32 and mask is None: return F.scaled_dot_product_attention(q, k, v, scale=scale)
     B, Hkv, L, D = k.shape
     rows = lambda t: t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)   # one bmm batch stride
@@ -194,7 +194,8 @@ class CPUDecodeAttention:
         return decode_attention(q.view(B, Hkv, H // Hkv, D), *kv, self._mask, self._pad, scale).to(q.dtype).reshape(B, H, D)
 
 # %% ../../nbs/42_cpu_linear.ipynb #eba27e01
-MIRROR_BYTES = 256 << 20   # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
+MIRROR_BYTES = 256 << 20      # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
+MIRROR_DTYPE = torch.bfloat16 # the mirrors' dtype, whatever the cache's: attention reads half an fp32 cache's bytes
 
 class CPUDecodeStep:
     """What every layer of a decode step shares, worked out once (by the first layer): RoPE rows as `[T, 1, 2, D/2]`,
@@ -202,7 +203,8 @@ class CPUDecodeStep:
     a slice of the cache. Several read a *mirror*: per layer a `[2, B, Hkv, cap, D]` copy of the batch's K/V, filled
     by one gather when the batch changes and then extended by the step's new row per sequence, as long as the same
     sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks.
-    A mirror is read whole, `cap` keys with the padding mask over the tail: bf16 batched matmuls over evenly spaced
+    A mirror holds `MIRROR_DTYPE` (bf16) rows, so the decode matmuls read half the bytes of an fp32 cache and run in
+    bf16. It is read whole, `cap` keys with the padding mask over the tail: bf16 batched matmuls over evenly spaced
     `[L, D]` slices of it (a batch stride of `cap D`) take a slower CPU BLAS path than whole contiguous matrices
     (`results/NOTES.md`). One step is one `ForwardContext` object."""
     def __init__(self, rotary: CPURotary):
@@ -211,7 +213,7 @@ class CPUDecodeStep:
 
     def prepare(self, ctx, positions, block_size: int, row_bytes: int = 0) -> bool:
         """Work out the step's shared pieces if `ctx` is a new step; whether the lean path takes it. `row_bytes`: one
-        token's K and V in one layer's cache (0: no mirror)."""
+        token's K and V in one layer's mirror (0: no mirror)."""
         if ctx is self.ctx and positions is self.positions: return self.ok
         self.ctx, self.positions = ctx, positions
         slots, bt = ctx.slot_mapping.long(), ctx.block_tables
@@ -270,7 +272,7 @@ class CPUDecodeStep:
                 flat[1].index_copy_(0, self.rows, v.reshape(-1, D).to(m.dtype))
                 return m[0], m[1]
             g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
-            m = kv.new_zeros(2, B, Hkv, self.cap, D)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
+            m = kv.new_zeros(2, B, Hkv, self.cap, D, dtype=MIRROR_DTYPE)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
             m[:, :, :, :self.L].copy_(g.transpose(2, 3))
             self.mirrors[kv.data_ptr()] = m
             return m[0], m[1]
@@ -316,14 +318,14 @@ class CPUDecoderLayer(nn.Module):
         a, att = self.self_attn, self.self_attn.attn
         kv = att.kv_cache
         if (kv is None or att.kv_scale is not None or kv.dtype not in CPU_KV_DTYPES or h.dtype not in (torch.float32, torch.bfloat16)
-                or not self.step.prepare(get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * kv.element_size())):
+                or not self.step.prepare(get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * MIRROR_DTYPE.itemsize)):
             return self._fallback(self, positions, h, residual)
         st, T, H, Hkv, D = self.step, h.shape[0], a.H, a.Hkv, a.D
         residual = h.float() if residual is None else h + residual
         qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)   # [T, (H + 2 Hkv) D] fp32
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
         qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)           # NeoX RoPE on q and k at once
-        k, v = qk[:, H:].to(kv.dtype).reshape(T, -1), qkv[:, (H + Hkv) * D:].to(kv.dtype)   # cast once: cache and mirror
+        k, v = qk[:, H:].to(kv.dtype).reshape(T, -1), qkv[:, (H + Hkv) * D:].to(kv.dtype)   # the cache's dtype; a mirror casts to its own
         flat = kv.view(2, -1, Hkv * D)
         flat[0].index_copy_(0, st.slots, k); flat[1].index_copy_(0, st.slots, v)
         o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv, k, v), st.mask, st.pad, att.scale)
