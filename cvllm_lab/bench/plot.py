@@ -14,8 +14,8 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
 # %% auto #0
-__all__ = ['MIN_DECODE_TOKENS', 'gpu_kind', 'load_reference', 'decode_points', 'plot_decode', 'plot_formats', 'plot_vs_llamacpp',
-           'plot_sweep']
+__all__ = ['MIN_DECODE_TOKENS', 'gpu_kind', 'load_reference', 'decode_points', 'plot_decode', 'plot_formats', 'last_run',
+           'plot_vs_llamacpp', 'plot_sweep']
 
 # %% ../../nbs/63_bench_plot.ipynb #e6b7176e
 _CANDLE_MODEL = {'Llama-3-8B': 'LLaMA', 'Mistral-7B': 'Mistral', 'Qwen3-8B': 'Qwen2/Qwen3 dense'}
@@ -107,9 +107,15 @@ def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = '
     fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
     return out
 
+def last_run(results: pd.DataFrame) -> pd.DataFrame:
+    "The rows of the last commit in an appended CSV: one run's figures."
+    return results[results.commit == results.commit.iloc[-1]] if 'commit' in results else results
+
 def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
-    "Bars per point (decode for each batch size, prefill for each prompt length): ours and llama.cpp's, naming the CPU."
+    """Bars per point (decode for each batch size, prefill for each prompt length): ours and llama.cpp's, naming the
+    CPU. Only the last commit's rows: the CSV is appended to, and both engines' figures must come from one run."""
     res = results[results.error.fillna('') == '']
+    res = last_run(res)
     labels, ours, theirs = [], [], []
     for (B, P, O), g in res.groupby(['batch_size', 'prompt_len', 'output_len'], sort=False):
         pick = lambda q, col: g[g.quant == q][col].max() if (g.quant == q).any() else float('nan')
