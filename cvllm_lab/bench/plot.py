@@ -114,8 +114,7 @@ def last_run(results: pd.DataFrame) -> pd.DataFrame:
 def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
     """Bars per point (decode for each batch size, prefill for each prompt length): ours and llama.cpp's, naming the
     CPU. Only the last commit's rows: the CSV is appended to, and both engines' figures must come from one run."""
-    res = results[results.error.fillna('') == '']
-    res = last_run(res)
+    res = last_run(results[results.error.fillna('') == ''])
     labels, ours, theirs = [], [], []
     for (B, P, O), g in res.groupby(['batch_size', 'prompt_len', 'output_len'], sort=False):
         pick = lambda q, col: g[g.quant == q][col].max() if (g.quant == q).any() else float('nan')
