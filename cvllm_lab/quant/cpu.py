@@ -144,9 +144,9 @@ CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode p
 def decode_attention(q, k, v, mask, pad, scale):
     """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
     kept / padding, `[B, 1, 1, L]`, or None). One unmasked sequence in fp32 goes to SDPA; otherwise two batched
-    matmuls in K/V's dtype (bf16, e.g. a decode mirror: both operands' bytes halved; the scores are the bf16 matmul's output, and
-    the softmax of bf16 rows runs in fp32 inside the op). `k`/`v` whose `[L, D]` matrices are evenly spaced are read
-    in place. Returns `[B, Hkv, G, D]` in K/V's dtype."""
+    matmuls in K/V's dtype (bf16, as in a decode mirror: both operands' bytes halved; the scores are the bf16
+    matmul's output, and the softmax of bf16 rows runs in fp32 inside the op). `k`/`v` whose `[L, D]` matrices are
+    evenly spaced are read in place. Returns `[B, Hkv, G, D]` in K/V's dtype."""
     if k.dtype == torch.float32 and mask is None: return F.scaled_dot_product_attention(q, k, v, scale=scale)
     B, Hkv, L, D = k.shape
     rows = lambda t: t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)   # one bmm batch stride
@@ -272,7 +272,7 @@ class CPUDecodeStep:
                 flat[1].index_copy_(0, self.rows, v.reshape(-1, D).to(m.dtype))
                 return m[0], m[1]
             g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
-            m = kv.new_zeros(2, B, Hkv, self.cap, D, dtype=MIRROR_DTYPE)   # zeros: the masked tail must not be NaN (0 x NaN in P V)
+            m = kv.new_zeros(2, B, Hkv, self.cap, D, dtype=MIRROR_DTYPE)   # zeros: no NaN in the masked tail (0 x NaN in P V)
             m[:, :, :, :self.L].copy_(g.transpose(2, 3))
             self.mirrors[kv.data_ptr()] = m
             return m[0], m[1]
