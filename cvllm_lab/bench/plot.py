@@ -131,7 +131,8 @@ def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
     for bars in (b1, b2): ax.bar_label(bars, fmt='%.0f', fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8); ax.set_ylabel('tok/s (decode: all sequences together)')
     thr = json.loads(res[res.quant == 'llama.cpp'].config.iloc[0]).get('threads') if (res.quant == 'llama.cpp').any() else None
-    ax.set_title(f"{res['shape'].iloc[0]} on {res.device_name.iloc[0]}" + (f', {thr} threads' if thr else ''), fontsize=10)
+    ax.set_title(f"{res['shape'].iloc[0]} on {res.device_name.iloc[0]}" + (f', {thr} threads' if thr else '')
+                 + (f", commit {res.commit.iloc[0]}" if 'commit' in res else ''), fontsize=10)
     ax.legend(fontsize=8); ax.grid(True, axis='y', alpha=.3)
     fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
     return out
