@@ -20,9 +20,9 @@ from .base import QuantLinear
 from .gguf import GGUFLinear, quantize
 
 # %% auto #0
-__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'MIRROR_DTYPE', 'DENSE_BYTES', 'cpu_threads',
-           'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention', 'CPUDecodeAttention',
-           'CPUDecodeStep', 'CPUDecoderLayer', 'cpu_fast_path']
+__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'MIRROR_DTYPE', 'MIRROR_HEADROOM', 'DENSE_BYTES',
+           'cpu_threads', 'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention',
+           'CPUDecodeAttention', 'CPUDecodeStep', 'CPUDecoderLayer', 'cpu_fast_path']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -196,13 +196,15 @@ class CPUDecodeAttention:
 # %% ../../nbs/42_cpu_linear.ipynb #eba27e01
 MIRROR_BYTES = 256 << 20      # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
 MIRROR_DTYPE = torch.bfloat16 # the mirrors' dtype, whatever the cache's: attention reads half an fp32 cache's bytes
+MIRROR_HEADROOM = 32          # rows a mirror holds past the longest sequence when it is made or grown
 
 class CPUDecodeStep:
     """What every layer of a decode step shares, worked out once (by the first layer): RoPE rows as `[T, 1, 2, D/2]`,
     the cache slots, and the keys each sequence reads with the padding mask. One sequence on consecutive blocks reads
     a slice of the cache. Several read a *mirror*: per layer a `[2, B, Hkv, cap, D]` copy of the batch's K/V, filled
     by one gather when the batch changes and then extended by the step's new row per sequence, as long as the same
-    sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks.
+    sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks. A full
+    mirror grows by `MIRROR_HEADROOM` rows or more: one contiguous copy into a longer one, not a gather again.
     A mirror holds `MIRROR_DTYPE` (bf16) rows, so the decode matmuls read half the bytes of an fp32 cache and run in
     bf16. It is read whole, `cap` keys with the padding mask over the tail: bf16 batched matmuls over evenly spaced
     `[L, D]` slices of it (a batch stride of `cap D`) take a slower CPU BLAS path than whole contiguous matrices
@@ -241,15 +243,17 @@ class CPUDecodeStep:
         return True
 
     def _plan_mirror(self, seq, ids, block_size: int, row_bytes: int):
-        "`mode`: 'append' when this step continues the mirrored batch, 'fill' when a new mirror fits `MIRROR_BYTES`, else None."
-        self.seq, prev = seq, self.mlen
-        if (prev is not None and prev.shape == seq.shape and torch.equal(seq, prev + 1) and int(seq.max()) <= self.cap
-                and torch.equal(ids[:, :self.mbt.shape[1]], self.mbt)):
-            self.mode = 'append'
+        """`mode`: 'append' when this step continues the mirrored batch, 'grow' when it does but a mirror is full,
+        'fill' when a new mirror is needed; None when the mirrors would not fit `MIRROR_BYTES`."""
+        self.seq, prev, longest = seq, self.mlen, int(seq.max())
+        same = (prev is not None and prev.shape == seq.shape and torch.equal(seq, prev + 1)
+                and torch.equal(ids[:, :self.mbt.shape[1]], self.mbt))
+        if same and longest <= self.cap: self.mode = 'append'
         else:
-            self.cap = -(-(int(seq.max()) + 64) // block_size) * block_size   # room for 64+ steps before a refill
+            self.cap = -(-(longest + MIRROR_HEADROOM) // block_size) * block_size
             fits = 0 < len(seq) * self.cap * row_bytes * max(1, self.num_layers) <= MIRROR_BYTES
-            self.mode, self.mirrors = ('fill' if fits else None), {}
+            self.mode = ('grow' if same else 'fill') if fits else None
+            if self.mode != 'grow': self.mirrors = {}
         self.mlen, self.mbt = (seq, ids) if self.mode else (None, None)
         self.rows = None   # where this step's new rows go in a mirror (`keys_values` works it out once per step)
 
@@ -264,7 +268,10 @@ class CPUDecodeStep:
             return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         if self.mode is not None:
             m = self.mirrors.get(kv.data_ptr())
-            if self.mode == 'append' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
+            if self.mode == 'grow' and m is not None and m.shape[1:3] == (B, Hkv) and m.shape[3] < self.cap:
+                m = torch.cat([m, m.new_zeros(2, B, Hkv, self.cap - m.shape[3], D)], 3)   # the rows so far, then zeros
+                self.mirrors[kv.data_ptr()] = m
+            if self.mode != 'fill' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
                 if self.rows is None:   # row (b, h, len_b - 1) of the mirror's `[B Hkv cap, D]` rows
                     self.rows = ((torch.arange(B)[:, None] * Hkv + torch.arange(Hkv)) * self.cap + self.seq[:, None] - 1).view(-1)
                 flat = m.view(2, -1, D)
