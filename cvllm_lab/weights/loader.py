@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/loader.html.md"""
 
 # %% ../../nbs/40_loader.ipynb #7ab4df50
 from __future__ import annotations
-import json, re
+import json, os, re
 import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +20,9 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from ..tokenizer import gguf_cache_dir
 
 # %% auto #0
-__all__ = ['ModelSource', 'hub_snapshot', 'resolve_model_source', 'load_hf_config', 'iterate_safetensors', 'gguf_to_hf_name',
-           'unpermute_qk', 'iterate_gguf', 'iterate_weights', 'checkpoint_quant_config', 'load_model']
+__all__ = ['ModelSource', 'hub_snapshot', 'resolve_model_source', 'load_hf_config', 'iterate_safetensors', 'GGUFTensor',
+           'gguf_tensors', 'gguf_to_hf_name', 'unpermute_qk', 'iterate_gguf', 'iterate_weights',
+           'checkpoint_quant_config', 'load_model']
 
 # %% ../../nbs/40_loader.ipynb #55f8d06a
 @dataclass
@@ -121,6 +122,55 @@ def iterate_safetensors(root: Path, progress: bool = True) -> Iterator[tuple[str
             if isinstance(e, (KeyError, ValueError)) and 'Checkpoint' in str(e): raise
             raise ValueError(f"{f}: cannot read safetensors file ({e})") from e
 
+# %% ../../nbs/40_loader.ipynb #82aceb8d
+@dataclass
+class GGUFTensor:
+    "One tensor of a GGUF file: `shape` in GGUF's order (columns first), `data` a read-only view of the mapped file."
+    name: str
+    tensor_type: object          # gguf.GGMLQuantizationType
+    shape: tuple
+    data: np.ndarray
+    @property
+    def n_elements(self) -> int: return int(np.prod(self.shape))
+
+_GGUF_PLAIN = {'F16': np.float16, 'F32': np.float32, 'F64': np.float64, 'I8': np.int8, 'I16': np.int16, 'I32': np.int32, 'I64': np.int64}
+
+def _gguf_table(path: Path) -> dict:
+    "`{'arch', 'tensors': [[name, type, shape, offset], ...]}` of a GGUF file: from the cache, else by `gguf`'s reader (then cached)."
+    import gguf
+    cache = gguf_cache_dir(path, 'tensors') / 'tensors.json'
+    try: return json.loads(cache.read_text())
+    except (OSError, ValueError): pass
+    try: reader = gguf.GGUFReader(str(path))
+    except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    arch = reader.fields.get('general.architecture')
+    table = {'arch': arch.contents() if arch else None,
+             'tensors': [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]}
+    try:   # written whole, then renamed: processes loading the same file at once never read half a table
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f'.{os.getpid()}.tmp'); tmp.write_text(json.dumps(table)); tmp.replace(cache)
+    except OSError: pass
+    return table
+
+def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
+    "The GGUF architecture (`general.architecture`) and the tensors of the file at `path`, their data mapped, not read."
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape
+    table = _gguf_table(path)
+    mm = np.memmap(path, mode='r')
+    out = []
+    for name, typ, shape, off in table['tensors']:
+        qt = gguf.GGMLQuantizationType(typ)
+        dims, n = tuple(reversed(shape)), int(np.prod(shape))
+        if qt.name in _GGUF_PLAIN:
+            dt = np.dtype(_GGUF_PLAIN[qt.name])
+            data = mm[off:off + n * dt.itemsize].view(dt).reshape(dims)
+        else:   # block formats: the raw bytes, rows of blocks
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            data = mm[off:off + n // block * size].reshape(quant_shape_to_byte_shape(dims, qt))
+        out.append(GGUFTensor(name, qt, tuple(shape), data))
+    return table['arch'], out
+
 # %% ../../nbs/40_loader.ipynb #0a231eb8
 _GGUF_NAMES = [(r'token_embd\.weight', 'model.embed_tokens.weight'), (r'output_norm\.weight', 'model.norm.weight'),
                (r'output\.weight', 'lm_head.weight')]
@@ -155,13 +205,11 @@ def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool
     from cvllm_lab.quant.gguf import QUANT_TYPES
     from cvllm_lab.quant.apply import GGUFRaw
     from cvllm_lab.quant.moe import gguf_moe_name, GGUF_MOE_RAW_SUFFIXES
-    try: reader = gguf.GGUFReader(str(path))
-    except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
-    arch = reader.fields['general.architecture'].contents() if 'general.architecture' in reader.fields else None
+    arch, tensors = gguf_tensors(path)
     if arch == 'deepseek2':   # its names, kv_b halves and config: models/deepseek_v2.py
         from cvllm_lab.models.deepseek_v2 import iterate_deepseek_gguf
         yield from iterate_deepseek_gguf(path, config, keep_quantized); return
-    for t in tqdm(reader.tensors, desc=f'Loading {path.name}', disable=not progress):
+    for t in tqdm(tensors, desc=f'Loading {path.name}', disable=not progress):
         name = gguf_to_hf_name(t.name, arch) or gguf_moe_name(t.name)    # MoE experts come stacked [E, ...]
         if name is None: continue
         raw = keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_LINEAR_SUFFIXES + GGUF_MOE_RAW_SUFFIXES)
