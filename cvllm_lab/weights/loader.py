@@ -20,8 +20,8 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from ..tokenizer import gguf_cache_dir
 
 # %% auto #0
-__all__ = ['ModelSource', 'hub_snapshot', 'resolve_model_source', 'load_hf_config', 'iterate_safetensors', 'GGUFTensor',
-           'gguf_tensors', 'gguf_to_hf_name', 'unpermute_qk', 'iterate_gguf', 'iterate_weights',
+__all__ = ['ModelSource', 'hub_snapshot', 'resolve_model_source', 'GGUFTensor', 'gguf_tensors', 'load_hf_config',
+           'iterate_safetensors', 'gguf_to_hf_name', 'unpermute_qk', 'iterate_gguf', 'iterate_weights',
            'checkpoint_quant_config', 'load_model']
 
 # %% ../../nbs/40_loader.ipynb #55f8d06a
@@ -64,21 +64,73 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
     if len(ggufs) == 1: return ModelSource(p, ggufs[0].name)
     raise FileNotFoundError(f"{p}: no config.json and {'several' if ggufs else 'no'} .gguf files; give the model file or a HF folder")
 
+# %% ../../nbs/40_loader.ipynb #82aceb8d
+@dataclass
+class GGUFTensor:
+    "One tensor of a GGUF file: `shape` in GGUF's order (columns first), `data` a read-only view of the mapped file."
+    name: str
+    tensor_type: object          # gguf.GGMLQuantizationType
+    shape: tuple
+    data: np.ndarray
+    @property
+    def n_elements(self) -> int: return int(np.prod(self.shape))
+
+_GGUF_PLAIN = {'F16': np.float16, 'F32': np.float32, 'F64': np.float64, 'I8': np.int8, 'I16': np.int16, 'I32': np.int32, 'I64': np.int64}
+
+def _gguf_table(path: Path) -> dict:
+    """`{'arch', 'fields', 'tensors': [[name, type, shape, offset], ...]}` of a GGUF file: from the cache, else by `gguf`'s
+    reader (then cached). `fields`: the metadata but its long arrays (the vocabulary and merges), as Python values."""
+    import gguf
+    cache = gguf_cache_dir(path, 'tensors') / 'tensors.json'
+    try:
+        table = json.loads(cache.read_text())
+        if {'arch', 'fields', 'tensors'} <= table.keys(): return table
+    except (OSError, ValueError): pass
+    try: reader = gguf.GGUFReader(str(path))
+    except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    arch = reader.fields.get('general.architecture')
+    long = lambda f: f.types and f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > 1024
+    table = {'arch': arch.contents() if arch else None,
+             'fields': {k: f.contents() for k, f in reader.fields.items() if not long(f)},
+             'tensors': [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]}
+    try:   # written whole, then renamed: processes loading the same file at once never read half a table
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f'.{os.getpid()}.tmp'); tmp.write_text(json.dumps(table)); tmp.replace(cache)
+    except OSError: pass
+    return table
+
+def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
+    "The GGUF architecture (`general.architecture`) and the tensors of the file at `path`, their data mapped, not read."
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape
+    table = _gguf_table(path)
+    mm = np.memmap(path, mode='r')
+    out = []
+    for name, typ, shape, off in table['tensors']:
+        qt = gguf.GGMLQuantizationType(typ)
+        dims, n = tuple(reversed(shape)), int(np.prod(shape))
+        if qt.name in _GGUF_PLAIN:
+            dt = np.dtype(_GGUF_PLAIN[qt.name])
+            data = mm[off:off + n * dt.itemsize].view(dt).reshape(dims)
+        else:   # block formats: the raw bytes, rows of blocks
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            data = mm[off:off + n // block * size].reshape(quant_shape_to_byte_shape(dims, qt))
+        out.append(GGUFTensor(name, qt, tuple(shape), data))
+    return table['arch'], out
+
 # %% ../../nbs/40_loader.ipynb #a0b0ce74
 def _gguf_moe_overrides(path: Path) -> dict:
     "The MoE fields `transformers`' GGUF config reader leaves at defaults (expert width, top-k renormalization, Mixtral)."
-    import gguf
     from cvllm_lab.quant.moe import gguf_moe_config_overrides
-    fields = gguf.GGUFReader(str(path)).fields
-    return gguf_moe_config_overrides({k: f.contents() for k, f in fields.items() if 'expert' in k or k == 'general.architecture'})
+    fields = _gguf_table(path)['fields']
+    return gguf_moe_config_overrides({k: v for k, v in fields.items() if 'expert' in k or k == 'general.architecture'})
 
 def _gguf_arch_config(path: Path):
     "The config of a GGUF arch `transformers` cannot read (DeepSeek's `deepseek2`: `models.deepseek_v2`), else None."
-    import gguf
-    reader = gguf.GGUFReader(str(path))
-    if reader.fields['general.architecture'].contents() != 'deepseek2': return None
+    table = _gguf_table(path)
+    if table['arch'] != 'deepseek2': return None
     from cvllm_lab.models.deepseek_v2 import deepseek_config_from_gguf
-    return deepseek_config_from_gguf({k: f.contents() for k, f in reader.fields.items()}, [t.name for t in reader.tensors])
+    return deepseek_config_from_gguf(table['fields'], [t[0] for t in table['tensors']])
 
 def load_hf_config(src: ModelSource, overrides: dict | None = None):
     "The model's HF config (from config.json or the GGUF metadata), with `overrides` applied."
@@ -121,55 +173,6 @@ def iterate_safetensors(root: Path, progress: bool = True) -> Iterator[tuple[str
         except Exception as e:
             if isinstance(e, (KeyError, ValueError)) and 'Checkpoint' in str(e): raise
             raise ValueError(f"{f}: cannot read safetensors file ({e})") from e
-
-# %% ../../nbs/40_loader.ipynb #82aceb8d
-@dataclass
-class GGUFTensor:
-    "One tensor of a GGUF file: `shape` in GGUF's order (columns first), `data` a read-only view of the mapped file."
-    name: str
-    tensor_type: object          # gguf.GGMLQuantizationType
-    shape: tuple
-    data: np.ndarray
-    @property
-    def n_elements(self) -> int: return int(np.prod(self.shape))
-
-_GGUF_PLAIN = {'F16': np.float16, 'F32': np.float32, 'F64': np.float64, 'I8': np.int8, 'I16': np.int16, 'I32': np.int32, 'I64': np.int64}
-
-def _gguf_table(path: Path) -> dict:
-    "`{'arch', 'tensors': [[name, type, shape, offset], ...]}` of a GGUF file: from the cache, else by `gguf`'s reader (then cached)."
-    import gguf
-    cache = gguf_cache_dir(path, 'tensors') / 'tensors.json'
-    try: return json.loads(cache.read_text())
-    except (OSError, ValueError): pass
-    try: reader = gguf.GGUFReader(str(path))
-    except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
-    arch = reader.fields.get('general.architecture')
-    table = {'arch': arch.contents() if arch else None,
-             'tensors': [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]}
-    try:   # written whole, then renamed: processes loading the same file at once never read half a table
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f'.{os.getpid()}.tmp'); tmp.write_text(json.dumps(table)); tmp.replace(cache)
-    except OSError: pass
-    return table
-
-def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
-    "The GGUF architecture (`general.architecture`) and the tensors of the file at `path`, their data mapped, not read."
-    import gguf
-    from gguf.quants import quant_shape_to_byte_shape
-    table = _gguf_table(path)
-    mm = np.memmap(path, mode='r')
-    out = []
-    for name, typ, shape, off in table['tensors']:
-        qt = gguf.GGMLQuantizationType(typ)
-        dims, n = tuple(reversed(shape)), int(np.prod(shape))
-        if qt.name in _GGUF_PLAIN:
-            dt = np.dtype(_GGUF_PLAIN[qt.name])
-            data = mm[off:off + n * dt.itemsize].view(dt).reshape(dims)
-        else:   # block formats: the raw bytes, rows of blocks
-            block, size = gguf.GGML_QUANT_SIZES[qt]
-            data = mm[off:off + n // block * size].reshape(quant_shape_to_byte_shape(dims, qt))
-        out.append(GGUFTensor(name, qt, tuple(shape), data))
-    return table['arch'], out
 
 # %% ../../nbs/40_loader.ipynb #0a231eb8
 _GGUF_NAMES = [(r'token_embd\.weight', 'model.embed_tokens.weight'), (r'output_norm\.weight', 'model.norm.weight'),
