@@ -96,7 +96,7 @@ def _gguf_table(path: Path) -> dict:
     try:   # written whole, then renamed: processes loading the same file at once never read half a table
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f'.{os.getpid()}.tmp'); tmp.write_text(json.dumps(table)); tmp.replace(cache)
-    except OSError: pass
+    except (OSError, TypeError, ValueError): pass   # no cache (read-only home, or a value JSON cannot hold): parse next time
     return table
 
 def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
