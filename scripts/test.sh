@@ -30,4 +30,7 @@ for g in '^[0-2]' '^3' '^4' '^5' '^[6-9]'; do
 done
 [ $fail = 0 ] || { echo "nbdev-test failed"; exit 1; }
 echo "== pytest"
-time python -m pytest -q tests "$@"
+# the kernels under the Triton interpreter (`interp`) are pure Python on one core each: two processes at a time
+# (pytest-xdist); everything else (servers, multi-process runs, timing checks) one at a time
+time python -m pytest -q -m interp -n 2 tests "$@"
+time python -m pytest -q -m "not interp" tests "$@"
