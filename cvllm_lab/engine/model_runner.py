@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 
 # %% ../../nbs/50_model_runner.ipynb #f3766157
 from __future__ import annotations
-import os
+import itertools, os
 from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
@@ -164,43 +164,47 @@ class InputBatch:
     prefill_start: int | None = None
     # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
     group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
+    sample_index: torch.Tensor | None = None    # `sample_rows` on the device (set by `_upload`)
+
+    @property
+    def sample_at(self):
+        "The rows to sample as an index: on the device once uploaded."
+        return self.sample_rows if self.sample_index is None else self.sample_index
 
 # %% ../../nbs/50_model_runner.ipynb #d74792fd
 @patch
 def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
-    "Flat token batch, positions, attention metadata, and which rows need logits."
-    if so.total_num_scheduled_tokens == len(so.scheduled) and all(
-            r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in so.scheduled):
+    "Flat token batch, positions, attention metadata, and which rows need logits (numpy over the step's rows)."
+    reqs = so.scheduled
+    if so.total_num_scheduled_tokens == len(reqs) and all(
+            r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in reqs):
         return self._prepare_decode(so)
     more = self._more_groups(so)
-    bs, ids, pos, slots, qsl, seq_lens = self.block_size, [], [], [], [0], []
-    gslots = [[] for _ in more]
+    bs, B = self.block_size, len(reqs)
+    cs = [r.num_computed_tokens for r in reqs]
+    ns = [so.num_scheduled_tokens[r.request_id] for r in reqs]
+    qsl = np.zeros(B + 1, dtype=np.int32); np.cumsum(ns, out=qsl[1:])
+    T, seq_lens = int(qsl[-1]), np.add(cs, ns, dtype=np.int32)
+    ids = np.fromiter(itertools.chain.from_iterable(r.all_token_ids[c:c + n] for r, c, n in zip(reqs, cs, ns)),
+                      dtype=np.int64, count=T)
+    row_req = np.repeat(np.arange(B), ns)                         # each row's request
+    pos = np.arange(T, dtype=np.int64) + np.repeat(np.subtract(cs, qsl[:-1], dtype=np.int64), ns)
+    blk, off = pos // bs, pos % bs
+    slot_of = lambda bt: bt[row_req, blk].astype(np.int64) * bs + off   # block_table[p // bs] * bs + p % bs
+    bt = _table_array([so.block_tables[r.request_id] for r in reqs])
+    groups = [(slot_of(g), g) for g in (_table_array([tabs[r.request_id] for r in reqs]) for tabs in more)]
     sample_rows, sample_reqs, plp = [], [], []
-    for r in so.scheduled:
-        n, c = so.num_scheduled_tokens[r.request_id], r.num_computed_tokens
-        bt = so.block_tables[r.request_id]
-        ids += r.all_token_ids[c:c + n]
-        pos += range(c, c + n)
-        slots += [bt[i // bs] * bs + i % bs for i in range(c, c + n)]
-        for gs, tabs in zip(gslots, more):
-            t = tabs[r.request_id]; gs += [t[i // bs] * bs + i % bs for i in range(c, c + n)]
-        start = qsl[-1]; qsl.append(start + n); seq_lens.append(c + n)
+    for r, c, n, start in zip(reqs, cs, ns, qsl.tolist()):
         if r.prompt_logprobs is not None:   # position p predicts prompt token p+1
-            ps = [p for p in range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))]
+            ps = range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))
             if ps: plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
-        if c + n == r.num_tokens: sample_rows.append(qsl[-1] - 1); sample_reqs.append(r)
-    bt = _table_array([so.block_tables[r.request_id] for r in so.scheduled])
-    groups = [(torch.tensor(gs, dtype=torch.long), torch.from_numpy(_table_array([tabs[r.request_id] for r in so.scheduled])))
-              for gs, tabs in zip(gslots, more)]
-    qlen, B = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], len(seq_lens)
+        if c + n == r.num_tokens: sample_rows.append(start + n - 1); sample_reqs.append(r)
+    L = seq_lens.tolist()
     s, keys = B, 0   # back over the prefills at the end of the step that may run on FlashAttention
-    while s and qlen[s - 1] >= min(seq_lens[s - 1], self.prefill_split_min_tokens) and (
-            keys + seq_lens[s - 1] <= self.prefill_split_max_keys):
-        s -= 1; keys += seq_lens[s]
-    return InputBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-                      torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
-                      torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(bt),
-                      max(qlen), max(seq_lens), sample_rows, sample_reqs, plp, s if s < B else None, groups)
+    while s and ns[s - 1] >= min(L[s - 1], self.prefill_split_min_tokens) and keys + L[s - 1] <= self.prefill_split_max_keys:
+        s -= 1; keys += L[s]
+    return InputBatch(ids, pos, slot_of(bt), qsl, seq_lens, bt, max(ns), max(L), sample_rows, sample_reqs, plp,
+                      s if s < B else None, groups)
 
 def _table_array(tabs: list[list[int]]) -> np.ndarray:
     "Block tables as one int32 array, zero-padded (block 0: never read past a sequence's length)."
@@ -275,13 +279,30 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
         return self._run_graph(b, prev_tokens)
-    t = lambda x: torch.as_tensor(x).to(self.device)
-    ctx = ForwardContext(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                         b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
-    if b.group_tables:
-        ctx.kv_groups = [(ctx.slot_mapping, ctx.block_tables)] + [(t(s), t(bt)) for s, bt in b.group_tables]
-    ids = t(b.input_ids) if prev_tokens is None else prev_tokens.to(torch.long)
-    with set_forward_context(ctx): return self.model(ids, t(b.positions))
+    ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
+    ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
+    if groups: ctx.kv_groups = [(slots, bt)] + groups
+    if prev_tokens is not None: ids = prev_tokens.to(torch.long)
+    with set_forward_context(ctx): return self.model(ids, pos)
+
+@patch
+def _upload(self: ModelRunner, b: InputBatch) -> tuple:
+    """The step's arrays on the device in two host-to-device copies, one of int64 rows (ids, positions, slots, the
+    rows to sample) and one of int32 metadata (query_start_loc, seq_lens, block tables): each copy from pageable
+    memory waits for the device, and the device waits for the host, so their number is kept small. Sets
+    `b.sample_index`, the sampled rows as a device tensor."""
+    T, B = len(b.input_ids), len(b.seq_lens)
+    samp = [] if isinstance(b.sample_rows, slice) else b.sample_rows
+    tables = [b.block_tables] + [g for _, g in b.group_tables]
+    rows = torch.from_numpy(np.concatenate([b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables],
+                                            np.asarray(samp, dtype=np.int64)], dtype=np.int64)).to(self.device)
+    meta = torch.from_numpy(np.concatenate([b.query_start_loc, b.seq_lens, *[t.ravel() for t in tables]],
+                                           dtype=np.int32)).to(self.device)
+    ids, pos, slots, *gslots = rows[:(3 + len(b.group_tables)) * T].view(-1, T)
+    if samp: b.sample_index = rows[-len(samp):]
+    tabs, at = [], 2 * B + 1
+    for t in tables: tabs.append(meta[at:at + t.size].view(t.shape)); at += t.size
+    return ids, pos, slots, meta[:B + 1], meta[B + 1:2 * B + 1], tabs[0], list(zip(gslots, tabs[1:]))
 
 @patch
 @torch.inference_mode()
@@ -292,9 +313,9 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
     on the device, overriding the host's (placeholders)."""
     b = self.prepare_inputs(so)
     hidden = self._forward(so, b, prev_tokens)
-    sample_rows, sample_reqs = b.sample_rows, b.sample_reqs
+    sample_reqs = b.sample_reqs
     if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
-        tokens = self.sampler.sample_tokens(self.compute_logits(hidden[sample_rows]), sample_reqs)
+        tokens = self.sampler.sample_tokens(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         if not self.tok_host: return StepHandle(sample_reqs, tokens)
         host = self.tok_host[self.tok_i]; self.tok_i ^= 1
         host[:len(sample_reqs)].copy_(tokens, non_blocking=True)
@@ -306,7 +327,7 @@ def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | N
         out.prompt_logprobs[r.request_id] = topk_logprobs(lp, torch.tensor(targets, device=lp.device),
                                                           r.sampling_params.prompt_logprobs)
     if sample_reqs:
-        s = self.sampler(self.compute_logits(hidden[sample_rows]), sample_reqs)
+        s = self.sampler(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
             out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp
     return StepHandle(sample_reqs, output=out)

@@ -339,7 +339,7 @@ class TPModelRunner(ModelRunner):
         b = self.prepare_inputs(so)
         hidden = self._forward(so, b, prev_tokens)
         for _, rows, _ in b.prompt_logprobs: self.model.compute_logits(hidden[rows])   # rank 0's gathers, in its order
-        if b.sample_reqs: self.model.compute_logits(hidden[b.sample_rows])
+        if b.sample_reqs: self.model.compute_logits(hidden[b.sample_at])
         return StepHandle([], output=ModelRunnerOutput())
 
 def make_tp_runner(cfg, hf_config, src, progress: bool, worker: Worker) -> TPModelRunner:

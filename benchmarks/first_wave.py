@@ -1,0 +1,161 @@
+"""The first wave of a concurrency-64 burst (64 fresh prompts at once, 8192-token steps), and what bounds its last
+first token: the number the c=64 TTFT p99 of `serve_load` is made of.
+
+    python -m benchmarks.first_wave [model] [--trace OUT.json.gz]     (default llama3_8b; `tiny` on a CPU)
+
+After the GPU has idled for a few seconds (as before a burst), each run prefills 64 prompts of 1024 random tokens:
+
+- `engine`: `LLMEngine.step()` as the engine core calls it (schedule -> launch -> wait -> update; the requests decode
+  once prefilled, as in the server), timing each request's first token from the first step's start;
+- `ahead`: the same prefill steps, all scheduled and launched before any result is read, so the host never makes the
+  GPU wait between steps: the kernels' own floor for the wave;
+- a bf16 8192^3 matmul, cold then after 2 s of back-to-back calls (the reference ran it at 764 TFLOP/s).
+
+Then one engine run under torch.profiler: GPU busy time, the idle gaps between kernels (per step and the largest
+ones, with the host call running at the time), written as a Chrome trace with `--trace`.
+"""
+from __future__ import annotations
+import argparse, collections, gzip, json, subprocess, time
+import torch, yaml
+from cvllm_lab import LLM
+from cvllm_lab.bench.sweep import model_dir
+from cvllm_lab.sampling_params import SamplingParams
+from benchmarks.profile_serving_steps import TINY
+
+C, P = 64, 1024
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+
+def smi() -> str:
+    q = 'power.draw,clocks.sm,temperature.gpu,clocks_throttle_reasons.active'
+    try: return subprocess.run(['nvidia-smi', f'--query-gpu={q}', '--format=csv,noheader'], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except Exception as e: return f'nvidia-smi: {e}'
+
+
+def matmul_rates(seconds: float = 2.0) -> tuple[float, float]:
+    "TFLOP/s of a bf16 8192^3 matmul: cold (10 calls after 3) and over the last second of `seconds` of calls."
+    a, b = (torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16) for _ in range(2))
+    fl = 2 * 8192 ** 3
+    for _ in range(3): a @ b
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(10): a @ b
+    torch.cuda.synchronize(); cold = 10 * fl / (time.perf_counter() - t) / 1e12
+    t0 = time.perf_counter(); n = 0
+    while time.perf_counter() - t0 < seconds - 1:
+        for _ in range(20): a @ b
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    while time.perf_counter() - t < 1:
+        for _ in range(20): a @ b
+        torch.cuda.synchronize(); n += 20
+    return cold, n * fl / (time.perf_counter() - t) / 1e12
+
+
+def prompts(g, vocab: int):
+    return [{'prompt_token_ids': torch.randint(100, min(vocab, 30000), (P,), generator=g).tolist()} for _ in range(C)]
+
+
+def run_engine(eng, batch, max_tokens: int = 8) -> dict:
+    "Step the engine as the core does; each request's first-token time from the first step's start, and step times."
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    ids = [eng.add_request(None, p, sp) for p in batch]
+    first, steps, eng.final_only = {}, [], False      # every step's outputs, as the engine core reads them
+    sync(); t0 = time.perf_counter()
+    while len(first) < C:
+        t = time.perf_counter()
+        for o in eng.step():
+            if o.request_id not in first and o.outputs[0].token_ids: first[o.request_id] = time.perf_counter() - t0
+        steps.append(time.perf_counter() - t)
+    eng.abort_request(ids)
+    ft = sorted(first.values())
+    return dict(last=ft[-1], p50_ms=round(1e3 * ft[len(ft) // 2], 1), steps=steps)
+
+
+def run_ahead(eng, batch) -> dict:
+    "Schedule and launch every prefill step before reading any result (requests of one token each)."
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    ids = [eng.add_request(None, p, sp) for p in batch]
+    sched, runner, launched, host = eng.scheduler, eng.runner, [], []
+    sync(); t0 = time.perf_counter()
+    while True:
+        so = sched.schedule()
+        if so.is_empty: break
+        t = time.perf_counter(); launched.append((so, runner.launch(so))); host.append(time.perf_counter() - t)
+        sched.update_computed(so)
+    for so, h in launched: sched.update_from_output(so, h.result().sampled)
+    wall = time.perf_counter() - t0
+    eng.abort_request(ids)
+    return dict(last=wall, steps=len(launched), launch_ms=[round(1e3 * x, 1) for x in host])
+
+
+def gaps(prof, nsteps: int) -> dict:
+    "GPU busy time, idle time between kernels, and the largest idle gaps with the host op running then."
+    ev = prof.events()
+    k = sorted((e.time_range.start, e.time_range.end, e.name) for e in ev
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in ev if e.device_type == torch.autograd.DeviceType.CPU]
+    out, end, busy = [], k[0][0], 0.0
+    for s, e, name in k:
+        if s > end + 20: out.append((s - end, end, name))
+        busy += max(0, e - max(s, end)); end = max(end, e)
+    span = end - k[0][0]
+    def host_at(t):
+        live = [c for c in cpu if c[0] <= t <= c[1]]
+        return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
+    top = sorted(out, reverse=True)[:12]
+    return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_ms=sum(g for g, _, _ in out) / 1e3,
+                idle_gaps=len(out), per_step_idle_ms=sum(g for g, _, _ in out) / 1e3 / nsteps,
+                largest=[(round(g / 1e3, 2), name[:50], host_at(t + g / 2)[:60]) for g, t, name in top])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('model', nargs='?', default='llama3_8b')
+    ap.add_argument('--rounds', type=int, default=2)
+    ap.add_argument('--idle', type=float, default=4.0, help='seconds of idle GPU before each measured wave')
+    ap.add_argument('--budgets', type=int, nargs='+', default=[8192],
+                    help='max_num_batched_tokens values to measure (the scheduler\'s, set between runs)')
+    ap.add_argument('--trace')
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        print(torch.cuda.get_device_name(), '|', smi(), flush=True)
+        cold, hot = matmul_rates()
+        print(f'bf16 8192^3 matmul: {cold:.0f} TFLOP/s cold, {hot:.0f} after 2 s  | {smi()}', flush=True)
+    spec = TINY if a.model == 'tiny' else yaml.safe_load(open(f'conf/model/{a.model}.yaml'))
+    llm = LLM(str(model_dir(spec)), load_format='dummy', skip_tokenizer_init=True, progress=False, max_model_len=8192,
+              usage_context='server', **(dict(gpu_memory_utilization=0.85) if cuda else dict(kv_cache_memory=512 << 20)))
+    eng, g = llm.engine, torch.Generator().manual_seed(0)
+    print(f'budget {eng.cfg.max_num_batched_tokens}, async scheduling {eng.cfg.async_scheduling}', flush=True)
+    for budget in a.budgets:     # warm-up: kernels and cuDNN plans of every step shape
+        eng.scheduler.max_num_batched_tokens = budget
+        run_engine(eng, prompts(g, eng.vocab_size)); run_ahead(eng, prompts(g, eng.vocab_size))
+    for r, budget, (name, fn) in ((r, b, f) for r in range(a.rounds) for b in a.budgets
+                                  for f in (('engine', run_engine), ('ahead', run_ahead))):
+            eng.scheduler.max_num_batched_tokens = budget
+            time.sleep(a.idle); before = smi()
+            res = fn(eng, prompts(g, eng.vocab_size))
+            steps = res.pop('steps')
+            extra = (f"steps {len(steps)}: " + ' '.join(f'{1e3 * s:.0f}' for s in steps[:12]) + ' ms'
+                     if isinstance(steps, list) else f'steps {steps}')
+            print(f'round {r} budget {budget} {name:6s}: last first token {1e3 * res.pop("last"):7.1f} ms  {res}  {extra}  '
+                  f'| before {before} | after {smi()}', flush=True)
+    eng.scheduler.max_num_batched_tokens = a.budgets[0]
+    time.sleep(a.idle)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        res = run_engine(eng, prompts(g, eng.vocab_size), max_tokens=2)
+        sync()
+    print(f'profiled engine wave: last first token {1e3 * res["last"]:.1f} ms, {len(res["steps"])} steps')
+    if not cuda: return
+    gp = gaps(prof, len(res['steps']))
+    largest = gp.pop('largest')
+    print('GPU timeline:', {k: round(v, 2) if isinstance(v, float) else v for k, v in gp.items()})
+    for row in largest: print('  idle %6.2f ms before %-50s host: %s' % row)
+    if a.trace and cuda:
+        prof.export_chrome_trace('/tmp/trace.json')
+        with open('/tmp/trace.json', 'rb') as f, gzip.open(a.trace, 'wb') as o: o.write(f.read())
+
+
+if __name__ == '__main__':
+    main()
