@@ -285,24 +285,30 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     if prev_tokens is not None: ids = prev_tokens.to(torch.long)
     with set_forward_context(ctx): return self.model(ids, pos)
 
+def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
+    """`parts` flattened into one array of `dtype`, each from a 16-byte boundary (the alignment Triton specializes
+    pointers on: a view of the device copy must not make a kernel compile again); with each part's offset."""
+    a, offs, n = 16 // np.dtype(dtype).itemsize, [], 0
+    for x in parts: offs.append(n); n += -(-x.size // a) * a
+    out = np.zeros(n, dtype=dtype)
+    for x, o in zip(parts, offs): out[o:o + x.size] = x.ravel()
+    return out, offs
+
 @patch
 def _upload(self: ModelRunner, b: InputBatch) -> tuple:
     """The step's arrays on the device in two host-to-device copies, one of int64 rows (ids, positions, slots, the
     rows to sample) and one of int32 metadata (query_start_loc, seq_lens, block tables): each copy from pageable
     memory waits for the device, and the device waits for the host, so their number is kept small. Sets
     `b.sample_index`, the sampled rows as a device tensor."""
-    T, B = len(b.input_ids), len(b.seq_lens)
-    samp = [] if isinstance(b.sample_rows, slice) else b.sample_rows
-    tables = [b.block_tables] + [g for _, g in b.group_tables]
-    rows = torch.from_numpy(np.concatenate([b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables],
-                                            np.asarray(samp, dtype=np.int64)], dtype=np.int64)).to(self.device)
-    meta = torch.from_numpy(np.concatenate([b.query_start_loc, b.seq_lens, *[t.ravel() for t in tables]],
-                                           dtype=np.int32)).to(self.device)
-    ids, pos, slots, *gslots = rows[:(3 + len(b.group_tables)) * T].view(-1, T)
-    if samp: b.sample_index = rows[-len(samp):]
-    tabs, at = [], 2 * B + 1
-    for t in tables: tabs.append(meta[at:at + t.size].view(t.shape)); at += t.size
-    return ids, pos, slots, meta[:B + 1], meta[B + 1:2 * B + 1], tabs[0], list(zip(gslots, tabs[1:]))
+    samp = np.asarray([] if isinstance(b.sample_rows, slice) else b.sample_rows, dtype=np.int64)
+    ints = [b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables], samp]
+    meta = [b.query_start_loc, b.seq_lens, b.block_tables, *[t for _, t in b.group_tables]]
+    (hi, hoffs), (hm, moffs) = _packed(ints, np.int64), _packed(meta, np.int32)
+    di, dm = torch.from_numpy(hi).to(self.device), torch.from_numpy(hm).to(self.device)
+    ids, pos, slots, *gslots, si = [di[o:o + x.size] for x, o in zip(ints, hoffs)]
+    qsl, seq_lens, bt, *gtabs = [dm[o:o + x.size].view(x.shape) for x, o in zip(meta, moffs)]
+    if samp.size: b.sample_index = si
+    return ids, pos, slots, qsl, seq_lens, bt, list(zip(gslots, gtabs))
 
 @patch
 @torch.inference_mode()
