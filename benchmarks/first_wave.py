@@ -1,7 +1,8 @@
 """The first wave of a concurrency-64 burst (64 fresh prompts at once, 8192-token steps), and what bounds its last
 first token: the number the c=64 TTFT p99 of `serve_load` is made of.
 
-    python -m benchmarks.first_wave [model] [--trace OUT.json.gz]     (default llama3_8b; `tiny` on a CPU)
+    python -m benchmarks.first_wave [model] [--csv OUT.csv] [--trace OUT.json.gz]   (default llama3_8b; `tiny` on a CPU)
+    python -m benchmarks.first_wave --plot OUT.csv                                   (redraw OUT.png)
 
 After the GPU has idled for a few seconds (as before a burst), each run prefills 64 prompts of 1024 random tokens:
 
@@ -11,14 +12,16 @@ After the GPU has idled for a few seconds (as before a burst), each run prefills
   GPU wait between steps: the kernels' own floor for the wave;
 - a bf16 8192^3 matmul, cold then after 2 s of back-to-back calls (the reference ran it at 764 TFLOP/s).
 
-Then one engine run under torch.profiler: GPU busy time, the idle gaps between kernels (per step and the largest
+`--csv` appends one row per measured wave (commit, GPU, budget, kind, last first token); the plot beside it draws
+them against the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy time, the idle gaps between kernels (per step and the largest
 ones, with the host call running at the time), written as a Chrome trace with `--trace`.
 """
 from __future__ import annotations
-import argparse, collections, gzip, json, subprocess, time
+import argparse, gzip, os, subprocess, time
+from pathlib import Path
 import torch, yaml
 from cvllm_lab import LLM
-from cvllm_lab.bench.sweep import model_dir
+from cvllm_lab.bench.sweep import model_dir, append_row
 from cvllm_lab.sampling_params import SamplingParams
 from benchmarks.profile_serving_steps import TINY
 
@@ -109,6 +112,24 @@ def gaps(prof, nsteps: int) -> dict:
                 largest=[(round(g / 1e3, 2), name[:50], host_at(t + g / 2)[:60]) for g, t, name in top])
 
 
+def plot(csv: str):
+    "Last first token of each measured wave, per commit and kind, against the c=64 TTFT p99 target (1.4 s)."
+    import pandas as pd, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
+    df = pd.read_csv(csv)
+    g = df.groupby(['commit', 'budget', 'kind'], sort=False).last_first_token_ms
+    med, lo, hi = g.median(), g.min(), g.max()
+    labels = [f'{c}\n{k}, {b}' for c, b, k in med.index]
+    fig, ax = plt.subplots(figsize=(1.6 * len(med) + 2, 4.2))
+    bars = ax.bar(range(len(med)), med.values, yerr=[med.values - lo.values, hi.values - med.values], capsize=4,
+           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k in med.index])
+    ax.bar_label(bars, fmt='%.0f', fontsize=8)
+    ax.axhline(1400, color='tab:red', ls='--', label='c=64 TTFT p99 target (1,400 ms)')
+    ax.set_xticks(range(len(med)), labels, fontsize=8); ax.set_ylabel('ms from the first step to the last first token')
+    ax.set_title(f'First wave of a c=64 burst, in-process (64 x {P} tokens, {df.gpu.iloc[0]}): engine steps vs '
+                 'all steps launched ahead', fontsize=9)
+    ax.legend(loc='lower right', fontsize=8); fig.tight_layout(); fig.savefig(csv.rsplit('.', 1)[0] + '.png', dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('model', nargs='?', default='llama3_8b')
@@ -117,12 +138,17 @@ def main():
     ap.add_argument('--budgets', type=int, nargs='+', default=[8192],
                     help='max_num_batched_tokens values to measure (the scheduler\'s, set between runs)')
     ap.add_argument('--trace')
+    ap.add_argument('--csv', help='append a row per measured wave')
+    ap.add_argument('--plot', help='redraw the plot of this CSV and exit')
     a = ap.parse_args()
+    if a.plot: return plot(a.plot)
     cuda = torch.cuda.is_available()
     if cuda:
         print(torch.cuda.get_device_name(), '|', smi(), flush=True)
         cold, hot = matmul_rates()
         print(f'bf16 8192^3 matmul: {cold:.0f} TFLOP/s cold, {hot:.0f} after 2 s  | {smi()}', flush=True)
+    commit = os.environ.get('CVLLM_LAB_COMMIT') or subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
+                                                                  capture_output=True, text=True).stdout.strip()
     spec = TINY if a.model == 'tiny' else yaml.safe_load(open(f'conf/model/{a.model}.yaml'))
     llm = LLM(str(model_dir(spec)), load_format='dummy', skip_tokenizer_init=True, progress=False, max_model_len=8192,
               usage_context='server', **(dict(gpu_memory_utilization=0.85) if cuda else dict(kv_cache_memory=512 << 20)))
@@ -139,7 +165,11 @@ def main():
             steps = res.pop('steps')
             extra = (f"steps {len(steps)}: " + ' '.join(f'{1e3 * s:.0f}' for s in steps[:12]) + ' ms'
                      if isinstance(steps, list) else f'steps {steps}')
-            print(f'round {r} budget {budget} {name:6s}: last first token {1e3 * res.pop("last"):7.1f} ms  {res}  {extra}  '
+            last = 1e3 * res.pop('last')
+            if a.csv: append_row(Path(a.csv), dict(commit=commit, gpu=torch.cuda.get_device_name()
+                                                   if cuda else 'cpu', model=a.model, budget=budget, kind=name, round=r,
+                                                   last_first_token_ms=round(last, 1)))
+            print(f'round {r} budget {budget} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
                   f'| before {before} | after {smi()}', flush=True)
     eng.scheduler.max_num_batched_tokens = a.budgets[0]
     time.sleep(a.idle)
