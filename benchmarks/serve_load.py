@@ -161,7 +161,8 @@ def replot(out: Path, reference: str, model: str):
     "Plot the rows of `out` beside the reference rows of the same shape and GPU kind."
     df = pd.read_csv(out)
     spec = yaml.safe_load((ROOT / 'conf/model' / f'{model}.yaml').read_text())
-    gpu, commit, n_in, n_out = df.gpu[0], df.version[0], df.input_len[0], df.output_len[0]
+    gpu, n_in, n_out = df.gpu[0], df.input_len[0], df.output_len[0]
+    commit = ', '.join(dict.fromkeys(df.version.astype(str)))   # runs in order (the bars' run numbers)
     ref = pd.read_csv(reference) if Path(reference).exists() else pd.DataFrame(columns=df.columns)
     ref = ref[(ref['shape'] == spec['name']) & ref['gpu'].apply(lambda g: str(g) in gpu)]
     plot(df, ref, out.with_suffix('.png'), f"{spec['name']} bf16 (dummy), {n_in} in / {n_out} out, "
