@@ -12,9 +12,9 @@ After the GPU has idled for a few seconds (as before a burst), each run prefills
   GPU wait between steps: the kernels' own floor for the wave;
 - a bf16 8192^3 matmul, cold then after 2 s of back-to-back calls (the reference ran it at 764 TFLOP/s).
 
-`--csv` appends one row per measured wave (commit, GPU, budget, kind, last first token); the plot beside it draws
-them against the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy time, the idle gaps between kernels (per step and the largest
-ones, with the host call running at the time), written as a Chrome trace with `--trace`.
+`--csv` appends one row per measured wave (commit, GPU, budget, kind, last first token); `--plot` draws them against
+the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy time and the idle gaps between kernels
+(per step, and the largest ones with the host call running at the time), written as a Chrome trace with `--trace`.
 """
 from __future__ import annotations
 import argparse, gzip, os, subprocess, time
