@@ -6,11 +6,12 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 
 # %% ../../nbs/50_model_runner.ipynb #f3766157
 from __future__ import annotations
-import itertools, os
+import contextlib, itertools, os
 from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 from fastcore.basics import patch
+from ..kernels.tuned import configs_for
 from ..config import EngineConfig
 from ..utils.context import (ForwardContext, PrefillMetadata, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
                                      kv_cache_groups, set_forward_context)
@@ -24,7 +25,7 @@ from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 
 # %% auto #0
 __all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput',
-           'StepHandle']
+           'StepHandle', 'blas_backend', 'blas_for_rows']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
 PREFILL_SPLIT_MIN_TOKENS = 256   # a chunk over cached tokens this short stays on the paged kernel
@@ -351,6 +352,25 @@ def graph_sizes(self: ModelRunner) -> list[int]:
     return sorted({s for s in [1, 2, 4, 8] + list(range(16, m + 1, 8)) if s <= m} | {m})
 
 # %% ../../nbs/50_model_runner.ipynb #95be7158
+@contextlib.contextmanager
+def blas_backend(name: str | None):
+    "Matmuls in this block, and the graphs captured in it, use BLAS library `name` ('cublas', 'cublaslt'); None: as is."
+    if name is None: yield; return
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try: yield
+    finally: torch.backends.cuda.preferred_blas_library(prev)
+
+def blas_for_rows(bs: int, cublaslt_rows: list[int]) -> str | None:
+    "'cublaslt' for a row count in the inclusive range `cublaslt_rows` (`[lo, hi]`; empty: none), else None."
+    return 'cublaslt' if cublaslt_rows and cublaslt_rows[0] <= bs <= cublaslt_rows[1] else None
+
+@patch
+def graph_blas(self: ModelRunner, bs: int) -> str | None:
+    "The BLAS library to capture the decode graph of `bs` rows with (`configs/blas_decode` of this GPU), or None."
+    if self.device.type != 'cuda': return None
+    return blas_for_rows(bs, configs_for('blas_decode', self.device)['default']['cublaslt_rows'])
+
 @patch
 @torch.inference_mode()
 def capture_cudagraphs(self: ModelRunner, progress: bool = True):
@@ -377,7 +397,7 @@ def capture_cudagraphs(self: ModelRunner, progress: bool = True):
     for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
         ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[0, :bs], 1, L)
         if G > 1: ctx.kv_groups = [(self.g_in[2 if g == 0 else 3 + g, :bs], self.g_bt[g, :bs]) for g in range(G)]
-        with set_forward_context(ctx):
+        with blas_backend(self.graph_blas(bs)), set_forward_context(ctx):
             for _ in range(2): self.model(self.g_ids[:bs], self.g_pos[:bs])   # warm-up (Triton autotune/compile)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
