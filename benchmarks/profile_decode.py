@@ -5,7 +5,7 @@ torch.profiler, per step, and the wall time per step.
 
 from the repository root (default w4a16 1 llama3_8b 32; `none` for no quantization; the model is
 `conf/model/<model>.yaml`). Set `CVLLM_PDL=0` for kernel times without PDL's early-launch waits (with PDL a kernel's
-time includes waiting for its predecessor)."""
+time includes waiting for its predecessor). Also prints the GPU idle time between kernels, by the kernel that follows."""
 import sys, collections, yaml, torch
 from pathlib import Path
 from cvllm_lab import LLM
@@ -24,13 +24,18 @@ sp = lambda O: SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, deto
 g = torch.Generator().manual_seed(0)
 prompts = [{'prompt_token_ids': torch.randint(100, 30000, (P,), generator=g).tolist()} for _ in range(B)]
 llm.generate(prompts, sp(40), use_tqdm=False); torch.cuda.synchronize()
+gaps = collections.defaultdict(list)   # kernel name -> GPU idle time before it (us), in the longest run
 def run(O):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, sp(O), use_tqdm=False); torch.cuda.synchronize()
     agg = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            a = agg[e.name[:60]]; a[0] += 1; a[1] += e.device_time
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    for e in ev:
+        a = agg[e.name[:60]]; a[0] += 1; a[1] += e.device_time
+    gaps.clear()
+    for p, e in zip(ev, ev[1:]):
+        g = e.time_range.start - p.time_range.end
+        if g < 200: gaps[e.name[:60]].append(g)   # larger: between generate() calls or host waits, not in a step
     return agg
 import time
 def wall(O):
@@ -44,3 +49,8 @@ rows = sorted(((k, (a2[k][0] - a1.get(k, [0, 0])[0]) / steps, (a2[k][1] - a1.get
 tot = sum(r[2] for r in rows)
 print(f'{model} {quant} B={B} P={P}: kernel time per decode step {tot:.1f} us (sum over kernels)')
 for k, n, us in rows[:30]: print(f'{us:8.1f} us {n:6.1f}/step  {k}')
+n_gap = sum(len(v) for v in gaps.values())
+print(f'GPU idle between kernels (gaps < 200 us), per decode step: {sum(sum(v) for v in gaps.values()) / 66:.1f} us '
+      f'over {n_gap / 66:.0f} kernels; by the kernel after the gap (median, per step):')
+for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]:
+    v = sorted(v); print(f'{sum(v) / 66:8.1f} us  median {v[len(v) // 2]:5.2f} us  {len(v) / 66:6.1f}/step  {k}')

@@ -26,7 +26,9 @@ its `(m, l, acc)` and a merge kernel computes `out = sum_s 2^(m_s - M) acc_s / s
 `M = max_s m_s` (a separate kernel: having the last split program merge instead would put a chain of L2 round
 trips, its loop over the splits' partials, at the end of every sequence). Grids depend only on `num_tokens`,
 `num_seqs` and static settings (the split count comes from the `max_seq_len` bound); per-sequence lengths are read
-on the device, so launches can be captured in CUDA graphs.
+on the device, so launches can be captured in CUDA graphs. The one-token decode path's tile, warps, stages and split
+policy are tuned data per batch bucket (`decode_config`, `configs/paged_attention/<device>.json`, written by
+`benchmarks/kernels/tune_paged_attention.py`).
 
 FP8 KV cache (`kv_cache_dtype='fp8'`, written by `kv_cache`): the caches are `float8_e4m3fn` and every
 (token, KV head) row carries its own fp32 scale in `k_scale` / `v_scale` `[num_blocks, block_size, num_kv_heads]`.
@@ -46,13 +48,15 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_lab.kernels.tuned import configs_for
 from cvllm_lab.kernels.kv_cache import (FP8_DTYPE, FP8_MAX, check_fp8_scales, quantize_kv_ref, reshape_and_cache,
                                         reshape_and_cache_ref, rotary_and_cache, rotary_and_cache_ref)
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 # the cache writes (`kv_cache`) are re-exported: callers find the whole paged-KV API here
-__all__ = ['paged_attention', 'paged_attention_ref', 'MIN_KEYS_PER_SPLIT', 'reshape_and_cache', 'reshape_and_cache_ref',
+__all__ = ['paged_attention', 'paged_attention_ref', 'decode_config', 'pick_decode_config', 'MIN_KEYS_PER_SPLIT', 'reshape_and_cache', 'reshape_and_cache_ref',
            'rotary_and_cache', 'rotary_and_cache_ref', 'quantize_kv_ref', 'FP8_MAX', 'FP8_DTYPE']
+_INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,34 +313,57 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-MIN_KEYS_PER_SPLIT = 256   # a decode step whose `max_seq_len` bound is at most this runs one split (no merge kernel)
+MIN_KEYS_PER_SPLIT = 256   # the runner's short-context decode graphs are captured with this `max_seq_len` bound
 
 
-MAX_KV_SPLITS = 32         # the default split count's cap; the merge kernel's compile-time width (one binary for all counts)
+MAX_KV_SPLITS = 32         # the split count's cap; the merge kernel's compile-time width (one binary for all counts)
+
+
+def decode_config(num_seqs: int, max_seq_len: int, head_dim: int, device: torch.device) -> dict:
+    """The launch config of the one-token decode path (`configs/paged_attention/<device>.json`): `tile_n` keys per
+    loop step, `num_warps`, `num_stages`, and the split-KV policy `min_keys` (keys per split at least, against the
+    `max_seq_len` bound) and `waves` (programs aimed at, in multiples of the SMs). Tables `short` (bounds of at
+    most `MIN_KEYS_PER_SPLIT` keys: the runner's short-context graphs) and `decode` are keyed `head_dim,bucket`;
+    the entry of the largest bucket <= `num_seqs` is taken (`pick_decode_config`), and a head dim without one (or
+    the Triton interpreter) takes `default`. Buckets are the runner's CUDA-graph batch sizes, so capturing the
+    graphs compiles every binary the tables name."""
+    T = configs_for('paged_attention', device)
+    if _INTERPRET or device.type != 'cuda': return T['default']
+    return pick_decode_config(T, num_seqs, max_seq_len, head_dim)
+
+
+def pick_decode_config(tables: dict, num_seqs: int, max_seq_len: int, head_dim: int) -> dict:
+    """`decode_config`'s choice among `tables` (as `tuned.load_configs` returns them): the nearest bucket at or
+    below `num_seqs` of `decode` and, under a short bound, of `short`, which wins a tie."""
+    names = ('short', 'decode') if max_seq_len <= MIN_KEYS_PER_SPLIT else ('decode',)
+    found = [(b, name == 'short', name) for name in names for d, b in tables[name] if d == head_dim and b <= num_seqs]
+    if not found: return tables['default']
+    b, _, name = max(found)
+    return tables[name][head_dim, b]
 
 
 def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=MIN_KEYS_PER_SPLIT,
-                        max_splits=MAX_KV_SPLITS):
-    "Enough KV splits for about four waves of programs, each covering >= `min_keys_per_split` keys."
+                        max_splits=MAX_KV_SPLITS, waves=4):
+    "Enough KV splits for about `waves` waves of programs, each covering >= `min_keys_per_split` keys."
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 8
-    want = triton.cdiv(4 * sms, max(1, num_seqs * num_kv_heads))
+    want = triton.cdiv(waves * sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_seq_len, min_keys_per_split), max_splits))
 
 
-_INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 DECODE_MAX_QUERY_LEN = 8  # batches whose longest query is at most this many tokens take the split-KV path
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                     sliding_window: int | None = None, max_query_len: int | None = None,
                     max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None,
-                    k_scale=None, v_scale=None, softcap: float | None = None):
+                    k_scale=None, v_scale=None, softcap: float | None = None, config: dict | None = None):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
 
     `max_query_len` / `max_seq_len` are upper bounds read on the host (computed from the tensors, with a
     device sync, when None): they pick the decode path and the number of KV splits, so pass static values
-    when capturing CUDA graphs. `num_kv_splits` overrides the split count of the decode path."""
+    when capturing CUDA graphs. `num_kv_splits` overrides the split count of the decode path, `config` its tuned
+    launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`)."""
     T, H, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -361,10 +388,12 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         # chunk, or a prompt cached but for a few tokens, must not compile a new binary mid-serving
         block_q = 1 if max_query_len <= 1 else DECODE_MAX_QUERY_LEN
         block_m = max(16, block_q * G_P)
-        splits = num_kv_splits or _default_num_splits(q, B, Hkv, max_seq_len)
+        cfg = config or (decode_config(B, max_seq_len, D_P, q.device) if block_q == 1 else
+                         configs_for('paged_attention', q.device)['default'])
+        splits = num_kv_splits or _default_num_splits(q, B, Hkv, max_seq_len, cfg['min_keys'], waves=cfg['waves'])
         grid = (B, Hkv, splits)
-        tile_n = 32 if fp32 or D_P > 128 else 64
-        warps, stages = 4, (2 if fp32 else 3)
+        tile_n = min(cfg['tile_n'], 32) if fp32 or D_P > 128 else cfg['tile_n']   # fp32 / wide heads: registers
+        warps, stages = cfg['num_warps'], (2 if fp32 else cfg['num_stages'])
     else:
         block_m = max(16, 64 if fp32 or D_P > 128 else 128, G_P)
         block_q = block_m // G_P

@@ -192,6 +192,20 @@ def test_softcap(dtype, window):
     assert_close(out, paged_attention_ref(*dec, scale=0.5, sliding_window=window, softcap=5.0), dtype)
 
 
+def test_pick_decode_config_buckets_and_tables():
+    "The tuned decode config: the largest bucket <= the batch, `short` under short bounds, `default` for other head dims."
+    c = lambda n: dict(tile_n=n, num_warps=4, num_stages=2, min_keys=128, waves=2)
+    T = {'default': c(64), 'decode': {(128, 1): c(32), (128, 16): c(128), (64, 1): c(16)}, 'short': {(128, 1): c(256)}}
+    pick = pa.pick_decode_config
+    assert pick(T, 1, 4096, 128) == c(32) and pick(T, 15, 4096, 128) == c(32) and pick(T, 64, 4096, 128) == c(128)
+    assert pick(T, 1, pa.MIN_KEYS_PER_SPLIT, 128) == c(256)      # the short-context graphs' bound
+    assert pick(T, 16, 200, 128) == c(128)                        # decode's bucket 16 is nearer than short's 1
+    assert pick(T, 1, 4096, 256) == c(64) and pick(T, 8, 4096, 64) == c(16)
+    assert pick({'default': c(64), 'decode': {}, 'short': {}}, 8, 100, 128) == c(64)
+    default = pa.configs_for('paged_attention', torch.device('cpu'))
+    assert pa.decode_config(64, 4096, 128, torch.device('cpu')) == default['default']
+
+
 @pytest.mark.parametrize('splits', [1, 3, 8])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_decode_split_kv(splits, dtype):
@@ -476,13 +490,17 @@ def test_cuda_step_sizes_do_not_recompile():
         assert compiled_variants(kern) == n, (q_lens[:3], args[-1].shape)
     # the split-KV decode path: 1 to 17 sequences, 3 to 32 splits, one-token queries, then queries of 2 to 8 tokens
     # (a short last prefill chunk): one binary each for one-token and short queries, one merge binary for all
-    merge, seen = pa._merge_splits_kernel, None
+    merge, seen, sizes = pa._merge_splits_kernel, None, ((3, 3), (16, 16), (1, 32), (17, 5))
+    # one-token queries take the tuned config of their batch bucket (`decode_config`; the runner's graph captures
+    # compile each one); longer ones the single `default`
+    tuned = {tuple(pa.decode_config(B, 1500, 128, torch.device('cuda'))[k] for k in ('tile_n', 'num_warps', 'num_stages'))
+             for B, _ in sizes}
     for q_len in (1, 3, 2, 8):
         before = compiled_variants(kern)
-        for B, splits in ((3, 3), (16, 16), (1, 32), (17, 5)):
+        for B, splits in sizes:
             args = make_batch([q_len] * B, [1500] * B, 32, 8, 128, 16, torch.bfloat16)
             out = paged_attention(*args, scale=128 ** -0.5, num_kv_splits=splits)
             assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), torch.bfloat16)
             if seen is None: seen = compiled_variants(merge)
             assert compiled_variants(merge) == seen, (q_len, B, splits)
-        assert compiled_variants(kern) - before <= (1 if q_len in (1, 3) else 0), q_len   # 2 and 8 reuse 3's binary
+        assert compiled_variants(kern) - before <= {1: len(tuned), 3: 1}.get(q_len, 0), q_len   # 2 and 8 reuse 3's binary

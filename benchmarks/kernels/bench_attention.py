@@ -39,7 +39,9 @@ def main():
             for n in splits:
                 f = lambda: pa.paged_attention(q, kc, vc, qsl, sl, bt, D ** -0.5, max_query_len=1, max_seq_len=L, out=out,
                                                num_kv_splits=n or None)
-                time_one(f, B, L, n or pa._default_num_splits(q, B, Hkv, L), reps, Hkv, D)
+                cfg = pa.decode_config(B, L, D, q.device)   # the launcher's tuned config and split policy
+                time_one(f, B, L, n or pa._default_num_splits(q, B, Hkv, L, cfg['min_keys'], waves=cfg['waves']),
+                         reps, Hkv, D)
 
 
 def time_one(f, B, L, n, reps, Hkv, D):
