@@ -2,12 +2,11 @@
 engines in one process, built alike except that the second captures its CUDA graphs without the tuned table (the
 graphs keep the kernels they were captured with), timed alternately.
 
-    python -m benchmarks.config_ab [--kernel paged_attention|skinny_mm] [--points none:1:32,none:16:2048,...]
+    python -m benchmarks.config_ab [--kernel paged_attention] [--points none:1:32,none:16:2048,...]
                                    [--repeats 3] [--model llama3_8b] [--max-model-len 4096]
 
 `paged_attention`: the decode attention's tuned tables (`configs/paged_attention/<device>.json`) against its
-`default` config; `skinny_mm`: the few-row matmul where `configs/skinny_mm/<device>.json` lists a shape against
-cuBLAS everywhere.
+`default` config. Another kernel whose launcher looks its table up through one module function joins `UNTUNED`.
 
 A point is `quantization:batch:prompt_len` (`none`: the checkpoint's dtype); decode tok/s is batch x 128 /
 (t(129 tokens) - t(1 token)) of fresh random prompts, as the sweep measures it. Printed per point: each engine's
@@ -23,13 +22,12 @@ import yaml
 from benchmarks.kernels.common import arg
 from cvllm_lab import LLM
 from cvllm_lab.bench.sweep import model_dir
-from cvllm_lab.kernels import paged_attention as pa, skinny_mm as sm
+from cvllm_lab.kernels import paged_attention as pa
 from cvllm_lab.sampling_params import SamplingParams
 
 
 # kernel -> (module, the lookup to replace, what it returns without the tuned table)
-UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default']),
-           'skinny_mm': (sm, 'skinny_config', lambda *a, **k: None)}
+UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default'])}
 
 
 def engine(path, quant, max_model_len, max_seqs, kernel: str | None):

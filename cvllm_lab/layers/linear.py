@@ -13,7 +13,6 @@ from ..utils.parallel_state import (get_tensor_model_parallel_rank, get_tensor_m
                                     tensor_model_parallel_all_reduce, tensor_model_parallel_all_gather,
                                     tensor_model_parallel_gather)
 from .basic import Linear
-from ..kernels.skinny_mm import dense_linear
 
 # %% auto #0
 __all__ = ['QUANT_SHARD_ALIGN', 'divide', 'loaded_shape', 'narrow_loaded', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
@@ -80,7 +79,7 @@ class ColumnParallelLinear(Linear):
         super().weight_loader(param, part, None if len(self.output_sizes) == 1 else shard_id)
 
     def forward(self, x):
-        y = dense_linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y) if self.gather_output and self.tp_size > 1 else y
 
     def extra_repr(self): return super().extra_repr() + f", tp={self.tp_rank}/{self.tp_size}"
@@ -139,7 +138,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x):
         if not self.input_is_parallel: x = x.narrow(-1, *self.shard_range())
-        y = dense_linear(x, self.weight, self.local_bias)
+        y = F.linear(x, self.weight, self.local_bias)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
 
     def extra_repr(self): return super().extra_repr() + f", tp={self.tp_rank}/{self.tp_size}"
