@@ -1,13 +1,12 @@
-"""Decode tok/s with and without one kernel choice, on one GPU: per format two engines in one process, built alike
-except that the second captures its CUDA graphs without it (the graphs keep the kernels they were captured with),
-timed alternately.
+"""Decode tok/s with a kernel's tuned configs for this GPU against without them, on one GPU: per format two
+engines in one process, built alike except that the second captures its CUDA graphs without the tuned table (the
+graphs keep the kernels they were captured with), timed alternately.
 
-    python -m benchmarks.config_ab [--kernel paged_attention|decode_rope] [--points none:1:32,none:16:2048,...]
+    python -m benchmarks.config_ab [--kernel paged_attention] [--points none:1:32,none:16:2048,...]
                                    [--repeats 3] [--model llama3_8b] [--max-model-len 4096]
 
 `paged_attention`: the decode attention's tuned tables (`configs/paged_attention/<device>.json`) against its
-`default` config; `decode_rope`: one-token decode steps rotating q, k and writing K/V inside the attention kernel
-(`layers.attention.FUSE_DECODE_ROPE`) against `rotary_and_cache` + attention.
+`default` config. Another kernel whose launcher looks its table up through one module function joins `UNTUNED`.
 
 A point is `quantization:batch:prompt_len` (`none`: the checkpoint's dtype); decode tok/s is batch x 128 /
 (t(129 tokens) - t(1 token)) of fresh random prompts, as the sweep measures it. Printed per point: each engine's
@@ -24,26 +23,24 @@ from benchmarks.kernels.common import arg
 from cvllm_lab import LLM
 from cvllm_lab.bench.sweep import model_dir
 from cvllm_lab.kernels import paged_attention as pa
-from cvllm_lab.layers import attention as attn
 from cvllm_lab.sampling_params import SamplingParams
 
 
-# kernel -> (module, the attribute to replace while the second engine is built, its value then)
-UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default']),
-           'decode_rope': (attn, 'FUSE_DECODE_ROPE', False)}
+# kernel -> (module, the lookup to replace, what it returns without the tuned table)
+UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default'])}
 
 
 def engine(path, quant, max_model_len, max_seqs, kernel: str | None):
-    "An engine on dummy weights; with `kernel`, its graphs captured without that choice (`UNTUNED`)."
+    "An engine on dummy weights; with `kernel`, its graphs captured without that kernel's tuned table."
     mod, fn, untuned = UNTUNED[kernel] if kernel else (None, None, None)
-    prev = getattr(mod, fn) if mod else None
+    tuned = mod and getattr(mod, fn)
     if mod: setattr(mod, fn, untuned)
     try:
         return LLM(path, load_format='dummy', skip_tokenizer_init=True, quantization=None if quant == 'none' else quant,
                    progress=False, max_model_len=max_model_len, max_num_seqs=max_seqs, kv_cache_memory=12 << 30,
                    enable_prefix_caching=False)   # t(1) must prefill as t(129) did
     finally:
-        if mod: setattr(mod, fn, prev)
+        if mod: setattr(mod, fn, tuned)
 
 
 def decode_tok_s(llm, B, P, g):
@@ -60,20 +57,20 @@ def main():
               arg('--points', 'none:1:32,none:16:2048,none:64:1024,w4a16:1:32').split(','))]
     repeats, mml, kernel = int(arg('--repeats', 3)), int(arg('--max-model-len', 4096)), arg('--kernel', 'paged_attention')
     path = str(model_dir(yaml.safe_load(open(f"conf/model/{arg('--model', 'llama3_8b')}.yaml"))))
-    print(f'{torch.cuda.get_device_name()}: with and without {kernel}', flush=True)
+    print(f'{torch.cuda.get_device_name()}: {kernel} tables {pa.configs_for(kernel, torch.device("cuda"))}', flush=True)
     for quant in dict.fromkeys(q for q, _, _ in points):
         mine = [(b, p) for q, b, p in points if q == quant]
         seqs = max(b for b, _ in mine)
-        eng = {'with': engine(path, quant, mml, seqs, None), 'without': engine(path, quant, mml, seqs, kernel)}
+        eng = {'tuned': engine(path, quant, mml, seqs, None), 'untuned': engine(path, quant, mml, seqs, kernel)}
         for B, P in mine:
             res = {k: [] for k in eng}
             for name, llm in eng.items(): decode_tok_s(llm, B, P, torch.Generator().manual_seed(0))   # warm-up
             for r in range(repeats):
                 for name, llm in (eng.items() if r % 2 == 0 else reversed(eng.items())):
                     res[name].append(decode_tok_s(llm, B, P, torch.Generator().manual_seed(r + 1)))
-            print(f'{quant} batch {B} prompt {P}: with {sorted(round(x) for x in res["with"])} without '
-                  f'{sorted(round(x) for x in res["without"])} tok/s, ratio '
-                  f'{statistics.median(res["with"]) / statistics.median(res["without"]):.3f}', flush=True)
+            print(f'{quant} batch {B} prompt {P}: tuned {sorted(round(x) for x in res["tuned"])} untuned '
+                  f'{sorted(round(x) for x in res["untuned"])} tok/s, ratio '
+                  f'{statistics.median(res["tuned"]) / statistics.median(res["untuned"]):.3f}', flush=True)
         del eng; torch.cuda.empty_cache()
 
 

@@ -144,35 +144,11 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 # paged_attention
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _rope_index(offs_d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
-    "Per head dim `d`: rotated?, first of its pair?, its cos/sin index, its pair partner (`rotary`'s layouts)."
-    rot = offs_d < 2 * HALF
-    if IS_NEOX:
-        first = offs_d < HALF
-        j = tl.where(first, offs_d, offs_d - HALF)
-        pair = tl.where(first, offs_d + HALF, offs_d - HALF)
-    else:
-        first = (offs_d % 2) == 0
-        j = offs_d // 2
-        pair = tl.where(first, offs_d + 1, offs_d - 1)
-    return rot, first, j, pair
-
-
-@triton.jit
-def _rope_rotate(x, xp, c, sn, rot, first):
-    "`x` rotated with its pair partners `xp` (fp32): `x cos - xp sin` for a pair's first, `x cos + xp sin` for its second."
-    x = x.to(tl.float32)
-    return tl.where(rot, x * c + tl.where(first, -xp.to(tl.float32), xp.to(tl.float32)) * sn, x)
-
-
 @triton.jit(do_not_specialize=['num_seqs', 'stride_bt', 'stride_pt', 'stride_ph'])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         qsl_ptr, seq_lens_ptr, block_tables_ptr,
         k_scale_ptr, v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
-        key_ptr, value_ptr, pos_ptr, cs_ptr, slot_ptr,  # ROPE: the step's own k / v rows, positions, cos|sin, slots
-        stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c,
         qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
         softcap,  # logit soft-cap (SOFTCAP only), in natural units
         num_seqs, head_dim, num_kv_heads,
@@ -191,8 +167,6 @@ def _paged_attention_kernel(
         DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
         FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
         SOFTCAP: tl.constexpr,  # tanh soft-capping of the scores (Gemma 2)
-        ROPE: tl.constexpr,  # one-token decode: rotate q and the new key here, write K/V, attend to the new key last
-        HALF: tl.constexpr, IS_NEOX: tl.constexpr,  # ROPE: rot_dim / 2, pair layout
         PDL: tl.constexpr):
     pdl_wait(PDL)
     pdl_launch(PDL)
@@ -237,24 +211,11 @@ def _paged_attention_kernel(
         d_ok = offs_d < head_dim
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
-        if ROPE:   # the token's q and k rotated here (q in its dtype, k in the cache's, as the cache write rounds them)
-            pos = tl.load(pos_ptr + q_start).to(tl.int64)
-            rot, first, j, pair = _rope_index(offs_d, HALF, IS_NEOX)
-            c = tl.load(cs_ptr + pos * stride_c + j, mask=rot, other=1.0).to(tl.float32)
-            sn = tl.load(cs_ptr + pos * stride_c + HALF + j, mask=rot, other=0.0).to(tl.float32)
-            qp = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + pair[None, :],
-                         mask=row_ok[:, None] & rot[None, :], other=0.0)
-            q = _rope_rotate(q, qp, c[None, :], sn[None, :], rot[None, :], first[None, :]).to(q_ptr.dtype.element_ty)
-            kn = key_ptr + q_start.to(tl.int64) * stride_nkt + kvh * stride_nkh
-            k_new = _rope_rotate(tl.load(kn + offs_d, mask=d_ok, other=0.0), tl.load(kn + pair, mask=rot, other=0.0),
-                                 c, sn, rot, first).to(k_cache_ptr.dtype.element_ty)
-            v_new = tl.load(value_ptr + q_start.to(tl.int64) * stride_nvt + kvh * stride_nvh + offs_d, mask=d_ok, other=0.0)
-            kv_end = seq_len - 1   # the cached keys; the new one is added after the loop
         if DOT_F32:
             q = q.to(tl.float32)
 
         # --- key range: causal end of the tile's last query, sliding-window start of its first ---------------
+        kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
         kv_start = 0
         if WINDOW > 0:
             kv_start = tl.maximum(ctx_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
@@ -310,24 +271,6 @@ def _paged_attention_kernel(
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
-
-        if ROPE:
-            if split == num_splits - 1:   # the new key and value: one more step of the recurrence, and the cache write
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-                m_new = tl.maximum(m_i, s_new)
-                alpha = tl.math.exp2(m_i - m_new)
-                p_new = tl.math.exp2(s_new - m_new)
-                l_i = l_i * alpha + p_new
-                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-                m_i = m_new
-                slot = tl.load(slot_ptr + q_start).to(tl.int64)
-                if slot >= 0:
-                    blk_new = slot // PAGE
-                    off_new = slot % PAGE
-                    tl.store(k_cache_ptr + blk_new * stride_kb + off_new * stride_ko + kvh * stride_kh + offs_d, k_new,
-                             mask=d_ok)
-                    tl.store(v_cache_ptr + blk_new * stride_vb + off_new * stride_vo + kvh * stride_vh + offs_d,
-                             v_new.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
 
         if SPLIT:
             # partial results of this split; _merge_splits_kernel rescales them to a common max
@@ -413,20 +356,14 @@ DECODE_MAX_QUERY_LEN = 8  # batches whose longest query is at most this many tok
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                     sliding_window: int | None = None, max_query_len: int | None = None,
                     max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None,
-                    k_scale=None, v_scale=None, softcap: float | None = None, config: dict | None = None,
-                    rope: tuple | None = None):
+                    k_scale=None, v_scale=None, softcap: float | None = None, config: dict | None = None):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
 
     `max_query_len` / `max_seq_len` are upper bounds read on the host (computed from the tensors, with a
     device sync, when None): they pick the decode path and the number of KV splits, so pass static values
     when capturing CUDA graphs. `num_kv_splits` overrides the split count of the decode path, `config` its tuned
-    launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`).
-
-    `rope = (key, value, positions, cos_sin_cache, is_neox, slot_mapping)` (one-token decode over a 16-bit cache, no
-    soft-cap): `q` and the step's `key` `[T, Hkv, D]` arrive unrotated and the cache does not hold this step's K/V
-    yet; the kernel does `rotary_and_cache`'s work (q and k rotated, k and `value` written to their slots) and
-    attends to the new key from registers, one launch instead of two. `q` itself is left unrotated."""
+    launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`)."""
     T, H, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -446,16 +383,6 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     precision = 'ieee' if fp32 or dot_f32 else 'tf32'  # 'tf32' is ignored for 16-bit inputs
     qk_scale = scale * math.log2(math.e)
     decode = max_query_len <= DECODE_MAX_QUERY_LEN
-    if rope is not None:
-        key, value, positions, cos_sin, is_neox, slots = rope
-        rot_dim = cos_sin.shape[-1]
-        if max_query_len > 1 or fp8 or softcap:
-            raise ValueError("rope= is for one-token decode over a 16-bit cache without soft-capping")
-        assert key.shape == (T, Hkv, D) and value.shape == (T, Hkv, D) and key.stride(-1) == 1 and value.stride(-1) == 1
-        assert rot_dim <= D and rot_dim % 2 == 0 and cos_sin.stride(-1) == 1
-    else:
-        key = value = positions = cos_sin = slots = q   # unused
-        rot_dim, is_neox = 2, True
     if decode:
         # two compile-time query tiles only (one token, or up to DECODE_MAX_QUERY_LEN): a step's last short prefill
         # chunk, or a prompt cached but for a few tokens, must not compile a new binary mid-serving
@@ -483,9 +410,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         part_m = part_l = part_acc = out  # unused
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q,
-        key, value, positions, cos_sin, slots, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cos_sin.stride(0), qk_scale,
+        query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q, qk_scale,
         float(softcap or 1.0), B, D, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -493,8 +418,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         block_tables.stride(0), H * splits, splits,
         QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
         TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
-        FP8_KV=fp8, SOFTCAP=bool(softcap), ROPE=rope is not None, HALF=rot_dim // 2, IS_NEOX=bool(is_neox),
-        num_warps=warps, num_stages=stages, **pdl_kw(q.device))
+        FP8_KV=fp8, SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages, **pdl_kw(q.device))
     if split:
         _merge_splits_kernel[(T, H)](
             out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,

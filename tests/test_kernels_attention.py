@@ -192,42 +192,6 @@ def test_softcap(dtype, window):
     assert_close(out, paged_attention_ref(*dec, scale=0.5, sliding_window=window, softcap=5.0), dtype)
 
 
-def rope_case(B, ctx, H, Hkv, D, rot_dim, dtype, seed, bs=16):
-    """A decode step before its cache write: unrotated q / k / v rows of B sequences (strided views of one qkv
-    tensor, as the model's split gives), their positions, a cos|sin cache and fresh slots (one padding row: -1)."""
-    torch.manual_seed(seed)
-    q, kc, vc, qsl, sl, bt = make_batch([1] * B, ctx, H, Hkv, D, bs, dtype)
-    qkv = torch.randn(B, H + 2 * Hkv, D, device=DEV).to(dtype)
-    q, key, value = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
-    pos = (sl - 1).long()
-    inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
-    f = torch.arange(4096, device=DEV).float()[:, None] * inv
-    cs = torch.cat([f.cos(), f.sin()], -1)
-    slots = (bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs)
-    slots[B - 1] = -1          # a graph's padding row: nothing written, its output dropped
-    return q, key, value, kc, vc, qsl, sl, bt, pos, cs, slots
-
-
-@pytest.mark.parametrize('is_neox,rot_dim,splits', [(True, 64, 1), (False, 64, 3), (True, 32, 2), (False, 48, 1)])
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_decode_rope_fused(is_neox, rot_dim, splits, dtype):
-    """`rope=`: the decode kernel rotating q and the new key, writing K/V and attending to the new key from registers
-    equals `rotary_and_cache_ref` then `paged_attention_ref` (GQA, partial rotary, GPT-J pairs, KV splits), and
-    leaves the same cache (the padding row's slot untouched) and q unrotated."""
-    q, key, value, kc, vc, qsl, sl, bt, pos, cs, slots = rope_case(5, [0, 9, 40, 23, 70], 8, 2, 64, rot_dim, dtype,
-                                                                   rot_dim + splits)
-    kc2, vc2, q0 = kc.clone(), vc.clone(), q.clone()
-    qr = pa.rotary_and_cache_ref(q.clone(), key, value, pos, cs, 64, is_neox, kc2, vc2, slots)
-    ref = paged_attention_ref(qr, kc2, vc2, qsl, sl, bt, scale=0.125)
-    out = paged_attention(q, kc, vc, qsl, sl, bt, scale=0.125, num_kv_splits=splits, max_query_len=1, max_seq_len=71,
-                          rope=(key, value, pos, cs, is_neox, slots))
-    assert_close(out[:4], ref[:4], dtype)
-    assert torch.equal(q, q0)
-    torch.testing.assert_close(kc, kc2, **TOL[dtype]); torch.testing.assert_close(vc, vc2, **TOL[dtype])
-    with pytest.raises(ValueError):   # longer queries keep the two launches
-        paged_attention(q, kc, vc, qsl, sl, bt, scale=0.125, max_query_len=2, rope=(key, value, pos, cs, is_neox, slots))
-
-
 def test_pick_decode_config_buckets_and_tables():
     "The tuned decode config: the largest bucket <= the batch, `short` under short bounds, `default` for other head dims."
     c = lambda n: dict(tile_n=n, num_warps=4, num_stages=2, min_keys=128, waves=2)

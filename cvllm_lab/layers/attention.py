@@ -15,9 +15,9 @@ from torch import nn
 from ..utils.context import get_forward_context
 
 # %% auto #0
-__all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'FUSE_DECODE_ROPE', 'get_attention_backend', 'Attention',
-           'varlen_attention_ref', 'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available',
-           'dense_prefill_len', 'cudnn_prefill_attention']
+__all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'get_attention_backend', 'Attention', 'varlen_attention_ref',
+           'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_len',
+           'cudnn_prefill_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -49,8 +49,7 @@ class Attention(nn.Module):
 
     def forward(self, q, k, v, positions=None, rotary=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
-        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two),
-        and in a one-token decode step inside the attention kernel itself (`_decode_rope_ok`: one launch, not two)."""
+        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two)."""
         ctx = get_forward_context()
         T = q.shape[0]
         if rotary is not None and self.backend != 'triton':
@@ -64,11 +63,6 @@ class Attention(nn.Module):
         split = ctx.prefill is not None and self._prefill_split_ok(q, kc)
         own = split and ctx.prefill.fresh   # the run's keys are this step's rows: no read-back from the cache
         if rotary is None: self._cache_fn(k, v, kc, vc, slots, ks, vs)
-        elif self._decode_rope_ok(ctx, split, ks):   # one-token decode: the attention kernel rotates and writes K/V too
-            o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, bt, self.scale,
-                              sliding_window=self.sliding_window, max_query_len=1, max_seq_len=ctx.max_seq_len,
-                              rope=(k, v, positions, rotary.cos_sin_cache, rotary.is_neox, slots))
-            return o.reshape(T, self.num_heads * self.head_dim)
         else:
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
             kr = torch.empty(k.shape, dtype=k.dtype, device=k.device) if own else None   # the rotated keys
@@ -137,15 +131,6 @@ def cudnn_prefill_attention(q, k, v, n: int, scale):
     return o.transpose(1, 2).flatten(0, 1)
 
 # %% ../../nbs/22_attention.ipynb #8f39ab5d
-FUSE_DECODE_ROPE = True   # one-token decode steps rotate q, k and write K/V inside the attention kernel (False: two launches)
-
-@patch
-def _decode_rope_ok(self: Attention, ctx, split: bool, ks) -> bool:
-    """Whether this step's rotary embedding and cache write ride in the decode attention kernel (`paged_attention`'s
-    `rope=`): the triton backend, one query token per sequence, a 16-bit cache, no soft-cap."""
-    return (FUSE_DECODE_ROPE and self.backend == 'triton' and ctx.max_query_len == 1 and not split and ks is None
-            and not self.logits_soft_cap)
-
 @patch
 def _prefill_split_ok(self: Attention, q, kc) -> bool:
     "Whether this layer can send the step's prefills to `prefill_fn`."
