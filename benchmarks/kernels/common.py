@@ -131,3 +131,20 @@ def precompile(worker, jobs, workers, timeout=None):
     print(f'precompiled {len(jobs)} configs with {workers} workers in {time.time() - t:.0f} s'
           + (f' ({len(pending)} chunks unfinished)' if pending else ''), flush=True)
     return out
+
+
+def tune_two_stage(cur, tiles, policies, measure, deadline):
+    """The decode-attention tuners' search: time the current config, then every tile (`{**cur, **tile}`) at the
+    current split policy, then every policy with the best tile (`{**best, **policy}`); `measure(cfg, stage)` returns
+    microseconds or None (failed or wrong). Stops early at `time.time() > deadline`. Returns
+    `(best, best_us, current_us)`."""
+    us_cur = measure(cur, 'current')
+    best, best_us = cur, us_cur if us_cur is not None else float('inf')
+    for stage, cands in (('tile', tiles), ('splits', policies)):   # the policies start from the best tile
+        base = cur if stage == 'tile' else best
+        for c in cands:
+            if time.time() > deadline: break
+            cfg = {**base, **c}
+            us = measure(cfg, stage)
+            if us is not None and us < best_us: best, best_us = cfg, us
+    return best, best_us, us_cur

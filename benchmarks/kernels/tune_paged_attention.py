@@ -118,18 +118,7 @@ def main():
                              splits=n, **cfg, us=timed[key]))
             return timed[key]
 
-        us_cur = measure(cur, 'current')
-        best, best_us = cur, us_cur if us_cur is not None else float('inf')
-        for tile in tiles():                                    # 1. tile x warps x stages at the current policy
-            if time.time() - t0 > 1.2 * budget: break
-            cfg = {**cur, **tile}
-            us = measure(cfg, 'tile')
-            if us is not None and us < best_us: best, best_us = cfg, us
-        for pol in policies():                                  # 2. the split policy with the best tile
-            if time.time() - t0 > 1.2 * budget: break
-            cfg = {**best, **pol}
-            us = measure(cfg, 'splits')
-            if us is not None and us < best_us: best, best_us = cfg, us
+        best, best_us, us_cur = C.tune_two_stage(cur, tiles(), policies(), measure, t0 + 1.2 * budget)
         out_tables[name][D, B] = best
         gbs = nbytes / (best_us * 1e-6) / 1e9 if best_us < float('inf') else float('nan')
         print(f'{name} B={B} ctx={ctx} bound={bound}: current {us_cur or float("nan"):.1f} us -> best {best_us:.1f} us '
