@@ -133,6 +133,19 @@ def precompile(worker, jobs, workers, timeout=None):
     return out
 
 
+def time_checked(run, n_inner, ref, what, tol=2e-2):
+    """Microseconds per call of `run(i)` (`graph_time` over `i` in range(n_inner); the dry run: one eager call),
+    None when `run(0)` is off `ref` by more than `tol` (relative) or fails (out of resources and the like)."""
+    try:
+        err = rel_err(run(0), ref)
+        if err > tol: print(f'wrong: {what} rel err {err:.3g}'); return None
+        if DRY:
+            t = time.time(); run(0); return (time.time() - t) * 1e6
+        return graph_time(run, n_inner) * 1e6
+    except Exception as e:
+        print(f'failed: {what}: {type(e).__name__}: {str(e)[:120]}'); return None
+
+
 def tune_two_stage(cur, tiles, policies, measure, deadline):
     """The decode-attention tuners' search: time the current config, then every tile (`{**cur, **tile}`) at the
     current split policy, then every policy with the best tile (`{**best, **policy}`); `measure(cfg, stage)` returns

@@ -61,15 +61,8 @@ def splits_of(cfg, B, bound):
 
 def time_cfg(cfg, B, bound, qn, qp, caches, sl, bt, ref):
     "Microseconds per call of `cfg` (None when it fails or is wrong)."
-    run = lambda i: md.mla_decode(qn, qp, caches[i], sl, bt, L ** -0.5, max_seq_len=bound, config=cfg)
-    try:
-        err = C.rel_err(run(0), ref)
-        if err > 2e-2: print(f'wrong: {cfg} rel err {err:.3g}'); return None
-        if C.DRY:
-            t = time.time(); run(0); return (time.time() - t) * 1e6
-        return C.graph_time(run, len(caches)) * 1e6
-    except Exception as e:   # out of resources and the like
-        print(f'failed: {cfg}: {type(e).__name__}: {str(e)[:120]}'); return None
+    return C.time_checked(lambda i: md.mla_decode(qn, qp, caches[i], sl, bt, L ** -0.5, max_seq_len=bound, config=cfg),
+                          len(caches), ref, cfg)
 
 
 def tiles():

@@ -67,16 +67,8 @@ def splits_of(cfg, B, bound):
 def time_cfg(cfg, bound, q, kvs, qsl, sl, bt, ref):
     "Microseconds per call of `cfg` (None when it fails or is wrong)."
     out = torch.empty_like(q)
-    run = lambda i: pa.paged_attention(q, *kvs[i], qsl, sl, bt, D ** -0.5, max_query_len=1, max_seq_len=bound,
-                                       out=out, config=cfg)
-    try:
-        err = C.rel_err(run(0), ref)
-        if err > 2e-2: print(f'wrong: {cfg} rel err {err:.3g}'); return None
-        if C.DRY:
-            t = time.time(); run(0); return (time.time() - t) * 1e6
-        return C.graph_time(run, len(kvs)) * 1e6
-    except Exception as e:   # out of resources and the like
-        print(f'failed: {cfg}: {type(e).__name__}: {str(e)[:120]}'); return None
+    return C.time_checked(lambda i: pa.paged_attention(q, *kvs[i], qsl, sl, bt, D ** -0.5, max_query_len=1,
+                                                       max_seq_len=bound, out=out, config=cfg), len(kvs), ref, cfg)
 
 
 def tiles():
