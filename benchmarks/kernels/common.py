@@ -146,6 +146,18 @@ def time_checked(run, n_inner, ref, what, tol=2e-2):
         print(f'failed: {what}: {type(e).__name__}: {str(e)[:120]}'); return None
 
 
+def write_tuning(out_dir, kernel, dev, rows, tables, write):
+    """A tuner's results so far: every timing to `<out_dir>/tune_<kernel>.csv`, the tables as `<out_dir>/<dev>.json`
+    (`tuned.dump_configs`) and, with `write`, into `kernels/configs/<kernel>/<dev>.json`."""
+    import csv
+    from cvllm_lab.kernels import tuned
+    with open(os.path.join(out_dir, f'tune_{kernel}.csv'), 'w', newline='') as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
+    text = tuned.dump_configs(tables)
+    with open(os.path.join(out_dir, f'{dev}.json'), 'w') as f: f.write(text)
+    if write and not DRY: (tuned.CONFIG_DIR / kernel / f'{dev}.json').write_text(text)
+
+
 def tune_two_stage(cur, tiles, policies, measure, deadline):
     """The decode-attention tuners' search: time the current config, then every tile (`{**cur, **tile}`) at the
     current split policy, then every policy with the best tile (`{**best, **policy}`); `measure(cfg, stage)` returns

@@ -23,7 +23,6 @@ the CPU under the Triton interpreter (a check of the script).
 """
 from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
-import csv
 import itertools
 import math
 import os
@@ -115,12 +114,8 @@ def main():
         gbs = nbytes / (best_us * 1e-6) / 1e9 if best_us < float('inf') else float('nan')
         print(f'{name} B={B} ctx={ctx} bound={bound}: current {us_cur or float("nan"):.1f} us -> best {best_us:.1f} us '
               f'({splits_of(best, B, bound)} splits, {gbs:.0f} GB/s of K + V) {best}', flush=True)
-        with open(os.path.join(out_dir, 'tune_paged_attention.csv'), 'w', newline='') as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
-        text = tuned.dump_configs({k: dict(sorted(v.items())) for k, v in out_tables.items()})
-        with open(os.path.join(out_dir, f'{dev}.json'), 'w') as f: f.write(text)
-        if '--write' in sys.argv and not C.DRY:
-            (tuned.CONFIG_DIR / KERNEL / f'{dev}.json').write_text(text)
+        C.write_tuning(out_dir, KERNEL, dev, rows, {k: dict(sorted(v.items())) for k, v in out_tables.items()},
+                       '--write' in sys.argv)
     print(f'done in {time.time() - t0:.0f} s')
 
 
