@@ -50,7 +50,7 @@ tot = sum(r[2] for r in rows)
 print(f'{model} {quant} B={B} P={P}: kernel time per decode step {tot:.1f} us (sum over kernels)')
 for k, n, us in rows[:30]: print(f'{us:8.1f} us {n:6.1f}/step  {k}')
 n_gap = sum(len(v) for v in gaps.values())
-print(f'GPU idle between kernels (gaps < 200 us), per decode step: {sum(sum(v) for v in gaps.values()) / 66:.1f} us '
+print(f'GPU idle between kernels (gaps < 200 us; negative: overlap under PDL), per decode step: {sum(sum(v) for v in gaps.values()) / 66:.1f} us '
       f'over {n_gap / 66:.0f} kernels; by the kernel after the gap (median, per step):')
 for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]:
     v = sorted(v); print(f'{sum(v) / 66:8.1f} us  median {v[len(v) // 2]:5.2f} us  {len(v) / 66:6.1f}/step  {k}')

@@ -54,8 +54,9 @@ from cvllm_lab.kernels.kv_cache import (FP8_DTYPE, FP8_MAX, check_fp8_scales, qu
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 # the cache writes (`kv_cache`) are re-exported: callers find the whole paged-KV API here
-__all__ = ['paged_attention', 'paged_attention_ref', 'decode_config', 'pick_decode_config', 'MIN_KEYS_PER_SPLIT', 'reshape_and_cache', 'reshape_and_cache_ref',
-           'rotary_and_cache', 'rotary_and_cache_ref', 'quantize_kv_ref', 'FP8_MAX', 'FP8_DTYPE']
+__all__ = ['paged_attention', 'paged_attention_ref', 'decode_config', 'pick_decode_config', 'MIN_KEYS_PER_SPLIT',
+           'reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'quantize_kv_ref',
+           'FP8_MAX', 'FP8_DTYPE']
 _INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 
 
