@@ -166,10 +166,12 @@ class InputBatch:
     # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
     group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
     sample_index: torch.Tensor | None = None    # `sample_rows` on the device (set by `_upload`)
+    rows_kept: bool = False                     # the forward returned only the sampled rows (`_forward`)
 
     @property
     def sample_at(self):
-        "The rows to sample as an index: on the device once uploaded."
+        "The rows of the step's hidden states to sample, as an index: on the device once uploaded."
+        if self.rows_kept: return slice(None)
         return self.sample_rows if self.sample_index is None else self.sample_index
 
 # %% ../../nbs/50_model_runner.ipynb #d74792fd
@@ -275,7 +277,10 @@ class StepHandle:
 # %% ../../nbs/50_model_runner.ipynb #af4167d1
 @patch
 def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    "The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager forward."
+    """The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager
+    forward. An eager step that samples fewer rows than it runs and wants no prompt log-probs asks the model for the
+    sampled rows only (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that
+    returns them so sets `b.rows_kept`, and `b.sample_at` indexes accordingly."""
     if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
@@ -284,7 +289,11 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if groups: ctx.kv_groups = [(slots, bt)] + groups
     if prev_tokens is not None: ids = prev_tokens.to(torch.long)
-    with set_forward_context(ctx): return self.model(ids, pos)
+    n = 0 if b.sample_index is None or b.prompt_logprobs else b.sample_index.numel()
+    if 0 < n < len(ids): ctx.keep_rows = b.sample_index
+    with set_forward_context(ctx): h = self.model(ids, pos)
+    b.rows_kept = ctx.keep_rows is not None and h.shape[0] == n
+    return h
 
 def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
     """`parts` flattened into one array of `dtype`, each from a 16-byte boundary (the alignment Triton specializes

@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/llama.html.md"""
 
 # %% ../../nbs/30_llama.ipynb #a68d3931
 from __future__ import annotations
+import itertools
 from typing import Iterable
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from ..layers.basic import RMSNorm, SiluAndMul, Linear
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
+from ..utils.context import get_forward_context
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
                                      VocabParallelEmbedding, ParallelLMHead)
@@ -59,6 +61,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     "Pre-norm block: `h, residual -> attention -> MLP`, residual adds fused into the norms."
+    prunes_rows = True   # `forward` takes `keep`
+
     def __init__(self, config, rotary, backend, **attn_kw):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -66,10 +70,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, 'mlp_bias', False))
 
-    def forward(self, positions, h, residual):
+    def forward(self, positions, h, residual, keep=None):
+        "`keep`: the rows that go on after attention (a step's last layer, when it samples only those); None: all."
         if residual is None: residual, h = h, self.input_layernorm(h)
         else: h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h)
+        if keep is not None: h, residual = h[keep], residual[keep]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -106,7 +112,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers: h, residual = layer(positions, h, residual)
+        keep, last = get_forward_context().keep_rows, len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            if i == last and keep is not None and getattr(layer, 'prunes_rows', False):   # rows no one reads: no MLP
+                h, residual = layer(positions, h, residual, keep=keep)
+            else: h, residual = layer(positions, h, residual)
         return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -162,13 +172,20 @@ def check_tensor_parallel(model: nn.Module):
 
 
 # %% ../../nbs/30_llama.ipynb #7a61e099
-def compare_with_hf(hf_model, ours, lens=(5, 17, 33), block_size=16, atol=1e-4, seed=0):
-    "Max |logit difference| between HF and our model on random prompts run as one flat batch (fp32)."
+def compare_with_hf(hf_model, ours, lens=(5, 17, 33), block_size=16, atol=1e-4, seed=0, keep_last: bool = False):
+    """Max |logit difference| between HF and our model on random prompts run as one flat batch (fp32). `keep_last`:
+    the step asks for each prompt's last row only, last prompt first (`ForwardContext.keep_rows`), as a step that
+    samples them does; a model that drops the other rows must return those, in that order."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=g) for n in lens]
     ctx, nb = prefill_context(list(lens), block_size)
     bind_kv_cache(ours, nb, block_size)
+    keep = torch.tensor(list(itertools.accumulate(lens))[::-1]) - 1
+    if keep_last: ctx.keep_rows = keep
     with torch.no_grad(), set_forward_context(ctx):
-        logits = ours.compute_logits(ours(torch.cat(prompts), torch.cat([torch.arange(n) for n in lens])))
+        h = ours(torch.cat(prompts), torch.cat([torch.arange(n) for n in lens]))
         ref = torch.cat([hf_model(p[None]).logits[0] for p in prompts])
-    return (logits - ref).abs().max().item()
+    if keep_last:
+        assert h.shape[0] == len(lens), "the model ran every row to the end"
+        ref = ref[keep]
+    return (ours.compute_logits(h) - ref).abs().max().item()

@@ -77,6 +77,9 @@ class ForwardContext:
     prefill: PrefillMetadata | None = None
     # hybrid models (KV cache groups, below): each group's (slot_mapping, block_tables); None: one group, the fields above
     kv_groups: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # the rows whose hidden states the step reads (its sampled ones, in sampling order): a model may drop the others
+    # after its last layer's attention, whose K/V every row still writes; None: every row
+    keep_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int: return self.seq_lens.shape[0]
