@@ -63,6 +63,8 @@ class GemmaAttention(LlamaAttention):
 
 class GemmaDecoderLayer(nn.Module):
     "Gemma block: every sub-layer between a pre-norm and a post-norm; residual adds fused into the pre-norms."
+    prunes_rows = True   # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
+
     def __init__(self, config, rotary, backend: str, sliding_window: int | None, qk_norm: bool):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -74,11 +76,12 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp.act = GeluAndMul('tanh')
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
 
-    def forward(self, positions, h, residual):
+    def forward(self, positions, h, residual, keep=None):
         if residual is None: residual, h = h, self.input_layernorm(h)
         else: h, residual = self.input_layernorm(h, residual)      # + the previous layer's post-feedforward output
-        h = self.post_attention_layernorm(self.self_attn(positions, h))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
+        h = self.self_attn(positions, h)
+        if keep is not None: h, residual = h[keep], residual[keep]
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 # %% ../../nbs/36_gemma.ipynb #8e2ef4aa
@@ -106,8 +109,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.model.embed_tokens(input_ids), None
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype).item()   # the factor in the model dtype, as HF
-        for layer in self.model.layers: h, residual = layer(positions, h, residual)
-        return self.model.norm(h, residual)[0]
+        return self.model.norm(*self.run_layers(positions, h))[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

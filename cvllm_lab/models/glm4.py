@@ -20,6 +20,8 @@ __all__ = ['Glm4DecoderLayer', 'Glm4ForCausalLM']
 # %% ../../nbs/39_glm4.ipynb #07d0c679
 class Glm4DecoderLayer(nn.Module):
     "Pre-norm block whose attention and MLP outputs are normalized again before each residual add."
+    prunes_rows = True   # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
+
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch'):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -30,11 +32,12 @@ class Glm4DecoderLayer(nn.Module):
         self.mlp = LlamaMLP(H, config.intermediate_size)
         self.post_mlp_layernorm = RMSNorm(H, eps)
 
-    def forward(self, positions, h, residual):
+    def forward(self, positions, h, residual, keep=None):
         if residual is None: residual, h = h, self.input_layernorm(h)
         else: h, residual = self.input_layernorm(h, residual)
-        h = self.post_self_attn_layernorm(self.self_attn(positions, h))
-        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.self_attn(positions, h)
+        if keep is not None: h, residual = h[keep], residual[keep]
+        h, residual = self.post_attention_layernorm(self.post_self_attn_layernorm(h), residual)
         return self.post_mlp_layernorm(self.mlp(h)), residual
 
 class Glm4ForCausalLM(LlamaForCausalLM):

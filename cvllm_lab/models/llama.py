@@ -111,13 +111,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.model.embed_tokens(input_ids), None
-        keep, last = get_forward_context().keep_rows, len(self.model.layers) - 1
+        return self.model.norm(*self.run_layers(positions, self.model.embed_tokens(input_ids)))[0]
+
+    def run_layers(self, positions, h):
+        """`(h, residual)` after the decoder layers. The last one, if it can (`prunes_rows`), drops the rows the step
+        does not read (`ForwardContext.keep_rows`) after its attention: no MLP for them."""
+        residual, keep, last = None, get_forward_context().keep_rows, len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            if i == last and keep is not None and getattr(layer, 'prunes_rows', False):   # rows no one reads: no MLP
+            if i == last and keep is not None and getattr(layer, 'prunes_rows', False):
                 h, residual = layer(positions, h, residual, keep=keep)
             else: h, residual = layer(positions, h, residual)
-        return self.model.norm(h, residual)[0]
+        return h, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         "`[T, V]` logits of `hidden`'s rows; at tensor parallel > 1 gathered on rank 0, None on the other ranks."

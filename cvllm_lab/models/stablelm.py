@@ -65,6 +65,8 @@ def stack_head_norms(weights: Iterable[tuple[str, torch.Tensor]], num_heads: dic
 # %% ../../nbs/38_stablelm.ipynb #5b313cce
 class StableLmDecoderLayer(nn.Module):
     "LayerNorm block, sequential (`x + attn`, then `+ mlp`) or parallel (`x + attn(n(x)) + mlp(n(x))`)."
+    prunes_rows = True   # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
+
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch'):
         super().__init__()
         eps, self.parallel = config.layer_norm_eps, config.use_parallel_residual
@@ -77,12 +79,13 @@ class StableLmDecoderLayer(nn.Module):
         self.post_attention_layernorm = None if self.parallel else LayerNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions, h, residual):
+    def forward(self, positions, h, residual, keep=None):
         if residual is None: residual, h = h, self.input_layernorm(h)
         else: h, residual = self.input_layernorm(h, residual)
-        if self.parallel: return self.self_attn(positions, h) + self.mlp(h), residual
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
+        a = self.self_attn(positions, h)
+        if keep is not None: a, h, residual = a[keep], h[keep], residual[keep]
+        if self.parallel: return a + self.mlp(h), residual
+        h, residual = self.post_attention_layernorm(a, residual)
         return self.mlp(h), residual
 
 class StableLmForCausalLM(LlamaForCausalLM):
