@@ -12,6 +12,9 @@ After the GPU has idled for a few seconds (as before a burst), each run prefills
   GPU wait between steps: the kernels' own floor for the wave;
 - a bf16 8192^3 matmul, cold then after 2 s of back-to-back calls (the reference ran it at 764 TFLOP/s).
 
+`--keep-rows on off` measures each wave with the runner's `keep_rows` on and off in turn (the last layer's MLP for
+the sampled rows only, or for every row).
+
 `--csv` appends one row per measured wave (commit, GPU, budget, kind, last first token); `--plot` draws them against
 the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy time and the idle gaps between kernels
 (per step, and the largest ones with the host call running at the time), written as a Chrome trace with `--trace`.
@@ -113,15 +116,16 @@ def gaps(prof, nsteps: int) -> dict:
 
 
 def plot(csv: str):
-    "Last first token of each measured wave, per commit and kind, against the c=64 TTFT p99 target (1.4 s)."
+    "Last first token of each measured wave, per commit, kind and keep_rows, against the c=64 TTFT p99 target (1.4 s)."
     import pandas as pd, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
     df = pd.read_csv(csv)
-    g = df.groupby(['commit', 'budget', 'kind'], sort=False).last_first_token_ms
+    if 'keep_rows' not in df: df['keep_rows'] = 'off'
+    g = df.groupby(['commit', 'budget', 'kind', 'keep_rows'], sort=False).last_first_token_ms
     med, lo, hi = g.median(), g.min(), g.max()
-    labels = [f'{c}\n{k}, {b}' for c, b, k in med.index]
+    labels = [f'{c}\n{k}, {b}\nkeep_rows {kr}' for c, b, k, kr in med.index]
     fig, ax = plt.subplots(figsize=(1.6 * len(med) + 2, 4.2))
     bars = ax.bar(range(len(med)), med.values, yerr=[med.values - lo.values, hi.values - med.values], capsize=4,
-           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k in med.index])
+           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k, _ in med.index])
     ax.bar_label(bars, fmt='%.0f', fontsize=8)
     ax.axhline(1400, color='tab:red', ls='--', label='c=64 TTFT p99 target (1,400 ms)')
     ax.set_xticks(range(len(med)), labels, fontsize=8); ax.set_ylabel('ms from the first step to the last first token')
@@ -137,6 +141,8 @@ def main():
     ap.add_argument('--idle', type=float, default=4.0, help='seconds of idle GPU before each measured wave')
     ap.add_argument('--budgets', type=int, nargs='+', default=[8192],
                     help='max_num_batched_tokens values to measure (the scheduler\'s, set between runs)')
+    ap.add_argument('--keep-rows', nargs='+', default=['on'], choices=['on', 'off'],
+                    help="the runner's keep_rows settings to measure, in turn")
     ap.add_argument('--trace')
     ap.add_argument('--csv', help='append a row per measured wave')
     ap.add_argument('--plot', help='redraw the plot of this CSV and exit')
@@ -157,9 +163,10 @@ def main():
     for budget in a.budgets:     # warm-up: kernels and cuDNN plans of every step shape
         eng.scheduler.max_num_batched_tokens = budget
         run_engine(eng, prompts(g, eng.vocab_size)); run_ahead(eng, prompts(g, eng.vocab_size))
-    for r, budget, (name, fn) in ((r, b, f) for r in range(a.rounds) for b in a.budgets
-                                  for f in (('engine', run_engine), ('ahead', run_ahead))):
+    for r, budget, keep, (name, fn) in ((r, b, k, f) for r in range(a.rounds) for b in a.budgets
+                                        for f in (('engine', run_engine), ('ahead', run_ahead)) for k in a.keep_rows):
             eng.scheduler.max_num_batched_tokens = budget
+            eng.runner.keep_rows = keep == 'on'
             time.sleep(a.idle); before = smi()
             res = fn(eng, prompts(g, eng.vocab_size))
             steps = res.pop('steps')
@@ -168,10 +175,10 @@ def main():
             last = 1e3 * res.pop('last')
             if a.csv: append_row(Path(a.csv), dict(commit=commit, gpu=torch.cuda.get_device_name()
                                                    if cuda else 'cpu', model=a.model, budget=budget, kind=name, round=r,
-                                                   last_first_token_ms=round(last, 1)))
-            print(f'round {r} budget {budget} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
+                                                   keep_rows=keep, last_first_token_ms=round(last, 1)))
+            print(f'round {r} budget {budget} keep_rows {keep:3s} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
                   f'| before {before} | after {smi()}', flush=True)
-    eng.scheduler.max_num_batched_tokens = a.budgets[0]
+    eng.scheduler.max_num_batched_tokens, eng.runner.keep_rows = a.budgets[0], a.keep_rows[0] == 'on'
     time.sleep(a.idle)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         res = run_engine(eng, prompts(g, eng.vocab_size), max_tokens=2)

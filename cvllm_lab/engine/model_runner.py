@@ -45,6 +45,7 @@ class ModelRunner:
         # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, below)
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.keep_rows = True   # eager steps run the last layer's MLP for the sampled rows only (`_forward`)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
         self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
@@ -280,7 +281,8 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     """The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager
     forward. An eager step that samples fewer rows than it runs and wants no prompt log-probs asks the model for the
     sampled rows only (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that
-    returns them so sets `b.rows_kept`, and `b.sample_at` indexes accordingly."""
+    returns them so sets `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every
+    row to the end (for A/B measurements)."""
     if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
@@ -289,7 +291,7 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if groups: ctx.kv_groups = [(slots, bt)] + groups
     if prev_tokens is not None: ids = prev_tokens.to(torch.long)
-    n = 0 if b.sample_index is None or b.prompt_logprobs else b.sample_index.numel()
+    n = 0 if b.sample_index is None or b.prompt_logprobs or not self.keep_rows else b.sample_index.numel()
     if 0 < n < len(ids): ctx.keep_rows = b.sample_index
     with set_forward_context(ctx): h = self.model(ids, pos)
     b.rows_kept = ctx.keep_rows is not None and h.shape[0] == n
