@@ -8,7 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/loadgen.html.md"""
 from __future__ import annotations
 import argparse, asyncio, concurrent.futures, json, os, random, time
 from dataclasses import dataclass, field
-import httpx
+import aiohttp
 import numpy as np
 import pandas as pd
 from tqdm import tqdm
@@ -37,6 +37,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     error: str | None = None
 
+_JSON = {"Content-Type": "application/json"}
+
 def _chunk_text(chunk: dict) -> str:
     "The generated text an SSE chunk carries (chat delta content/reasoning/tool arguments, or completion text)."
     out = []
@@ -47,19 +49,27 @@ def _chunk_text(chunk: dict) -> str:
         out += [(tc.get("function") or {}).get("arguments") or "" for tc in d.get("tool_calls") or []]
     return "".join(out)
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
-    "Send one streaming request and time its events."
+async def _lines(resp: aiohttp.ClientResponse):
+    "The body's lines as they arrive (no length limit: an event with many log-probs can be long)."
+    buf = b""
+    async for piece in resp.content.iter_any():
+        *lines, buf = (buf + piece).split(b"\n")
+        for line in lines: yield line
+    if buf: yield buf
+
+async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
+    "Send one streaming request (its JSON `body`, encoded before the run) and time its events."
     r, usage, n_text = RequestResult(), None, 0
     t0 = last = r.start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        async with session.post(url, data=body, headers=_JSON) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:300]}"
                 return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"): continue
+            async for line in _lines(resp):
+                if not line.startswith(b"data:"): continue
                 data = line[5:].strip()
-                if data == "[DONE]": break
+                if data == b"[DONE]": break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     r.error = json.dumps(chunk["error"])[:300]; return r
@@ -77,6 +87,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> Req
     r.ok = r.ttft is not None or r.output_tokens == 0
     if not r.ok: r.error = "stream carried no text"
     return r
+
 
 # %% ../../nbs/64_loadgen.ipynb #dc4994e5
 def _stats(name: str, xs, scale: float = 1e3) -> dict:
@@ -126,17 +137,17 @@ async def run_load_async(base_url: str, model: str | None = None, endpoint: str 
     request's send time (from the run's start), TTFT and end-to-end seconds under `requests`."""
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, headers=headers) as client:
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         if model is None:
-            model = (await client.get(f"{base_url}/models")).json()["data"][0]["id"]
-        bodies = request_bodies(model, endpoint, num_requests, **body_kw)
+            async with session.get(f"{base_url}/models") as resp: model = (await resp.json())["data"][0]["id"]
+        bodies = [json.dumps(b).encode() for b in request_bodies(model, endpoint, num_requests, **body_kw)]
         url = f"{base_url}/{'chat/completions' if endpoint == 'chat' else 'completions'}"
         results, todo = [None] * len(bodies), iter(range(len(bodies)))
         bar = tqdm(total=len(bodies), disable=not progress, desc=f"{endpoint} x{concurrency}")
         async def worker():
             for i in todo:
-                results[i] = await stream_request(client, url, bodies[i])
+                results[i] = await stream_request(session, url, bodies[i])
                 bar.update(1)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
