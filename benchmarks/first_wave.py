@@ -13,7 +13,8 @@ After the GPU has idled for a few seconds (as before a burst), each run prefills
 - a bf16 8192^3 matmul, cold then after 2 s of back-to-back calls (the reference ran it at 764 TFLOP/s).
 
 `--keep-rows on off` measures each wave with the runner's `keep_rows` on and off in turn (the last layer's MLP for
-the sampled rows only, or for every row).
+the sampled rows only, or for every row); `--mixed-ahead on off` likewise the engine's `mixed_ahead` (prefill steps
+of the burst launched before the last one's tokens are read).
 
 `--csv` appends one row per measured wave (commit, GPU, budget, kind, last first token); `--plot` draws them against
 the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy time and the idle gaps between kernels
@@ -119,13 +120,15 @@ def plot(csv: str):
     "Last first token of each measured wave, per commit, kind and keep_rows, against the c=64 TTFT p99 target (1.4 s)."
     import pandas as pd, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
     df = pd.read_csv(csv)
-    if 'keep_rows' not in df: df['keep_rows'] = 'off'
-    g = df.groupby(['commit', 'budget', 'kind', 'keep_rows'], sort=False).last_first_token_ms
+    for col in ('keep_rows', 'mixed_ahead'):
+        if col not in df: df[col] = 'off'
+    g = df.groupby(['commit', 'budget', 'kind', 'keep_rows', 'mixed_ahead'], sort=False).last_first_token_ms
     med, lo, hi = g.median(), g.min(), g.max()
-    labels = [f'{c}\n{k}, {b}\nkeep_rows {kr}' for c, b, k, kr in med.index]
+    labels = [f'{c}\n{k}, {b}\nkeep_rows {kr}' + (f'\nmixed ahead {m}' if k == 'engine' else '')
+              for c, b, k, kr, m in med.index]
     fig, ax = plt.subplots(figsize=(1.6 * len(med) + 2, 4.2))
     bars = ax.bar(range(len(med)), med.values, yerr=[med.values - lo.values, hi.values - med.values], capsize=4,
-           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k, _ in med.index])
+           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k, _, _ in med.index])
     ax.bar_label(bars, fmt='%.0f', fontsize=8)
     ax.axhline(1400, color='tab:red', ls='--', label='c=64 TTFT p99 target (1,400 ms)')
     ax.set_xticks(range(len(med)), labels, fontsize=8); ax.set_ylabel('ms from the first step to the last first token')
@@ -143,6 +146,8 @@ def main():
                     help='max_num_batched_tokens values to measure (the scheduler\'s, set between runs)')
     ap.add_argument('--keep-rows', nargs='+', default=['on'], choices=['on', 'off'],
                     help="the runner's keep_rows settings to measure, in turn")
+    ap.add_argument('--mixed-ahead', nargs='+', default=['on'], choices=['on', 'off'],
+                    help="the engine's mixed_ahead settings to measure, in turn")
     ap.add_argument('--trace')
     ap.add_argument('--csv', help='append a row per measured wave')
     ap.add_argument('--plot', help='redraw the plot of this CSV and exit')
@@ -163,10 +168,12 @@ def main():
     for budget in a.budgets:     # warm-up: kernels and cuDNN plans of every step shape
         eng.scheduler.max_num_batched_tokens = budget
         run_engine(eng, prompts(g, eng.vocab_size)); run_ahead(eng, prompts(g, eng.vocab_size))
-    for r, budget, keep, (name, fn) in ((r, b, k, f) for r in range(a.rounds) for b in a.budgets
-                                        for f in (('engine', run_engine), ('ahead', run_ahead)) for k in a.keep_rows):
+    runs = [(r, b, k, m, f) for r in range(a.rounds) for b in a.budgets
+            for f in (('engine', run_engine), ('ahead', run_ahead)) for k in a.keep_rows
+            for m in (a.mixed_ahead if f[0] == 'engine' else ['-'])]
+    for r, budget, keep, mixed, (name, fn) in runs:
             eng.scheduler.max_num_batched_tokens = budget
-            eng.runner.keep_rows = keep == 'on'
+            eng.runner.keep_rows, eng.mixed_ahead = keep == 'on', mixed != 'off'
             time.sleep(a.idle); before = smi()
             res = fn(eng, prompts(g, eng.vocab_size))
             steps = res.pop('steps')
@@ -175,8 +182,8 @@ def main():
             last = 1e3 * res.pop('last')
             if a.csv: append_row(Path(a.csv), dict(commit=commit, gpu=torch.cuda.get_device_name()
                                                    if cuda else 'cpu', model=a.model, budget=budget, kind=name, round=r,
-                                                   keep_rows=keep, last_first_token_ms=round(last, 1)))
-            print(f'round {r} budget {budget} keep_rows {keep:3s} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
+                                                   keep_rows=keep, mixed_ahead=mixed, last_first_token_ms=round(last, 1)))
+            print(f'round {r} budget {budget} keep_rows {keep:3s} mixed_ahead {mixed:3s} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
                   f'| before {before} | after {smi()}', flush=True)
     eng.scheduler.max_num_batched_tokens, eng.runner.keep_rows = a.budgets[0], a.keep_rows[0] == 'on'
     time.sleep(a.idle)

@@ -84,6 +84,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
+        self.num_mixed_ahead = 0    # of which mixed steps (prompt chunks and decodes) the waiting queue filled
+        self.mixed_ahead = True     # launch such mixed steps ahead (`_queue_fills_next_step`)
 
     def shutdown(self):
         "Stop the tensor-parallel workers (nothing to do for an in-process runner)."
@@ -289,21 +291,48 @@ def _decode_lps(self: LLMEngine, lps: list[dict]) -> list[dict]:
 
 # %% ../../nbs/51_llm_engine.ipynb #3b0b9641
 @patch
+def _queue_fills_next_step(self: LLMEngine, sampled: list[Request]) -> bool:
+    """A mixed step n+1 may be fixed before step n's tokens are read when requests that arrive meanwhile could not
+    join it anyway: FCFS, and the unfinished prompts plus one decode row per sampled request fill the token budget;
+    every request still samples without host state, and one more prompt can be admitted (or a chunk goes on), so
+    n+1 is not a plain decode step. `self.mixed_ahead = False` turns mixed steps ahead off (A/B runs)."""
+    sched = self.scheduler
+    if not self.mixed_ahead or sched.policy != 'fcfs': return False
+    reqs = sched.running + list(sched.waiting)
+    if not all(Sampler.host_free(r, ahead=1) and r.sampling_params.prompt_logprobs is None for r in reqs): return False
+    chunks = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+    more = any(r.num_computed_tokens < r.num_tokens for r in sched.running) or (
+        bool(sched.waiting) and len(sched.running) < sched.max_num_seqs)
+    return more and chunks + len(sampled) + sum(r.num_tokens for r in sched.waiting) >= sched.max_num_batched_tokens
+
+@patch
 def _schedule_ahead(self: LLMEngine, so, handle):
-    "Async scheduling: launch the next decode step now, fed with this step's tokens on the device, when it is certain."
-    sched, live = self.scheduler, [r for r in so.scheduled if not r.is_finished]
-    if handle.tokens is None or sched.waiting or not live or live != sched.running or handle.reqs != so.scheduled: return
+    """Async scheduling: launch the next step now, fed with this step's tokens on the device, when it is certain:
+    a decode step of the same requests, or a mixed step the waiting prompts fill (`_queue_fills_next_step`)."""
+    sched = self.scheduler
+    sampled = [r for r in handle.reqs if not r.is_finished]
+    if handle.reqs and handle.tokens is None: return       # sampled on the host: its tokens come with the output
+    decode = bool(sampled) and not sched.waiting and sampled == sched.running and handle.reqs == so.scheduled
+    if not decode and not self._queue_fills_next_step(sampled): return
     bs, need = self.cfg.block_size, 0
-    for r in live:
+    for r in sampled:
         sp = r.sampling_params
         if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
         if not Sampler.host_free(r, ahead=1): return
         need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
-    if need * self.kv.num_groups > self.kv.num_free_blocks: return   # every KV cache group opens its block
-    for r in live: r.append_placeholder()
+    if not decode:                           # at most: the budget's blocks, and a partial one per request it takes
+        need += sched.max_num_batched_tokens // bs + min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
+    if need * self.kv.num_groups > self.kv.num_free_blocks: return   # every KV cache group opens its blocks
+    for r in sampled: r.append_placeholder()
     nxt = sched.schedule()
-    assert nxt.scheduled == live and not nxt.preempted and nxt.total_num_scheduled_tokens == len(live), nxt
-    rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
-    tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
-    self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
+    assert not nxt.preempted, nxt
+    if decode:
+        assert nxt.scheduled == sampled and nxt.total_num_scheduled_tokens == len(sampled), nxt
+        rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
+        tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
+        self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
+    else:
+        prev = dict(prev_tokens=handle.tokens, prev_reqs=handle.reqs) if sampled else {}
+        self._pending = (nxt, self.runner.launch(nxt, **prev))
+        self.num_mixed_ahead += 1
     self.num_steps_ahead += 1

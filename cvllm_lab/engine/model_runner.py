@@ -15,7 +15,7 @@ from ..kernels.tuned import configs_for
 from ..config import EngineConfig
 from ..utils.context import (ForwardContext, PrefillMetadata, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
                                      kv_cache_groups, set_forward_context)
-from .request import Request
+from .request import PLACEHOLDER, Request
 from .scheduler import SchedulerOutput
 from ..sampling_params import SamplingParams
 from ..layers.sampler import Sampler, topk_logprobs
@@ -25,7 +25,7 @@ from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 
 # %% auto #0
 __all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput',
-           'StepHandle', 'blas_backend', 'blas_for_rows']
+           'StepHandle', 'placeholder_rows', 'blas_backend', 'blas_for_rows']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
 PREFILL_SPLIT_MIN_TOKENS = 256   # a chunk over cached tokens this short stays on the paged kernel
@@ -168,6 +168,8 @@ class InputBatch:
     group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
     sample_index: torch.Tensor | None = None    # `sample_rows` on the device (set by `_upload`)
     rows_kept: bool = False                     # the forward returned only the sampled rows (`_forward`)
+    # async scheduling of a mixed step: (rows whose input is a placeholder, their index in the last step's tokens)
+    prev_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def sample_at(self):
@@ -283,14 +285,16 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     sampled rows only (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that
     returns them so sets `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every
     row to the end (for A/B measurements)."""
-    if prev_tokens is not None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
+    if prev_tokens is not None and b.prev_rows is None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
-    if self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs):
+    if (self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs)
+            and b.prev_rows is None):
         return self._run_graph(b, prev_tokens)
     ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if groups: ctx.kv_groups = [(slots, bt)] + groups
-    if prev_tokens is not None: ids = prev_tokens.to(torch.long)
+    if b.prev_rows is not None: ids[b.prev_rows[0]] = prev_tokens[b.prev_rows[1]].to(torch.long)   # mixed step ahead
+    elif prev_tokens is not None: ids = prev_tokens.to(torch.long)
     n = 0 if b.sample_index is None or b.prompt_logprobs or not self.keep_rows else b.sample_index.numel()
     if 0 < n < len(ids): ctx.keep_rows = b.sample_index
     with set_forward_context(ctx): h = self.model(ids, pos)
@@ -309,27 +313,41 @@ def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
 @patch
 def _upload(self: ModelRunner, b: InputBatch) -> tuple:
     """The step's arrays on the device in two host-to-device copies, one of int64 rows (ids, positions, slots, the
-    rows to sample) and one of int32 metadata (query_start_loc, seq_lens, block tables): each copy from pageable
+    rows to sample, `prev_rows`) and one of int32 metadata (query_start_loc, seq_lens, block tables): each copy from pageable
     memory waits for the device, and the device waits for the host, so their number is kept small. Sets
     `b.sample_index`, the sampled rows as a device tensor."""
     samp = np.asarray([] if isinstance(b.sample_rows, slice) else b.sample_rows, dtype=np.int64)
-    ints = [b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables], samp]
+    prev = list(b.prev_rows) if b.prev_rows is not None else []
+    ints = [b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables], samp, *prev]
     meta = [b.query_start_loc, b.seq_lens, b.block_tables, *[t for _, t in b.group_tables]]
     (hi, hoffs), (hm, moffs) = _packed(ints, np.int64), _packed(meta, np.int32)
     di, dm = torch.from_numpy(hi).to(self.device), torch.from_numpy(hm).to(self.device)
-    ids, pos, slots, *gslots, si = [di[o:o + x.size] for x, o in zip(ints, hoffs)]
+    ids, pos, slots, *gslots, si = [di[o:o + x.size] for x, o in zip(ints, hoffs)][:len(ints) - len(prev)]
+    if prev: b.prev_rows = tuple(di[o:o + x.size] for x, o in zip(prev, hoffs[-2:]))
     qsl, seq_lens, bt, *gtabs = [dm[o:o + x.size].view(x.shape) for x, o in zip(meta, moffs)]
     if samp.size: b.sample_index = si
     return ids, pos, slots, qsl, seq_lens, bt, list(zip(gslots, gtabs))
 
+def placeholder_rows(so: SchedulerOutput, b: InputBatch, prev_reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    "The rows of step `so` whose token is a placeholder, and the index of each one's request in `prev_reqs`."
+    at = {id(r): i for i, r in enumerate(prev_reqs)}
+    ends = np.asarray(b.query_start_loc[1:], dtype=np.int64) - 1          # a placeholder is a request's last token
+    pick = [(ends[i], at[id(r)]) for i, r in enumerate(so.scheduled) if r.has_placeholder and id(r) in at]
+    rows, src = (np.asarray(x, dtype=np.int64) for x in zip(*pick)) if pick else (np.zeros(0, np.int64),) * 2
+    assert (np.asarray(b.input_ids)[rows] == PLACEHOLDER).all(), "a placeholder row must be its request's last"
+    return rows, src
+
 @patch
 @torch.inference_mode()
-def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
+def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+           prev_reqs: list[Request] | None = None) -> StepHandle:
     """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
     sampling (log-probs, logits processors, penalties, min_tokens), nothing waits for the device: the handle
-    holds the token ids on the device. `prev_tokens` (async scheduling): the input ids of a decode step, still
-    on the device, overriding the host's (placeholders)."""
+    holds the token ids on the device. `prev_tokens` (async scheduling): the last step's sampled ids, still on the
+    device, in place of the host's placeholders: a decode step's input ids row for row, or, with `prev_reqs` (the
+    request of each of them), the input of every row of `so` whose token is a placeholder (a mixed step)."""
     b = self.prepare_inputs(so)
+    if prev_reqs is not None: b.prev_rows = placeholder_rows(so, b, prev_reqs)
     hidden = self._forward(so, b, prev_tokens)
     sample_reqs = b.sample_reqs
     if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
