@@ -13,7 +13,7 @@ import torch
 from fastcore.basics import patch
 from ..kernels.tuned import configs_for
 from ..config import EngineConfig
-from ..utils.context import (ForwardContext, PrefillMetadata, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
+from ..utils.context import (ForwardContext, PrefillMetadata, to_device, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
                                      kv_cache_groups, set_forward_context)
 from .request import PLACEHOLDER, Request
 from .scheduler import SchedulerOutput
@@ -313,15 +313,15 @@ def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
 @patch
 def _upload(self: ModelRunner, b: InputBatch) -> tuple:
     """The step's arrays on the device in two host-to-device copies, one of int64 rows (ids, positions, slots, the
-    rows to sample, `prev_rows`) and one of int32 metadata (query_start_loc, seq_lens, block tables): each copy from pageable
-    memory waits for the device, and the device waits for the host, so their number is kept small. Sets
-    `b.sample_index`, the sampled rows as a device tensor."""
+    rows to sample, `prev_rows`) and one of int32 metadata (query_start_loc, seq_lens, block tables), through pinned
+    memory (`to_device`: the host does not wait for the device, so a step launched ahead queues behind the running
+    one). Sets `b.sample_index`, the sampled rows as a device tensor."""
     samp = np.asarray([] if isinstance(b.sample_rows, slice) else b.sample_rows, dtype=np.int64)
     prev = list(b.prev_rows) if b.prev_rows is not None else []
     ints = [b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables], samp, *prev]
     meta = [b.query_start_loc, b.seq_lens, b.block_tables, *[t for _, t in b.group_tables]]
     (hi, hoffs), (hm, moffs) = _packed(ints, np.int64), _packed(meta, np.int32)
-    di, dm = torch.from_numpy(hi).to(self.device), torch.from_numpy(hm).to(self.device)
+    di, dm = to_device(hi, self.device), to_device(hm, self.device)
     ids, pos, slots, *gslots, si = [di[o:o + x.size] for x, o in zip(ints, hoffs)][:len(ints) - len(prev)]
     if prev: b.prev_rows = tuple(di[o:o + x.size] for x, o in zip(prev, hoffs[-2:]))
     qsl, seq_lens, bt, *gtabs = [dm[o:o + x.size].view(x.shape) for x, o in zip(meta, moffs)]

@@ -13,10 +13,18 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token',
+__all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token',
            'KVCacheGroupSpec', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
+def to_device(a: np.ndarray, device) -> torch.Tensor:
+    """Host array `a` on `device`. To a GPU through pinned memory without waiting: a copy from pageable memory would
+    hold the host until the device reached it, so a step launched ahead could not be queued behind the running one
+    (PyTorch's caching host allocator keeps the pinned block until its copy has run)."""
+    t = torch.from_numpy(a)
+    if torch.device(device).type != 'cuda': return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 @dataclass
 class PrefillMetadata:
     "The step's trailing run of prefills (sequences `seq_start ..`) for varlen FlashAttention."
@@ -37,7 +45,7 @@ class PrefillMetadata:
         "The metadata of sequences `seq_start ..` of a step from its host-side `query_start_loc` and `seq_lens`."
         qsl, L = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
         q, t0 = np.diff(qsl), int(qsl[seq_start])
-        cu = torch.from_numpy((qsl[seq_start:] - t0).astype(np.int32)).to(device)
+        cu = to_device((qsl[seq_start:] - t0).astype(np.int32), device)
         return cls(seq_start, t0, q[seq_start:], L[seq_start:], cu, int(q[seq_start:].max()),
                    int(q[:seq_start].max(initial=0)), int(L[:seq_start].max(initial=0)),
                    bool((q[seq_start:] == L[seq_start:]).all()))
@@ -53,7 +61,7 @@ class PrefillMetadata:
             seq = np.repeat(np.arange(len(L)), lk)
             pos = np.arange(cu[-1]) - np.repeat(cu[:-1] - first, lk)
             n, nk = len(L) + 1, int(cu[-1])
-            dev = torch.from_numpy(np.concatenate([cu, seq, pos])).to(self.cu_seqlens_q.device)   # one copy
+            dev = to_device(np.concatenate([cu, seq, pos]), self.cu_seqlens_q.device)   # one copy
             self._keys[window] = (dev[:n].int(), int(lk.max()), dev[n:n + nk], dev[n + nk:])
         return self._keys[window]
 
