@@ -188,7 +188,7 @@ def main():
     eng.scheduler.max_num_batched_tokens, eng.runner.keep_rows = a.budgets[0], a.keep_rows[0] == 'on'
     time.sleep(a.idle)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        res = run_engine(eng, prompts(g, eng.vocab_size), max_tokens=2)
+        res = run_engine(eng, prompts(g, eng.vocab_size))   # as the measured waves (8 tokens: mixed steps ahead)
         sync()
     print(f'profiled engine wave: last first token {1e3 * res["last"]:.1f} ms, {len(res["steps"])} steps')
     if not cuda: return
