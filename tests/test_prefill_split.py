@@ -39,10 +39,10 @@ def test_flash_varlen_equals_reference(Hkv, window):
     torch.testing.assert_close(got.float(), ref.float(), **TOL)
 
 
-def mixed_step(Hkv, window):
+def mixed_step(Hkv, window, prefixes=PREFIXES, chunks=CHUNKS):
     "Decodes then prefills over one shuffled paged cache: the layer, the step's inputs, and each sequence's whole K/V."
     torch.manual_seed(1)
-    ctx_lens, q_lens = DECODES + PREFIXES, [1] * len(DECODES) + CHUNKS
+    ctx_lens, q_lens = DECODES + prefixes, [1] * len(DECODES) + chunks
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     nblk = [-(-s // BS) for s in seq_lens]
     perm = torch.randperm(sum(nblk) + 1, device='cuda').int()
@@ -50,8 +50,8 @@ def mixed_step(Hkv, window):
     for i, n in enumerate(nblk): bt[i, :n] = perm[sum(nblk[:i]):sum(nblk[:i]) + n]
     a, b = len(DECODES) + 1, len(DECODES) + 7              # b's prefix is a's: the same K/V in the same full blocks
     full = [[torch.randn(s, Hkv, D, device='cuda', dtype=torch.bfloat16) for s in seq_lens] for _ in range(2)]
-    for kv in full: kv[b][:PREFIXES[7]] = kv[a][:PREFIXES[7]]
-    bt[b, :PREFIXES[7] // BS] = bt[a, :PREFIXES[7] // BS]
+    for kv in full: kv[b][:prefixes[7]] = kv[a][:prefixes[7]]
+    bt[b, :prefixes[7] // BS] = bt[a, :prefixes[7] // BS]
     att = Attention(H, D, D ** -0.5, Hkv, sliding_window=window, backend='triton')
     att.kv_cache = torch.zeros(2, len(perm), BS, Hkv, D, device='cuda', dtype=torch.bfloat16)
     slot = lambda i, pos: bt[i, pos // BS].long() * BS + pos % BS
@@ -65,6 +65,7 @@ def mixed_step(Hkv, window):
     ctx = ForwardContext(torch.cat([slot(i, p) for i, p in enumerate(new)]), cu(q_lens),
                          torch.tensor(seq_lens, dtype=torch.int32, device='cuda'), bt, max(q_lens), max(seq_lens))
     ctx.prefill = PrefillMetadata.build(qsl, seq_lens, len(DECODES), 'cuda')
+    ctx.prefill.fresh = not any(prefixes)
     return att, ctx, q, k, v, full, q_lens, seq_lens
 
 
@@ -138,3 +139,22 @@ def test_cudnn_equal_fresh_prompts(n, L):
     got = cudnn_prefill_attention(q, k, v, n, D ** -0.5).float()
     torch.testing.assert_close(got, varlen_attention_ref(q, k, v, c, c, L, L, D ** -0.5).float(), **TOL)
     torch.testing.assert_close(got, flash_varlen_attention(q, k, v, c, c, L, L, D ** -0.5).float(), **TOL)
+
+
+def test_cudnn_equal_prompts_then_a_shorter_one():
+    """A chunked prefill's usual step: decode rows, then seven fresh 1024-token prompts and an eighth the token budget
+    cut to 1016: cuDNN takes the seven in one call, FlashAttention-2 the last (`dense_prefill_split`); the layer's
+    output equals the reference."""
+    from cvllm_lab.layers import attention as A
+    chunks = [1024] * 7 + [1016]
+    att, ctx, q, k, v, full, q_lens, seq_lens = mixed_step(8, None, [0] * 8, chunks)
+    if not A.cudnn_attention_available(q): pytest.skip('cuDNN fused attention needs sm90 and cuDNN 9')
+    calls, orig = [], A.cudnn_prefill_attention
+    A.cudnn_prefill_attention = lambda *a: calls.append(a[3]) or orig(*a)
+    try:
+        with set_forward_context(ctx): out = att(q.flatten(1), k.flatten(1), v.flatten(1)).view_as(q)
+    finally: A.cudnn_prefill_attention = orig
+    assert calls == [7]
+    ref = varlen_attention_ref(q, torch.cat(full[0]), torch.cat(full[1]), cu(q_lens), cu(seq_lens), max(q_lens),
+                               max(seq_lens), D ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)

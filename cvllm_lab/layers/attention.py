@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 # %% ../../nbs/22_attention.ipynb #05ff41bb
 from __future__ import annotations
 import os
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -16,8 +17,8 @@ from ..utils.context import get_forward_context
 
 # %% auto #0
 __all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'get_attention_backend', 'Attention', 'varlen_attention_ref',
-           'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_len',
-           'cudnn_prefill_attention']
+           'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split',
+           'dense_prefill_len', 'cudnn_prefill_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -115,12 +116,19 @@ def cudnn_attention_available(q) -> bool:
             and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability(q.device)[0] >= 9
             and os.environ.get('CVLLM_LAB_CUDNN_PREFILL', '1') != '0')
 
+def dense_prefill_split(query_lens, seq_lens) -> tuple[int, int] | None:
+    """`(L, n)` when a prefill run (host-side lengths, as in `PrefillMetadata`) is all fresh prompts whose first `n`
+    have one length `L` >= `CUDNN_PREFILL_MIN_LEN`, `CUDNN_PREFILL_MIN_TOKENS` or more among them (cuDNN takes those;
+    the rest, usually the last prompt cut short by the token budget, goes to FlashAttention-2); else None."""
+    q = np.asarray(query_lens)
+    if not len(q) or not (q == np.asarray(seq_lens)).all() or q[0] < CUDNN_PREFILL_MIN_LEN: return None
+    n = len(q) if (q == q[0]).all() else int(np.argmax(q != q[0]))
+    return (int(q[0]), n) if n * q[0] >= CUDNN_PREFILL_MIN_TOKENS else None
+
 def dense_prefill_len(query_lens, seq_lens) -> int | None:
-    """`L` when a prefill run (host-side lengths, as in `PrefillMetadata`) is fresh prompts of one length `L` >=
-    `CUDNN_PREFILL_MIN_LEN` tokens, `CUDNN_PREFILL_MIN_TOKENS` or more in all; else None."""
-    q = query_lens
-    return (int(q[0]) if len(q) and (q == seq_lens).all() and (q == q[0]).all() and q[0] >= CUDNN_PREFILL_MIN_LEN
-            and q.sum() >= CUDNN_PREFILL_MIN_TOKENS else None)
+    "`L` when the whole run is fresh prompts of one length for cuDNN (`dense_prefill_split` with nothing left over)."
+    d = dense_prefill_split(query_lens, seq_lens)
+    return d[0] if d is not None and d[1] == len(query_lens) else None
 
 def cudnn_prefill_attention(q, k, v, n: int, scale):
     """`n` fresh sequences of one length, packed as `q` `[n L, H, D]` and `k`/`v` `[n L, Hkv, D]`: causal attention as
@@ -149,9 +157,16 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
         cu_k, max_k, _, _ = p.keys(w)
         kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
     else: cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
-    if self.prefill_fn is flash_varlen_attention and w is None and dense_prefill_len(p.query_lens, p.seq_lens) and cudnn_attention_available(q):
-        o = cudnn_prefill_attention(q[t0:], kv[0], kv[1], len(p.query_lens), self.scale)   # equal fresh prompts, batched
-    else: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    d = (dense_prefill_split(p.query_lens, p.seq_lens)
+         if self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q) else None)
+    if d is None: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    else:                                       # equal fresh prompts batched on cuDNN, the rest (fresh too) on FlashAttention
+        (L, n), m = d, d[0] * d[1]
+        o = cudnn_prefill_attention(q[t0:t0 + m], kv[0][:m], kv[1][:m], n, self.scale)
+        if n < len(p.query_lens):
+            if ('rest', n) not in p._keys: p._keys[('rest', n)] = (p.cu_seqlens_q[n:] - m, int(p.query_lens[n:].max()))
+            cu, mx = p._keys[('rest', n)]
+            o = torch.cat([o, self.prefill_fn(q[t0 + m:], kv[0][m:], kv[1][m:], cu, cu, mx, mx, self.scale, w)])
     if s == 0: return o
     out = torch.empty_like(q)
     out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
