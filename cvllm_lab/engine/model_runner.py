@@ -28,7 +28,9 @@ __all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'M
            'StepHandle', 'placeholder_rows', 'blas_backend', 'blas_for_rows']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-PREFILL_SPLIT_MIN_TOKENS = 256   # a chunk over cached tokens this short stays on the paged kernel
+# a chunk over cached tokens this short stays on the paged kernel: longer ones would take the step's decode rows
+# off the kernel's decode path (its split-KV path serves queries of up to `DECODE_MAX_QUERY_LEN`, 8, tokens)
+PREFILL_SPLIT_MIN_TOKENS = 9
 
 class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
