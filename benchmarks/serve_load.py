@@ -83,22 +83,29 @@ def row(rep: dict, gpu: str, shape: str, commit: str, input_len: int, output_len
                 notes=f"failed {rep['failed']}; {rep['first_error'] or ''}".strip('; '))
 
 
-def plot(df: pd.DataFrame, ref: pd.DataFrame, png: Path, title: str):
-    "Ours beside vLLM per concurrency: TTFT p50/p99, TPOT p50, ITL p50/p99 (ms, log scale) and output tok/s."
+def plot(df: pd.DataFrame, ref: pd.DataFrame, png: Path, title: str, last: int = 6):
+    """Ours beside vLLM per concurrency: TTFT p50/p99, TPOT p50, ITL p50/p99 (ms, log scale) and output tok/s; our
+    last `last` runs at each concurrency, each bar named by its commit, one colour per name in every panel."""
     import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
-    run = df.groupby('concurrency').cumcount()   # a level measured again right after: its own bars
-    ours = df.assign(who=['cvllm_lab' + (f' (run {i + 1})' if i else '') for i in run])
+    df = df.groupby('concurrency', group_keys=False).tail(last)
+    again = df.groupby(['concurrency', 'version']).cumcount()   # a commit measured again: its own bars
+    ours = df.assign(who=[f'cvllm_lab {v}' + (f' #{i + 1}' if i else '') for v, i in zip(df.version, again)])
     both = pd.concat([ref.assign(who='vLLM ' + ref.version.astype(str)), ours])
+    names = list(dict.fromkeys(both.who))
+    colour = {w: plt.cm.tab20(i % 20) for i, w in enumerate(names)}
     conc = sorted(both.concurrency.unique())
-    fig, axes = plt.subplots(1, len(conc) + 1, figsize=(5 * (len(conc) + 1), 4))
+    fig, axes = plt.subplots(1, len(conc) + 1, figsize=(5 * (len(conc) + 1), 4.8))
     lat = ['ttft_p50_ms', 'ttft_p99_ms', 'tpot_p50_ms', 'itl_p50_ms', 'itl_p99_ms']
     for ax, c in zip(axes, conc):
         sub = both[both.concurrency == c].set_index('who')[lat].T
-        sub.plot.bar(ax=ax, logy=True, rot=30); ax.set_title(f'concurrency {c}: latency (ms)')
-    both.pivot_table(index='concurrency', columns='who', values='out_tok_s').reindex(columns=list(dict.fromkeys(both.who)))\
-        .plot.bar(ax=axes[-1], rot=0)
+        sub.plot.bar(ax=ax, logy=True, rot=30, legend=False, color=[colour[w] for w in sub.columns])
+        ax.set_title(f'concurrency {c}: latency (ms)')
+    tok = both.pivot_table(index='concurrency', columns='who', values='out_tok_s').reindex(columns=names)
+    tok.plot.bar(ax=axes[-1], rot=0, legend=False, color=[colour[w] for w in tok.columns])
     axes[-1].set_title('output tok/s')
-    fig.suptitle(title); fig.tight_layout(); fig.savefig(png, dpi=110)
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=colour[w]) for w in names], names, loc='lower center',
+               ncol=min(len(names), 6), fontsize=8)
+    fig.suptitle(title, fontsize=10); fig.tight_layout(rect=(0, 0.1, 1, 1)); fig.savefig(png, dpi=110)
 
 
 def main(argv=None):
@@ -159,10 +166,10 @@ def main(argv=None):
 
 def replot(out: Path, reference: str, model: str):
     "Plot the rows of `out` beside the reference rows of the same shape and GPU kind."
-    df = pd.read_csv(out)
+    df = pd.read_csv(out, dtype={'version': str})   # a commit like 62e3081 is not a number
     spec = yaml.safe_load((ROOT / 'conf/model' / f'{model}.yaml').read_text())
     gpu, n_in, n_out = df.gpu[0], df.input_len[0], df.output_len[0]
-    commit = ', '.join(dict.fromkeys(df.version.astype(str)))   # runs in order (the bars' run numbers)
+    commit = ', '.join(dict.fromkeys(df.groupby('concurrency', group_keys=False).tail(6).version))   # the plotted runs
     ref = pd.read_csv(reference) if Path(reference).exists() else pd.DataFrame(columns=df.columns)
     ref = ref[(ref['shape'] == spec['name']) & ref['gpu'].apply(lambda g: str(g) in gpu)]
     plot(df, ref, out.with_suffix('.png'), f"{spec['name']} bf16 (dummy), {n_in} in / {n_out} out, "
