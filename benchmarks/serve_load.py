@@ -166,7 +166,7 @@ def main(argv=None):
 
 def replot(out: Path, reference: str, model: str):
     "Plot the rows of `out` beside the reference rows of the same shape and GPU kind."
-    df = pd.read_csv(out, dtype={'version': str})   # a commit like 62e3081 is not a number
+    df = pd.read_csv(out, dtype={'version': str})   # a short commit id of digits and one 'e' would parse as a float
     spec = yaml.safe_load((ROOT / 'conf/model' / f'{model}.yaml').read_text())
     gpu, n_in, n_out = df.gpu[0], df.input_len[0], df.output_len[0]
     commit = ', '.join(dict.fromkeys(df.groupby('concurrency', group_keys=False).tail(6).version))   # the plotted runs
