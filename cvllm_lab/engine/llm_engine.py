@@ -295,7 +295,7 @@ def _queue_fills_next_step(self: LLMEngine, sampled: list[Request]) -> bool:
     """A mixed step n+1 may be fixed before step n's tokens are read when requests that arrive meanwhile could not
     join it anyway: FCFS, and the unfinished prompts plus one decode row per sampled request fill the token budget;
     every request still samples without host state, and one more prompt can be admitted (or a chunk goes on), so
-    n+1 is not a plain decode step. `self.mixed_ahead = False` turns mixed steps ahead off (A/B runs)."""
+    n+1 is not a plain decode step. `self.mixed_ahead = False` turns mixed steps ahead off (to compare the two)."""
     sched = self.scheduler
     if not self.mixed_ahead or sched.policy != 'fcfs': return False
     reqs = sched.running + list(sched.waiting)

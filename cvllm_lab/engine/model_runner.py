@@ -286,7 +286,7 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     forward. An eager step that samples fewer rows than it runs and wants no prompt log-probs asks the model for the
     sampled rows only (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that
     returns them so sets `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every
-    row to the end (for A/B measurements)."""
+    row to the end (to compare the two)."""
     if prev_tokens is not None and b.prev_rows is None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if (self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs)
