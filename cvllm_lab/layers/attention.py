@@ -164,8 +164,7 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
         (L, n), m = d, d[0] * d[1]
         o = cudnn_prefill_attention(q[t0:t0 + m], kv[0][:m], kv[1][:m], n, self.scale)
         if n < len(p.query_lens):
-            if ('rest', n) not in p._keys: p._keys[('rest', n)] = (p.cu_seqlens_q[n:] - m, int(p.query_lens[n:].max()))
-            cu, mx = p._keys[('rest', n)]
+            cu, mx = p.rest(n)
             o = torch.cat([o, self.prefill_fn(q[t0 + m:], kv[0][m:], kv[1][m:], cu, cu, mx, mx, self.scale, w)])
     if s == 0: return o
     out = torch.empty_like(q)

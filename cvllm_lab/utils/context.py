@@ -39,6 +39,7 @@ class PrefillMetadata:
     fresh: bool = False          # no sequence of the run has cached tokens: its keys are exactly the step's rows
     _keys: dict = field(default_factory=dict, repr=False)    # window -> keys(window)
     _slots: dict = field(default_factory=dict, repr=False)   # (group, window) -> kv_slots
+    _rest: dict = field(default_factory=dict, repr=False)    # n -> rest(n)
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, seq_start: int, device='cpu') -> PrefillMetadata:
@@ -49,6 +50,12 @@ class PrefillMetadata:
         return cls(seq_start, t0, q[seq_start:], L[seq_start:], cu, int(q[seq_start:].max()),
                    int(q[:seq_start].max(initial=0)), int(L[:seq_start].max(initial=0)),
                    bool((q[seq_start:] == L[seq_start:]).all()))
+
+    def rest(self, n: int) -> tuple[torch.Tensor, int]:
+        "`(cu_seqlens, max_seqlen)` of the run's sequences `n ..` on their own (from 0), once per step."
+        if n not in self._rest:
+            self._rest[n] = (self.cu_seqlens_q[n:] - self.cu_seqlens_q[n], int(self.query_lens[n:].max()))
+        return self._rest[n]
 
     def keys(self, window: int | None = None) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
         """`(cu_seqlens_k, max_seqlen_k, seq, pos)`: the keys each sequence's queries read (all its tokens; with a
