@@ -101,8 +101,8 @@ REF_SCORE_BUDGET = 1 << 26  # fp32 scores per query chunk of the reference's pre
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                         sliding_window: int | None = None, max_query_len: int | None = None,
-                        max_seq_len: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None):
-    """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]`.
+                        max_seq_len: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None, out=None):
+    """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]` (in `out` if given).
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
     chunks that keep the score matrix small. Rows past `query_start_loc[-1]` are zero. `max_query_len` and
     `max_seq_len` are accepted for parity with `paged_attention` and not needed here. FP8 caches are read
@@ -112,7 +112,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     T, H, D = q.shape
     qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
     B, dev = len(sl), q.device
-    out = q.new_zeros(T, H, D)
+    dst, out = out, q.new_zeros(T, H, D)
     q_lens = [qsl[b + 1] - qsl[b] for b in range(B)]
     dec = [b for b in range(B) if q_lens[b] == 1 and sl[b] > 0]
     if dec:
@@ -138,7 +138,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
             qc = q[qsl[b] + s:qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
             o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap)
             out[qsl[b] + s:qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
-    return out
+    return out if dst is None else dst.copy_(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cvllm_lab.layers.attention import Attention, flash_varlen_attention, varlen_attention_ref
-from cvllm_lab.utils.context import ForwardContext, PrefillMetadata, set_forward_context
+from cvllm_lab.utils.context import DecodeSplit, ForwardContext, PrefillMetadata, set_forward_context
 
 pytestmark = pytest.mark.cuda
 
@@ -90,6 +90,33 @@ def test_layer_split_equals_reference_and_paged(Hkv, window):
     torch.testing.assert_close(outs['split'].float(), outs['paged'].float(), **TOL)
     err = lambda o: (o.float() - ref.float()).norm() / ref.float().norm()
     assert err(outs['split']) <= 1.5 * err(outs['paged']) + 1e-3, (err(outs['split']), err(outs['paged']))
+
+
+@pytest.mark.parametrize('window', [None, 1024])
+def test_decodes_apart_from_a_chunk_in_the_head(window):
+    """The first prefill left before the run (as the run's key bound leaves a chunk out), or every row on the paged
+    kernel: with `DecodeSplit` the three decodes take a paged call of their own on the decode path, the chunk another;
+    the output against the reference and against one paged call for the head."""
+    att, ctx, q, k, v, full, q_lens, seq_lens = mixed_step(8, window)
+    qsl, n = [0] + torch.tensor(q_lens).cumsum(0).tolist(), len(DECODES)
+    ref = varlen_attention_ref(q, torch.cat(full[0]), torch.cat(full[1]), cu(q_lens), cu(seq_lens), max(q_lens),
+                               max(seq_lens), D ** -0.5, window)
+    paged, calls = att._attn_fn, []
+    def spy(q, *a, max_query_len=None, **kw):   # (sequences, max_query_len) of each paged call
+        calls.append((a[3].shape[0], max_query_len))
+        return paged(q, *a, max_query_len=max_query_len, **kw)
+    att._attn_fn = spy
+    for start in (n + 1, None):                 # the run from the second prefill on; no run
+        ctx.prefill = None if start is None else PrefillMetadata.build(qsl, seq_lens, start, 'cuda')
+        outs = {}
+        for name in ('apart', 'one call'):
+            ctx.decodes = DecodeSplit.build(qsl, seq_lens, 'cuda') if name == 'apart' else None
+            calls.clear()
+            with set_forward_context(ctx): outs[name] = att(q.flatten(1), k.flatten(1), v.flatten(1)).view_as(q)
+            heads = n + 1 if start else len(seq_lens)
+            assert calls == ([(n, 1), (heads - n, max(q_lens[n:heads]))] if name == 'apart' else [(heads, max(q_lens[:heads]))])
+        torch.testing.assert_close(outs['apart'].float(), ref.float(), **TOL)
+        torch.testing.assert_close(outs['apart'].float(), outs['one call'].float(), **TOL)
 
 
 def test_engine_split_on_equals_off():

@@ -13,7 +13,8 @@ import torch
 from fastcore.basics import patch
 from ..kernels.tuned import configs_for
 from ..config import EngineConfig
-from ..utils.context import (ForwardContext, PrefillMetadata, to_device, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
+from ..kernels.paged_attention import DECODE_MAX_QUERY_LEN
+from ..utils.context import (ForwardContext, PrefillMetadata, DecodeSplit, to_device, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
                                      kv_cache_groups, set_forward_context)
 from .request import PLACEHOLDER, Request
 from .scheduler import SchedulerOutput
@@ -283,10 +284,11 @@ class StepHandle:
 @patch
 def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager
-    forward. An eager step that samples fewer rows than it runs and wants no prompt log-probs asks the model for the
-    sampled rows only (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that
-    returns them so sets `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every
-    row to the end (to compare the two)."""
+    forward (its leading decodes marked for a paged call of their own, `DecodeSplit`). An eager step that samples
+    fewer rows than it runs and wants no prompt log-probs asks the model for the sampled rows only
+    (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that returns them so sets
+    `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every row to the end (to
+    compare the two)."""
     if prev_tokens is not None and b.prev_rows is None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if (self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs)
@@ -295,6 +297,8 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if groups: ctx.kv_groups = [(slots, bt)] + groups
+    if b.max_query_len > DECODE_MAX_QUERY_LEN:   # a query for the paged kernel's tiles may follow decodes: those apart
+        ctx.decodes = DecodeSplit.build(b.query_start_loc, b.seq_lens, self.device)
     if b.prev_rows is not None: ids[b.prev_rows[0]] = prev_tokens[b.prev_rows[1]].to(torch.long)   # mixed step ahead
     elif prev_tokens is not None: ids = prev_tokens.to(torch.long)
     n = 0 if b.sample_index is None or b.prompt_logprobs or not self.keep_rows else b.sample_index.numel()

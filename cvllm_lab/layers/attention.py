@@ -74,9 +74,7 @@ class Attention(nn.Module):
             t0 = ctx.prefill.token_start
             kv = (k[t0:], v[t0:]) if own else None
             return self._split_prefill(q, kc, vc, ks, vs, ctx, bt, kv).reshape(T, self.num_heads * self.head_dim)
-        o = self._attn_fn(q, kc, vc, ctx.query_start_loc, ctx.seq_lens, bt, self.scale,
-                          sliding_window=self.sliding_window, max_query_len=ctx.max_query_len,
-                          max_seq_len=ctx.max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
+        o = self._paged(q, kc, vc, ks, vs, ctx, bt, ctx.num_seqs, ctx.max_query_len, ctx.max_seq_len)
         return o.reshape(T, self.num_heads * self.head_dim)
 
 # %% ../../nbs/22_attention.ipynb #8cfc21d8
@@ -168,8 +166,22 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
             o = torch.cat([o, self.prefill_fn(q[t0 + m:], kv[0][m:], kv[1][m:], cu, cu, mx, mx, self.scale, w)])
     if s == 0: return o
     out = torch.empty_like(q)
-    out[:t0] = self._attn_fn(q[:t0], kc, vc, ctx.query_start_loc[:s + 1], ctx.seq_lens[:s], bt[:s],
-                             self.scale, sliding_window=w, max_query_len=p.head_max_query_len,
-                             max_seq_len=p.head_max_seq_len, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
+    self._paged(q[:t0], kc, vc, ks, vs, ctx, bt, s, p.head_max_query_len, p.head_max_seq_len, out[:t0])
     out[t0:] = o
+    return out
+
+@patch
+def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: int, max_seq_len: int, out=None):
+    """The paged kernel over the step's first `n` sequences (`q`: their rows). With `ctx.decodes`, the leading
+    one-token ones take a call of their own (the kernel's decode path) and the rest another (`12_forward_context`)."""
+    kw = dict(sliding_window=self.sliding_window, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
+    d = ctx.decodes
+    if d is None or not 0 < d.num_decodes < n:
+        return self._attn_fn(q, kc, vc, ctx.query_start_loc[:n + 1], ctx.seq_lens[:n], bt[:n], self.scale,
+                             max_query_len=max_query_len, max_seq_len=max_seq_len, out=out, **kw)
+    k, out = d.num_decodes, torch.empty_like(q) if out is None else out
+    self._attn_fn(q[:k], kc, vc, ctx.query_start_loc[:k + 1], ctx.seq_lens[:k], bt[:k], self.scale,
+                  max_query_len=1, max_seq_len=d.max_seq_len, out=out[:k], **kw)
+    self._attn_fn(q[k:], kc, vc, d.rest_query_start_loc[:n - k + 1], ctx.seq_lens[k:n], bt[k:n], self.scale,
+                  max_query_len=max_query_len, max_seq_len=max_seq_len, out=out[k:], **kw)
     return out

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'kv_bytes_per_token',
-           'KVCacheGroupSpec', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'prefill_context']
+__all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'DecodeSplit',
+           'kv_bytes_per_token', 'KVCacheGroupSpec', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache',
+           'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 def to_device(a: np.ndarray, device) -> torch.Tensor:
@@ -95,6 +96,8 @@ class ForwardContext:
     # the rows whose hidden states the step reads (its sampled ones, in sampling order): a model may drop the others
     # after its last layer's attention, whose K/V every row still writes; None: every row
     keep_rows: torch.Tensor | None = None
+    # the step's leading one-token sequences, for a paged call of their own (`DecodeSplit`); None: one call
+    decodes: DecodeSplit | None = None
 
     @property
     def num_seqs(self) -> int: return self.seq_lens.shape[0]
@@ -117,6 +120,23 @@ def set_forward_context(ctx: ForwardContext):
     prev, _CTX = _CTX, ctx
     try: yield ctx
     finally: _CTX = prev
+
+# %% ../../nbs/12_forward_context.ipynb #ae0f6459
+@dataclass
+class DecodeSplit:
+    "The step's leading one-token sequences (decodes), for a paged-kernel call of their own apart from the rest."
+    num_decodes: int
+    max_seq_len: int                      # the decodes' longest context
+    rest_query_start_loc: torch.Tensor    # [num_seqs - num_decodes + 1] int32: query_start_loc[num_decodes:] - num_decodes
+
+    @classmethod
+    def build(cls, query_start_loc, seq_lens, device='cpu') -> DecodeSplit | None:
+        "From the host-side `query_start_loc` and `seq_lens`; None when no sequence leads with one token or all have one."
+        qsl, L = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens)
+        one = np.diff(qsl) == 1
+        d = len(one) if one.all() else int(np.argmin(one))
+        if d == 0 or d == len(one): return None
+        return cls(d, int(L[:d].max()), to_device((qsl[d:] - d).astype(np.int32), device))
 
 # %% ../../nbs/12_forward_context.ipynb #bc033ab3
 def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
