@@ -14,14 +14,16 @@ After the GPU has idled for a few seconds (as before a burst), each run prefills
 
 `--keep-rows on off` measures each wave with the runner's `keep_rows` on and off in turn (the last layer's MLP for
 the sampled rows only, or for every row); `--mixed-ahead on off` likewise the engine's `mixed_ahead` (prefill steps
-of the burst launched before the last one's tokens are read).
+of the burst launched before the last one's tokens are read), `--decodes-apart on off` the runner's `decodes_apart`
+(a step's leading decodes in a paged-attention call of their own when a longer chunk follows them).
 
 `--csv` appends one row per measured wave (commit, GPU, budget, kind, last first token); `--plot` draws them against
 the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy time and the idle gaps between kernels
-(per step, and the largest ones with the host call running at the time), written as a Chrome trace with `--trace`.
+(per step, and the largest ones with the host call running at the time), and each step's GPU time by kernel, written
+as a Chrome trace with `--trace`; one profiled wave per `--decodes-apart` setting.
 """
 from __future__ import annotations
-import argparse, gzip, os, subprocess, time
+import argparse, collections, gzip, os, subprocess, time
 from pathlib import Path
 import torch, yaml
 from cvllm_lab import LLM
@@ -116,19 +118,45 @@ def gaps(prof, nsteps: int) -> dict:
                 largest=[(round(g / 1e3, 2), name[:50], host_at(t + g / 2)[:60]) for g, t, name in top])
 
 
+GEMM_NAMES = ('gemm', 'nvjet', 'cutlass', 'xmma', 'cublas')
+
+def step_table(prof, top: int = 6) -> str:
+    """GPU time per engine step of a profiled wave, by kernel: a step starts at the first host-to-device copy after
+    50 or more kernels (each eager step uploads its inputs before its first kernel). Span, busy time, the GEMMs, and
+    the `top` other kernels by time (ms)."""
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not ev: return 'no GPU events'
+    steps, cur, kernels = [], [], 0
+    for s, e, name in ev:
+        if 'HtoD' in name and kernels >= 50: steps.append(cur); cur, kernels = [], 0
+        cur.append((s, e, name)); kernels += 'Memcpy' not in name
+    steps.append(cur)
+    lines = []
+    for i, st in enumerate(steps, 1):
+        by = collections.Counter()
+        for s, e, name in st: by['GEMMs' if any(g in name.lower() for g in GEMM_NAMES) else name[:34]] += (e - s) / 1e3
+        span, busy, gemm = (st[-1][1] - st[0][0]) / 1e3, sum(by.values()), by.pop('GEMMs', 0.0)
+        rest = ', '.join(f'{n} {t:.1f}' for n, t in by.most_common(top))
+        lines.append(f'step {i}: span {span:6.1f} busy {busy:6.1f} GEMMs {gemm:6.1f} | {rest}')
+    return '\n'.join(lines)
+
+
 def plot(csv: str):
     "Last first token of each measured wave, per commit, kind and keep_rows, against the c=64 TTFT p99 target (1.4 s)."
     import pandas as pd, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
     df = pd.read_csv(csv)
-    for col in ('keep_rows', 'mixed_ahead'):
+    for col in ('keep_rows', 'mixed_ahead', 'decodes_apart'):
         if col not in df: df[col] = 'off'
-    g = df.groupby(['commit', 'budget', 'kind', 'keep_rows', 'mixed_ahead'], sort=False).last_first_token_ms
+    df = df.fillna({'decodes_apart': 'off'})
+    g = df.groupby(['commit', 'budget', 'kind', 'keep_rows', 'mixed_ahead', 'decodes_apart'],
+                   sort=False).last_first_token_ms
     med, lo, hi = g.median(), g.min(), g.max()
-    labels = [f'{c}\n{k}, {b}\nkeep_rows {kr}' + (f'\nmixed ahead {m}' if k == 'engine' else '')
-              for c, b, k, kr, m in med.index]
+    labels = [f'{c}\n{k}, {b}\nkeep_rows {kr}' + (f'\nmixed ahead {m}\ndecodes apart {d}' if k == 'engine' else '')
+              for c, b, k, kr, m, d in med.index]
     fig, ax = plt.subplots(figsize=(1.6 * len(med) + 2, 4.2))
     bars = ax.bar(range(len(med)), med.values, yerr=[med.values - lo.values, hi.values - med.values], capsize=4,
-           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k, _, _ in med.index])
+           color=['tab:blue' if k == 'engine' else 'tab:gray' for _, _, k, *_ in med.index])
     ax.bar_label(bars, fmt='%.0f', fontsize=8)
     ax.axhline(1400, color='tab:red', ls='--', label='c=64 TTFT p99 target (1,400 ms)')
     ax.set_xticks(range(len(med)), labels, fontsize=8); ax.set_ylabel('ms from the first step to the last first token')
@@ -148,6 +176,8 @@ def main():
                     help="the runner's keep_rows settings to measure, in turn")
     ap.add_argument('--mixed-ahead', nargs='+', default=['on'], choices=['on', 'off'],
                     help="the engine's mixed_ahead settings to measure, in turn")
+    ap.add_argument('--decodes-apart', nargs='+', default=['on'], choices=['on', 'off'],
+                    help="the runner's decodes_apart settings to measure, in turn (engine waves)")
     ap.add_argument('--trace')
     ap.add_argument('--csv', help='append a row per measured wave')
     ap.add_argument('--plot', help='redraw the plot of this CSV and exit')
@@ -168,12 +198,14 @@ def main():
     for budget in a.budgets:     # warm-up: kernels and cuDNN plans of every step shape
         eng.scheduler.max_num_batched_tokens = budget
         run_engine(eng, prompts(g, eng.vocab_size)); run_ahead(eng, prompts(g, eng.vocab_size))
-    runs = [(r, b, k, m, f) for r in range(a.rounds) for b in a.budgets
+    runs = [(r, b, k, m, d, f) for r in range(a.rounds) for b in a.budgets
             for f in (('engine', run_engine), ('ahead', run_ahead)) for k in a.keep_rows
-            for m in (a.mixed_ahead if f[0] == 'engine' else ['-'])]
-    for r, budget, keep, mixed, (name, fn) in runs:
+            for m in (a.mixed_ahead if f[0] == 'engine' else ['-'])
+            for d in (a.decodes_apart if f[0] == 'engine' else ['-'])]
+    for r, budget, keep, mixed, apart, (name, fn) in runs:
             eng.scheduler.max_num_batched_tokens = budget
             eng.runner.keep_rows, eng.mixed_ahead = keep == 'on', mixed != 'off'
+            eng.runner.decodes_apart = apart != 'off'
             time.sleep(a.idle); before = smi()
             res = fn(eng, prompts(g, eng.vocab_size))
             steps = res.pop('steps')
@@ -182,23 +214,29 @@ def main():
             last = 1e3 * res.pop('last')
             if a.csv: append_row(Path(a.csv), dict(commit=commit, gpu=torch.cuda.get_device_name()
                                                    if cuda else 'cpu', model=a.model, budget=budget, kind=name, round=r,
-                                                   keep_rows=keep, mixed_ahead=mixed, last_first_token_ms=round(last, 1)))
-            print(f'round {r} budget {budget} keep_rows {keep:3s} mixed_ahead {mixed:3s} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
+                                                   keep_rows=keep, mixed_ahead=mixed, decodes_apart=apart,
+                                                   last_first_token_ms=round(last, 1)))
+            print(f'round {r} budget {budget} keep_rows {keep:3s} mixed_ahead {mixed:3s} decodes_apart {apart:3s} {name:6s}: last first token {last:7.1f} ms  {res}  {extra}  '
                   f'| before {before} | after {smi()}', flush=True)
     eng.scheduler.max_num_batched_tokens, eng.runner.keep_rows = a.budgets[0], a.keep_rows[0] == 'on'
-    time.sleep(a.idle)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        res = run_engine(eng, prompts(g, eng.vocab_size))   # as the measured waves (8 tokens: mixed steps ahead)
-        sync()
-    print(f'profiled engine wave: last first token {1e3 * res["last"]:.1f} ms, {len(res["steps"])} steps')
-    if not cuda: return
-    gp = gaps(prof, len(res['steps']))
-    largest = gp.pop('largest')
-    print('GPU timeline:', {k: round(v, 2) if isinstance(v, float) else v for k, v in gp.items()})
-    for row in largest: print('  idle %6.2f ms before %-50s host: %s' % row)
-    if a.trace and cuda:
-        prof.export_chrome_trace('/tmp/trace.json')
-        with open('/tmp/trace.json', 'rb') as f, gzip.open(a.trace, 'wb') as o: o.write(f.read())
+    for apart in a.decodes_apart:
+        eng.runner.decodes_apart = apart == 'on'
+        time.sleep(a.idle)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            res = run_engine(eng, prompts(g, eng.vocab_size))   # as the measured waves (8 tokens: mixed steps ahead)
+            sync()
+        print(f'profiled engine wave, decodes_apart {apart}: last first token {1e3 * res["last"]:.1f} ms, '
+              f'{len(res["steps"])} steps')
+        if not cuda: continue
+        gp = gaps(prof, len(res['steps']))
+        largest = gp.pop('largest')
+        print('GPU timeline:', {k: round(v, 2) if isinstance(v, float) else v for k, v in gp.items()})
+        for row in largest: print('  idle %6.2f ms before %-50s host: %s' % row)
+        print(step_table(prof), flush=True)
+        if a.trace:
+            prof.export_chrome_trace('/tmp/trace.json')
+            out = a.trace if len(a.decodes_apart) == 1 else a.trace.replace('.json', f'_apart_{apart}.json')
+            with open('/tmp/trace.json', 'rb') as f, gzip.open(out, 'wb') as o: o.write(f.read())
 
 
 if __name__ == '__main__':

@@ -49,6 +49,7 @@ class ModelRunner:
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
         self.keep_rows = True   # eager steps run the last layer's MLP for the sampled rows only (`_forward`)
+        self.decodes_apart = True   # a step's leading decodes take a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
         self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
@@ -287,8 +288,8 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     forward (its leading decodes marked for a paged call of their own, `DecodeSplit`). An eager step that samples
     fewer rows than it runs and wants no prompt log-probs asks the model for the sampled rows only
     (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that returns them so sets
-    `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every row to the end (to
-    compare the two)."""
+    `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every row to the end,
+    `self.decodes_apart = False` the decodes in one paged call with the rest (to compare)."""
     if prev_tokens is not None and b.prev_rows is None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if (self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs)
@@ -297,7 +298,7 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
     if groups: ctx.kv_groups = [(slots, bt)] + groups
-    if b.max_query_len > DECODE_MAX_QUERY_LEN:   # a query for the paged kernel's tiles may follow decodes: those apart
+    if self.decodes_apart and b.max_query_len > DECODE_MAX_QUERY_LEN:   # a query for the kernel's tiles may follow decodes
         ctx.decodes = DecodeSplit.build(b.query_start_loc, b.seq_lens, self.device)
     if b.prev_rows is not None: ids[b.prev_rows[0]] = prev_tokens[b.prev_rows[1]].to(torch.long)   # mixed step ahead
     elif prev_tokens is not None: ids = prev_tokens.to(torch.long)
