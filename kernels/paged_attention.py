@@ -145,7 +145,11 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 # paged_attention
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=['num_seqs', 'stride_bt', 'stride_pt', 'stride_ph'])
+# per-step metadata, not specialized on its values or its pointers' alignment: a call over a slice of the step's
+# sequences (`DecodeSplit`) passes views that start at any int32 offset, and must not compile another binary
+_META = ['qsl_ptr', 'seq_lens_ptr', 'block_tables_ptr']
+
+@triton.jit(do_not_specialize=['num_seqs', 'stride_bt', 'stride_pt', 'stride_ph'] + _META, do_not_specialize_on_alignment=_META)
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         qsl_ptr, seq_lens_ptr, block_tables_ptr,

@@ -464,18 +464,20 @@ def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | Non
     return self.g_hidden[bs][:B]
 
 # %% ../../nbs/50_model_runner.ipynb #26bb5d28
-# (cached, new) tokens of each sequence of each warm-up step; True: the step asks for prompt log-probs (eager decode)
-WARM_UP_STEPS = [([(100, 1), (20, 5)], False), ([(40, 1), (0, 20), (30, 60)], False), ([(100, 1), (50, 1)], True),
-                 ([(300, 1), (0, 300)], False), ([(600, 3)], False)]
+# each warm-up step: the (cached, new) tokens of each sequence; whether it asks for prompt log-probs (eager decode);
+# the prefill run's key bound for the step (None: the runner's)
+WARM_UP_STEPS = [([(100, 1), (20, 5)], False, None), ([(40, 1), (0, 20), (30, 60)], False, None),
+                 ([(100, 1), (50, 1)], True, None), ([(300, 1), (0, 300)], False, None), ([(600, 3)], False, None),
+                 ([(100, 1), (50, 1), (40, 20), (0, 30)], False, 30)]
 
 @patch
-def warm_up_steps(self: ModelRunner) -> list[tuple[list[tuple[int, int]], bool]]:
+def warm_up_steps(self: ModelRunner) -> list[tuple[list[tuple[int, int]], bool, int | None]]:
     """`WARM_UP_STEPS`, then one step of fresh prompts per power of two of tokens up to the step budget (the row
     buckets of the tuned GEMM and MoE configs), each prompt at most `max_model_len - 1` tokens."""
     steps, T = list(WARM_UP_STEPS), 1
     cap = max(1, self.cfg.max_model_len - 1)
     while T <= self.cfg.max_num_batched_tokens:
-        steps.append(([(0, min(cap, T - i)) for i in range(0, T, cap)], False)); T *= 2
+        steps.append(([(0, min(cap, T - i)) for i in range(0, T, cap)], False, None)); T *= 2
     return steps
 
 @patch
@@ -486,7 +488,7 @@ def warm_up_kernels(self: ModelRunner) -> int:
     Returns how many ran."""
     n, bs = 0, self.block_size
     vocab = getattr(self.hf_config, 'vocab_size', None) or 2
-    for seqs, plp in self.warm_up_steps():
+    for seqs, plp, keys in self.warm_up_steps():
         nblk = [-(-(c + q) // bs) for c, q in seqs]
         if (max(c + q for c, q in seqs) > self.cfg.max_model_len or sum(nblk) > self.num_blocks
                 or len(seqs) > self.cfg.max_num_seqs): continue
@@ -500,7 +502,10 @@ def warm_up_kernels(self: ModelRunner) -> int:
             so.scheduled.append(r); so.num_scheduled_tokens[r.request_id] = q
             so.block_tables[r.request_id] = list(range(first, first + k)); first += k
         if len(self.kv_cache_groups) > 1: so.group_block_tables = [so.block_tables] * len(self.kv_cache_groups)
-        h = self.launch(so)
-        if h is not None and h.reqs: h.result()
+        bound, self.prefill_split_max_keys = self.prefill_split_max_keys, keys or self.prefill_split_max_keys
+        try:
+            h = self.launch(so)
+            if h is not None and h.reqs: h.result()
+        finally: self.prefill_split_max_keys = bound
         n += 1
     return n
