@@ -3,6 +3,7 @@ first token: the number the c=64 TTFT p99 of `serve_load` is made of.
 
     python -m benchmarks.first_wave [model] [--csv OUT.csv] [--trace OUT.json.gz]   (default llama3_8b; `tiny` on a CPU)
     python -m benchmarks.first_wave --plot OUT.csv                                   (redraw OUT.png)
+    python -m benchmarks.first_wave --steps OUT.json.gz                              (GPU time per step of a trace)
 
 After the GPU has idled for a few seconds (as before a burst), each run prefills 64 prompts of 1024 random tokens:
 
@@ -23,7 +24,7 @@ the c=64 TTFT p99 target. Then one engine run under torch.profiler: GPU busy tim
 as a Chrome trace with `--trace`; one profiled wave per `--decodes-apart` setting.
 """
 from __future__ import annotations
-import argparse, collections, gzip, os, subprocess, time
+import argparse, collections, gzip, json, os, subprocess, time
 from pathlib import Path
 import torch, yaml
 from cvllm_lab import LLM
@@ -119,36 +120,54 @@ def gaps(prof, nsteps: int) -> dict:
 
 
 GEMM_NAMES = ('gemm', 'nvjet', 'cutlass', 'xmma', 'cublas')
+ATTENTION_NAMES = ('paged_attention', 'merge_splits', 'flash_fwd', 'cudnn', 'fmha')
 
-def step_table(prof, top: int = 6) -> str:
-    """GPU time per engine step of a profiled wave, by kernel: a step starts at the first host-to-device copy after
-    50 or more kernels (each eager step uploads its inputs before its first kernel). Span, busy time, the GEMMs, and
-    the `top` other kernels by time (ms)."""
-    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not ev: return 'no GPU events'
-    steps, cur, kernels = [], [], 0
-    for s, e, name in ev:
-        if 'HtoD' in name and kernels >= 50: steps.append(cur); cur, kernels = [], 0
-        cur.append((s, e, name)); kernels += 'Memcpy' not in name
+def step_table(kernels: list[tuple[float, float, str]], top: int = 6) -> str:
+    """GPU time per engine step of a profiled wave from its `(start us, end us, name)` kernels and copies: a step starts
+    at the first host-to-device copy after 50 or more kernels (each eager step uploads its inputs before its first
+    kernel). Span, busy time, the GEMMs, attention as wall time (the union of its kernels' intervals: with PDL a
+    kernel starts before the one it waits for ends, so summed durations count the overlap twice), and the `top` other
+    kernels by summed time (ms)."""
+    if not kernels: return 'no GPU events'
+    steps, cur, n = [], [], 0
+    for s, e, name in sorted(kernels):
+        if 'HtoD' in name and n >= 50: steps.append(cur); cur, n = [], 0
+        cur.append((s, e, name)); n += 'Memcpy' not in name
     steps.append(cur)
     lines = []
     for i, st in enumerate(steps, 1):
-        by = collections.Counter()
-        for s, e, name in st: by['GEMMs' if any(g in name.lower() for g in GEMM_NAMES) else name[:34]] += (e - s) / 1e3
+        by, att, end = collections.Counter(), 0.0, float('-inf')
+        for s, e, name in st:
+            by['GEMMs' if any(g in name.lower() for g in GEMM_NAMES) else name[:34]] += (e - s) / 1e3
+            if any(a in name for a in ATTENTION_NAMES) and e > end: att += (e - max(s, end)) / 1e3; end = e
         span, busy, gemm = (st[-1][1] - st[0][0]) / 1e3, sum(by.values()), by.pop('GEMMs', 0.0)
         rest = ', '.join(f'{n} {t:.1f}' for n, t in by.most_common(top))
-        lines.append(f'step {i}: span {span:6.1f} busy {busy:6.1f} GEMMs {gemm:6.1f} | {rest}')
+        lines.append(f'step {i}: span {span:6.1f} busy {busy:6.1f} GEMMs {gemm:6.1f} attention {att:5.1f} | {rest}')
     return '\n'.join(lines)
 
 
-def plot(csv: str):
-    "Last first token of each measured wave, per commit, kind and keep_rows, against the c=64 TTFT p99 target (1.4 s)."
+def profiled_kernels(prof) -> list[tuple[float, float, str]]:
+    "The GPU kernels and copies of a torch.profiler run."
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def trace_kernels(path: str) -> list[tuple[float, float, str]]:
+    "The GPU kernels and copies of a Chrome trace written with `--trace` (gzipped JSON)."
+    ev = json.load(gzip.open(path))['traceEvents']
+    return [(e['ts'], e['ts'] + e['dur'], e['name']) for e in ev
+            if e.get('ph') == 'X' and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('dur', 0) > 0]
+
+
+def plot(csv: str, last: int = 5):
+    """Last first token of each measured wave, per commit and setting, against the c=64 TTFT p99 target (1.4 s): the
+    `last` commits measured (median bars, min-max whiskers)."""
     import pandas as pd, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
     df = pd.read_csv(csv)
     for col in ('keep_rows', 'mixed_ahead', 'decodes_apart'):
         if col not in df: df[col] = 'off'
     df = df.fillna({'decodes_apart': 'off'})
+    df = df[df.commit.isin(list(dict.fromkeys(df.commit))[-last:])]   # the last commits measured
     g = df.groupby(['commit', 'budget', 'kind', 'keep_rows', 'mixed_ahead', 'decodes_apart'],
                    sort=False).last_first_token_ms
     med, lo, hi = g.median(), g.min(), g.max()
@@ -181,8 +200,10 @@ def main():
     ap.add_argument('--trace')
     ap.add_argument('--csv', help='append a row per measured wave')
     ap.add_argument('--plot', help='redraw the plot of this CSV and exit')
+    ap.add_argument('--steps', help="print the per-step table of a trace written with --trace and exit")
     a = ap.parse_args()
     if a.plot: return plot(a.plot)
+    if a.steps: return print(step_table(trace_kernels(a.steps)))
     cuda = torch.cuda.is_available()
     if cuda:
         print(torch.cuda.get_device_name(), '|', smi(), flush=True)
@@ -232,7 +253,7 @@ def main():
         largest = gp.pop('largest')
         print('GPU timeline:', {k: round(v, 2) if isinstance(v, float) else v for k, v in gp.items()})
         for row in largest: print('  idle %6.2f ms before %-50s host: %s' % row)
-        print(step_table(prof), flush=True)
+        print(step_table(profiled_kernels(prof)), flush=True)
         if a.trace:
             prof.export_chrome_trace('/tmp/trace.json')
             out = a.trace if len(a.decodes_apart) == 1 else a.trace.replace('.json', f'_apart_{apart}.json')
