@@ -3,7 +3,7 @@ first token: the number the c=64 TTFT p99 of `serve_load` is made of.
 
     python -m benchmarks.first_wave [model] [--csv OUT.csv] [--trace OUT.json.gz]   (default llama3_8b; `tiny` on a CPU)
     python -m benchmarks.first_wave --plot OUT.csv                                   (redraw OUT.png)
-    python -m benchmarks.first_wave --steps OUT.json.gz                              (GPU time per step of a trace)
+    python -m benchmarks.first_wave --steps OUT.json.gz        (GPU time per step of a trace, idle gaps, long host ops)
 
 After the GPU has idled for a few seconds (as before a burst), each run prefills 64 prompts of 1024 random tokens:
 
@@ -146,6 +146,32 @@ def step_table(kernels: list[tuple[float, float, str]], top: int = 6) -> str:
     return '\n'.join(lines)
 
 
+def trace_gaps(path: str, min_ms: float = 2.0, top: int = 15) -> str:
+    """The GPU's idle gaps of at least `min_ms` in a Chrome trace (torch.profiler's, e.g. the engine core's from
+    `/stop_profile`), each with the innermost CPU op running at its middle, and the `top` longest CPU ops: where the
+    host held the GPU up."""
+    ev = json.load(gzip.open(path))['traceEvents']
+    k = sorted((e['ts'], e['ts'] + e['dur']) for e in ev
+               if e.get('ph') == 'X' and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('dur', 0) > 0)
+    cpu = [(e['ts'], e['ts'] + e['dur'], e['name']) for e in ev if e.get('ph') == 'X' and e.get('cat') in
+           ('cpu_op', 'user_annotation', 'python_function') and e.get('dur', 0) > 0]
+    if not k: return 'no GPU events'
+    t0, end, gaps = k[0][0], k[0][1], []
+    for s, e in k:
+        if s - end >= 1e3 * min_ms: gaps.append((end, s))
+        end = max(end, e)
+    def host_at(t):
+        live = [c for c in cpu if c[0] <= t <= c[1]]
+        return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
+    lines = [f'GPU idle gaps >= {min_ms} ms: {len(gaps)}, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all']
+    lines += [f'  at {(a - t0) / 1e3:9.1f} ms: {(b - a) / 1e3:7.1f} ms idle, host in {host_at((a + b) / 2)[:70]}'
+              for a, b in gaps]
+    lines.append(f'longest CPU ops:')
+    lines += [f'  at {(s - t0) / 1e3:9.1f} ms: {(e - s) / 1e3:7.1f} ms {n[:80]}'
+              for s, e, n in sorted(cpu, key=lambda c: c[0] - c[1])[:top]]
+    return '\n'.join(lines)
+
+
 def profiled_kernels(prof) -> list[tuple[float, float, str]]:
     "The GPU kernels and copies of a torch.profiler run."
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -203,7 +229,7 @@ def main():
     ap.add_argument('--steps', help="print the per-step table of a trace written with --trace and exit")
     a = ap.parse_args()
     if a.plot: return plot(a.plot)
-    if a.steps: return print(step_table(trace_kernels(a.steps)))
+    if a.steps: return print(step_table(trace_kernels(a.steps)) + '\n' + trace_gaps(a.steps))
     cuda = torch.cuda.is_available()
     if cuda:
         print(torch.cuda.get_device_name(), '|', smi(), flush=True)

@@ -122,6 +122,8 @@ def main(argv=None):
     ap.add_argument('--workdir', default='/tmp/cvllm_serve_load')
     ap.add_argument('--reference', default=str(ROOT / 'results/reference/vllm_serve_h200.csv'))
     ap.add_argument('--plot-only', action='store_true', help='redraw the plot of --out from its CSV')
+    ap.add_argument('--profile', metavar='DIR', help="trace each measured run in the engine core (the server's "
+                    "CVLLM_TORCH_PROFILER_DIR, /start_profile and /stop_profile, as `vllm bench serve --profile`)")
     ap.add_argument('server_args', nargs='*', help='extra server flags after --, e.g. -- --max-model-len 8192')
     a = ap.parse_args(argv)
     if a.plot_only: return replot(Path(a.out), a.reference, a.model)
@@ -131,6 +133,7 @@ def main(argv=None):
     commit = os.environ.get('CVLLM_LAB_COMMIT') or subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT,
                                                                   capture_output=True, text=True).stdout.strip()
     port = free_port(); base = f'http://127.0.0.1:{port}/v1'
+    if a.profile: os.environ['CVLLM_TORCH_PROFILER_DIR'] = str(Path(a.profile).resolve())
     proc = start_server(work / a.model, port, a.server_args, work / 'server.log')
     rows = []
     try:
@@ -143,11 +146,16 @@ def main(argv=None):
             w = c if a.warmup_prompts is None else a.warmup_prompts
             if w: measure(base, min(c, w), w, a.input_len, 16, spec['hf_config']['vocab_size'], seed=10_000 + c + 1_000 * again)
             before = server_latency(base)
+            if a.profile: httpx.post(f'http://127.0.0.1:{port}/start_profile', timeout=60).raise_for_status()
             rep = measure(base, c, n, a.input_len, a.output_len, spec['hf_config']['vocab_size'], seed=c + 1_000 * again)
+            if a.profile:
+                trace = httpx.post(f'http://127.0.0.1:{port}/stop_profile', timeout=900).json()['trace']
+                print(f'concurrency {c}: engine-core trace {trace}', flush=True)
             after = server_latency(base)
             d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
             rows.append(row(rep, gpu, spec['name'], commit, a.input_len, a.output_len))
-            rows[-1]['notes'] = '; '.join(x for x in (rows[-1]['notes'], f'warm-up {w} requests') if x)
+            rows[-1]['notes'] = '; '.join(x for x in (rows[-1]['notes'], f'warm-up {w} requests',
+                                                      'profiled' if a.profile else '') if x)
             # per request: send time, TTFT, e2e (s), to see which requests make the percentiles
             pd.DataFrame(rep['requests']).to_csv(work / f'requests_c{c}{"_" + str(again) if again else ""}.csv', index=False)
             # client and server means side by side: their gap is what the HTTP/SSE path and the client add

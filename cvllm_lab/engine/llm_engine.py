@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/llm_engine.html.md"""
 
 # %% ../../nbs/51_llm_engine.ipynb #f2ec1a75
 from __future__ import annotations
-import itertools, time
+import itertools, os, time
+from pathlib import Path
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
@@ -86,6 +87,7 @@ class LLMEngine:
         self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
         self.num_mixed_ahead = 0    # of which mixed steps (prompt chunks and decodes) the waiting queue filled
         self.mixed_ahead = True     # launch such mixed steps ahead (`_queue_fills_next_step`)
+        self.profiler = None        # (torch.profiler.profile, output folder) between start_profile and stop_profile
 
     def shutdown(self):
         "Stop the tensor-parallel workers (nothing to do for an in-process runner)."
@@ -336,3 +338,25 @@ def _schedule_ahead(self: LLMEngine, so, handle):
         self._pending = (nxt, self.runner.launch(nxt, **prev))
         self.num_mixed_ahead += 1
     self.num_steps_ahead += 1
+
+# %% ../../nbs/51_llm_engine.ipynb #7c64ae9c
+@patch
+def start_profile(self: LLMEngine, out_dir: str):
+    "Start recording the engine's steps with `torch.profiler` (`stop_profile` writes the trace into `out_dir`)."
+    if self.profiler is not None: raise RuntimeError("The engine is already being profiled: call stop_profile first")
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(self.cfg.device).startswith('cuda') else [])
+    prof = profile(activities=acts)
+    prof.start()
+    self.profiler = (prof, out_dir)
+
+@patch
+def stop_profile(self: LLMEngine) -> str:
+    "Stop the profiler `start_profile` started and write its Chrome trace (gzipped JSON); returns the file's path."
+    if self.profiler is None: raise RuntimeError("The engine is not being profiled: call start_profile first")
+    (prof, out_dir), self.profiler = self.profiler, None
+    prof.stop()
+    path = Path(out_dir) / f"engine_core.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}.pt.trace.json.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    return str(path)

@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/api_server.html.md"""
 # %% ../../../nbs/77_api_server.ipynb #a0acad6c
 from __future__ import annotations
 import asyncio, hmac, json, logging, time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from fastcore.basics import patch, patch_to
@@ -19,7 +20,7 @@ import cvllm_lab
 from ...sampling_params import SamplingParams, diff_sampling_param
 from ...engine.scheduler import QueueFullError
 from ...tokenizer import apply_chat_template
-from ...engine.llm_engine import RequestOutput, CompletionOutput
+from ...engine.llm_engine import LLMEngine, RequestOutput, CompletionOutput
 from ...engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineObserver, RequestStream
 from .protocol import (
     DEFAULT_MAX_N, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -54,6 +55,7 @@ class ServerConfig:
     max_prompts: int = 64                 # prompts per /v1/completions request
     max_request_body_bytes: int = 16 << 20  # a larger body is a 413, refused before (or while) it is read
     ui: bool = False                      # serve the chat page at /
+    torch_profiler_dir: str | None = None # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
 
 class APIError(Exception):
     "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code or None; `headers`, e.g. Retry-After)."
@@ -137,6 +139,11 @@ class OpenAIServing:
                         "allows (at least one token must be generated)", param=param, code='context_length_exceeded')
 
 # %% ../../../nbs/77_api_server.ipynb #13a4701e
+async def _profile_call(aengine: AsyncLLMEngine, fn):
+    "Run a profiler call in the engine core; starting twice or stopping an idle profiler is a 400."
+    try: return await aengine.call(fn)
+    except RuntimeError as e: raise APIError(str(e)) from None
+
 def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastAPI:
     "The FastAPI app serving `aengine` with OpenAI's API (plus vLLM's extras and the optional chat page)."
     cfg = cfg or ServerConfig()
@@ -198,6 +205,14 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     async def tokenize(req: TokenizeRequest): return await srv.tokenize(req)
     @app.post('/detokenize')
     async def detokenize(req: DetokenizeRequest): return await srv.detokenize(req)
+
+    if cfg.torch_profiler_dir:   # vLLM's profiling routes (its VLLM_TORCH_PROFILER_DIR): the engine core's steps
+        @app.post('/start_profile')
+        async def start_profile():
+            await _profile_call(aengine, partial(LLMEngine.start_profile, out_dir=cfg.torch_profiler_dir))
+            return Response(status_code=200)
+        @app.post('/stop_profile')
+        async def stop_profile(): return {'trace': await _profile_call(aengine, LLMEngine.stop_profile)}
 
     if cfg.ui:
         @app.get('/', include_in_schema=False)
@@ -503,11 +518,11 @@ async def detokenize(self: OpenAIServing, req: DetokenizeRequest):
 
 # %% ../../../nbs/77_api_server.ipynb #0e2c5d1a
 class _APIKey:
-    "ASGI middleware: `Authorization: Bearer <key>` (the scheme in any case) on the API routes (not /health, /metrics, the UI)."
+    "ASGI middleware: `Authorization: Bearer <key>` (the scheme in any case) on the API and profiling routes (not /health, /metrics, the UI)."
     def __init__(self, app, key: str): self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(('/v1', '/tokenize', '/detokenize')):
+        if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(('/v1', '/tokenize', '/detokenize', '/start_profile', '/stop_profile')):
             scheme, _, token = dict(scope['headers']).get(b'authorization', b'').partition(b' ')
             if scheme.lower() != b'bearer' or not hmac.compare_digest(token.strip(), self.key):
                 body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError', code='invalid_api_key')
