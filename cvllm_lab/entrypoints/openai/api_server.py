@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/api_server.html.md"""
 
 # %% ../../../nbs/77_api_server.ipynb #a0acad6c
 from __future__ import annotations
-import asyncio, hmac, json, logging, time
+import asyncio, json, logging, time
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +27,7 @@ from .protocol import (
     ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatMessageParam, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, NamedToolChoice, UsageInfo,
     RequestBody, error_body, random_id, sse, to_sampling_kwargs, validation_error_body)
-from .request_checks import BodyLimit
+from .request_checks import APIKey, BodyLimit
 from .reasoning import ReasoningParser
 from .tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, tool_choice_schema
 from .metrics import ServerMetrics
@@ -156,7 +156,7 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
         await aengine.shutdown()
     app = FastAPI(title='cvllm_lab OpenAI-compatible server', version=cvllm_lab.__version__, lifespan=lifespan)
     app.state.serving, app.state.metrics = srv, metrics
-    if cfg.api_key: app.add_middleware(_APIKey, key=cfg.api_key)
+    if cfg.api_key: app.add_middleware(APIKey, key=cfg.api_key)
     app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes)
 
     @app.exception_handler(APIError)
@@ -515,16 +515,3 @@ async def detokenize(self: OpenAIServing, req: DetokenizeRequest):
     V = self.vocab_size
     if bad := [t for t in req.tokens if not 0 <= t < V]: raise APIError(f"Token ids out of range [0, {V}): {bad[:5]}", param='tokens')
     return {'prompt': self.tok.decode(req.tokens)}
-
-# %% ../../../nbs/77_api_server.ipynb #0e2c5d1a
-class _APIKey:
-    "ASGI middleware: `Authorization: Bearer <key>` (the scheme in any case) on the API and profiling routes (not /health, /metrics, the UI)."
-    def __init__(self, app, key: str): self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(('/v1', '/tokenize', '/detokenize', '/start_profile', '/stop_profile')):
-            scheme, _, token = dict(scope['headers']).get(b'authorization', b'').partition(b' ')
-            if scheme.lower() != b'bearer' or not hmac.compare_digest(token.strip(), self.key):
-                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError', code='invalid_api_key')
-                return await JSONResponse(body, 401)(scope, receive, send)
-        await self.app(scope, receive, send)

@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/request_checks.html.md"""
 
 # %% ../../../nbs/69_request_checks.ipynb #399be7b4
 from __future__ import annotations
-import re
+import hmac, re
 from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 # %% auto #0
 __all__ = ['INT64', 'StrictModel', 'OpenAIBaseModel', 'fail', 'find_lone_surrogate', 'RequestBody', 'StructuredOutputsParams',
-           'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body', 'BodyLimit']
+           'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body', 'BodyLimit', 'APIKey']
 
 # %% ../../../nbs/69_request_checks.ipynb #0dfa59df
 INT64 = 2**63       # integers must fit in 64 bits (the engine keeps ids, seeds and top-k in int64 tensors)
@@ -134,3 +134,18 @@ class BodyLimit:
             if seen > self.limit: raise HTTPException(413, self.message())
             return msg
         await self.app(scope, counted, send)
+
+# %% ../../../nbs/69_request_checks.ipynb #5ddd1929
+class APIKey:
+    "ASGI middleware: `Authorization: Bearer <key>` on the API and profiling routes (not /health, /metrics, the UI)."
+    PATHS = ('/v1', '/tokenize', '/detokenize', '/start_profile', '/stop_profile')
+    def __init__(self, app, key: str): self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(self.PATHS):
+            scheme, _, token = dict(scope['headers']).get(b'authorization', b'').partition(b' ')
+            if scheme.lower() != b'bearer' or not hmac.compare_digest(token.strip(), self.key):
+                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError',
+                                  code='invalid_api_key')
+                return await JSONResponse(body, 401)(scope, receive, send)
+        await self.app(scope, receive, send)
