@@ -148,13 +148,14 @@ def step_table(kernels: list[tuple[float, float, str]], top: int = 6) -> str:
 
 def trace_gaps(path: str, min_ms: float = 2.0, top: int = 15) -> str:
     """The GPU's idle gaps of at least `min_ms` in a Chrome trace (torch.profiler's, e.g. the engine core's from
-    `/stop_profile`), each with the innermost CPU op running at its middle, and the `top` longest CPU ops: where the
-    host held the GPU up."""
+    `/stop_profile`), each with the innermost CPU op running at its middle (and its input shapes if recorded), and the
+    `top` longest CPU ops: where the host held the GPU up."""
     ev = json.load(gzip.open(path))['traceEvents']
     k = sorted((e['ts'], e['ts'] + e['dur']) for e in ev
                if e.get('ph') == 'X' and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('dur', 0) > 0)
-    cpu = [(e['ts'], e['ts'] + e['dur'], e['name']) for e in ev if e.get('ph') == 'X' and e.get('cat') in
-           ('cpu_op', 'user_annotation', 'python_function') and e.get('dur', 0) > 0]
+    cpu = [(e['ts'], e['ts'] + e['dur'], e['name'] + (f" {e['args']['Input Dims']}" if 'Input Dims' in e.get('args', {}) else ''))
+           for e in ev if e.get('ph') == 'X' and e.get('cat') in ('cpu_op', 'user_annotation', 'python_function')
+           and e.get('dur', 0) > 0]
     if not k: return 'no GPU events'
     t0, end, gaps = k[0][0], k[0][1], []
     for s, e in k:
@@ -164,7 +165,7 @@ def trace_gaps(path: str, min_ms: float = 2.0, top: int = 15) -> str:
         live = [c for c in cpu if c[0] <= t <= c[1]]
         return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
     lines = [f'GPU idle gaps >= {min_ms} ms: {len(gaps)}, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all']
-    lines += [f'  at {(a - t0) / 1e3:9.1f} ms: {(b - a) / 1e3:7.1f} ms idle, host in {host_at((a + b) / 2)[:70]}'
+    lines += [f'  at {(a - t0) / 1e3:9.1f} ms: {(b - a) / 1e3:7.1f} ms idle, host in {host_at((a + b) / 2)[:110]}'
               for a, b in gaps]
     lines.append(f'longest CPU ops:')
     lines += [f'  at {(s - t0) / 1e3:9.1f} ms: {(e - s) / 1e3:7.1f} ms {n[:80]}'

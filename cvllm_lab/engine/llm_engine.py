@@ -341,12 +341,12 @@ def _schedule_ahead(self: LLMEngine, so, handle):
 
 # %% ../../nbs/51_llm_engine.ipynb #7c64ae9c
 @patch
-def start_profile(self: LLMEngine, out_dir: str):
-    "Start recording the engine's steps with `torch.profiler` (`stop_profile` writes the trace into `out_dir`)."
+def start_profile(self: LLMEngine, out_dir: str, record_shapes: bool = False):
+    "Start recording the engine's steps with `torch.profiler` (`stop_profile` writes the trace into `out_dir`); with each op's input shapes if `record_shapes`."
     if self.profiler is not None: raise RuntimeError("The engine is already being profiled: call stop_profile first")
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(self.cfg.device).startswith('cuda') else [])
-    prof = profile(activities=acts)
+    prof = profile(activities=acts, record_shapes=record_shapes)
     prof.start()
     self.profiler = (prof, out_dir)
 

@@ -195,7 +195,8 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
                         reasoning_parser=None if args.reasoning_parser == 'none' else args.reasoning_parser,
                         max_gen_tokens=args.max_gen_tokens, max_n=args.max_n, ui=args.ui_server,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        torch_profiler_dir=os.environ.get('CVLLM_TORCH_PROFILER_DIR') or None)
+                        torch_profiler_dir=os.environ.get('CVLLM_TORCH_PROFILER_DIR') or None,
+                        torch_profiler_record_shapes=os.environ.get('CVLLM_TORCH_PROFILER_RECORD_SHAPES', '0') == '1')
     return ecfg, scfg
 
 # %% ../../nbs/78_serve.ipynb #323c18a4

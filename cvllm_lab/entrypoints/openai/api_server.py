@@ -56,6 +56,7 @@ class ServerConfig:
     max_request_body_bytes: int = 16 << 20  # a larger body is a 413, refused before (or while) it is read
     ui: bool = False                      # serve the chat page at /
     torch_profiler_dir: str | None = None # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
+    torch_profiler_record_shapes: bool = False   # the traces carry each op's input shapes
 
 class APIError(Exception):
     "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code or None; `headers`, e.g. Retry-After)."
@@ -209,7 +210,8 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     if cfg.torch_profiler_dir:   # vLLM's profiling routes (its VLLM_TORCH_PROFILER_DIR): the engine core's steps
         @app.post('/start_profile')
         async def start_profile():
-            await _profile_call(aengine, partial(LLMEngine.start_profile, out_dir=cfg.torch_profiler_dir))
+            await _profile_call(aengine, partial(LLMEngine.start_profile, out_dir=cfg.torch_profiler_dir,
+                                                 record_shapes=cfg.torch_profiler_record_shapes))
             return Response(status_code=200)
         @app.post('/stop_profile')
         async def stop_profile(): return {'trace': await _profile_call(aengine, LLMEngine.stop_profile)}
