@@ -160,8 +160,9 @@ def validate(self: LLMEngine, ids: list[int], params: SamplingParams):
     if not ids: raise ValueError("The prompt is empty")
     if len(ids) > self.cfg.max_model_len:
         raise ValueError(f"The prompt has {len(ids)} tokens, more than max_model_len={self.cfg.max_model_len}")
-    bad = [t for t in ids if not 0 <= t < self.vocab_size]
-    if bad: raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+    if min(ids) < 0 or max(ids) >= self.vocab_size:   # C loops: a burst of long prompts is checked between two steps
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}")
     params.validate_for_vocab(self.vocab_size)
     for k in ('logprobs', 'prompt_logprobs'):
         v = getattr(params, k)

@@ -19,7 +19,7 @@ from ..utils.context import (ForwardContext, PrefillMetadata, DecodeSplit, to_de
 from .request import PLACEHOLDER, Request
 from .scheduler import SchedulerOutput
 from ..sampling_params import SamplingParams
-from ..layers.sampler import Sampler, topk_logprobs
+from ..layers.sampler import Sampler, row_argmax, topk_logprobs
 from ..weights.loader import load_model, ModelSource, resolve_model_source
 from ..models.llama import LlamaForCausalLM
 from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
@@ -508,4 +508,16 @@ def warm_up_kernels(self: ModelRunner) -> int:
             if h is not None and h.reqs: h.result()
         finally: self.prefill_split_max_keys = bound
         n += 1
+    self.warm_up_sampled_rows()
     return n
+
+@patch
+@torch.inference_mode()
+def warm_up_sampled_rows(self: ModelRunner):
+    """The LM head and greedy sampling at every row count a step may sample (1 .. `max_num_seqs`): cuBLAS picks its
+    kernel by the row count, and CUDA loads a kernel's code on its first launch (lazy module loading), a host stall of
+    a few ms each that the first prefill steps of a server met at row counts no graph or warm-up step had used."""
+    h = torch.zeros(self.cfg.max_num_seqs, self.hf_config.hidden_size, dtype=self.cfg.torch_dtype, device=self.device)
+    for m in range(1, self.cfg.max_num_seqs + 1):
+        logits = self.compute_logits(h[:m])
+        if logits is not None: row_argmax(logits)   # tensor parallel: rank 0 gets the logits
