@@ -514,10 +514,7 @@ def warm_up_kernels(self: ModelRunner) -> int:
 @patch
 @torch.inference_mode()
 def warm_up_sampled_rows(self: ModelRunner):
-    """The LM head and greedy sampling at every row count a step may sample (1 .. `max_num_seqs`): cuBLAS picks its
-    kernel by the row count, and CUDA loads a kernel's code on its first launch (lazy module loading), a host stall of
-    a few ms each that the first prefill steps of a server met at row counts no graph or warm-up step had used."""
+    "The LM head and greedy sampling at each row count a step may sample (cuBLAS's kernels per count, lazily loaded)."
     h = torch.zeros(self.cfg.max_num_seqs, self.hf_config.hidden_size, dtype=self.cfg.torch_dtype, device=self.device)
     for m in range(1, self.cfg.max_num_seqs + 1):
-        logits = self.compute_logits(h[:m])
-        if logits is not None: row_argmax(logits)   # tensor parallel: rank 0 gets the logits
+        if (logits := self.compute_logits(h[:m])) is not None: row_argmax(logits)   # tensor parallel: rank 0's
