@@ -311,31 +311,37 @@ def _queue_fills_next_step(self: LLMEngine, sampled: list[Request]) -> bool:
 @patch
 def _schedule_ahead(self: LLMEngine, so, handle):
     """Async scheduling: launch the next step now, fed with this step's tokens on the device, when it is certain:
-    a decode step of the same requests, or a mixed step the waiting prompts fill (`_queue_fills_next_step`)."""
+    a decode step of the same requests, or a mixed step the waiting prompts fill (`_queue_fills_next_step`). A request
+    whose token from this step is its last (`max_tokens`, the context) is left out of it: it finishes either way."""
     sched = self.scheduler
     sampled = [r for r in handle.reqs if not r.is_finished]
     if handle.reqs and handle.tokens is None: return       # sampled on the host: its tokens come with the output
-    decode = bool(sampled) and not sched.waiting and sampled == sched.running and handle.reqs == so.scheduled
-    if not decode and not self._queue_fills_next_step(sampled): return
+    last = {id(r) for r in sampled if r.num_output_tokens + 1 >= r.sampling_params.max_tokens
+            or r.num_tokens + 1 >= self.cfg.max_model_len}
+    going = [r for r in sampled if id(r) not in last]
+    decode = bool(going) and not sched.waiting and sampled == sched.running and handle.reqs == so.scheduled
+    if not decode and not self._queue_fills_next_step(going): return
     bs, need = self.cfg.block_size, 0
-    for r in sampled:
-        sp = r.sampling_params
-        if r.num_output_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= self.cfg.max_model_len: return
+    for r in going:
         if not Sampler.host_free(r, ahead=1): return
         need += r.num_tokens % bs == 0       # the token at position num_tokens opens a new block
     if not decode:                           # at most: the budget's blocks, and a partial one per request it takes
         need += sched.max_num_batched_tokens // bs + min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
     if need * self.kv.num_groups > self.kv.num_free_blocks: return   # every KV cache group opens its blocks
-    for r in sampled: r.append_placeholder()
-    nxt = sched.schedule()
+    for r in going: r.append_placeholder()
+    running = sched.running                  # the finishing requests stay running until step n's update retires them
+    sched.running = [r for r in running if id(r) not in last]
+    try: nxt = sched.schedule()
+    finally: sched.running = running + [r for r in sched.running if r not in running]   # and the newly admitted
     assert not nxt.preempted, nxt
     if decode:
-        assert nxt.scheduled == sampled and nxt.total_num_scheduled_tokens == len(sampled), nxt
-        rows = [i for i, r in enumerate(so.scheduled) if not r.is_finished]
-        tokens = handle.tokens if len(rows) == len(so.scheduled) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
+        assert nxt.scheduled == going and nxt.total_num_scheduled_tokens == len(going), nxt
+        kept = {id(r) for r in going}
+        rows = [i for i, r in enumerate(handle.reqs) if id(r) in kept]
+        tokens = handle.tokens if len(rows) == len(handle.reqs) else handle.tokens[torch.tensor(rows, device=handle.tokens.device)]
         self._pending = (nxt, self.runner.launch(nxt, prev_tokens=tokens))
     else:
-        prev = dict(prev_tokens=handle.tokens, prev_reqs=handle.reqs) if sampled else {}
+        prev = dict(prev_tokens=handle.tokens, prev_reqs=handle.reqs) if going else {}
         self._pending = (nxt, self.runner.launch(nxt, **prev))
         self.num_mixed_ahead += 1
     self.num_steps_ahead += 1
