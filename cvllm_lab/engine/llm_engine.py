@@ -329,10 +329,8 @@ def _schedule_ahead(self: LLMEngine, so, handle):
         need += sched.max_num_batched_tokens // bs + min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
     if need * self.kv.num_groups > self.kv.num_free_blocks: return   # every KV cache group opens its blocks
     for r in going: r.append_placeholder()
-    running = sched.running                  # the finishing requests stay running until step n's update retires them
-    sched.running = [r for r in running if id(r) not in last]
-    try: nxt = sched.schedule()
-    finally: sched.running = running + [r for r in sched.running if r not in running]   # and the newly admitted
+    if last: nxt = self._schedule_without(last)
+    else: nxt = sched.schedule()
     assert not nxt.preempted, nxt
     if decode:
         assert nxt.scheduled == going and nxt.total_num_scheduled_tokens == len(going), nxt
@@ -345,6 +343,17 @@ def _schedule_ahead(self: LLMEngine, so, handle):
         self._pending = (nxt, self.runner.launch(nxt, **prev))
         self.num_mixed_ahead += 1
     self.num_steps_ahead += 1
+
+@patch
+def _schedule_without(self: LLMEngine, last: set[int]):
+    "The next step scheduled as if the requests in `last` (ids) were gone; they stay running until step n's update retires them."
+    sched = self.scheduler
+    running = sched.running
+    sched.running = [r for r in running if id(r) not in last]
+    try: return sched.schedule()
+    finally:
+        had = {id(r) for r in running}
+        sched.running = running + [r for r in sched.running if id(r) not in had]   # and the newly admitted
 
 # %% ../../nbs/51_llm_engine.ipynb #7c64ae9c
 @patch
