@@ -164,7 +164,17 @@ def trace_gaps(path: str, min_ms: float = 2.0, top: int = 15) -> str:
     def host_at(t):
         live = [c for c in cpu if c[0] <= t <= c[1]]
         return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
-    lines = [f'GPU idle gaps >= {min_ms} ms: {len(gaps)}, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all']
+    idle, end, sizes, by_op = [], k[0][1], collections.Counter(), collections.Counter()
+    for s, e in k:                                   # every gap: by size, and those >= 0.3 ms by the host's op
+        if s > end: idle.append((end, s))
+        end = max(end, e)
+    for a, b in idle:
+        sizes[next(c for c in (50, 300, 1000, 3000, float('inf')) if b - a < c)] += b - a
+        if b - a >= 300: by_op[host_at((a + b) / 2).split(' [')[0]] += b - a
+    lines = [f'GPU idle {sum(b - a for a, b in idle) / 1e3:.1f} ms over {(end - t0) / 1e3:.1f} ms; by gap size (us): '
+             + ', '.join(f'< {c}: {v / 1e3:.1f} ms' for c, v in sorted(sizes.items())),
+             'gaps >= 0.3 ms by the host op: ' + ', '.join(f'{n[:40]} {v / 1e3:.1f} ms' for n, v in by_op.most_common(8))]
+    lines.append(f'GPU idle gaps >= {min_ms} ms: {len(gaps)}, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all')
     lines += [f'  at {(a - t0) / 1e3:9.1f} ms: {(b - a) / 1e3:7.1f} ms idle, host in {host_at((a + b) / 2)[:110]}'
               for a, b in gaps]
     lines.append(f'longest CPU ops:')
