@@ -110,13 +110,16 @@ def gaps(prof, nsteps: int) -> dict:
         if s > end + 20: out.append((s - end, end, name))
         busy += max(0, e - max(s, end)); end = max(end, e)
     span = end - k[0][0]
-    def host_at(t):
-        live = [c for c in cpu if c[0] <= t <= c[1]]
-        return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
     top = sorted(out, reverse=True)[:12]
     return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_ms=sum(g for g, _, _ in out) / 1e3,
                 idle_gaps=len(out), per_step_idle_ms=sum(g for g, _, _ in out) / 1e3 / nsteps,
-                largest=[(round(g / 1e3, 2), name[:50], host_at(t + g / 2)[:60]) for g, t, name in top])
+                largest=[(round(g / 1e3, 2), name[:50], host_at(cpu, t + g / 2)[:60]) for g, t, name in top])
+
+
+def host_at(cpu: list[tuple[float, float, str]], t: float) -> str:
+    "The innermost host op of `cpu` (`(start, end, name)`) running at time `t`, or '-'."
+    live = [c for c in cpu if c[0] <= t <= c[1]]
+    return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
 
 
 GEMM_NAMES = ('gemm', 'nvjet', 'cutlass', 'xmma', 'cublas')
@@ -146,38 +149,29 @@ def step_table(kernels: list[tuple[float, float, str]], top: int = 6) -> str:
     return '\n'.join(lines)
 
 
-def trace_gaps(path: str, min_ms: float = 2.0, top: int = 15) -> str:
-    """The GPU's idle gaps of at least `min_ms` in a Chrome trace (torch.profiler's, e.g. the engine core's from
-    `/stop_profile`), each with the innermost CPU op running at its middle (and its input shapes if recorded), and the
-    `top` longest CPU ops: where the host held the GPU up."""
-    ev = json.load(gzip.open(path))['traceEvents']
-    k = sorted((e['ts'], e['ts'] + e['dur']) for e in ev
-               if e.get('ph') == 'X' and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('dur', 0) > 0)
-    cpu = [(e['ts'], e['ts'] + e['dur'], e['name'] + (f" {e['args']['Input Dims']}" if 'Input Dims' in e.get('args', {}) else ''))
-           for e in ev if e.get('ph') == 'X' and e.get('cat') in ('cpu_op', 'user_annotation', 'python_function')
-           and e.get('dur', 0) > 0]
-    if not k: return 'no GPU events'
-    t0, end, gaps = k[0][0], k[0][1], []
-    for s, e in k:
-        if s - end >= 1e3 * min_ms: gaps.append((end, s))
-        end = max(end, e)
-    def host_at(t):
-        live = [c for c in cpu if c[0] <= t <= c[1]]
-        return min(live, key=lambda c: c[1] - c[0])[2] if live else '-'
-    idle, end, sizes, by_op = [], k[0][1], collections.Counter(), collections.Counter()
-    for s, e in k:                                   # every gap: by size, and those >= 0.3 ms by the host's op
+def idle_report(kernels: list[tuple[float, float, str]], cpu: list[tuple[float, float, str]], min_ms: float = 2.0,
+                top: int = 15) -> str:
+    """The GPU's idle time in a trace (its `(start us, end us, name)` kernels and host ops): by gap size, the gaps of
+    0.3 ms or more by the host op running at their middle, each gap of at least `min_ms` (with the op's input shapes
+    if recorded), and the `top` longest host ops: where the host held the GPU up."""
+    if not kernels: return 'no GPU events'
+    k = sorted(kernels)
+    t0, end, idle = k[0][0], k[0][1], []
+    for s, e, _ in k:
         if s > end: idle.append((end, s))
         end = max(end, e)
+    sizes, by_op = collections.Counter(), collections.Counter()
     for a, b in idle:
         sizes[next(c for c in (50, 300, 1000, 3000, float('inf')) if b - a < c)] += b - a
-        if b - a >= 300: by_op[host_at((a + b) / 2).split(' [')[0]] += b - a
+        if b - a >= 300: by_op[host_at(cpu, (a + b) / 2).split(' [')[0]] += b - a
+    gaps = [(a, b) for a, b in idle if b - a >= 1e3 * min_ms]
     lines = [f'GPU idle {sum(b - a for a, b in idle) / 1e3:.1f} ms over {(end - t0) / 1e3:.1f} ms; by gap size (us): '
              + ', '.join(f'< {c}: {v / 1e3:.1f} ms' for c, v in sorted(sizes.items())),
-             'gaps >= 0.3 ms by the host op: ' + ', '.join(f'{n[:40]} {v / 1e3:.1f} ms' for n, v in by_op.most_common(8))]
-    lines.append(f'GPU idle gaps >= {min_ms} ms: {len(gaps)}, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all')
-    lines += [f'  at {(a - t0) / 1e3:9.1f} ms: {(b - a) / 1e3:7.1f} ms idle, host in {host_at((a + b) / 2)[:110]}'
+             'gaps >= 0.3 ms by the host op: ' + ', '.join(f'{n[:40]} {v / 1e3:.1f} ms' for n, v in by_op.most_common(8)),
+             f'GPU idle gaps >= {min_ms} ms: {len(gaps)}, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all']
+    lines += [f'  at {(a - t0) / 1e3:9.1f} ms: {(b - a) / 1e3:7.1f} ms idle, host in {host_at(cpu, (a + b) / 2)[:110]}'
               for a, b in gaps]
-    lines.append(f'longest CPU ops:')
+    lines.append('longest CPU ops:')
     lines += [f'  at {(s - t0) / 1e3:9.1f} ms: {(e - s) / 1e3:7.1f} ms {n[:80]}'
               for s, e, n in sorted(cpu, key=lambda c: c[0] - c[1])[:top]]
     return '\n'.join(lines)
@@ -189,11 +183,14 @@ def profiled_kernels(prof) -> list[tuple[float, float, str]]:
             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
 
 
-def trace_kernels(path: str) -> list[tuple[float, float, str]]:
-    "The GPU kernels and copies of a Chrome trace written with `--trace` (gzipped JSON)."
-    ev = json.load(gzip.open(path))['traceEvents']
-    return [(e['ts'], e['ts'] + e['dur'], e['name']) for e in ev
-            if e.get('ph') == 'X' and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('dur', 0) > 0]
+def trace_events(path: str) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
+    """The GPU kernels and copies, and the host ops (named with their input shapes if recorded), of a gzipped Chrome
+    trace from torch.profiler (`--trace`, or the engine core's from `/stop_profile`)."""
+    ev = [e for e in json.load(gzip.open(path))['traceEvents'] if e.get('ph') == 'X' and e.get('dur', 0) > 0]
+    dims = lambda e: f" {e['args']['Input Dims']}" if 'Input Dims' in e.get('args', {}) else ''
+    return ([(e['ts'], e['ts'] + e['dur'], e['name']) for e in ev if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')],
+            [(e['ts'], e['ts'] + e['dur'], e['name'] + dims(e)) for e in ev
+             if e.get('cat') in ('cpu_op', 'user_annotation', 'python_function')])
 
 
 def plot(csv: str, last: int = 5):
@@ -240,7 +237,9 @@ def main():
     ap.add_argument('--steps', help="print the per-step table of a trace written with --trace and exit")
     a = ap.parse_args()
     if a.plot: return plot(a.plot)
-    if a.steps: return print(step_table(trace_kernels(a.steps)) + '\n' + trace_gaps(a.steps))
+    if a.steps:
+        kernels, cpu = trace_events(a.steps)
+        return print(step_table(kernels) + '\n' + idle_report(kernels, cpu))
     cuda = torch.cuda.is_available()
     if cuda:
         print(torch.cuda.get_device_name(), '|', smi(), flush=True)
