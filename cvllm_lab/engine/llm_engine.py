@@ -23,7 +23,7 @@ from ..weights.loader import resolve_model_source, load_hf_config
 from ..tokenizer import load_tokenizer, eos_token_ids, IncrementalDetokenizer
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'LLMEngine', 'tokenize_prompt']
+__all__ = ['SMALL_STEP_TOKENS', 'CompletionOutput', 'RequestOutput', 'LLMEngine', 'tokenize_prompt']
 
 # %% ../../nbs/51_llm_engine.ipynb #e23a3878
 @dataclass
@@ -53,6 +53,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 # %% ../../nbs/51_llm_engine.ipynb #bd622e48
+SMALL_STEP_TOKENS = 256   # a mixed step with at most this many prompt tokens is launched ahead (an arrival waits <= 1 such step)
+
 class LLMEngine:
     "Tokenizes, schedules, runs and detokenizes requests over a paged KV cache."
     def __init__(self, cfg: EngineConfig, progress: bool = True):
@@ -85,8 +87,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending = None        # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.num_steps_ahead = 0    # steps launched before the previous step's tokens were read
-        self.num_mixed_ahead = 0    # of which mixed steps (prompt chunks and decodes) the waiting queue filled
-        self.mixed_ahead = True     # launch such mixed steps ahead (`_queue_fills_next_step`)
+        self.num_mixed_ahead = 0    # of which mixed steps (prompt chunks and decodes)
+        self.mixed_ahead = True     # launch such mixed steps ahead (`_mixed_step_certain`)
+        self.small_step_tokens = SMALL_STEP_TOKENS   # ... and mixed steps with at most this many prompt tokens
         self.profiler = None        # (torch.profiler.profile, output folder) between start_profile and stop_profile
 
     def shutdown(self):
@@ -294,24 +297,27 @@ def _decode_lps(self: LLMEngine, lps: list[dict]) -> list[dict]:
 
 # %% ../../nbs/51_llm_engine.ipynb #3b0b9641
 @patch
-def _queue_fills_next_step(self: LLMEngine, sampled: list[Request]) -> bool:
-    """A mixed step n+1 may be fixed before step n's tokens are read when requests that arrive meanwhile could not
-    join it anyway: FCFS, and the unfinished prompts plus one decode row per sampled request fill the token budget;
-    every request still samples without host state, and one more prompt can be admitted (or a chunk goes on), so
-    n+1 is not a plain decode step. `self.mixed_ahead = False` turns mixed steps ahead off (to compare the two)."""
+def _mixed_step_certain(self: LLMEngine, sampled: list[Request]) -> bool:
+    """Whether a mixed step n+1 (prompt tokens, and one decode row per request in `sampled`) may be fixed before step
+    n's tokens are read. Every request must sample without host state, and there must be prompt tokens to run (a chunk
+    goes on, or a waiting prompt can be admitted). Then either requests arriving meanwhile could not join n+1 anyway
+    (FCFS, and the prompts already there fill the token budget), or n+1 is small (at most `small_step_tokens` prompt
+    tokens, e.g. the tail of a prompt the budget cut): an arrival joins n+2, one short step later, and the GPU does not
+    wait for the host between n and n+1. `self.mixed_ahead = False` turns both off (to compare)."""
     sched = self.scheduler
-    if not self.mixed_ahead or sched.policy != 'fcfs': return False
+    if not self.mixed_ahead or sched.policy != 'fcfs': return False   # priority: an arrival may preempt
     reqs = sched.running + list(sched.waiting)
     if not all(Sampler.host_free(r, ahead=1) and r.sampling_params.prompt_logprobs is None for r in reqs): return False
     chunks = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
     more = any(r.num_computed_tokens < r.num_tokens for r in sched.running) or (
         bool(sched.waiting) and len(sched.running) < sched.max_num_seqs)
-    return more and chunks + len(sampled) + sum(r.num_tokens for r in sched.waiting) >= sched.max_num_batched_tokens
+    prompts = chunks + sum(r.num_tokens for r in sched.waiting)
+    return more and (prompts <= self.small_step_tokens or prompts + len(sampled) >= sched.max_num_batched_tokens)
 
 @patch
 def _schedule_ahead(self: LLMEngine, so, handle):
     """Async scheduling: launch the next step now, fed with this step's tokens on the device, when it is certain:
-    a decode step of the same requests, or a mixed step the waiting prompts fill (`_queue_fills_next_step`). A request
+    a decode step of the same requests, or a mixed step that is certain (`_mixed_step_certain`). A request
     whose token from this step is its last (`max_tokens`, the context) is left out of it: it finishes either way."""
     sched = self.scheduler
     sampled = [r for r in handle.reqs if not r.is_finished]
@@ -320,7 +326,7 @@ def _schedule_ahead(self: LLMEngine, so, handle):
             or r.num_tokens + 1 >= self.cfg.max_model_len}
     going = [r for r in sampled if id(r) not in last]
     decode = bool(going) and not sched.waiting and sampled == sched.running and handle.reqs == so.scheduled
-    if not decode and not self._queue_fills_next_step(going): return
+    if not decode and not self._mixed_step_certain(going): return
     bs, need = self.cfg.block_size, 0
     for r in going:
         if not Sampler.host_free(r, ahead=1): return
