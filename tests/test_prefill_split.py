@@ -170,18 +170,21 @@ def test_cudnn_equal_fresh_prompts(n, L):
 
 def test_cudnn_equal_prompts_then_a_shorter_one():
     """A chunked prefill's usual step: decode rows, then seven fresh 1024-token prompts and an eighth the token budget
-    cut to 1016: cuDNN takes the seven in one call, FlashAttention-2 the last (`dense_prefill_split`); the layer's
-    output equals the reference."""
+    cut to 1016: from the shape's third step on cuDNN takes the seven in one call, FlashAttention-2 the last
+    (`dense_prefill_split`); the layer's output equals the reference on both paths."""
     from cvllm_lab.layers import attention as A
     chunks = [1024] * 7 + [1016]
     att, ctx, q, k, v, full, q_lens, seq_lens = mixed_step(8, None, [0] * 8, chunks)
     if not A.cudnn_attention_available(q): pytest.skip('cuDNN fused attention needs sm90 and cuDNN 9')
     calls, orig = [], A.cudnn_prefill_attention
     A.cudnn_prefill_attention = lambda *a: calls.append(a[3]) or orig(*a)
-    try:
-        with set_forward_context(ctx): out = att(q.flatten(1), k.flatten(1), v.flatten(1)).view_as(q)
-    finally: A.cudnn_prefill_attention = orig
-    assert calls == [7]
     ref = varlen_attention_ref(q, torch.cat(full[0]), torch.cat(full[1]), cu(q_lens), cu(seq_lens), max(q_lens),
                                max(seq_lens), D ** -0.5)
-    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+    A.cudnn_shape_steps.pop((1024, 7), None)
+    try:     # the shape's first two steps on FlashAttention-2, the third on cuDNN (`cudnn_shape_ready`)
+        for step in range(A.CUDNN_PLAN_AFTER):
+            ctx.prefill.memo.clear()              # a new step of the same shape
+            with set_forward_context(ctx): out = att(q.flatten(1), k.flatten(1), v.flatten(1)).view_as(q)
+            assert calls == ([7] if step == A.CUDNN_PLAN_AFTER - 1 else []), (step, calls)
+            torch.testing.assert_close(out.float(), ref.float(), **TOL)
+    finally: A.cudnn_prefill_attention = orig

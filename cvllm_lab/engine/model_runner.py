@@ -20,6 +20,7 @@ from .request import PLACEHOLDER, Request
 from .scheduler import SchedulerOutput
 from ..sampling_params import SamplingParams
 from ..layers.sampler import Sampler, row_argmax, topk_logprobs
+from ..layers.attention import cudnn_plans_at_once
 from ..weights.loader import load_model, ModelSource, resolve_model_source
 from ..models.llama import LlamaForCausalLM
 from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
@@ -65,9 +66,8 @@ class ModelRunner:
         self.tok_host, self.tok_i = [], 0     # two pinned buffers for the sampled ids (at most two steps in flight)
         if self.device.type == 'cuda':
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
-        if self.device.type == 'cuda' and not cfg.enforce_eager and cfg.attention_backend == 'triton':
-            self.capture_cudagraphs(progress)
-        if self.device.type == 'cuda': self.warm_up_kernels()
+            if not cfg.enforce_eager and cfg.attention_backend == 'triton': self.capture_cudagraphs(progress)
+            with cudnn_plans_at_once(): self.warm_up_kernels()   # the shapes it meets are planned now
 
     @property
     def kv_dtype(self) -> torch.dtype: return self.cfg.kv_cache_torch_dtype   # the cache's storage dtype

@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 
 # %% ../../nbs/22_attention.ipynb #05ff41bb
 from __future__ import annotations
-import os
+import collections, contextlib, os
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,10 @@ from torch import nn
 from ..utils.context import get_forward_context
 
 # %% auto #0
-__all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'get_attention_backend', 'Attention', 'varlen_attention_ref',
-           'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split',
-           'dense_prefill_len', 'cudnn_prefill_attention']
+__all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'CUDNN_PLAN_AFTER', 'cudnn_plan_after', 'cudnn_shape_steps',
+           'get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention',
+           'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split', 'dense_prefill_len',
+           'cudnn_shape_ready', 'cudnn_plans_at_once', 'cudnn_prefill_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -128,6 +129,29 @@ def dense_prefill_len(query_lens, seq_lens) -> int | None:
     d = dense_prefill_split(query_lens, seq_lens)
     return d[0] if d is not None and d[1] == len(query_lens) else None
 
+CUDNN_PLAN_AFTER = 3   # steps that meet a (length, sequences) shape before it goes to cuDNN
+cudnn_plan_after = CUDNN_PLAN_AFTER       # (`cudnn_plans_at_once` sets it to 1 for a while)
+cudnn_shape_steps = collections.Counter()  # (L, n) -> steps of this process that met it
+
+def cudnn_shape_ready(p, d: tuple[int, int] | None) -> bool:
+    """Whether the shape `d = (L, n)` of the step whose prefill run is `p` (`PrefillMetadata`) goes to cuDNN: once it
+    has been met in `cudnn_plan_after` steps (counted once per step, whichever layer asks first). cuDNN builds an
+    execution plan per shape, 35-60 ms of host time that blocks the step, and about ten steps of 8 x 1024 tokens
+    repay that against FlashAttention-2; a shape met once or twice (a burst's odd step) stays on FlashAttention-2."""
+    if d is None: return False
+    if ('cudnn', d) not in p.memo:
+        cudnn_shape_steps[d] += 1
+        p.memo['cudnn', d] = cudnn_shape_steps[d] >= cudnn_plan_after
+    return p.memo['cudnn', d]
+
+@contextlib.contextmanager
+def cudnn_plans_at_once():
+    "Within it every shape goes to cuDNN the first time (the runner's warm-up plans what it meets; tests)."
+    global cudnn_plan_after
+    k, cudnn_plan_after = cudnn_plan_after, 1
+    try: yield
+    finally: cudnn_plan_after = k
+
 def cudnn_prefill_attention(q, k, v, n: int, scale):
     """`n` fresh sequences of one length, packed as `q` `[n L, H, D]` and `k`/`v` `[n L, Hkv, D]`: causal attention as
     one batched call of cuDNN's fused attention (SDPA's cuDNN backend, GQA). Returns `[n L, H, D]`."""
@@ -157,7 +181,7 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
     else: cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
     d = (dense_prefill_split(p.query_lens, p.seq_lens)
          if self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q) else None)
-    if d is None: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    if not cudnn_shape_ready(p, d): o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
     else:                                       # equal fresh prompts batched on cuDNN, the rest (fresh too) on FlashAttention
         (L, n), m = d, d[0] * d[1]
         o = cudnn_prefill_attention(q[t0:t0 + m], kv[0][:m], kv[1][:m], n, self.scale)

@@ -16,8 +16,8 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from .basic import Linear, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, divide
 from .rotary import RotaryEmbedding, rope_parameters
-from .attention import (cudnn_attention_available, cudnn_prefill_attention, dense_prefill_len,
-                                        flash_attention_available, flash_varlen_attention)
+from .attention import (cudnn_attention_available, cudnn_prefill_attention, cudnn_shape_ready,
+                                        dense_prefill_len, flash_attention_available, flash_varlen_attention)
 
 # %% auto #0
 __all__ = ['yarn_get_mscale', 'mla_softmax_scale', 'get_mla_backend', 'MLAAttention']
@@ -241,7 +241,8 @@ def forward_split(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext) -> t
     if D > P + R: qt, k = F.pad(qt, (0, D - P - R)), F.pad(k, (0, D - P - R))
     if D > V: v = F.pad(v, (0, D - V))
     lens = ql[f:]
-    if self.prefill_fn is flash_varlen_attention and dense_prefill_len(lens, lens) and cudnn_attention_available(q):
+    dense = self.prefill_fn is flash_varlen_attention and dense_prefill_len(lens, lens) and cudnn_attention_available(q)
+    if dense and cudnn_shape_ready(p, (int(lens[0]), len(lens))):
         ot = cudnn_prefill_attention(qt, k, v, len(lens), self.scale)
     else:
         cu = p.cu_seqlens_q[f:] - p.cu_seqlens_q[f]                      # on the device already: no copy, no sync

@@ -41,6 +41,7 @@ class PrefillMetadata:
     _keys: dict = field(default_factory=dict, repr=False)    # window -> keys(window)
     _slots: dict = field(default_factory=dict, repr=False)   # (group, window) -> kv_slots
     _rest: dict = field(default_factory=dict, repr=False)    # n -> rest(n)
+    memo: dict = field(default_factory=dict, repr=False)     # the step's decisions its layers share (`cudnn_shape_ready`)
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, seq_start: int, device='cpu') -> PrefillMetadata:
