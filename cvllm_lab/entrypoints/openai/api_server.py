@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/api_server.html.md"""
 # %% ../../../nbs/77_api_server.ipynb #a0acad6c
 from __future__ import annotations
 import asyncio, json, logging, time
+import anyio
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,7 @@ def build_app(aengine: AsyncLLMEngine, cfg: ServerConfig | None = None) -> FastA
     aengine.observer = metrics
     async def lifespan(app):
         aengine.start()
+        async with anyio.create_task_group(): pass   # loads anyio's backend now, not in the first stream (SSEResponse)
         yield
         await aengine.shutdown()
     app = FastAPI(title='cvllm_lab OpenAI-compatible server', version=cvllm_lab.__version__, lifespan=lifespan)
@@ -392,7 +394,7 @@ def prompt_ids(self: OpenAIServing, prompts: list) -> list[tuple[str | None, lis
             raise self.too_long(len(p), f"prompt has {len(p)} characters, so more than {self.max_model_len} tokens: more than", 'prompt')
         text, ids = (p, self.tok(p).input_ids) if isinstance(p, str) else (None, list(p))
         if len(ids) >= self.max_model_len: raise self.too_long(len(ids), 'prompt has', 'prompt')
-        if bad := [t for t in ids if t >= self.vocab_size]:
+        if ids and max(ids) >= self.vocab_size and (bad := [t for t in ids if t >= self.vocab_size]):
             raise APIError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}", param='prompt')
         out.append((text, ids))
     return out

@@ -274,11 +274,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 # %% ../../../nbs/70_protocol.ipynb #c1987b27
-def _is_ids(x) -> bool: return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT64 for t in x)
+def _is_ids(x) -> bool:
+    "Whether `x` is a list of token ids: ints (not bools) in [0, 2**63), checked at C speed (a prompt holds thousands)."
+    return isinstance(x, list) and (not x or (set(map(type, x)) == {int} and min(x) >= 0 and max(x) < INT64))
 
 class CompletionRequest(_SamplingRequest):
     "Body of `POST /v1/completions`."
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(union_mode="left_to_right")   # ids first: no error per id
     max_tokens: int | None = Field(16, ge=1, lt=INT64)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False

@@ -33,6 +33,8 @@ def fail(loc: tuple, message: str, value=None):
     err = PydanticCustomError("value_error", message)
     raise ValidationError.from_exception_data("request", [InitErrorDetails(type=err, loc=loc, input=value)])
 
+_SCALARS = {int, float, bool, type(None)}
+
 def find_lone_surrogate(x, loc: tuple = ()) -> tuple | None:
     "Where in a JSON value a string holds a lone UTF-16 surrogate (not encodable text), or None."
     if isinstance(x, str):
@@ -44,6 +46,7 @@ def find_lone_surrogate(x, loc: tuple = ()) -> tuple | None:
             for hit in (find_lone_surrogate(k, loc), find_lone_surrogate(v, loc + (k,))):
                 if hit is not None: return hit
     elif isinstance(x, list):
+        if set(map(type, x)) <= _SCALARS: return None   # e.g. token ids: no string in it (checked at C speed)
         for i, v in enumerate(x):
             if (hit := find_lone_surrogate(v, loc + (i,))) is not None: return hit
     return None
