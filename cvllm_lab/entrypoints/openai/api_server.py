@@ -6,8 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/api_server.html.md"""
 
 # %% ../../../nbs/77_api_server.ipynb #a0acad6c
 from __future__ import annotations
-import asyncio, json, logging, time
-import anyio
+import anyio, asyncio, json, logging, time
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -274,8 +274,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 # %% ../../../nbs/70_protocol.ipynb #c1987b27
-def _is_ids(x) -> bool:
-    "Whether `x` is a list of token ids: ints (not bools) in [0, 2**63), checked at C speed (a prompt holds thousands)."
+def _is_ids(x) -> bool:   # token ids: ints (not bools) in [0, 2**63), checked at C speed (a prompt holds thousands)
     return isinstance(x, list) and (not x or (set(map(type, x)) == {int} and min(x) >= 0 and max(x) < INT64))
 
 class CompletionRequest(_SamplingRequest):
