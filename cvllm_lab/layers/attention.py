@@ -19,7 +19,7 @@ from ..utils.context import get_forward_context
 __all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'CUDNN_PLAN_AFTER', 'cudnn_plan_after', 'cudnn_shape_steps',
            'get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention',
            'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split', 'dense_prefill_len',
-           'cudnn_shape_ready', 'cudnn_plans_at_once', 'cudnn_prefill_attention']
+           'cudnn_shape_ready', 'cudnn_prefill_run', 'cudnn_plans_at_once', 'cudnn_prefill_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -144,6 +144,13 @@ def cudnn_shape_ready(p, d: tuple[int, int] | None) -> bool:
         p.memo['cudnn', d] = cudnn_shape_steps[d] >= cudnn_plan_after
     return p.memo['cudnn', d]
 
+def cudnn_prefill_run(p) -> tuple[int, int] | None:
+    "`dense_prefill_split` of the step's prefill run `p` when its shape is `cudnn_shape_ready`: once per step, for every layer."
+    if 'cudnn_run' not in p.memo:
+        d = dense_prefill_split(p.query_lens, p.seq_lens)
+        p.memo['cudnn_run'] = d if cudnn_shape_ready(p, d) else None
+    return p.memo['cudnn_run']
+
 @contextlib.contextmanager
 def cudnn_plans_at_once():
     "Within it every shape goes to cuDNN the first time (the runner's warm-up plans what it meets; tests)."
@@ -179,9 +186,8 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
         cu_k, max_k, _, _ = p.keys(w)
         kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
     else: cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
-    d = (dense_prefill_split(p.query_lens, p.seq_lens)
-         if self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q) else None)
-    if not cudnn_shape_ready(p, d): o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    d = cudnn_prefill_run(p) if self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q) else None
+    if d is None: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
     else:                                       # equal fresh prompts batched on cuDNN, the rest (fresh too) on FlashAttention
         (L, n), m = d, d[0] * d[1]
         o = cudnn_prefill_attention(q[t0:t0 + m], kv[0][:m], kv[1][:m], n, self.scale)
