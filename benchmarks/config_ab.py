@@ -23,11 +23,13 @@ from benchmarks.kernels.common import arg
 from cvllm_lab import LLM
 from cvllm_lab.bench.sweep import model_dir
 from cvllm_lab.kernels import paged_attention as pa
+from cvllm_lab.kernels import w4a16 as KW
 from cvllm_lab.sampling_params import SamplingParams
 
 
 # kernel -> (module, the lookup to replace, what it returns without the tuned table)
-UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default'])}
+UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default']),
+           'w4a16_mma': (KW, 'mma_supported', lambda *a, **k: False)}   # 'untuned': the kernels before it
 
 
 def engine(path, quant, max_model_len, max_seqs, kernel: str | None):

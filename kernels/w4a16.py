@@ -10,7 +10,8 @@ inner loop is one FMA per weight and the scales are applied once per group.
 
 | rows M | kernel (module) | why |
 |---|---|---|
-| 1 (decode) | `_gemv_kernel` (`w4a16_gemv`) | memory- and issue-bound: an fp32 register tile per program, fields turned into floats in as few instructions as possible, x loads shared by two column tiles, register prefetch, split-K, PDL |
+| 1 (decode), 4-bit, groups a multiple of 128, 16-bit x, GPU | `_mma_kernel` (`w4a16_mma`) | the weights as `mma.sync`'s A operand, the fragments built from the words each thread loads (3 shifts + 4 LOP3 per 8 weights), x as B: ~0.4 instructions per weight where the GEMV spends ~3 (it also takes up to 8 rows, as B's columns, but loses to the tensor-core kernel there) |
+| 1 (decode), other formats | `_gemv_kernel` (`w4a16_gemv`) | memory- and issue-bound: an fp32 register tile per program, fields turned into floats in as few instructions as possible, x loads shared by two column tiles, register prefetch, split-K, PDL |
 | 2 .. `MM_MAX_M`, 4-bit, groups >= 128, 16-bit x | `_tc_kernel` (`w4a16_tc`) | tensor cores with the weights as the A operand, fields built by inline PTX straight into the MMA's registers (one instruction per weight; symmetric layers: `q - 8` with one more packed FMA per two weights, and no `sum(x)` or offsets): 16 rows cost what one does |
 | 2 .. `MM_MAX_M`, other formats | `_mm_kernel` (`w4a16_mm`) | one `tl.dot` per bit field with the exact `f`, scales on the group sums |
 | > `MM_MAX_M` (prefill) | `_dequant_kernel` (`w4a16_dequantize`) + cuBLAS | the dequantization is amortized over many rows |
@@ -25,23 +26,26 @@ from cvllm_lab.kernels.activation import silu_and_mul
 from cvllm_lab.kernels.w4a16_gemv import w4a16_gemv
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_packed_ref, padded_k
 from cvllm_lab.kernels.w4a16_mm import tc_supported, w4a16_dequantize, w4a16_mm, w4a16_tc
+from cvllm_lab.kernels.w4a16_mma import MMA_MAX_M, mma_supported, w4a16_mma
 
-__all__ = ['w4a16_matmul', 'w4a16_matmul_ref', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_dequantize', 'tc_supported',
-           'MM_MAX_M', 'TILE_K', 'padded_k', 'check_layout', 'dequantize_packed_ref']
+__all__ = ['w4a16_matmul', 'w4a16_matmul_ref', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_mma', 'w4a16_dequantize',
+           'tc_supported', 'mma_supported', 'MM_MAX_M', 'MMA_MAX_M', 'TILE_K', 'padded_k', 'check_layout', 'dequantize_packed_ref']
 
 MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
 
 def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=False):
-    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (1: GEMV; up to
-    `MM_MAX_M`: the tensor-core kernel where `tc_supported`, else the per-field `tl.dot` kernel; more: dequantize +
-    cuBLAS).
+    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (up to
+    1: the MMA kernel where `mma_supported`, else the GEMV; up to `MM_MAX_M`: the tensor-core kernel where
+    `tc_supported`, else the per-field `tl.dot` kernel; more: dequantize + cuBLAS).
     `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1.
     `sym`: `offsets == -8 * scales` (4-bit symmetric; the GEMV and the tensor-core kernel then skip the offsets)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0: return x.new_empty(*lead, N // 2 if act else N)
+    if M == 1 and mma_supported(x2, bits, group, N, K):
+        return w4a16_mma(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
     if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
     if M <= MM_MAX_M and tc_supported(x2, bits, group, K):
         y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K, sym=sym)

@@ -8,7 +8,7 @@ from cvllm_lab.kernels import tuned
 
 def test_every_kernel_has_a_default_and_parses():
     kernels = sorted(p.name for p in tuned.CONFIG_DIR.iterdir() if p.is_dir())
-    assert {'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'fp8_gemv', 'fp8_mm', 'gguf_gemv'} <= set(kernels)
+    assert {'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_mma', 'fp8_gemv', 'fp8_mm', 'gguf_gemv'} <= set(kernels)
     for k in kernels:
         for f in (tuned.CONFIG_DIR / k).glob('*.json'):
             json.loads(f.read_text())                        # every file is valid JSON
@@ -23,7 +23,7 @@ def test_keys_and_device_fallback():
     assert tuned.load_configs('w4a16_gemv', 'NO_SUCH_GPU') == t  # a device without a file: default.json
     assert tuned.configs_for('w4a16_gemv', torch.device('cpu')) == t
     # the H200 file holds today's tables, and default.json the same (other GPUs run the H200's choices)
-    for k in ('w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'fp8_gemv', 'fp8_mm', 'gguf_gemv'):
+    for k in ('w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_mma', 'fp8_gemv', 'fp8_mm', 'gguf_gemv'):
         assert tuned.load_configs(k, 'NVIDIA_H200') == tuned.load_configs(k), k
 
 

@@ -12,8 +12,8 @@ from helpers import rel_err as _rel
 from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.kernels.gguf_layout import PACKED_TYPES, dequantize
 from cvllm_lab.kernels.split_k import workspaces
-from cvllm_lab.kernels.w4a16 import (dequantize_packed_ref, w4a16_dequantize, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref,
-                                     w4a16_mm, w4a16_tc)
+from cvllm_lab.kernels.w4a16 import (dequantize_packed_ref, mma_supported, w4a16_dequantize, w4a16_gemv, w4a16_matmul,
+                                     w4a16_matmul_ref, w4a16_mm, w4a16_mma, w4a16_tc)
 from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
 from cvllm_lab.quant.w4a16 import W4A16Linear
 
@@ -122,6 +122,28 @@ def test_w4a16_tc_cpu(group, sym):
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize('N,K,group,sym', [(64, 256, 128, True), (40, 200, 128, False), (64, 256, -1, False)],
+                         ids=['g128-sym', 'odd-n-k-asym', 'per-channel'])
+def test_w4a16_mma_cpu(N, K, group, sym):
+    """The MMA kernel's index arithmetic under the interpreter: its PTX (fragments, MMAs, epilogue) replaced by a
+    plain-Triton emulation of the same per-lane registers (`_mma_emul`, `_lanes_out`), so a wrong word row, x run
+    or lane mapping fails here; the PTX itself is checked on the GPU (`test_w4a16_mma_cuda`)."""
+    args = _packed(N, K, 4, group, sym, N + K)
+    w = dequantize_packed_ref(*args)
+    for M, dt, nh, sk, pd in ((1, torch.bfloat16, 1, 1, 0), (3, torch.float16, 2, 2, 2), (8, torch.bfloat16, 1, 2, 0)):
+        x = torch.randn(M, K).to(dt)
+        ref = x.float() @ w.T
+        y = w4a16_mma(x, *args, num_warps=1, nh=nh, split_k=sk, pd=pd, sym=sym, out_dtype=torch.float32)
+        assert y.shape == (M, N) and _rel(y, ref) < 2e-4, (M, dt, nh, sk, _rel(y, ref))
+    ya = w4a16_mma(x, *args, num_warps=1, sym=sym, act='silu_and_mul')
+    assert ya.shape == (8, N // 2) and _rel(ya, silu_and_mul_ref(ref, interleaved=True)) < 1e-2
+    assert _ws_clean()
+    assert not mma_supported(x, 4, group, N, K)                    # the interpreter runs no PTX: w4a16_matmul won't
+    with pytest.raises(ValueError, match='multiple of 128'):     # group 32 (GGUF repacks): the GEMV's
+        w4a16_mma(torch.randn(1, 256), *_packed(32, 256, 4, 32, True, 0))
+
+
+@pytest.mark.interp
 def test_w4a16_prefill_shapes_and_errors_cpu():
     args = _packed(24, 256, 4, 128, True, 1)
     x = torch.randn(2, 70, 256)                                 # M=140 > MM_MAX_M: dequantize kernel + matmul
@@ -193,6 +215,30 @@ def test_w4a16_cuda(bits, group, sym, N, K):
         ref = silu_and_mul_ref(x.float() @ w.T, interleaved=True)
         y = w4a16_matmul(x, *args, act='silu_and_mul')
         assert y.shape == (M, N // 2) and _rel(y, ref) < 1e-2, (N, K, M, _rel(y, ref))
+    assert _ws_clean()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('N,K', [(28672, 4096), (4096, 14336), (4100, 4096), (1024, 1000)], ids=['gate-up', 'down', 'odd-n', 'odd-k'])
+def test_w4a16_mma_cuda(N, K):
+    "The MMA kernel (M = 1 .. 8) at real sizes: bf16 / fp16 x, symmetric, asymmetric and per-channel scales, split-K."
+    for group, sym in ((128, True), (128, False), (-1, False)):
+        args = _packed(N, K, 4, group, sym, N, 'cuda')
+        w = dequantize_packed_ref(*args)
+        for M, dt in ((1, torch.bfloat16), (1, torch.float16), (5, torch.bfloat16), (8, torch.float16)):
+            x = torch.randn(M, K, device='cuda', dtype=dt)
+            assert mma_supported(x, 4, group, N, K)
+            ref = x.float() @ w.T
+            y = w4a16_mma(x, *args, sym=sym, out_dtype=torch.float32)       # tuned config
+            assert _rel(y, ref) < 2e-4, (N, K, group, sym, M, dt, _rel(y, ref))
+            for nw, nh, sk, pd in ((4, 2, 1, 0), (8, 1, 2, 3)):
+                y = w4a16_mma(x, *args, num_warps=nw, nh=nh, split_k=sk, pd=pd, sym=sym)
+                assert y.dtype == dt and _rel(y, ref) < 1e-2, (N, K, group, sym, M, nw, nh, sk, pd)
+        x = torch.randn(1, K, device='cuda', dtype=torch.bfloat16)
+        ref = x.float() @ w.T
+        assert _rel(w4a16_matmul(x, *args, sym=sym), ref) < 1e-2                 # w4a16_matmul's pick at M = 1
+        y = w4a16_mma(x, *args, sym=sym, act='silu_and_mul')
+        assert _rel(y, silu_and_mul_ref(ref, interleaved=True)) < 1e-2
     assert _ws_clean()
 
 

@@ -1,0 +1,301 @@
+"""W4A16 for 1 .. 8 rows on `mma.sync` tensor cores, the fragments built in registers: `_mma_kernel`, `w4a16_mma`.
+
+The GEMV (`w4a16_gemv`) turns every weight into an fp32 and spends an FMA on it: ~3 instructions per weight, so it
+is issue-bound at about 70% of the rate at which the words stream in. Here the weights are the A operand of
+`mma.m16n8k16` (bf16 or fp16) and x is B, with up to 8 rows of x as B's 8 columns (so M = 1 .. 8 cost the same).
+No shared memory and no layout conversion: every thread loads exactly the words that its A fragment needs.
+
+Why that needs no repacking. An A fragment gives thread `(g, t)` (lane `4g + t`) rows `g`, `g + 8` and K slots
+`2t, 2t+1, 2t+8, 2t+9`; its registers are `{a0 a1}` (row g, slots 2t, 2t+1), `{a2 a3}` (row g+8, same slots),
+`{a4 a5}` (row g, slots 2t+8, 2t+9) and `{a6 a7}`. The K slots are labels: any K may stand behind a slot as long
+as B puts the same x there. One LOP3 on a layout word (8 fields of one column) with mask `0x000F000F` keeps
+fields j and j + 4 in the two halves of a register, ORed into the exponent of 128 (bf16 `0x4300`, fp16 `1024`),
+which is `128 + q` exactly: one register of A. So for word row `c`:
+
+| A register | row | word | fields (K = j * 16 + c) | B register (x pairs) |
+|---|---|---|---|---|
+| a0 a1 | g | column n_g | 0, 4 (`w & m`) | x[c], x[64 + c] |
+| a2 a3 | g + 8 | column n_g' | 0, 4 | |
+| a4 a5 | g | column n_g | 1, 5 (`w >> 4`) | x[16 + c], x[80 + c] |
+| a6 a7 | g + 8 | column n_g' | 1, 5 | |
+
+and the next MMA takes fields 2, 6 and 3, 7 (`w >> 8`, `w >> 12`). Per 8 weights: 3 shifts, 4 LOP3 and one MMA.
+
+Each thread loads 4 neighbouring columns of one word row (16 bytes): two MMA tiles, rows (g, g+8) = columns
+(n, n+1) and (n+2, n+3). The 4 lanes of a group take word rows `4t + i` of the K-tile for `i` = 0..3, so a warp
+reads 4 rows x 128 contiguous bytes per load. x comes as eight 8-byte runs per K-tile (`x[j*16 + 4t .. +3]`), and
+one PRMT per register pairs two runs' elements into B's order. `D = sum (128 + q) x`, so an MMA with A = 1 gives
+`sum x`, and the epilogue applies `scale * (D - 128 sum x) + offset * sum x` per K-tile (the scales' group is a
+multiple of 128); symmetric layers: `scale * (D - 136 sum x)`, no offsets read. In all about 0.4 instructions per
+weight (the GEMV: ~3), so the kernel waits on memory, not on issue.
+
+A program owns `NH * num_warps * 32` columns and a run of K-tiles; the next K-tile's words and scales are loaded
+before this one's MMAs, and split-K programs meet in the self-zeroing workspace of `split_k`. The register-level
+pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`.
+
+The mapping of tensor rows to lanes: every `[R, 4]` tensor has Triton's blocked layout with 4 elements per
+thread and row `r` on lane `r % 32` of warp `r // 32`, which the 16-byte word loads fix (checked by the GPU tests:
+a different layout gives wrong numbers, not a silent slowdown). Up to 8 rows of x are B's 8 columns, but the
+tensor-core kernel (`w4a16_tc`) is faster there, so `w4a16_matmul` takes this kernel at M = 1 only.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
+from cvllm_lab.kernels.split_k import split_for, split_k_workspace
+from cvllm_lab.kernels.tuned import configs_for
+from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _l2_prefetch, _mma_ones, _mma_pair
+from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
+
+__all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
+_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+MMA_MAX_M = 8
+
+
+@triton.jit
+def _tile_words(wp, T, N, nmask, EVEN_N: tl.constexpr):
+    "The 4 word rows (`4t + i`, i = 0..3) of K-tile T of this thread's 4 columns (16 bytes each)."
+    p = wp + (T * 16).to(tl.int64) * N
+    if EVEN_N:
+        return tl.load(p), tl.load(p + N), tl.load(p + 2 * N), tl.load(p + 3 * N)
+    else:
+        return (tl.load(p, mask=nmask, other=0), tl.load(p + N, mask=nmask, other=0),
+                tl.load(p + 2 * N, mask=nmask, other=0), tl.load(p + 3 * N, mask=nmask, other=0))
+
+
+@triton.jit
+def _tile_scales(sp, op, T, N, col, nmask, G: tl.constexpr, SYM: tl.constexpr):
+    "K-tile T's scales (and offsets; SYM: the scales again, unread) of the 4 columns `col`."
+    grp = (T * 128) // G
+    sc = tl.load(sp + grp * N + col, mask=nmask, other=0.0)
+    if SYM:
+        return sc, sc
+    else:
+        return sc, tl.load(op + grp * N + col, mask=nmask, other=0.0)
+
+
+@triton.jit
+def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr):
+    "x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (one 8-byte load each); `xk` = 4t + (0 .. 3)."
+    k = T * 128 + xk
+    if EVEN_K:
+        return (tl.load(xp + k), tl.load(xp + k + 16), tl.load(xp + k + 32), tl.load(xp + k + 48),
+                tl.load(xp + k + 64), tl.load(xp + k + 80), tl.load(xp + k + 96), tl.load(xp + k + 112))
+    else:
+        return (tl.load(xp + k, mask=k < K, other=0.0), tl.load(xp + k + 16, mask=k + 16 < K, other=0.0),
+                tl.load(xp + k + 32, mask=k + 32 < K, other=0.0), tl.load(xp + k + 48, mask=k + 48 < K, other=0.0),
+                tl.load(xp + k + 64, mask=k + 64 < K, other=0.0), tl.load(xp + k + 80, mask=k + 80 < K, other=0.0),
+                tl.load(xp + k + 96, mask=k + 96 < K, other=0.0), tl.load(xp + k + 112, mask=k + 112 < K, other=0.0))
+
+
+@triton.jit
+def _row_step(wA, wB, xa, xb, dA0, dA1, dB0, dB1, sx, F16: tl.constexpr, NH: tl.constexpr):
+    "One word row: `sum x` and the MMAs of the thread's word tensors."
+    sx = _mma_ones(xa, xb, sx, F16)
+    dA0, dA1 = _mma_pair(wA, xa, xb, dA0, dA1, F16)
+    if NH == 2:
+        dB0, dB1 = _mma_pair(wB, xa, xb, dB0, dB1, F16)
+    return dA0, dA1, dB0, dB1, sx
+
+
+@triton.jit
+def _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5, x6, x7,
+               tA0, tA1, tB0, tB1, F16: tl.constexpr, NH: tl.constexpr, SYM: tl.constexpr):
+    "One K-tile: its 4 word rows through the MMAs, then its scales on the totals."
+    z = tl.zeros_like(tA0)
+    dA0, dA1, dB0, dB1, sx = z, z, z, z, z
+    dA0, dA1, dB0, dB1, sx = _row_step(a0, b0, _b_regs(x0, x4, x1, x5, 0), _b_regs(x2, x6, x3, x7, 0),
+                                       dA0, dA1, dB0, dB1, sx, F16, NH)
+    dA0, dA1, dB0, dB1, sx = _row_step(a1, b1, _b_regs(x0, x4, x1, x5, 1), _b_regs(x2, x6, x3, x7, 1),
+                                       dA0, dA1, dB0, dB1, sx, F16, NH)
+    dA0, dA1, dB0, dB1, sx = _row_step(a2, b2, _b_regs(x0, x4, x1, x5, 2), _b_regs(x2, x6, x3, x7, 2),
+                                       dA0, dA1, dB0, dB1, sx, F16, NH)
+    dA0, dA1, dB0, dB1, sx = _row_step(a3, b3, _b_regs(x0, x4, x1, x5, 3), _b_regs(x2, x6, x3, x7, 3),
+                                       dA0, dA1, dB0, dB1, sx, F16, NH)
+    tA0, tA1 = _epilogue(dA0, dA1, sx, scA, ofA, tA0, tA1, F16, SYM)
+    if NH == 2:
+        tB0, tB1 = _epilogue(dB0, dB1, sx, scB, ofB, tB0, tB1, F16, SYM)
+    return tA0, tA1, tB0, tB1
+
+
+@triton.jit
+def _mma_put(tot, fcol, b, out_ptr, ws_ptr, cnt_ptr, M, N, ACT: tl.constexpr, SPLIT: tl.constexpr, LAST):
+    """Write (or add into the split-K workspace) one tile's totals: element c of a thread is row `b + c % 2` of x,
+    column `fcol + c // 2` (ACT: gate, up; the output column `fcol / 2`)."""
+    e = tl.arange(0, 4)[None, :]
+    row = b + e % 2
+    col = fcol + e // 2
+    mask = (row < M) & (col < N)
+    if SPLIT > 1:
+        tl.atomic_add(ws_ptr + row * N + col, tot, mask=mask, sem='relaxed')
+    if LAST:
+        if ACT:
+            g0 = tl.sum(tl.where(e == 0, tot, 0.0), 1)
+            g1 = tl.sum(tl.where(e == 1, tot, 0.0), 1)
+            u0 = tl.sum(tl.where(e == 2, tot, 0.0), 1)
+            u1 = tl.sum(tl.where(e == 3, tot, 0.0), 1)
+            bb = tl.reshape(b, [b.shape[0]])
+            oc = tl.reshape(fcol, [b.shape[0]]) // 2
+            ok = oc < N // 2
+            tl.store(out_ptr + bb * (N // 2) + oc, (g0 * tl.sigmoid(g0) * u0).to(out_ptr.dtype.element_ty),
+                     mask=ok & (bb < M))
+            tl.store(out_ptr + (bb + 1) * (N // 2) + oc, (g1 * tl.sigmoid(g1) * u1).to(out_ptr.dtype.element_ty),
+                     mask=ok & (bb + 1 < M))
+        else:
+            tl.store(out_ptr + row * N + col, tot.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mma_take(tot, fcol, b, ws_ptr, M, N):
+    "The summed tile from the split-K workspace (zeroed behind)."
+    e = tl.arange(0, 4)[None, :]
+    row = b + e % 2
+    col = fcol + e // 2
+    mask = (row < M) & (col < N)
+    p = ws_ptr + row * N + col
+    s = tl.load(p, mask=mask, other=0.0, cache_modifier='.cg')
+    tl.debug_barrier()
+    tl.store(p, tl.zeros_like(tot), mask=mask)
+    return s
+
+
+@triton.jit
+def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, TPS,
+                G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, PD: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
+                F16: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
+    of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
+    the splits). Per K-tile: L2 is asked for the words PD tiles ahead (PD = 0: not), the next tile's words and
+    scales are loaded into registers, then this tile's x and MMAs run. The first tile's words load before
+    `pdl_wait` (weights, which no kernel writes)."""
+    R: tl.constexpr = NW * 32
+    r = tl.arange(0, R)[:, None]
+    e = tl.arange(0, 4)[None, :]
+    lane = r % 32
+    g = lane // 4
+    tq = lane % 4
+    pid_n = tl.program_id(0)
+    fb = pid_n * (NH * R) + (r // 32) * 32 + 4 * g          # [R, 1]: first of the thread's 4 columns (tensor A)
+    colA = fb + e
+    colB = colA + R
+    nmA = colA < N
+    nmB = colB < N
+    wpA = qw_ptr + (4 * tq) * N + colA                      # word row 4t of K-tile 0
+    wpB = wpA + R
+    b = tl.minimum(g, M - 1)                                # x row of this lane group (B column g)
+    xp = x_ptr + b.to(tl.int64) * stride_xm
+    xk = 4 * tq + e
+    t0 = tl.program_id(1) * TPS
+    last = t0 + TPS - 1
+    if PD > 0:
+        for j in tl.static_range(1, PD):
+            _l2_prefetch(wpA, tl.minimum(t0 + j, last), N)
+            if NH == 2:
+                _l2_prefetch(wpB, tl.minimum(t0 + j, last), N)
+    a0, a1, a2, a3 = _tile_words(wpA, t0, N, nmA, EVEN_N)
+    b0, b1, b2, b3 = a0, a1, a2, a3
+    if NH == 2:
+        b0, b1, b2, b3 = _tile_words(wpB, t0, N, nmB, EVEN_N)
+    scA, ofA = _tile_scales(s_ptr, o_ptr, t0, N, colA, nmA, G, SYM)
+    scB, ofB = scA, ofA
+    if NH == 2:
+        scB, ofB = _tile_scales(s_ptr, o_ptr, t0, N, colB, nmB, G, SYM)
+    pdl_wait(PDL)
+    pdl_launch(PDL)
+    z = tl.zeros([R, 4], dtype=tl.float32)
+    tA0, tA1, tB0, tB1 = z, z, z, z
+    for T in range(t0, t0 + TPS):
+        Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
+        if PD > 0:
+            _l2_prefetch(wpA, tl.minimum(T + PD, last), N)
+            if NH == 2:
+                _l2_prefetch(wpB, tl.minimum(T + PD, last), N)
+        c0, c1, c2, c3 = _tile_words(wpA, Tn, N, nmA, EVEN_N)
+        d0, d1, d2, d3 = c0, c1, c2, c3
+        if NH == 2:
+            d0, d1, d2, d3 = _tile_words(wpB, Tn, N, nmB, EVEN_N)
+        scC, ofC = _tile_scales(s_ptr, o_ptr, Tn, N, colA, nmA, G, SYM)
+        scD, ofD = scC, ofC
+        if NH == 2:
+            scD, ofD = _tile_scales(s_ptr, o_ptr, Tn, N, colB, nmB, G, SYM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K)
+        tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
+                                        x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
+        a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
+        scA, ofA, scB, ofB = scC, ofC, scD, ofD
+    l2 = tl.arange(0, R)[:, None] % 32
+    bt = 2 * (l2 % 4)                                       # x rows of a thread's D elements: 2t, 2t + 1
+    if SPLIT == 1:
+        _mma_put(tA0, fb, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
+        _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
+        if NH == 2:
+            _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
+            _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
+    else:
+        _mma_put(tA0, fb, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
+        _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
+        if NH == 2:
+            _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
+            _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
+        tl.debug_barrier()                                  # all of this program's adds before its release below
+        if tl.atomic_add(cnt_ptr + pid_n, 1, sem='acq_rel') == SPLIT - 1:
+            _mma_put(_mma_take(tA0, fb, bt, ws_ptr, M, N), fb, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, 1, True)
+            _mma_put(_mma_take(tA1, fb + 2, bt, ws_ptr, M, N), fb + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, 1,
+                     True)
+            if NH == 2:
+                _mma_put(_mma_take(tB0, fb + R, bt, ws_ptr, M, N), fb + R, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT,
+                         1, True)
+                _mma_put(_mma_take(tB1, fb + R + 2, bt, ws_ptr, M, N), fb + R + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N,
+                         ACT, 1, True)
+            tl.store(cnt_ptr + pid_n, 0)
+
+
+def mma_supported(x, bits, group, N, K) -> bool:
+    """Whether `w4a16_mma` takes `x @ W.T`: 1 .. `MMA_MAX_M` rows of bf16 / fp16 x on an sm_80+ GPU, 4-bit weights
+    in scale groups that are a multiple of 128 (or per channel), N a multiple of 4 (16-byte word loads)."""
+    if _INTERPRET or x.device.type != 'cuda' or x.dtype not in (torch.bfloat16, torch.float16): return False
+    if bits != 4 or N % 4 or not 1 <= x.shape[0] <= MMA_MAX_M: return False
+    Kp = -(-K // TILE_K) * TILE_K
+    G = Kp if group in (-1, None) else group
+    return G % TILE_K == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
+              pd=None, pdl=None, act=None, sym=False):
+    """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
+    `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
+    SM) and `pd` (L2 prefetch distance in K-tiles, 0: none) come from the tuned config (`configs/w4a16_mma/`).
+    `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
+    caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`."""
+    M = x.shape[0]
+    assert x.dim() == 2 and x.shape[1] == K and 1 <= M <= MMA_MAX_M, x.shape
+    assert act in (None, 'silu_and_mul'), act
+    Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
+    if bits != 4 or G % TILE_K or N % 4:
+        raise ValueError(f"w4a16_mma needs 4-bit weights, groups a multiple of {TILE_K} and N % 4 == 0")
+    x = x.contiguous()
+    tiles = Kp // TILE_K
+    T = configs_for('w4a16_mma', x.device)
+    cfg = T['shapes'].get((N, K), T['default'])
+    default = num_warps is None and nh is None
+    num_warps = num_warps or cfg['num_warps']
+    nh = nh or cfg['nh']
+    pd = cfg.get('pd', 2) if pd is None else pd
+    if nh not in (1, 2): raise ValueError(f"nh={nh}: 1 or 2 word tensors per thread")
+    bn = nh * num_warps * 32
+    progs = triton.cdiv(N, bn)
+    if split_k is None:
+        split_k = split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, 1, x.device)
+    elif tiles % split_k:
+        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
+    out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
+    ws, cnt = split_k_workspace(x.device, M * N, progs)
+    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
+                                  G=G, NW=num_warps, NH=nh, PD=pd, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
+                                  SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
+                                  num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl))
+    return out
