@@ -265,10 +265,11 @@ def mma_supported(x, bits, group, N, K) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              pd=None, pdl=None, act=None, sym=False):
+              pd=None, maxnreg=None, pdl=None, act=None, sym=False):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
-    SM) and `pd` (L2 prefetch distance in K-tiles, 0: none) come from the tuned config (`configs/w4a16_mma/`).
+    SM), `pd` (L2 prefetch distance in K-tiles, 0: none) and `maxnreg` (a register cap per thread) come from the
+    tuned config (`configs/w4a16_mma/`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
     caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`."""
     M = x.shape[0]
@@ -285,6 +286,7 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     num_warps = num_warps or cfg['num_warps']
     nh = nh or cfg['nh']
     pd = cfg.get('pd', 2) if pd is None else pd
+    maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
     if nh not in (1, 2): raise ValueError(f"nh={nh}: 1 or 2 word tensors per thread")
     bn = nh * num_warps * 32
     progs = triton.cdiv(N, bn)
@@ -297,5 +299,6 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
                                   G=G, NW=num_warps, NH=nh, PD=pd, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
                                   SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
-                                  num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl))
+                                  num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
+                                  **({'maxnreg': maxnreg} if maxnreg else {}))
     return out

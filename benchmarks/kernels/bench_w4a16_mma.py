@@ -4,8 +4,8 @@
 
 Correctness first at real sizes: every shape, M = 1 .. 8, symmetric and asymmetric g128 weights, a per-channel
 layer, fp16 x, the fused activation, and an N that needs masks, each against the fp32 reference. Then per shape and
-M = 1 a sweep of launch configs (warps x word tensors per thread x L2 prefetch distance x split-K; other M: the
-best of M = 1), each timed over rotating
+M = 1 a sweep of launch configs (warps x word tensors per thread x register cap x split-K; other M: the best of
+M = 1), each timed over rotating
 weight copies in a CUDA graph (`common.time_fn`) beside the kernel that `w4a16_matmul` ran before it: the GEMV at
 M = 1 (tuned, symmetric, gate_up with its fused activation), the tensor-core kernel above. Rows go to
 DIR/w4a16_mma.csv; the best config per shape at M = 1 is printed in the format of `kernels/configs/w4a16_mma/`, and
@@ -60,11 +60,11 @@ def check():
 
 
 def configs(N, K):
-    "Launch configs to time: warps x word tensors per thread x L2 prefetch distance x split-K (programs per SM)."
+    "Launch configs to time: warps x word tensors per thread x register cap x split-K (programs per SM)."
     tiles, out = K // 128, []
-    for nw, nh, pd, tg in itertools.product((4, 8), (1, 2), (0, 3), (4, 8)):
+    for nw, nh, reg, tg in itertools.product((4, 8), (1, 2), (None, 128), (4, 8)):
         sk = pick_split(tiles, -(-int(tg * C.num_sms()) // -(-N // (nh * nw * 32))))
-        c = dict(num_warps=nw, nh=nh, pd=pd, split_k=sk)
+        c = dict(num_warps=nw, nh=nh, pd=0, split_k=sk, **({'maxnreg': reg} if reg else {}))
         if c not in out: out.append(c)
     return out
 
@@ -107,7 +107,7 @@ def main():
     tables = {'default': dict(tuned.configs_for('w4a16_mma', C.DEVICE)['default']), 'shapes': {}}
     for (N, K, M), (us, cfg) in best.items():
         if M == 1: tables['shapes'][(N, K)] = dict(num_warps=cfg['num_warps'], nh=cfg['nh'], pd=cfg['pd'],
-                                                   split=cfg['split_k'])
+                                                   split=cfg['split_k'], **{k: cfg[k] for k in ('maxnreg',) if k in cfg})
     print(tuned.dump_configs(tables), flush=True)
     if '--write' in __import__('sys').argv:
         path = tuned.CONFIG_DIR / 'w4a16_mma' / f'{tuned.device_key(C.device_name())}.json'
