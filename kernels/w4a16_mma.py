@@ -122,7 +122,7 @@ def _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x
 
 
 @triton.jit
-def _mma_put(tot, fcol, b, out_ptr, ws_ptr, cnt_ptr, M, N, ACT: tl.constexpr, SPLIT: tl.constexpr, LAST):
+def _mma_put(tot, fcol, b, out_ptr, ws_ptr, M, N, ACT: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr):
     """Write (or add into the split-K workspace) one tile's totals: element c of a thread is row `b + c % 2` of x,
     column `fcol + c // 2` (ACT: gate, up; the output column `fcol / 2`)."""
     e = tl.arange(0, 4)[None, :]
@@ -230,26 +230,26 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
     l2 = tl.arange(0, R)[:, None] % 32
     bt = 2 * (l2 % 4)                                       # x rows of a thread's D elements: 2t, 2t + 1
     if SPLIT == 1:
-        _mma_put(tA0, fb, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
-        _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
+        _mma_put(tA0, fb, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
+        _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
         if NH == 2:
-            _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
-            _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, True)
+            _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
+            _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
     else:
-        _mma_put(tA0, fb, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
-        _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
+        _mma_put(tA0, fb, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, False)
+        _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, False)
         if NH == 2:
-            _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
-            _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, SPLIT, False)
+            _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, False)
+            _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, False)
         tl.debug_barrier()                                  # all of this program's adds before its release below
         if tl.atomic_add(cnt_ptr + pid_n, 1, sem='acq_rel') == SPLIT - 1:
-            _mma_put(_mma_take(tA0, fb, bt, ws_ptr, M, N), fb, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, 1, True)
-            _mma_put(_mma_take(tA1, fb + 2, bt, ws_ptr, M, N), fb + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT, 1,
+            _mma_put(_mma_take(tA0, fb, bt, ws_ptr, M, N), fb, bt, out_ptr, ws_ptr, M, N, ACT, 1, True)
+            _mma_put(_mma_take(tA1, fb + 2, bt, ws_ptr, M, N), fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, 1,
                      True)
             if NH == 2:
-                _mma_put(_mma_take(tB0, fb + R, bt, ws_ptr, M, N), fb + R, bt, out_ptr, ws_ptr, cnt_ptr, M, N, ACT,
+                _mma_put(_mma_take(tB0, fb + R, bt, ws_ptr, M, N), fb + R, bt, out_ptr, ws_ptr, M, N, ACT,
                          1, True)
-                _mma_put(_mma_take(tB1, fb + R + 2, bt, ws_ptr, M, N), fb + R + 2, bt, out_ptr, ws_ptr, cnt_ptr, M, N,
+                _mma_put(_mma_take(tB1, fb + R + 2, bt, ws_ptr, M, N), fb + R + 2, bt, out_ptr, ws_ptr, M, N,
                          ACT, 1, True)
             tl.store(cnt_ptr + pid_n, 0)
 
