@@ -26,27 +26,28 @@ from cvllm_lab.kernels.activation import silu_and_mul
 from cvllm_lab.kernels.w4a16_gemv import w4a16_gemv
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_packed_ref, padded_k
 from cvllm_lab.kernels.w4a16_mm import tc_supported, w4a16_dequantize, w4a16_mm, w4a16_tc
-from cvllm_lab.kernels.w4a16_mma import MMA_MAX_M, mma_supported, w4a16_mma
+from cvllm_lab.kernels.w4a16_mma import mma_supported, w4a16_mma
 
 __all__ = ['w4a16_matmul', 'w4a16_matmul_ref', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_mma', 'w4a16_dequantize',
-           'tc_supported', 'mma_supported', 'MM_MAX_M', 'MMA_MAX_M', 'TILE_K', 'padded_k', 'check_layout', 'dequantize_packed_ref']
+           'tc_supported', 'mma_supported', 'MM_MAX_M', 'TILE_K', 'padded_k', 'check_layout', 'dequantize_packed_ref']
 
 MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
 
 def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=False):
-    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (up to
-    1: the MMA kernel where `mma_supported`, else the GEMV; up to `MM_MAX_M`: the tensor-core kernel where
-    `tc_supported`, else the per-field `tl.dot` kernel; more: dequantize + cuBLAS).
-    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the GEMV at M = 1.
-    `sym`: `offsets == -8 * scales` (4-bit symmetric; the GEMV and the tensor-core kernel then skip the offsets)."""
+    """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (1: the MMA
+    kernel where `mma_supported`, else the GEMV; up to `MM_MAX_M`: the tensor-core kernel where `tc_supported`, else
+    the per-field `tl.dot` kernel; more: dequantize + cuBLAS).
+    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the M = 1 kernels.
+    `sym`: `offsets == -8 * scales` (4-bit symmetric; the M = 1 kernels and the tensor-core kernel then skip the
+    offsets)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0: return x.new_empty(*lead, N // 2 if act else N)
-    if M == 1 and mma_supported(x2, bits, group, N, K):
-        return w4a16_mma(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
-    if M == 1: return w4a16_gemv(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
+    if M == 1:
+        one = w4a16_mma if mma_supported(x2, bits, group, N, K) else w4a16_gemv
+        return one(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
     if M <= MM_MAX_M and tc_supported(x2, bits, group, K):
         y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K, sym=sym)
     elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)

@@ -3,13 +3,14 @@
     python -m benchmarks.kernels.bench_w4a16_mma [--ms 1,2,4,8] [--out DIR] [--write]
 
 Correctness first at real sizes: every shape, M = 1 .. 8, symmetric and asymmetric g128 weights, a per-channel
-layer, fp16 x, the fused activation, and an N that needs masks, each against the fp32 reference. Then per shape and
-M = 1 a sweep of launch configs (warps x word tensors per thread x register cap x split-K; other M: the best of
-M = 1), each timed over rotating
-weight copies in a CUDA graph (`common.time_fn`) beside the kernel that `w4a16_matmul` ran before it: the GEMV at
-M = 1 (tuned, symmetric, gate_up with its fused activation), the tensor-core kernel above. Rows go to
+layer, fp16 x, the fused activation, and an N that needs masks, each against the fp32 reference. Then per shape a
+sweep of launch configs at M = 1 (warps x word tensors per thread x register cap x split-K; other M: the best of
+M = 1), each timed over rotating weight copies in a CUDA graph (`common.time_fn`) beside the kernel that
+`w4a16_matmul` ran before it: the GEMV at M = 1 (tuned, symmetric, gate_up with its fused activation), the
+tensor-core kernel above. Rows go to
 DIR/w4a16_mma.csv; the best config per shape at M = 1 is printed in the format of `kernels/configs/w4a16_mma/`, and
-`--write` writes the device's file there.
+`--write` writes the device's file there (on the H200, the reference device, `default.json` too). `--ms` must start
+with 1: the other row counts time the best config of M = 1.
 """
 from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
@@ -17,6 +18,7 @@ import csv
 import itertools
 import json
 import os
+import sys
 
 import torch
 
@@ -77,7 +79,7 @@ def main():
     check()
     rows, best = [], {}
     for name, (N, K) in C.L3_8B.items():
-        p, x, r, nb, args, act = C.gemv_case(name, N, K, 128, True)
+        p, _, _, nb, _, act = C.gemv_case(name, N, K, 128, True)
         for M in MS:
             mk = lambda i: (torch.randn(M, K, device='cuda', dtype=C.XDT),) + tuple(t.clone() for t in p)
             if M == 1:
@@ -109,10 +111,12 @@ def main():
         if M == 1: tables['shapes'][(N, K)] = dict(num_warps=cfg['num_warps'], nh=cfg['nh'], pd=cfg['pd'],
                                                    split=cfg['split_k'], **{k: cfg[k] for k in ('maxnreg',) if k in cfg})
     print(tuned.dump_configs(tables), flush=True)
-    if '--write' in __import__('sys').argv:
-        path = tuned.CONFIG_DIR / 'w4a16_mma' / f'{tuned.device_key(C.device_name())}.json'
-        path.write_text(tuned.dump_configs(tables))
-        print('wrote', path, flush=True)
+    if '--write' in sys.argv:
+        dev = tuned.device_key(C.device_name())
+        for name in [dev] + (['default'] if dev == 'NVIDIA_H200' else []):   # the H200 is the reference device
+            path = tuned.CONFIG_DIR / 'w4a16_mma' / f'{name}.json'
+            path.write_text(tuned.dump_configs(tables))
+            print('wrote', path, flush=True)
 
 
 if __name__ == '__main__':
