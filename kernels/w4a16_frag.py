@@ -11,8 +11,7 @@ elements sit in one thread, `pack=4`):
 
 Under `TRITON_INTERPRET=1` (no PTX) the same functions compute the same per-lane values with tensor ops: the A
 rows of lane group g and B columns of lane group n are gathered by reshaping `[R]` to `[warps, 8, 4]`
-(`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`). `_l2_prefetch` asks L2 for words ahead
-(a no-op in the emulation).
+(`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`)..
 """
 import os
 import struct
@@ -262,16 +261,3 @@ def _b_regs(xj, xj4, xj1, xj5, i: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_B3, "=r,=r,r,r,r,r,r,r,r,r", [xj, xj4, xj1, xj5], dtype=xj.dtype,
                                          is_pure=True, pack=4)
-
-
-_PREFETCH = tl.constexpr("prefetch.global.L2 [$4]; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;")
-
-
-@triton.jit
-def _l2_prefetch(wp, T, N):
-    "Ask L2 for the 4 word rows of K-tile T at `wp` (one line per row and lane group; no registers held)."
-    if _ASM:
-        p = (wp + (T * 16).to(tl.int64) * N).to(tl.int64, bitcast=True)
-        for i in tl.static_range(4):
-            tl.inline_asm_elementwise(_PREFETCH, "=r,=r,=r,=r,l,l,l,l", [p + i * N * 4], dtype=tl.int32,
-                                      is_pure=False, pack=4)

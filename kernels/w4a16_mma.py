@@ -47,7 +47,7 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _l2_prefetch, _mma_ones, _mma_pair
+from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
@@ -164,13 +164,13 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 
 @triton.jit
 def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, TPS,
-                G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, PD: tl.constexpr, EVEN_N: tl.constexpr,
+                G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
                 F16: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
-    the splits). Per K-tile: L2 is asked for the words PD tiles ahead (PD = 0: not), the next tile's words and
-    scales are loaded into registers, then this tile's x and MMAs run. The first tile's words load before
+    the splits). Per K-tile: the next tile's words and scales are loaded into registers, then this tile's x and
+    MMAs run. The first tile's words load before
     `pdl_wait` (weights, which no kernel writes)."""
     R: tl.constexpr = NW * 32
     r = tl.arange(0, R)[:, None]
@@ -191,11 +191,6 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
     xk = 4 * tq + e
     t0 = tl.program_id(1) * TPS
     last = t0 + TPS - 1
-    if PD > 0:
-        for j in tl.static_range(1, PD):
-            _l2_prefetch(wpA, tl.minimum(t0 + j, last), N)
-            if NH == 2:
-                _l2_prefetch(wpB, tl.minimum(t0 + j, last), N)
     a0, a1, a2, a3 = _tile_words(wpA, t0, N, nmA, EVEN_N)
     b0, b1, b2, b3 = a0, a1, a2, a3
     if NH == 2:
@@ -210,10 +205,6 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
     tA0, tA1, tB0, tB1 = z, z, z, z
     for T in range(t0, t0 + TPS):
         Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
-        if PD > 0:
-            _l2_prefetch(wpA, tl.minimum(T + PD, last), N)
-            if NH == 2:
-                _l2_prefetch(wpB, tl.minimum(T + PD, last), N)
         c0, c1, c2, c3 = _tile_words(wpA, Tn, N, nmA, EVEN_N)
         d0, d1, d2, d3 = c0, c1, c2, c3
         if NH == 2:
@@ -265,11 +256,10 @@ def mma_supported(x, bits, group, N, K) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              pd=None, maxnreg=None, pdl=None, act=None, sym=False):
+              maxnreg=None, pdl=None, act=None, sym=False):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
-    SM), `pd` (L2 prefetch distance in K-tiles, 0: none) and `maxnreg` (a register cap per thread) come from the
-    tuned config (`configs/w4a16_mma/`).
+    SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
     caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`."""
     M = x.shape[0]
@@ -285,7 +275,6 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     default = num_warps is None and nh is None
     num_warps = num_warps or cfg['num_warps']
     nh = nh or cfg['nh']
-    pd = cfg.get('pd', 0) if pd is None else pd
     maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
     if nh not in (1, 2): raise ValueError(f"nh={nh}: 1 or 2 word tensors per thread")
     bn = nh * num_warps * 32
@@ -297,7 +286,7 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, progs)
     _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
-                                  G=G, NW=num_warps, NH=nh, PD=pd, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
+                                  G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
                                   SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
                                   num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))

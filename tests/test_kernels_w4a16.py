@@ -130,10 +130,10 @@ def test_w4a16_mma_cpu(N, K, group, sym):
     or lane mapping fails here; the PTX itself is checked on the GPU (`test_w4a16_mma_cuda`)."""
     args = _packed(N, K, 4, group, sym, N + K)
     w = dequantize_packed_ref(*args)
-    for M, dt, nh, sk, pd in ((1, torch.bfloat16, 1, 1, 0), (3, torch.float16, 2, 2, 2), (8, torch.bfloat16, 1, 2, 0)):
+    for M, dt, nh, sk in ((1, torch.bfloat16, 1, 1), (3, torch.float16, 2, 2), (8, torch.bfloat16, 1, 2)):
         x = torch.randn(M, K).to(dt)
         ref = x.float() @ w.T
-        y = w4a16_mma(x, *args, num_warps=1, nh=nh, split_k=sk, pd=pd, sym=sym, out_dtype=torch.float32)
+        y = w4a16_mma(x, *args, num_warps=1, nh=nh, split_k=sk, sym=sym, out_dtype=torch.float32)
         assert y.shape == (M, N) and _rel(y, ref) < 2e-4, (M, dt, nh, sk, _rel(y, ref))
     ya = w4a16_mma(x, *args, num_warps=1, sym=sym, act='silu_and_mul')
     assert ya.shape == (8, N // 2) and _rel(ya, silu_and_mul_ref(ref, interleaved=True)) < 1e-2
@@ -231,9 +231,9 @@ def test_w4a16_mma_cuda(N, K):
             ref = x.float() @ w.T
             y = w4a16_mma(x, *args, sym=sym, out_dtype=torch.float32)       # tuned config
             assert _rel(y, ref) < 2e-4, (N, K, group, sym, M, dt, _rel(y, ref))
-            for nw, nh, sk, pd in ((4, 2, 1, 0), (8, 1, 2, 3)):
-                y = w4a16_mma(x, *args, num_warps=nw, nh=nh, split_k=sk, pd=pd, sym=sym)
-                assert y.dtype == dt and _rel(y, ref) < 1e-2, (N, K, group, sym, M, nw, nh, sk, pd)
+            for nw, nh, sk in ((4, 2, 1), (8, 1, 2)):
+                y = w4a16_mma(x, *args, num_warps=nw, nh=nh, split_k=sk, sym=sym)
+                assert y.dtype == dt and _rel(y, ref) < 1e-2, (N, K, group, sym, M, nw, nh, sk)
         x = torch.randn(1, K, device='cuda', dtype=torch.bfloat16)
         ref = x.float() @ w.T
         assert _rel(w4a16_matmul(x, *args, sym=sym), ref) < 1e-2                 # w4a16_matmul's pick at M = 1
