@@ -78,6 +78,19 @@ def _tile_scales(sp, op, T, N, col, nmask, G: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
+def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr, NH: tl.constexpr, SYM: tl.constexpr,
+                  EVEN_N: tl.constexpr):
+    "K-tile T's words, scales and offsets of the thread's word tensors A and B (NH = 1: A's again, unused)."
+    a0, a1, a2, a3 = _tile_words(wpA, T, N, nmA, EVEN_N)
+    scA, ofA = _tile_scales(sp, op, T, N, colA, nmA, G, SYM)
+    b0, b1, b2, b3, scB, ofB = a0, a1, a2, a3, scA, ofA
+    if NH == 2:
+        b0, b1, b2, b3 = _tile_words(wpB, T, N, nmB, EVEN_N)
+        scB, ofB = _tile_scales(sp, op, T, N, colB, nmB, G, SYM)
+    return a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB
+
+
+@triton.jit
 def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr):
     "x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (one 8-byte load each); `xk` = 4t + (0 .. 3)."
     k = T * 128 + xk
@@ -191,35 +204,22 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
     xk = 4 * tq + e
     t0 = tl.program_id(1) * TPS
     last = t0 + TPS - 1
-    a0, a1, a2, a3 = _tile_words(wpA, t0, N, nmA, EVEN_N)
-    b0, b1, b2, b3 = a0, a1, a2, a3
-    if NH == 2:
-        b0, b1, b2, b3 = _tile_words(wpB, t0, N, nmB, EVEN_N)
-    scA, ofA = _tile_scales(s_ptr, o_ptr, t0, N, colA, nmA, G, SYM)
-    scB, ofB = scA, ofA
-    if NH == 2:
-        scB, ofB = _tile_scales(s_ptr, o_ptr, t0, N, colB, nmB, G, SYM)
+    a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(wpA, wpB, s_ptr, o_ptr, t0, N, colA, colB,
+                                                                       nmA, nmB, G, NH, SYM, EVEN_N)
     pdl_wait(PDL)
     pdl_launch(PDL)
     z = tl.zeros([R, 4], dtype=tl.float32)
     tA0, tA1, tB0, tB1 = z, z, z, z
     for T in range(t0, t0 + TPS):
         Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
-        c0, c1, c2, c3 = _tile_words(wpA, Tn, N, nmA, EVEN_N)
-        d0, d1, d2, d3 = c0, c1, c2, c3
-        if NH == 2:
-            d0, d1, d2, d3 = _tile_words(wpB, Tn, N, nmB, EVEN_N)
-        scC, ofC = _tile_scales(s_ptr, o_ptr, Tn, N, colA, nmA, G, SYM)
-        scD, ofD = scC, ofC
-        if NH == 2:
-            scD, ofD = _tile_scales(s_ptr, o_ptr, Tn, N, colB, nmB, G, SYM)
+        c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB,
+                                                                           nmA, nmB, G, NH, SYM, EVEN_N)
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K)
         tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
                                         x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
         scA, ofA, scB, ofB = scC, ofC, scD, ofD
-    l2 = tl.arange(0, R)[:, None] % 32
-    bt = 2 * (l2 % 4)                                       # x rows of a thread's D elements: 2t, 2t + 1
+    bt = 2 * tq                                             # x rows of a thread's D elements: 2t, 2t + 1
     if SPLIT == 1:
         _mma_put(tA0, fb, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
         _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
