@@ -119,22 +119,10 @@ def _elem(t, j: tl.constexpr):
 @triton.jit
 def _x_of(xa, xb, j: tl.constexpr):
     "x of field j from B's two registers: xa holds fields (0, 4, 1, 5), xb (2, 6, 3, 7) (emulation only)."
-    if j == 0:
-        return _elem(xa, 0)
-    elif j == 4:
-        return _elem(xa, 1)
-    elif j == 1:
-        return _elem(xa, 2)
-    elif j == 5:
-        return _elem(xa, 3)
-    elif j == 2:
-        return _elem(xb, 0)
-    elif j == 6:
-        return _elem(xb, 1)
-    elif j == 3:
-        return _elem(xb, 2)
+    if j % 4 < 2:
+        return _elem(xa, 2 * (j % 4) + j // 4)
     else:
-        return _elem(xb, 3)
+        return _elem(xb, 2 * (j % 4 - 2) + j // 4)
 
 
 @triton.jit
