@@ -11,7 +11,7 @@ elements sit in one thread, `pack=4`):
 
 Under `TRITON_INTERPRET=1` (no PTX) the same functions compute the same per-lane values with tensor ops: the A
 rows of lane group g and B columns of lane group n are gathered by reshaping `[R]` to `[warps, 8, 4]`
-(`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`).
+(`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`)..
 """
 import os
 import struct
@@ -249,16 +249,3 @@ def _b_regs(xj, xj4, xj1, xj5, i: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_B3, "=r,=r,r,r,r,r,r,r,r,r", [xj, xj4, xj1, xj5], dtype=xj.dtype,
                                          is_pure=True, pack=4)
-
-
-_LDX = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")
-
-
-@triton.jit
-def _ld_x(p):
-    """The 4 neighbouring 16-bit x elements at `p` ([R, 4] pointers, 8-byte aligned), by PTX: a load the
-    software pipeliner leaves alone, so only the words and scales go through its shared-memory stages."""
-    if _ASM:
-        return tl.inline_asm_elementwise(_LDX, "=r,=r,l,l,l,l", [p], dtype=p.dtype.element_ty, is_pure=True, pack=4)
-    else:
-        return tl.load(p)

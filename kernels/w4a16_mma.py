@@ -47,7 +47,7 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _ld_x, _mma_ones, _mma_pair
+from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
@@ -58,7 +58,7 @@ MMA_MAX_M = 8
 @triton.jit
 def _tile_words(wp, T, N, nmask, EVEN_N: tl.constexpr):
     "The 4 word rows (`4t + i`, i = 0..3) of K-tile T of this thread's 4 columns (16 bytes each)."
-    p = wp + (T * 16) * N.to(tl.int64)
+    p = wp + (T * 16).to(tl.int64) * N
     if EVEN_N:
         return tl.load(p), tl.load(p + N), tl.load(p + 2 * N), tl.load(p + 3 * N)
     else:
@@ -91,14 +91,10 @@ def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr,
 
 
 @triton.jit
-def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr, XA: tl.constexpr = False):
-    """x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (one 8-byte load each); `xk` = 4t + (0 .. 3).
-    XA: by PTX (`_ld_x`), outside the software pipeline."""
+def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr):
+    "x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (one 8-byte load each); `xk` = 4t + (0 .. 3)."
     k = T * 128 + xk
-    if XA:
-        return (_ld_x(xp + k), _ld_x(xp + k + 16), _ld_x(xp + k + 32), _ld_x(xp + k + 48),
-                _ld_x(xp + k + 64), _ld_x(xp + k + 80), _ld_x(xp + k + 96), _ld_x(xp + k + 112))
-    elif EVEN_K:
+    if EVEN_K:
         return (tl.load(xp + k), tl.load(xp + k + 16), tl.load(xp + k + 32), tl.load(xp + k + 48),
                 tl.load(xp + k + 64), tl.load(xp + k + 80), tl.load(xp + k + 96), tl.load(xp + k + 112))
     else:
@@ -183,7 +179,7 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, TPS,
                 G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
-                F16: tl.constexpr, STAGES: tl.constexpr, XA: tl.constexpr):
+                F16: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
     the splits). Per K-tile: the next tile's words and scales are loaded into registers, then this tile's x and
@@ -208,31 +204,21 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
     xk = 4 * tq + e
     t0 = tl.program_id(1) * TPS
     last = t0 + TPS - 1
+    a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(wpA, wpB, s_ptr, o_ptr, t0, N, colA, colB,
+                                                                       nmA, nmB, G, NH, SYM, EVEN_N)
+    pdl_wait(PDL)
+    pdl_launch(PDL)
     z = tl.zeros([R, 4], dtype=tl.float32)
     tA0, tA1, tB0, tB1 = z, z, z, z
-    if STAGES == 1:
-        a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(wpA, wpB, s_ptr, o_ptr, t0, N, colA, colB,
+    for T in range(t0, t0 + TPS):
+        Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
+        c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB,
                                                                            nmA, nmB, G, NH, SYM, EVEN_N)
-        pdl_wait(PDL)
-        pdl_launch(PDL)
-        for T in range(t0, t0 + TPS):
-            Tn = tl.minimum(T + 1, last)                    # the last tile re-reads itself (L2 hits)
-            c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA,
-                                                                               colB, nmA, nmB, G, NH, SYM, EVEN_N)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K)
-            tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4,
-                                            x5, x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
-            a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
-            scA, ofA, scB, ofB = scC, ofC, scD, ofD
-    else:
-        pdl_wait(PDL)
-        pdl_launch(PDL)
-        for T in tl.range(t0, t0 + TPS, num_stages=STAGES):
-            a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(wpA, wpB, s_ptr, o_ptr, T, N, colA,
-                                                                               colB, nmA, nmB, G, NH, SYM, EVEN_N)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K, XA and EVEN_K)
-            tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4,
-                                            x5, x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K)
+        tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
+                                        x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
+        a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
+        scA, ofA, scB, ofB = scC, ofC, scD, ofD
     bt = 2 * tq                                             # x rows of a thread's D elements: 2t, 2t + 1
     if SPLIT == 1:
         _mma_put(tA0, fb, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
@@ -270,7 +256,7 @@ def mma_supported(x, bits, group, N, K) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              maxnreg=None, stages=None, xa=None, pdl=None, act=None, sym=False):
+              maxnreg=None, pdl=None, act=None, sym=False):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
     SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
@@ -290,8 +276,6 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     num_warps = num_warps or cfg['num_warps']
     nh = nh or cfg['nh']
     maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
-    stages = stages or (cfg.get('stages', 1) if default else 1)
-    xa = bool(cfg.get('xa', False) if xa is None and default else xa) and x.data_ptr() % 8 == 0
     if nh not in (1, 2): raise ValueError(f"nh={nh}: 1 or 2 word tensors per thread")
     bn = nh * num_warps * 32
     progs = triton.cdiv(N, bn)
@@ -304,6 +288,6 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
                                   G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
                                   SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
-                                  STAGES=stages, XA=xa, num_warps=num_warps, num_stages=stages, **pdl_kw(x.device, pdl),
+                                  num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))
     return out
