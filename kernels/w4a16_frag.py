@@ -11,7 +11,7 @@ elements sit in one thread, `pack=4`):
 
 Under `TRITON_INTERPRET=1` (no PTX) the same functions compute the same per-lane values with tensor ops: the A
 rows of lane group g and B columns of lane group n are gathered by reshaping `[R]` to `[warps, 8, 4]`
-(`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`)..
+(`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`).
 """
 import os
 import struct
