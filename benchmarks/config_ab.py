@@ -6,7 +6,9 @@ graphs keep the kernels they were captured with), timed alternately.
                                    [--repeats 3] [--model llama3_8b] [--max-model-len 4096]
 
 `paged_attention`: the decode attention's tuned tables (`configs/paged_attention/<device>.json`) against its
-`default` config. Another kernel whose launcher looks its table up through one module function joins `UNTUNED`.
+`default` config. Another kernel whose launcher looks its table up through one module function joins `UNTUNED`,
+as does a fast path switched by one function (`fp32_stream`: the Llama layers' fp32 residual stream against the
+fused bf16 adds; `w4a16_mma`: the MMA kernel against the GEMV).
 
 A point is `quantization:batch:prompt_len` (`none`: the checkpoint's dtype); decode tok/s is batch x 128 /
 (t(129 tokens) - t(1 token)) of fresh random prompts, as the sweep measures it. Printed per point: each engine's
@@ -23,13 +25,16 @@ from benchmarks.kernels.common import arg
 from cvllm_lab import LLM
 from cvllm_lab.bench.sweep import model_dir
 from cvllm_lab.kernels import paged_attention as pa
+from cvllm_lab.kernels import tuned
 from cvllm_lab.kernels import w4a16 as KW
+from cvllm_lab.models.llama import LlamaForCausalLM
 from cvllm_lab.sampling_params import SamplingParams
 
 
 # kernel -> (module, the lookup to replace, what it returns without the tuned table)
 UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default']),
-           'w4a16_mma': (KW, 'mma_supported', lambda *a, **k: False)}   # 'untuned': the kernels before it
+           'w4a16_mma': (KW, 'mma_supported', lambda *a, **k: False),   # 'untuned': the kernels before it
+           'fp32_stream': (LlamaForCausalLM, 'fp32_stream', lambda *a, **k: False)}   # 'untuned': bf16 residual adds
 
 
 def engine(path, quant, max_model_len, max_seqs, kernel: str | None):
@@ -59,7 +64,8 @@ def main():
               arg('--points', 'none:1:32,none:16:2048,none:64:1024,w4a16:1:32').split(','))]
     repeats, mml, kernel = int(arg('--repeats', 3)), int(arg('--max-model-len', 4096)), arg('--kernel', 'paged_attention')
     path = str(model_dir(yaml.safe_load(open(f"conf/model/{arg('--model', 'llama3_8b')}.yaml"))))
-    print(f'{torch.cuda.get_device_name()}: {kernel} tables {pa.configs_for(kernel, torch.device("cuda"))}', flush=True)
+    tables = pa.configs_for(kernel, torch.device('cuda')) if (tuned.CONFIG_DIR / kernel).is_dir() else '(a switch)'
+    print(f'{torch.cuda.get_device_name()}: {kernel} tables {tables}', flush=True)
     for quant in dict.fromkeys(q for q, _, _ in points):
         mine = [(b, p) for q, b, p in points if q == quant]
         seqs = max(b for b, _ in mine)

@@ -30,7 +30,8 @@ multiple of 128); symmetric layers: `scale * (D - 136 sum x)`, no offsets read. 
 weight (the GEMV: ~3), so the kernel waits on memory, not on issue.
 
 A program owns `NH * num_warps * 32` columns and a run of K-tiles; the next K-tile's words and scales are loaded
-before this one's MMAs, and split-K programs meet in the self-zeroing workspace of `split_k`. The register-level
+before this one's MMAs, and split-K programs meet in the self-zeroing workspace of `split_k`, or, given an fp32
+accumulator (`acc`: a residual stream the products are added to), add their partial sums straight into it. The register-level
 pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`.
 
 The mapping of tensor rows to lanes: every `[R, 4]` tensor has Triton's blocked layout with 4 elements per
@@ -179,12 +180,12 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, TPS,
                 G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
-                F16: tl.constexpr):
+                F16: tl.constexpr, ACC: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
-    the splits). Per K-tile: the next tile's words and scales are loaded into registers, then this tile's x and
-    MMAs run. The first tile's words load before
-    `pdl_wait` (weights, which no kernel writes)."""
+    the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). Per K-tile: the
+    next tile's words and scales are loaded into registers, then this tile's x and MMAs run. The first tile's words
+    load before `pdl_wait` (weights, which no kernel writes)."""
     R: tl.constexpr = NW * 32
     r = tl.arange(0, R)[:, None]
     e = tl.arange(0, 4)[None, :]
@@ -220,7 +221,13 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
         scA, ofA, scB, ofB = scC, ofC, scD, ofD
     bt = 2 * tq                                             # x rows of a thread's D elements: 2t, 2t + 1
-    if SPLIT == 1:
+    if ACC:                                                 # added into the caller's fp32 sums: no last program
+        _mma_put(tA0, fb, bt, out_ptr, out_ptr, M, N, False, 2, False)
+        _mma_put(tA1, fb + 2, bt, out_ptr, out_ptr, M, N, False, 2, False)
+        if NH == 2:
+            _mma_put(tB0, fb + R, bt, out_ptr, out_ptr, M, N, False, 2, False)
+            _mma_put(tB1, fb + R + 2, bt, out_ptr, out_ptr, M, N, False, 2, False)
+    elif SPLIT == 1:
         _mma_put(tA0, fb, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
         _mma_put(tA1, fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, True)
         if NH == 2:
@@ -256,12 +263,14 @@ def mma_supported(x, bits, group, N, K) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              maxnreg=None, pdl=None, act=None, sym=False):
+              maxnreg=None, pdl=None, act=None, sym=False, acc=None):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
     SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
-    caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`."""
+    caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`. `acc` (fp32 `[M, N]`,
+    contiguous): `acc += x @ W.T` in place and returned; the programs add their partial sums straight into it, so
+    a split-K launch ends without the workspace's last-program read-back (three dependent L2 round trips)."""
     M = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == K and 1 <= M <= MMA_MAX_M, x.shape
     assert act in (None, 'silu_and_mul'), act
@@ -283,11 +292,17 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
         split_k = split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, 1, x.device)
     elif tiles % split_k:
         raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
-    out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
+    if acc is not None:
+        if act or acc.dtype != torch.float32 or acc.shape != (M, N) or not acc.is_contiguous():
+            raise ValueError(f"acc must be a contiguous fp32 [{M}, {N}] tensor, without act")
+        out = acc
+    else:
+        out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, progs)
     _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
                                   G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
                                   SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
+                                  ACC=acc is not None,
                                   num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))
     return out

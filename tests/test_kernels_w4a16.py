@@ -137,6 +137,11 @@ def test_w4a16_mma_cpu(N, K, group, sym):
         assert y.shape == (M, N) and _rel(y, ref) < 2e-4, (M, dt, nh, sk, _rel(y, ref))
     ya = w4a16_mma(x, *args, num_warps=1, sym=sym, act='silu_and_mul')
     assert ya.shape == (8, N // 2) and _rel(ya, silu_and_mul_ref(ref, interleaved=True)) < 1e-2
+    r = torch.randn(8, N)                                          # acc: added into fp32 sums, split or not
+    for sk in (1, 2):
+        acc = r.clone()
+        assert w4a16_mma(x, *args, num_warps=1, split_k=sk, sym=sym, acc=acc) is acc and _rel(acc, r + ref) < 2e-4
+    with pytest.raises(ValueError, match='fp32'): w4a16_mma(x, *args, acc=r.half())
     assert _ws_clean()
     assert not mma_supported(x, 4, group, N, K)                    # the interpreter runs no PTX: w4a16_matmul won't
     with pytest.raises(ValueError, match='multiple of 128'):     # group 32 (GGUF repacks): the GEMV's
@@ -231,6 +236,9 @@ def test_w4a16_mma_cuda(N, K):
             ref = x.float() @ w.T
             y = w4a16_mma(x, *args, sym=sym, out_dtype=torch.float32)       # tuned config
             assert _rel(y, ref) < 2e-4, (N, K, group, sym, M, dt, _rel(y, ref))
+            r = torch.randn(M, N, device='cuda')
+            acc = w4a16_mma(x, *args, sym=sym, acc=r.clone())               # added into fp32 sums
+            assert _rel(acc, r + ref) < 2e-4, (N, K, group, sym, M, dt, 'acc')
             for nw, nh, sk in ((4, 2, 1), (8, 1, 2)):
                 y = w4a16_mma(x, *args, num_warps=nw, nh=nh, split_k=sk, sym=sym)
                 assert y.dtype == dt and _rel(y, ref) < 1e-2, (N, K, group, sym, M, nw, nh, sk)

@@ -35,6 +35,13 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
+    def normed(self, x, dtype):
+        "The norm of `x` written in `dtype`: an fp32 residual stream normed for a 16-bit matmul, one kernel."
+        if _use_triton(x):
+            from cvllm_lab.kernels import norm as K
+            return K.rms_norm(x, self.weight, self.eps, out=torch.empty(x.shape, dtype=dtype, device=x.device))
+        return self._norm(x).to(dtype)
+
 # %% ../../nbs/20_layers.ipynb #e17f49a7
 class GemmaRMSNorm(nn.Module):
     "Gemma's RMSNorm: scale `1 + w` applied in fp32 (HF's order); `forward(x, residual)` as `RMSNorm`'s."

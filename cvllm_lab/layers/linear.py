@@ -16,8 +16,8 @@ from .basic import Linear
 
 # %% auto #0
 __all__ = ['QUANT_SHARD_ALIGN', 'divide', 'loaded_shape', 'narrow_loaded', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
-           'QKVParallelLinear', 'RowParallelLinear', 'AllReduceOutput', 'like_parallel', 'pad_vocab_size',
-           'VocabParallelEmbedding', 'ParallelLMHead', 'check_shard_alignment', 'quant_shard_units']
+           'QKVParallelLinear', 'RowParallelLinear', 'AllReduceOutput', 'like_parallel', 'accumulates', 'linear_add_',
+           'pad_vocab_size', 'VocabParallelEmbedding', 'ParallelLMHead', 'check_shard_alignment', 'quant_shard_units']
 
 # %% ../../nbs/25_parallel_linear.ipynb #e5f4bcfe
 def divide(a: int, b: int, what: str = '') -> int:
@@ -156,6 +156,18 @@ def like_parallel(orig: nn.Module, new: nn.Module) -> nn.Module:
     if not isinstance(orig, RowParallelLinear) or orig.tp_size == 1 or not orig.reduce_results: return new
     if orig.tp_rank != 0 and getattr(new, 'bias', None) is not None: new.bias = None   # counted once, on rank 0
     return AllReduceOutput(new)
+
+# %% ../../nbs/25_parallel_linear.ipynb #70795b69
+def accumulates(layer: nn.Module, x: torch.Tensor) -> bool:
+    "Whether `layer` adds its product into an fp32 sum itself (`layer.add_into`) for a batch like `x`."
+    f = getattr(layer, 'can_add_into', None)
+    return bool(f is not None and f(x))
+
+def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    "`acc += layer(x)` in place (`acc` fp32): by `layer.add_into` where it takes `x`, else a matmul and an add."
+    f = getattr(layer, 'add_into', None)
+    if f is None or not f(x, acc): acc.add_(layer(x))
+    return acc
 
 # %% ../../nbs/25_parallel_linear.ipynb #dd06811f
 def pad_vocab_size(vocab_size: int, pad_to: int) -> int:

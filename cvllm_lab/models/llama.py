@@ -11,13 +11,14 @@ from typing import Iterable
 import torch
 from torch import nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 from ..layers.basic import RMSNorm, SiluAndMul, Linear
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
 from ..utils.context import get_forward_context
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
-                                     VocabParallelEmbedding, ParallelLMHead)
+                                     VocabParallelEmbedding, ParallelLMHead, accumulates, linear_add_)
 from ..utils.parallel_state import get_tensor_model_parallel_world_size, tensor_model_parallel_gather
 from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
 
@@ -41,13 +42,16 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary
         self.attn = Attention(self.H, D, D ** -0.5, self.Hkv, sliding_window=sliding_window, backend=backend)
 
-    def forward(self, positions, h):
+    def attend(self, positions, h):
+        "The heads' outputs `[T, H * D]`, before the output projection."
         T = h.shape[0]
         q, k, v = self.qkv_proj(h).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))   # rotary inside (fused on triton)
+        return self.attn(q, k, v, positions, self.rotary_emb)   # rotary inside (fused on triton)
+
+    def forward(self, positions, h): return self.o_proj(self.attend(positions, h))
 
 class LlamaMLP(nn.Module):
     "SwiGLU MLP with one merged gate/up matmul; the intermediate dimension split over the TP ranks."
@@ -57,7 +61,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         # reduce_results=False: this rank's partial sum, for a caller that adds more before one all-reduce (an MoE's shared expert)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_results=reduce_results)
-    def forward(self, x): return self.down_proj(self.act(self.gate_up_proj(x)))
+    def hidden(self, x):
+        "`act(gate) * up`, the down projection's input."
+        return self.act(self.gate_up_proj(x))
+    def forward(self, x): return self.down_proj(self.hidden(x))
 
 class LlamaDecoderLayer(nn.Module):
     "Pre-norm block: `h, residual -> attention -> MLP`, residual adds fused into the norms."
@@ -78,6 +85,18 @@ class LlamaDecoderLayer(nn.Module):
         if keep is not None: h, residual = h[keep], residual[keep]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+# %% ../../nbs/30_llama.ipynb #bd1a7d02
+@patch
+def forward_acc(self: LlamaDecoderLayer, positions, residual, dtype, last: bool = False):
+    """One layer on the fp32 residual stream: the output and down projections add into `residual` in place. Returns
+    `(None, residual)`, or for the `last` layer `(its MLP output, residual)`."""
+    h = self.input_layernorm.normed(residual, dtype)
+    linear_add_(self.self_attn.o_proj, self.self_attn.attend(positions, h), residual)
+    h = self.mlp.hidden(self.post_attention_layernorm.normed(residual, dtype))
+    if last: return self.mlp.down_proj(h), residual
+    linear_add_(self.mlp.down_proj, h, residual)
+    return None, residual
 
 # %% ../../nbs/30_llama.ipynb #f8f03a40
 class LlamaForCausalLM(nn.Module):
@@ -113,10 +132,24 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.norm(*self.run_layers(positions, self.model.embed_tokens(input_ids)))[0]
 
+    def fp32_stream(self, h) -> bool:
+        """Whether `run_layers` keeps the residual in fp32 (`LlamaDecoderLayer.forward_acc`) for the batch `h`: the
+        layers are this file's, and their output and down projections add into fp32 sums themselves."""
+        layers = self.model.layers
+        if not len(layers) or any(type(l) is not LlamaDecoderLayer or type(l.self_attn) is not LlamaAttention
+                                  or type(l.mlp) is not LlamaMLP for l in layers): return False
+        return accumulates(layers[0].self_attn.o_proj, h) and accumulates(layers[0].mlp.down_proj, h)
+
     def run_layers(self, positions, h):
-        """`(h, residual)` after the decoder layers. The last one, if it can (`prunes_rows`), drops the rows the step
-        does not read (`ForwardContext.keep_rows`) after its attention: no MLP for them."""
+        """`(h, residual)` after the decoder layers (`residual` in fp32 where `fp32_stream`). The last one, if it can
+        (`prunes_rows`), drops the rows the step does not read (`ForwardContext.keep_rows`) after its attention: no
+        MLP for them."""
         residual, keep, last = None, get_forward_context().keep_rows, len(self.model.layers) - 1
+        if keep is None and self.fp32_stream(h):
+            dtype, residual = h.dtype, h.float()
+            for i, layer in enumerate(self.model.layers):
+                h, residual = layer.forward_acc(positions, residual, dtype, last=i == last)
+            return h, residual
         for i, layer in enumerate(self.model.layers):
             if i == last and keep is not None and getattr(layer, 'prunes_rows', False):
                 h, residual = layer(positions, h, residual, keep=keep)

@@ -145,6 +145,24 @@ class W4A16Linear(QuantLinear):
         from cvllm_lab.kernels.activation import silu_and_mul_ref
         return silu_and_mul_ref(y, interleaved=True)
 
+    def can_add_into(self, x) -> bool:
+        """Whether `add_into` takes a batch like `x` (its rows, dtype and device are read, not its width): one row
+        on CUDA through the MMA kernel, no bias, no fused activation."""
+        if self.bias is not None or self.act is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
+            return False
+        from cvllm_lab.kernels.w4a16_mma import mma_supported
+        return mma_supported(x, self.bits, self.group, self.output_size, self.input_size)
+
+    def add_into(self, x, acc) -> bool:
+        """`acc += x @ W.T` in place (`acc` fp32) where `can_add_into`: the MMA kernel adds its split-K partial
+        sums straight into `acc`, so the matmul ends without the workspace's read-back. False (nothing done)
+        elsewhere."""
+        if not self.can_add_into(x): return False
+        from cvllm_lab.kernels.w4a16_mma import w4a16_mma
+        w4a16_mma(x, self.qweight, self.scales, self.offsets, self.bits, self.group, self.output_size,
+                  self.input_size, sym=self.is_sym(), acc=acc)
+        return True
+
     def is_sym(self) -> bool:
         """Whether the offsets are `-8 * scales` (4-bit symmetric: GPTQ sym, `--isq w4a16`), checked on the first
         call (a device sync, before CUDA graphs are captured); the GEMV then reads no offsets."""
