@@ -128,3 +128,25 @@ def test_no_moe_compiles_after_start_up():
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert count() == before, (before, count())
+
+
+def test_w4a16_fp32_stream_matches_bf16_adds(monkeypatch):
+    """W4A16 at one row runs the Llama layers on the fp32 residual stream (the MMA kernels add into it and norm
+    their input inside); greedy tokens and their logprobs agree with the same engine on the fused bf16 adds."""
+    from cvllm_lab import LLM, SamplingParams
+    from cvllm_lab.models.llama import LlamaForCausalLM as Ours
+    _, d = _model('llama')
+    prompt = {'prompt_token_ids': torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(3)).tolist()}
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    kw = dict(progress=False, device='cuda', dtype='bfloat16', quantization='w4a16', skip_tokenizer_init=True,
+              kv_cache_memory=256 << 20, max_num_seqs=4)
+    seen, stream = [], Ours.fp32_stream
+    monkeypatch.setattr(Ours, 'fp32_stream', lambda self, h: seen.append(stream(self, h)) or seen[-1])
+    a = LLM(str(d), **kw).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert True in seen and False in seen          # decode rows on the stream, the prompt's prefill not
+    monkeypatch.setattr(Ours, 'fp32_stream', lambda self, h: False)
+    b = LLM(str(d), **kw).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids[:4] == b.token_ids[:4], (a.token_ids, b.token_ids)
+    n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+    err = max(abs(la[t].logprob - lb[t].logprob) for la, lb, t in zip(a.logprobs[:n], b.logprobs[:n], a.token_ids))
+    assert err < 0.1, err
