@@ -92,30 +92,17 @@ def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr,
 
 
 @triton.jit
-def _x_run(xp, nwp, k, K, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr):
-    """x[k .. k+3] ([R, 4]; one 8-byte load). NORM: x is an fp32 residual, normed here: `x * rstd * w` (`nwp` the
-    norm weight) in the weight's dtype, as `rms_norm` writes it."""
-    if EVEN_K:
-        v = tl.load(xp + k)
-    else:
-        v = tl.load(xp + k, mask=k < K, other=0.0)
-    if NORM:
-        if EVEN_K:
-            w = tl.load(nwp + k)
-        else:
-            w = tl.load(nwp + k, mask=k < K, other=0.0)
-        v = (v * rstd * w.to(tl.float32)).to(nwp.dtype.element_ty)
-    return v
-
-
-@triton.jit
-def _x_runs(xp, nwp, xk, T, K, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr):
-    "x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (`_x_run`); `xk` = 4t + (0 .. 3)."
+def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr):
+    "x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (one 8-byte load each); `xk` = 4t + (0 .. 3)."
     k = T * 128 + xk
-    return (_x_run(xp, nwp, k, K, rstd, EVEN_K, NORM), _x_run(xp, nwp, k + 16, K, rstd, EVEN_K, NORM),
-            _x_run(xp, nwp, k + 32, K, rstd, EVEN_K, NORM), _x_run(xp, nwp, k + 48, K, rstd, EVEN_K, NORM),
-            _x_run(xp, nwp, k + 64, K, rstd, EVEN_K, NORM), _x_run(xp, nwp, k + 80, K, rstd, EVEN_K, NORM),
-            _x_run(xp, nwp, k + 96, K, rstd, EVEN_K, NORM), _x_run(xp, nwp, k + 112, K, rstd, EVEN_K, NORM))
+    if EVEN_K:
+        return (tl.load(xp + k), tl.load(xp + k + 16), tl.load(xp + k + 32), tl.load(xp + k + 48),
+                tl.load(xp + k + 64), tl.load(xp + k + 80), tl.load(xp + k + 96), tl.load(xp + k + 112))
+    else:
+        return (tl.load(xp + k, mask=k < K, other=0.0), tl.load(xp + k + 16, mask=k + 16 < K, other=0.0),
+                tl.load(xp + k + 32, mask=k + 32 < K, other=0.0), tl.load(xp + k + 48, mask=k + 48 < K, other=0.0),
+                tl.load(xp + k + 64, mask=k + 64 < K, other=0.0), tl.load(xp + k + 80, mask=k + 80 < K, other=0.0),
+                tl.load(xp + k + 96, mask=k + 96 < K, other=0.0), tl.load(xp + k + 112, mask=k + 112 < K, other=0.0))
 
 
 @triton.jit
@@ -190,14 +177,13 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 
 
 @triton.jit
-def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, stride_xm, TPS, eps,
+def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, TPS,
                 G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
-                F16: tl.constexpr, ACC: tl.constexpr, NORM: tl.constexpr, KP2: tl.constexpr):
+                F16: tl.constexpr, ACC: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
-    the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). NORM (M = 1): x
-    is an fp32 residual and the matmul's input is its RMSNorm with weight `nw_ptr` (`_x_run`). Per K-tile: the
+    the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). Per K-tile: the
     next tile's words and scales are loaded into registers, then this tile's x and MMAs run. The first tile's words
     load before `pdl_wait` (weights, which no kernel writes)."""
     R: tl.constexpr = NW * 32
@@ -223,18 +209,13 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M
                                                                        nmA, nmB, G, NH, SYM, EVEN_N)
     pdl_wait(PDL)
     pdl_launch(PDL)
-    rstd = 1.0
-    if NORM:                                                # one row (M = 1): its RMS over all of K, from L2
-        kk = tl.arange(0, KP2)
-        xr = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xr * xr, 0) / K + eps)
     z = tl.zeros([R, 4], dtype=tl.float32)
     tA0, tA1, tB0, tB1 = z, z, z, z
     for T in range(t0, t0 + TPS):
         Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
         c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB,
                                                                            nmA, nmB, G, NH, SYM, EVEN_N)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, nw_ptr, xk, T, K, rstd, EVEN_K, NORM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K)
         tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
                                         x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
@@ -282,16 +263,14 @@ def mma_supported(x, bits, group, N, K) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              maxnreg=None, pdl=None, act=None, sym=False, acc=None, norm_weight=None, eps=1e-6):
+              maxnreg=None, pdl=None, act=None, sym=False, acc=None):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
     SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
     caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`. `acc` (fp32 `[M, N]`,
     contiguous): `acc += x @ W.T` in place and returned; the programs add their partial sums straight into it, so
-    a split-K launch ends without the workspace's last-program read-back (three dependent L2 round trips).
-    `norm_weight` (`[K]`, 16-bit): `x` is one fp32 row (a residual stream) and the input is `rms_norm(x,
-    norm_weight, eps)` in the weight's dtype, computed in the kernel (no norm kernel, no normed copy)."""
+    a split-K launch ends without the workspace's last-program read-back (three dependent L2 round trips)."""
     M = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == K and 1 <= M <= MMA_MAX_M, x.shape
     assert act in (None, 'silu_and_mul'), act
@@ -299,10 +278,6 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     if bits != 4 or G % TILE_K or N % 4:
         raise ValueError(f"w4a16_mma needs 4-bit weights, groups a multiple of {TILE_K} and N % 4 == 0")
     x = x.contiguous()
-    if norm_weight is not None and (M != 1 or x.dtype != torch.float32 or norm_weight.shape != (K,)
-                                    or norm_weight.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"norm_weight: x must be one fp32 row and the weight 16-bit [{K}]")
-    mdt = x.dtype if norm_weight is None else norm_weight.dtype            # the MMA's operand dtype
     tiles = Kp // TILE_K
     T = configs_for('w4a16_mma', x.device)
     cfg = T['shapes'].get((N, K), T['default'])
@@ -322,15 +297,12 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
             raise ValueError(f"acc must be a contiguous fp32 [{M}, {N}] tensor, without act")
         out = acc
     else:
-        out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or mdt, device=x.device)
+        out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, progs)
-    nw = x if norm_weight is None else norm_weight.contiguous()
-    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, nw, M, N, K, x.stride(0), tiles // split_k,
-                                  eps,
+    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
                                   G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
-                                  SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=mdt == torch.float16,
-                                  ACC=acc is not None, NORM=norm_weight is not None,
-                                  KP2=triton.next_power_of_2(K) if norm_weight is not None else 1,
+                                  SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
+                                  ACC=acc is not None,
                                   num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))
     return out

@@ -131,8 +131,8 @@ def test_no_moe_compiles_after_start_up():
 
 
 def test_w4a16_fp32_stream_matches_bf16_adds(monkeypatch):
-    """W4A16 at one row runs the Llama layers on the fp32 residual stream (the MMA kernels add into it and norm
-    their input inside); greedy tokens and their logprobs agree with the same engine on the fused bf16 adds."""
+    """W4A16 at one row runs the Llama layers on the fp32 residual stream (the output and down projections' MMA
+    kernels add into it); greedy tokens and their logprobs agree with the same engine on the fused bf16 adds."""
     from cvllm_lab import LLM, SamplingParams
     from cvllm_lab.models.llama import LlamaForCausalLM as Ours
     _, d = _model('llama')

@@ -17,8 +17,7 @@ from .basic import Linear
 # %% auto #0
 __all__ = ['QUANT_SHARD_ALIGN', 'divide', 'loaded_shape', 'narrow_loaded', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
            'QKVParallelLinear', 'RowParallelLinear', 'AllReduceOutput', 'like_parallel', 'accumulates', 'linear_add_',
-           'normed_linear', 'pad_vocab_size', 'VocabParallelEmbedding', 'ParallelLMHead', 'check_shard_alignment',
-           'quant_shard_units']
+           'pad_vocab_size', 'VocabParallelEmbedding', 'ParallelLMHead', 'check_shard_alignment', 'quant_shard_units']
 
 # %% ../../nbs/25_parallel_linear.ipynb #e5f4bcfe
 def divide(a: int, b: int, what: str = '') -> int:
@@ -169,13 +168,6 @@ def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor) -> torch.T
     f = getattr(layer, 'add_into', None)
     if f is None or not f(x, acc): acc.add_(layer(x))
     return acc
-
-def normed_linear(layer: nn.Module, norm: nn.Module, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`layer(norm(residual))` for an fp32 `residual`, the norm's output in `dtype`: by `layer.matmul_normed` where it
-    takes the row (the norm done inside the matmul kernel), else `norm.normed` and the layer."""
-    f = getattr(layer, 'matmul_normed', None)
-    y = f(residual, norm) if f is not None else None
-    return y if y is not None else layer(norm.normed(residual, dtype))
 
 # %% ../../nbs/25_parallel_linear.ipynb #dd06811f
 def pad_vocab_size(vocab_size: int, pad_to: int) -> int:

@@ -18,8 +18,7 @@ from ..layers.attention import Attention
 from ..utils.context import get_forward_context
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
-                                     VocabParallelEmbedding, ParallelLMHead, accumulates, linear_add_,
-                                     normed_linear)
+                                     VocabParallelEmbedding, ParallelLMHead, accumulates, linear_add_)
 from ..utils.parallel_state import get_tensor_model_parallel_world_size, tensor_model_parallel_gather
 from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
 
@@ -43,16 +42,16 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary
         self.attn = Attention(self.H, D, D ** -0.5, self.Hkv, sliding_window=sliding_window, backend=backend)
 
-    def attend(self, positions, qkv):
-        "The heads' outputs `[T, H * D]` from the QKV projection's output, before the output projection."
-        T = qkv.shape[0]
-        q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
+    def attend(self, positions, h):
+        "The heads' outputs `[T, H * D]`, before the output projection."
+        T = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
         return self.attn(q, k, v, positions, self.rotary_emb)   # rotary inside (fused on triton)
 
-    def forward(self, positions, h): return self.o_proj(self.attend(positions, self.qkv_proj(h)))
+    def forward(self, positions, h): return self.o_proj(self.attend(positions, h))
 
 class LlamaMLP(nn.Module):
     "SwiGLU MLP with one merged gate/up matmul; the intermediate dimension split over the TP ranks."
@@ -62,7 +61,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         # reduce_results=False: this rank's partial sum, for a caller that adds more before one all-reduce (an MoE's shared expert)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_results=reduce_results)
-    def forward(self, x): return self.down_proj(self.act(self.gate_up_proj(x)))
+    def hidden(self, x):
+        "`act(gate) * up`, the down projection's input."
+        return self.act(self.gate_up_proj(x))
+    def forward(self, x): return self.down_proj(self.hidden(x))
 
 class LlamaDecoderLayer(nn.Module):
     "Pre-norm block: `h, residual -> attention -> MLP`, residual adds fused into the norms."
@@ -89,9 +91,9 @@ class LlamaDecoderLayer(nn.Module):
 def forward_acc(self: LlamaDecoderLayer, positions, residual, dtype, last: bool = False):
     """One layer on the fp32 residual stream: the output and down projections add into `residual` in place. Returns
     `(None, residual)`, or for the `last` layer `(its MLP output, residual)`."""
-    qkv = normed_linear(self.self_attn.qkv_proj, self.input_layernorm, residual, dtype)
-    linear_add_(self.self_attn.o_proj, self.self_attn.attend(positions, qkv), residual)
-    h = self.mlp.act(normed_linear(self.mlp.gate_up_proj, self.post_attention_layernorm, residual, dtype))
+    h = self.input_layernorm.normed(residual, dtype)
+    linear_add_(self.self_attn.o_proj, self.self_attn.attend(positions, h), residual)
+    h = self.mlp.hidden(self.post_attention_layernorm.normed(residual, dtype))
     if last: return self.mlp.down_proj(h), residual
     linear_add_(self.mlp.down_proj, h, residual)
     return None, residual

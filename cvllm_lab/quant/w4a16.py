@@ -163,18 +163,6 @@ class W4A16Linear(QuantLinear):
                   self.input_size, sym=self.is_sym(), acc=acc)
         return True
 
-    def matmul_normed(self, residual, norm):
-        """`self(norm(residual))` for one fp32 row on CUDA (an fp32 residual stream) with the RMSNorm `norm` done
-        inside the MMA kernel (no norm kernel, no normed copy), in the norm weight's dtype; None elsewhere."""
-        w = norm.weight
-        if not (residual.is_cuda and residual.dtype == torch.float32 and residual.dim() == 2 and residual.shape[0] == 1):
-            return None
-        from cvllm_lab.kernels.w4a16_mma import mma_supported, w4a16_mma
-        if not mma_supported(w[None], self.bits, self.group, self.output_size, self.input_size): return None
-        return self._add_bias(w4a16_mma(residual, self.qweight, self.scales, self.offsets, self.bits, self.group,
-                                        self.output_size, self.input_size, act=self.act, sym=self.is_sym(),
-                                        norm_weight=w, eps=norm.eps))
-
     def is_sym(self) -> bool:
         """Whether the offsets are `-8 * scales` (4-bit symmetric: GPTQ sym, `--isq w4a16`), checked on the first
         call (a device sync, before CUDA graphs are captured); the GEMV then reads no offsets."""
