@@ -31,8 +31,8 @@ weight (the GEMV: ~3), so the kernel waits on memory, not on issue.
 
 A program owns `NH * num_warps * 32` columns and a run of K-tiles; the next K-tile's words and scales are loaded
 before this one's MMAs, and split-K programs meet in the self-zeroing workspace of `split_k`, or, given an fp32
-accumulator (`acc`: a residual stream the products are added to), add their partial sums straight into it. The register-level
-pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`.
+accumulator (`acc`: a residual stream the products are added to), add their partial sums straight into it. The
+register-level pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`.
 
 The mapping of tensor rows to lanes: every `[R, 4]` tensor has Triton's blocked layout with 4 elements per
 thread and row `r` on lane `r % 32` of warp `r // 32`, which the 16-byte word loads fix (checked by the GPU tests:
@@ -221,7 +221,7 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
         scA, ofA, scB, ofB = scC, ofC, scD, ofD
     bt = 2 * tq                                             # x rows of a thread's D elements: 2t, 2t + 1
-    if ACC:                                                 # added into the caller's fp32 sums: no last program
+    if ACC:                       # atomic adds (split > 1, not last) into the caller's fp32 sums: no last program
         _mma_put(tA0, fb, bt, out_ptr, out_ptr, M, N, False, 2, False)
         _mma_put(tA1, fb + 2, bt, out_ptr, out_ptr, M, N, False, 2, False)
         if NH == 2:
