@@ -159,7 +159,7 @@ def like_parallel(orig: nn.Module, new: nn.Module) -> nn.Module:
 
 # %% ../../nbs/25_parallel_linear.ipynb #70795b69
 def accumulates(layer: nn.Module, x: torch.Tensor) -> bool:
-    "Whether `layer` adds its product into an fp32 sum itself (`layer.add_into`) for a batch like `x`."
+    "Whether `layer` adds its product into an fp32 sum itself (its `can_add_into`) for a batch like `x`."
     f = getattr(layer, 'can_add_into', None)
     return bool(f is not None and f(x))
 
