@@ -41,3 +41,18 @@ def test_build_is_clean(tmp_path):
     assert 'cvllm_lab/entrypoints/openai/static/index.html' in names
     n_json = len(list((ROOT / 'kernels' / 'configs').glob('*/*.json')))
     assert sum(n.startswith('cvllm_lab/kernels/configs/') and n.endswith('.json') for n in names) == n_json > 0
+
+
+def test_top_level_kernels_name_from_the_root():
+    """From the repository's root (on sys.path under `python -m`), `import kernels` is the installed Hugging Face
+    package where there is one (transformers imports it), not this repo's `kernels/`; ours stays `cvllm_lab.kernels`."""
+    code = ("import importlib.util as u, importlib.metadata as m, transformers, kernels, cvllm_lab.kernels as ours\n"
+            "from transformers import LlamaConfig\n"
+            "try: hf = m.distribution('kernels').locate_file('kernels/__init__.py')\n"
+            "except m.PackageNotFoundError: hf = None\n"
+            "print(kernels.__file__, ours.__file__, hf, sep='|')")
+    r = subprocess.run([str(VENV_PY), '-c', code], cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    top, ours, hf = r.stdout.strip().split('|')
+    assert Path(ours) == ROOT / 'kernels' / '__init__.py'
+    assert Path(top) == (Path(hf) if hf != 'None' else ROOT / 'kernels' / '__init__.py'), (top, hf)
