@@ -249,3 +249,19 @@ def _b_regs(xj, xj4, xj1, xj5, i: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_B3, "=r,=r,r,r,r,r,r,r,r,r", [xj, xj4, xj1, xj5], dtype=xj.dtype,
                                          is_pure=True, pack=4)
+
+
+# silu(g) * u = g * u / (1 + 2^(-g log2 e)): one MUFU.EX2 and one MUFU.RCP (approximate, flush-to-zero; the result
+# is rounded to 16 bits) instead of the range-checked exp and division of `tl.sigmoid`
+_SILU_MUL = tl.constexpr("{ .reg .f32 e, d; mul.f32 e, $1, " + _f32(-1.4426950408889634) + "; ex2.approx.ftz.f32 e, e; "
+                         "add.f32 d, e, " + _f32(1.0) + "; rcp.approx.ftz.f32 d, d; mul.f32 e, $1, $2; "
+                         "mul.f32 $0, e, d; }")
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    "`silu(gate) * up` of fp32 tensors (`_SILU_MUL`; the interpreter: `tl.sigmoid`)."
+    if not _ASM:
+        return gate * tl.sigmoid(gate) * up
+    else:
+        return tl.inline_asm_elementwise(_SILU_MUL, "=f,f,f", [gate, up], dtype=tl.float32, is_pure=True, pack=1)

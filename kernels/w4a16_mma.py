@@ -48,12 +48,13 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair
+from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair, _silu_mul
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 MMA_MAX_M = 8
+_X_VARIANT = int(os.environ.get('CVLLM_X_VARIANT', '1'))   # TEMP: A/B of the x_act loads
 
 
 @triton.jit
@@ -92,17 +93,57 @@ def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr,
 
 
 @triton.jit
-def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr):
-    "x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (one 8-byte load each); `xk` = 4t + (0 .. 3)."
-    k = T * 128 + xk
-    if EVEN_K:
-        return (tl.load(xp + k), tl.load(xp + k + 16), tl.load(xp + k + 32), tl.load(xp + k + 48),
-                tl.load(xp + k + 64), tl.load(xp + k + 80), tl.load(xp + k + 96), tl.load(xp + k + 112))
+def _x_run(xp, k, K, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, F16: tl.constexpr):
+    """x[k] for an [R, 4] run of K indices `k`. ACT_X: x is `silu(gate) * up` of fp32 gate/up sums at `2k`, `2k + 1`
+    (interleaved pairs), computed here and rounded to the MMA's 16-bit type, as an activation kernel would."""
+    if ACT_X:
+        if ACT_X == 1:
+            p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]   # [R, 4, 2]: 32 contiguous bytes
+            if EVEN_K:
+                gate, up = tl.split(tl.load(p))
+            else:
+                gate, up = tl.split(tl.load(p, mask=(k < K)[:, :, None], other=0.0))
+        else:
+            if EVEN_K:
+                gate = tl.load(xp + 2 * k)
+                up = tl.load(xp + 2 * k + 1)
+            else:
+                gate = tl.load(xp + 2 * k, mask=k < K, other=0.0)
+                up = tl.load(xp + 2 * k + 1, mask=k < K, other=0.0)
+        y = _silu_mul(gate, up)
+        if F16:
+            return y.to(tl.float16)
+        else:
+            return y.to(tl.bfloat16)
     else:
-        return (tl.load(xp + k, mask=k < K, other=0.0), tl.load(xp + k + 16, mask=k + 16 < K, other=0.0),
-                tl.load(xp + k + 32, mask=k + 32 < K, other=0.0), tl.load(xp + k + 48, mask=k + 48 < K, other=0.0),
-                tl.load(xp + k + 64, mask=k + 64 < K, other=0.0), tl.load(xp + k + 80, mask=k + 80 < K, other=0.0),
-                tl.load(xp + k + 96, mask=k + 96 < K, other=0.0), tl.load(xp + k + 112, mask=k + 112 < K, other=0.0))
+        if EVEN_K:
+            return tl.load(xp + k)
+        else:
+            return tl.load(xp + k, mask=k < K, other=0.0)
+
+
+@triton.jit
+def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, F16: tl.constexpr):
+    """x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (16-bit x: one 8-byte load each);
+    `xk` = 4t + (0 .. 3)."""
+    k = T * 128 + xk
+    return (_x_run(xp, k, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 16, K, EVEN_K, ACT_X, F16),
+            _x_run(xp, k + 32, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 48, K, EVEN_K, ACT_X, F16),
+            _x_run(xp, k + 64, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 80, K, EVEN_K, ACT_X, F16),
+            _x_run(xp, k + 96, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 112, K, EVEN_K, ACT_X, F16))
+
+
+@triton.jit
+def _zero_part(z_ptr, ZN, BLOCK: tl.constexpr):
+    "This program's share of the `ZN` floats at `z_ptr`, zeroed (a buffer a later kernel adds into)."
+    progs = tl.num_programs(0) * tl.num_programs(1)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    per = tl.cdiv(ZN, progs)
+    lo = pid * per
+    hi = tl.minimum(lo + per, ZN)
+    for i in range(lo, hi, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        tl.store(z_ptr + o, tl.zeros([BLOCK], dtype=tl.float32), mask=o < hi)
 
 
 @triton.jit
@@ -177,15 +218,16 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 
 
 @triton.jit
-def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, TPS,
+def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, M, N, K, stride_xm, TPS, ZN,
                 G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
-                F16: tl.constexpr, ACC: tl.constexpr):
+                F16: tl.constexpr, ACC: tl.constexpr, ACT_X: tl.constexpr, ZERO: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
     the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). Per K-tile: the
     next tile's words and scales are loaded into registers, then this tile's x and MMAs run. The first tile's words
-    load before `pdl_wait` (weights, which no kernel writes)."""
+    load before `pdl_wait` (weights, which no kernel writes). ACT_X: x is fp32 gate/up pairs, activated on load
+    (`_x_run`); ZERO: the programs also zero the `ZN` floats at `z_ptr` between them."""
     R: tl.constexpr = NW * 32
     r = tl.arange(0, R)[:, None]
     e = tl.arange(0, 4)[None, :]
@@ -209,13 +251,15 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
                                                                        nmA, nmB, G, NH, SYM, EVEN_N)
     pdl_wait(PDL)
     pdl_launch(PDL)
+    if ZERO:
+        _zero_part(z_ptr, ZN, 4 * R)
     z = tl.zeros([R, 4], dtype=tl.float32)
     tA0, tA1, tB0, tB1 = z, z, z, z
     for T in range(t0, t0 + TPS):
         Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
         c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB,
                                                                            nmA, nmB, G, NH, SYM, EVEN_N)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K, ACT_X, F16)
         tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
                                         x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
@@ -252,10 +296,12 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, 
             tl.store(cnt_ptr + pid_n, 0)
 
 
-def mma_supported(x, bits, group, N, K) -> bool:
-    """Whether `w4a16_mma` takes `x @ W.T`: 1 .. `MMA_MAX_M` rows of bf16 / fp16 x on an sm_80+ GPU, 4-bit weights
-    in scale groups that are a multiple of 128 (or per channel), N a multiple of 4 (16-byte word loads)."""
-    if _INTERPRET or x.device.type != 'cuda' or x.dtype not in (torch.bfloat16, torch.float16): return False
+def mma_supported(x, bits, group, N, K, dtype=None) -> bool:
+    """Whether `w4a16_mma` takes `x @ W.T`: 1 .. `MMA_MAX_M` rows of bf16 / fp16 x (`dtype`: x's 16-bit type, for x
+    given as fp32 gate/up sums) on an sm_80+ GPU, 4-bit weights in scale groups that are a multiple of 128 (or per
+    channel), N a multiple of 4 (16-byte word loads)."""
+    dtype = dtype or x.dtype
+    if _INTERPRET or x.device.type != 'cuda' or dtype not in (torch.bfloat16, torch.float16): return False
     if bits != 4 or N % 4 or not 1 <= x.shape[0] <= MMA_MAX_M: return False
     Kp = -(-K // TILE_K) * TILE_K
     G = Kp if group in (-1, None) else group
@@ -263,20 +309,28 @@ def mma_supported(x, bits, group, N, K) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              maxnreg=None, pdl=None, act=None, sym=False, acc=None):
+              maxnreg=None, pdl=None, act=None, sym=False, acc=None, x_act=None, dtype=None, zero=None):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
     SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
     caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`. `acc` (fp32 `[M, N]`,
     contiguous): `acc += x @ W.T` in place and returned; the programs add their partial sums straight into it, so
-    a split-K launch ends without the workspace's last-program read-back (three dependent L2 round trips)."""
+    a split-K launch ends without the workspace's last-program read-back (three dependent L2 round trips).
+    `x_act='silu_and_mul'`: `x` is fp32 `[M, 2K]` gate/up sums in interleaved pairs (a fused gate/up layer's `acc`),
+    and the matmul's input is `silu(gate) * up` in `dtype` (16-bit), computed as x is loaded: no activation kernel.
+    `zero` (fp32, contiguous): zeroed by the launch's programs as well, e.g. sums a later matmul adds into."""
     M = x.shape[0]
-    assert x.dim() == 2 and x.shape[1] == K and 1 <= M <= MMA_MAX_M, x.shape
-    assert act in (None, 'silu_and_mul'), act
+    assert x.dim() == 2 and x.shape[1] == (2 * K if x_act else K) and 1 <= M <= MMA_MAX_M, x.shape
+    assert act in (None, 'silu_and_mul') and x_act in (None, 'silu_and_mul'), (act, x_act)
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     if bits != 4 or G % TILE_K or N % 4:
         raise ValueError(f"w4a16_mma needs 4-bit weights, groups a multiple of {TILE_K} and N % 4 == 0")
+    if x_act and (x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"x_act needs fp32 sums and a 16-bit dtype; got {x.dtype}, dtype={dtype}")
+    if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
+        raise ValueError("zero must be a contiguous fp32 tensor")
+    dtype = dtype if x_act else x.dtype
     x = x.contiguous()
     tiles = Kp // TILE_K
     T = configs_for('w4a16_mma', x.device)
@@ -297,12 +351,13 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
             raise ValueError(f"acc must be a contiguous fp32 [{M}, {N}] tensor, without act")
         out = acc
     else:
-        out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
+        out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, progs)
-    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), tiles // split_k,
+    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, ws if zero is None else zero, M, N, K,
+                                  x.stride(0), tiles // split_k, 0 if zero is None else zero.numel(),
                                   G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
-                                  SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=x.dtype == torch.float16,
-                                  ACC=acc is not None,
+                                  SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=dtype == torch.float16,
+                                  ACC=acc is not None, ACT_X=(_X_VARIANT if x_act else 0), ZERO=zero is not None,
                                   num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))
     return out

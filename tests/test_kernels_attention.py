@@ -136,6 +136,40 @@ def test_rotary_and_cache(is_neox, rot_dim, kv):
         torch.testing.assert_close(rows[..., rot_dim:], key[keep][..., rot_dim:])
 
 
+@pytest.mark.parametrize('is_neox,rot_dim', [(True, 64), (False, 48)])
+@pytest.mark.parametrize('kv', ['auto', 'fp8'])
+def test_rotary_and_cache_fp32_sums(is_neox, rot_dim, kv):
+    """q, k, v as fp32 sums (the fp32 residual stream's QKV projection) with `q_out` in bf16: q is only read, the
+    rotated q lands in `q_out`, k and v are rounded as they are written; against the reference on the same sums."""
+    torch.manual_seed(rot_dim)
+    nb, bs, H, Hkv, D, T = 4, 16, 4, 2, 64, 3
+    qkv = torch.randn(T, H + 2 * Hkv, D, device=DEV)
+    q, key, value = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    pos = torch.randint(0, 500, (T,), device=DEV)
+    inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
+    f = torch.arange(512, device=DEV).float()[:, None] * inv
+    cs = torch.cat([f.cos(), f.sin()], -1)
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    cdt = FP8 if kv == 'fp8' else torch.bfloat16
+    caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=cdt) for _ in range(4)]
+    scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)] if kv == 'fp8' else [None] * 4
+    q0 = q.clone()
+    qos = [torch.full((T, H, D), 7.0, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    pa.rotary_and_cache_ref(q, key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3],
+                            q_out=qos[1])
+    got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1],
+                              q_out=qos[0])
+    assert got is qos[0] and torch.equal(q, q0)                           # q read, not written
+    torch.testing.assert_close(qos[0].float(), qos[1].float(), rtol=2 ** -7, atol=1e-6)
+    assert not torch.allclose(qos[0][..., :rot_dim].float(), q[..., :rot_dim].bfloat16().float(), atol=1e-2)
+    torch.testing.assert_close(qos[0][..., rot_dim:].float(), q[..., rot_dim:].bfloat16().float(), rtol=2 ** -7, atol=0)
+    if kv == 'fp8':
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): assert fp8_ulps(a, b).max() <= 1
+    else:
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ reference itself
 
 @pytest.mark.parametrize('window,softcap', [(None, None), (7, None), (None, 2.0), (7, 2.0)])

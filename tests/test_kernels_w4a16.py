@@ -142,6 +142,15 @@ def test_w4a16_mma_cpu(N, K, group, sym):
         acc = r.clone()
         assert w4a16_mma(x, *args, num_warps=1, split_k=sk, sym=sym, acc=acc) is acc and _rel(acc, r + ref) < 2e-4
     with pytest.raises(ValueError, match='fp32'): w4a16_mma(x, *args, acc=r.half())
+    gu = torch.randn(2, 2 * K)                                     # x_act: fp32 gate/up pairs activated on load
+    xa = silu_and_mul_ref(gu, interleaved=True)
+    z = torch.randn(37)                                            # zero: cleared by the programs between them
+    for sk in (1, 2):
+        y = w4a16_mma(gu, *args, num_warps=1, split_k=sk, sym=sym, x_act='silu_and_mul', dtype=torch.bfloat16,
+                      out_dtype=torch.float32, zero=z)
+        assert y.shape == (2, N) and _rel(y, xa.bfloat16().float() @ w.T) < 1e-2, (sk, _rel(y, xa @ w.T))
+        assert z.abs().max() == 0; z.normal_()
+    with pytest.raises(ValueError, match='x_act'): w4a16_mma(gu, *args, x_act='silu_and_mul')
     assert _ws_clean()
     assert not mma_supported(x, 4, group, N, K)                    # the interpreter runs no PTX: w4a16_matmul won't
     with pytest.raises(ValueError, match='multiple of 128'):     # group 32 (GGUF repacks): the GEMV's
@@ -247,6 +256,13 @@ def test_w4a16_mma_cuda(N, K):
         assert _rel(w4a16_matmul(x, *args, sym=sym), ref) < 1e-2                 # w4a16_matmul's pick at M = 1
         y = w4a16_mma(x, *args, sym=sym, act='silu_and_mul')
         assert _rel(y, silu_and_mul_ref(ref, interleaved=True)) < 1e-2
+        if K % 2 == 0:                                   # x_act: gate/up sums activated on load, zero cleared
+            gu, z = torch.randn(1, 2 * K, device='cuda'), torch.randn(1000, device='cuda')
+            xa = silu_and_mul_ref(gu, interleaved=True).bfloat16().float()
+            acc = torch.randn(1, N, device='cuda')
+            want = acc + xa @ w.T
+            w4a16_mma(gu, *args, sym=sym, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16, zero=z)
+            assert _rel(acc, want) < 2e-4 and z.abs().max() == 0, (N, K, group, sym, 'x_act', _rel(acc, want))
     assert _ws_clean()
 
 

@@ -49,12 +49,17 @@ class Attention(nn.Module):
         flash = name == 'triton' and os.environ.get('CVLLM_LAB_FLASH_PREFILL', '1') != '0'
         self.prefill_fn = flash_varlen_attention if flash else None
 
-    def forward(self, q, k, v, positions=None, rotary=None):
+    def forward(self, q, k, v, positions=None, rotary=None, dtype=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
-        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two)."""
+        first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two).
+        `dtype`: q, k and v are fp32 sums (a decoder's fp32 residual stream), attended in `dtype`; in a decode step
+        the cache-write kernel reads them as they are and writes the rotated q in `dtype`, elsewhere they are cast."""
         ctx = get_forward_context()
         T = q.shape[0]
-        if rotary is not None and self.backend != 'triton':
+        fused = rotary is not None and self.backend == 'triton'
+        if dtype is not None and q.dtype != dtype and not (fused and ctx.prefill is None):
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if rotary is not None and not fused:
             q, k = rotary(positions, q, k); rotary = None
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -68,8 +73,9 @@ class Attention(nn.Module):
         else:
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
             kr = torch.empty(k.shape, dtype=k.dtype, device=k.device) if own else None   # the rotated keys
-            rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
-                             slots, ks, vs, k_out=kr)
+            qo = torch.empty(q.shape, dtype=dtype, device=q.device) if dtype not in (None, q.dtype) else None
+            q = rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
+                                 slots, ks, vs, k_out=kr, q_out=qo)
             if own: k = kr
         if split:
             t0 = ctx.prefill.token_start

@@ -15,9 +15,10 @@ from ..utils.parallel_state import (get_tensor_model_parallel_rank, get_tensor_m
 from .basic import Linear
 
 # %% auto #0
-__all__ = ['QUANT_SHARD_ALIGN', 'divide', 'loaded_shape', 'narrow_loaded', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
-           'QKVParallelLinear', 'RowParallelLinear', 'AllReduceOutput', 'like_parallel', 'accumulates', 'linear_add_',
-           'pad_vocab_size', 'VocabParallelEmbedding', 'ParallelLMHead', 'check_shard_alignment', 'quant_shard_units']
+__all__ = ['GATED_ACTS', 'QUANT_SHARD_ALIGN', 'divide', 'loaded_shape', 'narrow_loaded', 'ColumnParallelLinear',
+           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'AllReduceOutput', 'like_parallel',
+           'gated_act', 'accumulates', 'linear_add_', 'pad_vocab_size', 'VocabParallelEmbedding', 'ParallelLMHead',
+           'check_shard_alignment', 'quant_shard_units']
 
 # %% ../../nbs/25_parallel_linear.ipynb #e5f4bcfe
 def divide(a: int, b: int, what: str = '') -> int:
@@ -158,15 +159,28 @@ def like_parallel(orig: nn.Module, new: nn.Module) -> nn.Module:
     return AllReduceOutput(new)
 
 # %% ../../nbs/25_parallel_linear.ipynb #70795b69
-def accumulates(layer: nn.Module, x: torch.Tensor) -> bool:
-    "Whether `layer` adds its product into an fp32 sum itself (its `can_add_into`) for a batch like `x`."
-    f = getattr(layer, 'can_add_into', None)
-    return bool(f is not None and f(x))
+GATED_ACTS = ('silu_and_mul', 'silu_and_mul_interleaved')
 
-def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    "`acc += layer(x)` in place (`acc` fp32): by `layer.add_into` where it takes `x`, else a matmul and an add."
+def gated_act(x: torch.Tensor, act: str, dtype: torch.dtype) -> torch.Tensor:
+    "`silu(gate) * up` `[..., I]` in `dtype` of gate/up sums `x` `[..., 2I]` laid out as `act` (`GATED_ACTS`) says."
+    if act not in GATED_ACTS: raise ValueError(f"act={act!r}: one of {GATED_ACTS}")
+    g, u = (x[..., 0::2], x[..., 1::2]) if act.endswith('interleaved') else x.chunk(2, -1)
+    return (F.silu(g.float()) * u.float()).to(dtype)
+
+def accumulates(layer: nn.Module, x: torch.Tensor, act: str | None = None) -> bool:
+    """Whether `layer` adds its product into an fp32 sum itself (its `can_add_into`) for a batch like `x` (`act`: its
+    input being gate/up sums to activate, as in `linear_add_`)."""
+    f = getattr(layer, 'can_add_into', None)
+    return bool(f is not None and f(x, act=act))
+
+def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor, zero: torch.Tensor | None = None,
+                act: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`acc += layer(x)` in place (`acc` fp32): by `layer.add_into` where it takes the call, else a matmul and an
+    add. `zero`: zeroed as well. `act`: `x` is gate/up sums whose activation (`gated_act`, in `dtype`) is the input."""
     f = getattr(layer, 'add_into', None)
-    if f is None or not f(x, acc): acc.add_(layer(x))
+    if f is None or not f(x, acc, zero=zero, act=act, dtype=dtype):
+        acc.add_(layer(x if act is None else gated_act(x, act, dtype)))
+        if zero is not None: zero.zero_()
     return acc
 
 # %% ../../nbs/25_parallel_linear.ipynb #dd06811f

@@ -44,12 +44,16 @@ class LlamaAttention(nn.Module):
 
     def attend(self, positions, h):
         "The heads' outputs `[T, H * D]`, before the output projection."
-        T = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
+        return self.attend_qkv(positions, self.qkv_proj(h))
+
+    def attend_qkv(self, positions, qkv, dtype=None):
+        "`attend` from the QKV projection's output `qkv` (`dtype`: `qkv` holds fp32 sums, attended in `dtype`)."
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
-        return self.attn(q, k, v, positions, self.rotary_emb)   # rotary inside (fused on triton)
+        return self.attn(q, k, v, positions, self.rotary_emb, dtype=dtype)   # rotary inside (fused on triton)
 
     def forward(self, positions, h): return self.o_proj(self.attend(positions, h))
 
@@ -64,6 +68,11 @@ class LlamaMLP(nn.Module):
     def hidden(self, x):
         "`act(gate) * up`, the down projection's input."
         return self.act(self.gate_up_proj(x))
+    @property
+    def sums_act(self) -> str:
+        """The layout of `gate_up_proj`'s raw sums, as `linear_add_` names it: gate_i, up_i pairs where the layer
+        fused the activation (`W4A16Linear.fuse_silu_and_mul`), else the gate half, then the up half."""
+        return 'silu_and_mul_interleaved' if getattr(self.gate_up_proj, 'act', None) == 'silu_and_mul' else 'silu_and_mul'
     def forward(self, x): return self.down_proj(self.hidden(x))
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,15 +97,16 @@ class LlamaDecoderLayer(nn.Module):
 
 # %% ../../nbs/30_llama.ipynb #bd1a7d02
 @patch
-def forward_acc(self: LlamaDecoderLayer, positions, residual, dtype, last: bool = False):
-    """One layer on the fp32 residual stream: the output and down projections add into `residual` in place. Returns
-    `(None, residual)`, or for the `last` layer `(its MLP output, residual)`."""
-    h = self.input_layernorm.normed(residual, dtype)
-    linear_add_(self.self_attn.o_proj, self.self_attn.attend(positions, h), residual)
-    h = self.mlp.hidden(self.post_attention_layernorm.normed(residual, dtype))
-    if last: return self.mlp.down_proj(h), residual
-    linear_add_(self.mlp.down_proj, h, residual)
-    return None, residual
+def forward_acc(self: LlamaDecoderLayer, positions, residual, sums, dtype):
+    """One layer on the fp32 residual stream `residual` `[1, hidden]`, added into in place. `sums` (zero on entry)
+    holds the QKV sums, then the gate/up sums; the output projection zeroes it for the next layer."""
+    a, m = self.self_attn, self.mlp
+    qkv, gu = sums.split([(a.H + 2 * a.Hkv) * a.D, sums.shape[1] - (a.H + 2 * a.Hkv) * a.D], -1)
+    linear_add_(a.qkv_proj, self.input_layernorm.normed(residual, dtype), qkv)
+    linear_add_(a.o_proj, a.attend_qkv(positions, qkv, dtype), residual, zero=sums)
+    linear_add_(m.gate_up_proj, self.post_attention_layernorm.normed(residual, dtype), gu)
+    linear_add_(m.down_proj, gu, residual, act=m.sums_act, dtype=dtype)
+    return residual
 
 # %% ../../nbs/30_llama.ipynb #f8f03a40
 class LlamaForCausalLM(nn.Module):
@@ -130,26 +140,39 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(*self.run_layers(positions, self.model.embed_tokens(input_ids)))[0]
+        h, residual = self.run_layers(positions, self.model.embed_tokens(input_ids))
+        if h is None: return self.model.norm.normed(residual, self.model.embed_tokens.weight.dtype)   # fp32 stream
+        return self.model.norm(h, residual)[0]
 
     def fp32_stream(self, h) -> bool:
         """Whether `run_layers` keeps the residual in fp32 (`LlamaDecoderLayer.forward_acc`) for the batch `h`: the
-        layers are this file's, and their output and down projections add into fp32 sums themselves."""
+        layers are this file's, and all four projections add into fp32 sums themselves."""
         layers = self.model.layers
         if not len(layers) or any(type(l) is not LlamaDecoderLayer or type(l.self_attn) is not LlamaAttention
                                   or type(l.mlp) is not LlamaMLP for l in layers): return False
-        return accumulates(layers[0].self_attn.o_proj, h) and accumulates(layers[0].mlp.down_proj, h)
+        a, m = layers[0].self_attn, layers[0].mlp
+        return (all(accumulates(p, h) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj))
+                and accumulates(m.down_proj, h, m.sums_act))
+
+    def stream_sums(self, h) -> torch.Tensor:
+        """The fp32 stream's `[T, qkv + 2 * intermediate]` sums for `h`'s rows and device (`forward_acc`): zero
+        between uses, one per shape, kept for the model's life (CUDA graphs hold their addresses)."""
+        a, m = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        n = (a.H + 2 * a.Hkv) * a.D + sum(m.gate_up_proj.output_sizes)
+        bufs = self.__dict__.setdefault('_stream_sums', {})
+        key = (h.shape[0], n, str(h.device))
+        if key not in bufs: bufs[key] = torch.zeros(h.shape[0], n, dtype=torch.float32, device=h.device)
+        return bufs[key]
 
     def run_layers(self, positions, h):
-        """`(h, residual)` after the decoder layers (`residual` in fp32 where `fp32_stream`). The last one, if it can
-        (`prunes_rows`), drops the rows the step does not read (`ForwardContext.keep_rows`) after its attention: no
-        MLP for them."""
+        """`(h, residual)` after the decoder layers; `(None, residual)` on the fp32 stream (`fp32_stream`), the
+        residual then fp32 and complete. The last layer, if it can (`prunes_rows`), drops the rows the step does
+        not read (`ForwardContext.keep_rows`) after its attention: no MLP for them."""
         residual, keep, last = None, get_forward_context().keep_rows, len(self.model.layers) - 1
         if keep is None and self.fp32_stream(h):
-            dtype, residual = h.dtype, h.float()
-            for i, layer in enumerate(self.model.layers):
-                h, residual = layer.forward_acc(positions, residual, dtype, last=i == last)
-            return h, residual
+            dtype, residual, sums = h.dtype, h.float(), self.stream_sums(h)
+            for layer in self.model.layers: layer.forward_acc(positions, residual, sums, dtype)
+            return None, residual
         for i, layer in enumerate(self.model.layers):
             if i == last and keep is not None and getattr(layer, 'prunes_rows', False):
                 h, residual = layer(positions, h, residual, keep=keep)

@@ -145,22 +145,26 @@ class W4A16Linear(QuantLinear):
         from cvllm_lab.kernels.activation import silu_and_mul_ref
         return silu_and_mul_ref(y, interleaved=True)
 
-    def can_add_into(self, x) -> bool:
+    def can_add_into(self, x, act=None, dtype=None) -> bool:
         """Whether `add_into` takes a batch like `x` (its rows, dtype and device are read, not its width): one row
-        on CUDA through the MMA kernel, no bias, no fused activation."""
-        if self.bias is not None or self.act is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
-            return False
+        on CUDA through the MMA kernel, no bias; `act` (x: gate/up sums to activate, into `dtype` where x is fp32)
+        only in the interleaved layout of `fuse_silu_and_mul`."""
+        if self.bias is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1: return False
+        if act not in (None, 'silu_and_mul_interleaved'): return False
         from cvllm_lab.kernels.w4a16_mma import mma_supported
-        return mma_supported(x, self.bits, self.group, self.output_size, self.input_size)
+        return mma_supported(x, self.bits, self.group, self.output_size, self.input_size, dtype=dtype)
 
-    def add_into(self, x, acc) -> bool:
+    def add_into(self, x, acc, zero=None, act=None, dtype=None) -> bool:
         """`acc += x @ W.T` in place (`acc` fp32) where `can_add_into`: the MMA kernel adds its split-K partial
-        sums straight into `acc`, so the matmul ends without the workspace's read-back. False (nothing done)
+        sums straight into `acc`, so the matmul ends without the workspace's read-back. A fused gate/up layer adds
+        its raw sums (gate_i, up_i pairs); `act='silu_and_mul_interleaved'`: `x` is such sums, activated into
+        `dtype` as the kernel loads them. `zero`: zeroed by the kernel's programs too. False (nothing done)
         elsewhere."""
-        if not self.can_add_into(x): return False
+        if not self.can_add_into(x, act, dtype): return False
         from cvllm_lab.kernels.w4a16_mma import w4a16_mma
         w4a16_mma(x, self.qweight, self.scales, self.offsets, self.bits, self.group, self.output_size,
-                  self.input_size, sym=self.is_sym(), acc=acc)
+                  self.input_size, sym=self.is_sym(), acc=acc, zero=zero, x_act='silu_and_mul' if act else None,
+                  dtype=dtype)
         return True
 
     def is_sym(self) -> bool:
