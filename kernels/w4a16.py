@@ -38,7 +38,8 @@ def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=F
     """`x` `[..., K]` @ W.T -> `[..., N]` in x's dtype, picking the kernel by the number of rows M (1: the MMA
     kernel where `mma_supported`, else the GEMV; up to `MM_MAX_M`: the tensor-core kernel where `tc_supported`, else
     the per-field `tl.dot` kernel; more: dequantize + cuBLAS).
-    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the M = 1 kernels.
+    `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the M = 1 kernels and the
+    tensor-core kernel.
     `sym`: `offsets == -8 * scales` (4-bit symmetric; the M = 1 kernels and the tensor-core kernel then skip the
     offsets)."""
     lead = x.shape[:-1]
@@ -49,7 +50,7 @@ def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=F
         one = w4a16_mma if mma_supported(x2, bits, group, N, K) else w4a16_gemv
         return one(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
     if M <= MM_MAX_M and tc_supported(x2, bits, group, K):
-        y = w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K, sym=sym)
+        return w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K, sym=sym, act=act).reshape(*lead, -1)
     elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32

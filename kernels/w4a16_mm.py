@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
-from cvllm_lab.kernels.split_k import batched_plan, m_bucket, store_out
+from cvllm_lab.kernels.split_k import batched_plan, m_bucket, split_add, split_take, store_out
 from cvllm_lab.kernels.tuned import configs_for
 from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, padded_k
@@ -141,15 +141,27 @@ def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr, 
         return f.to(DT)
 
 
+@triton.jit
+def _store_silu_mul(y, out_ptr, stride_om, pid_n, rm, N, M, BN: tl.constexpr, BM: tl.constexpr):
+    """`silu(gate) * up` of the `[BN, BM]` sums `y` of N-block `pid_n`, whose rows interleave gate and up (rows `2i`,
+    `2i + 1`), written as `[BN / 2, BM]` to output columns `pid_n * BN / 2 ..`."""
+    gate, up = tl.split(tl.permute(tl.reshape(y, [BN // 2, 2, BM]), [0, 2, 1]))
+    rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    mask = (rh < N // 2)[:, None] & (rm < M)[None, :]
+    tl.store(out_ptr + rm.to(tl.int64)[None, :] * stride_om + rh[:, None],
+             (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=['M'])
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SYM: tl.constexpr):
+               SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SYM: tl.constexpr, ACT: tl.constexpr):
     """Tensor-core W4A16 for 1 <= M <= BM (4-bit, groups >= 128): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`.
     The weights are the MMA's A operand: the `[BN, 16]` word tile (transposed view of the packed layout) goes to the
     dot-operand layout once per K-tile and each bit field is dequantized there to the exact `f = 1 + q / 16` in x's
     dtype; x (zero rows up to BM) is the B operand. The `[BN, BM]` group sums get the scales (`S * dot + B * sum(x)`).
-    SYM (offsets = -8 scales): `f = q - 8`, so the group sums only take the scale: no `sum(x)`, no offsets read."""
+    SYM (offsets = -8 scales): `f = q - 8`, so the group sums only take the scale: no `sum(x)`, no offsets read.
+    ACT: W's rows interleave gate and up; the epilogue writes `silu(gate) * up` `[M, N / 2]` (`_store_silu_mul`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -197,9 +209,16 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         if not SYM:
             acc += d * s[:, None]
             acc += o[:, None] * tl.sum(xs, 0)[None, :]
-    optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-    store_out(acc, optr, nmask[:, None] & mmask[None, :], ws_ptr + rm[None, :] * N + rn[:, None],
-               cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
+    mask = nmask[:, None] & mmask[None, :]
+    wsp = ws_ptr + rm[None, :] * N + rn[:, None]
+    cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+    if ACT:
+        if SPLIT == 1:
+            _store_silu_mul(acc, out_ptr, stride_om, pid_n, rm, N, M, BN, BM)
+        elif split_add(acc, mask, wsp, cnt, SPLIT):
+            _store_silu_mul(split_take(acc, mask, wsp, cnt), out_ptr, stride_om, pid_n, rm, N, M, BN, BM)
+    else:
+        store_out(acc, out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None], mask, wsp, cnt, SPLIT)
 
 
 @triton.jit
@@ -257,10 +276,12 @@ def tc_supported(x, bits, group, K) -> bool:
 
 
 def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             num_stages=None, split_k=None, target=None, pdl=None, asm=None, sym=False):
+             num_stages=None, split_k=None, target=None, pdl=None, asm=None, sym=False, act=None):
     """`x` `[M, K]` (16-bit) @ W.T -> `[M, N]` with the tensor-core kernel `_tc_kernel` (4-bit, groups >= 128): one
     program per (N-block, K-split, block of `bm` rows; configs per row bucket). `asm`: the inline-PTX
-    dequantization (default: on a GPU); `sym`: `offsets == -8 * scales` (the offsets are then not read)."""
+    dequantization (default: on a GPU); `sym`: `offsets == -8 * scales` (the offsets are then not read).
+    `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]` from the fp32
+    sums (no activation kernel, half the output written)."""
     M = x.shape[0]
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
@@ -274,11 +295,14 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
                                                                          split_k, target, out_dtype)
     if cfg.get('sym') is False: sym = False          # a config may keep the general path for symmetric layers
+    if act is not None:
+        if act != 'silu_and_mul' or N % 2 or bn % 2: raise ValueError(f"act={act!r}: 'silu_and_mul' over an even N")
+        out = torch.empty(M, N // 2, dtype=out_dtype or x.dtype, device=x.device)
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
         x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, F32_ONE,
         G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k,
-        ASM=(not _INTERPRET) if asm is None else bool(asm), SYM=bool(sym), num_warps=num_warps, num_stages=num_stages,
-        **pdl_kw(x.device, pdl))
+        ASM=(not _INTERPRET) if asm is None else bool(asm), SYM=bool(sym), ACT=act is not None, num_warps=num_warps,
+        num_stages=num_stages, **pdl_kw(x.device, pdl))
     return out
 
 

@@ -54,7 +54,6 @@ from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 MMA_MAX_M = 8
-_X_VARIANT = int(os.environ.get('CVLLM_X_VARIANT', '1'))   # TEMP: A/B of the x_act loads
 
 
 @triton.jit
@@ -97,19 +96,11 @@ def _x_run(xp, k, K, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, F16: tl.constexp
     """x[k] for an [R, 4] run of K indices `k`. ACT_X: x is `silu(gate) * up` of fp32 gate/up sums at `2k`, `2k + 1`
     (interleaved pairs), computed here and rounded to the MMA's 16-bit type, as an activation kernel would."""
     if ACT_X:
-        if ACT_X == 1:
-            p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]   # [R, 4, 2]: 32 contiguous bytes
-            if EVEN_K:
-                gate, up = tl.split(tl.load(p))
-            else:
-                gate, up = tl.split(tl.load(p, mask=(k < K)[:, :, None], other=0.0))
+        p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]   # [R, 4, 2]: 32 contiguous bytes
+        if EVEN_K:
+            gate, up = tl.split(tl.load(p))
         else:
-            if EVEN_K:
-                gate = tl.load(xp + 2 * k)
-                up = tl.load(xp + 2 * k + 1)
-            else:
-                gate = tl.load(xp + 2 * k, mask=k < K, other=0.0)
-                up = tl.load(xp + 2 * k + 1, mask=k < K, other=0.0)
+            gate, up = tl.split(tl.load(p, mask=(k < K)[:, :, None], other=0.0))
         y = _silu_mul(gate, up)
         if F16:
             return y.to(tl.float16)
@@ -357,7 +348,7 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
                                   x.stride(0), tiles // split_k, 0 if zero is None else zero.numel(),
                                   G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
                                   SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=dtype == torch.float16,
-                                  ACC=acc is not None, ACT_X=(_X_VARIANT if x_act else 0), ZERO=zero is not None,
+                                  ACC=acc is not None, ACT_X=bool(x_act), ZERO=zero is not None,
                                   num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))
     return out

@@ -115,7 +115,11 @@ def test_w4a16_tc_cpu(group, sym):
                     y = w4a16_tc(x, *args, split_k=split, sym=sp)
                     assert y.shape == (M, N) and y.dtype == torch.float16 and _rel(y, ref) < 2e-3, (N, K, M, split, sp)
             if M > 1: assert _rel(w4a16_matmul(x, *args, sym=sym), ref) < 2e-3   # w4a16_matmul's pick for M > 1
+            for split in (1, 2):                                # rows as interleaved gate/up: the fused activation
+                y = w4a16_tc(x, *args, split_k=split, sym=sym, act='silu_and_mul')
+                assert y.shape == (M, N // 2) and _rel(y, silu_and_mul_ref(ref, interleaved=True)) < 2e-3, (N, K, M)
     assert _ws_clean()
+    with pytest.raises(ValueError, match='act'): w4a16_tc(x, *args, act='gelu')
     for bits, g, dt in ((8, 128, torch.float16), (4, 32, torch.float16), (4, 128, torch.float32)):
         args = _packed(32, 256, bits, g, True, 0)
         with pytest.raises(ValueError, match='_tc_kernel'): w4a16_tc(torch.randn(3, 256, dtype=dt), *args)

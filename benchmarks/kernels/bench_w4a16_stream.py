@@ -26,6 +26,7 @@ from cvllm_lab.kernels.w4a16_layout import dequantize_packed_ref
 
 SHAPES = {**C.L3_8B, 'gate_up': (2 * C.L3_8B['down'][1], C.L3_8B['gate_up'][1])}   # (the dry run's shapes differ)
 NQ, NI = SHAPES['qkv'][0], SHAPES['gate_up'][0]
+DOWN_CONFIGS = [(4, 2, 28), (8, 2, 28), (8, 2, 14), (4, 2, 14), (8, 1, 28), (4, 1, 28), (8, 2, 56), (4, 2, 56)]
 
 
 def make_layer(i):
@@ -75,33 +76,35 @@ def main():
     xd = torch.randn(1, SHAPES['down'][1], device=C.DEVICE, dtype=torch.bfloat16)
     res = torch.zeros(1, SHAPES['o'][0], device=C.DEVICE)
     sums = torch.zeros(1, NQ + NI, device=C.DEVICE)
-    for variant in (1, 2):   # the x_act loads: 1 one [R, 4, 2] load per run, 2 two strided loads
-        KM._X_VARIANT = variant
-        t_b = C.time_fn(make_layer, lambda L: before(L, x, xd, res), 4 * nb)
-        t_s = C.time_fn(make_layer, lambda L: stream(L, x, sums, res), 4 * nb)
-        rows += [dict(what='layer', variant=variant, path='before', us=t_b), dict(what='layer', variant=variant,
-                                                                               path='stream', us=t_s)]
-        print(f'x_act variant {variant}: four matmuls before {t_b:.2f} us, stream {t_s:.2f} us ({t_b / t_s:.3f}x)',
-              flush=True)
-        for name, (N, K) in SHAPES.items():
-            args = lambda i, N=N, K=K: (C.packed_w4a16(N, K)[:3],)
-            mm = lambda p, xx, N=N, K=K, **kw: KM.w4a16_mma(xx, *p, 4, 128, N, K, sym=True, **kw)
-            xin = xd if name == 'down' else x
-            acc = torch.zeros(1, N, device=C.DEVICE)
-            t0 = C.time_fn(args, lambda p: mm(p, xin, **({'act': 'silu_and_mul'} if name == 'gate_up' else {})), nb)
-            if name == 'down':
-                gsum = torch.randn(1, 2 * K, device=C.DEVICE)
-                t1 = C.time_fn(args, lambda p: mm(p, gsum, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16), nb)
-            elif name == 'o':
-                t1 = C.time_fn(args, lambda p: mm(p, xin, acc=acc, zero=sums), nb)
-            else:
-                t1 = C.time_fn(args, lambda p: mm(p, xin, acc=acc), nb)
-            rows += [dict(what=name, variant=variant, path='out', us=t0), dict(what=name, variant=variant,
-                                                                              path='stream', us=t1)]
-            print(f'  {name:8s} writes its output {t0:6.2f} us, stream {t1:6.2f} us', flush=True)
+    t_b = C.time_fn(make_layer, lambda L: before(L, x, xd, res), 4 * nb)
+    t_s = C.time_fn(make_layer, lambda L: stream(L, x, sums, res), 4 * nb)
+    rows += [dict(what='layer', config='tuned', path='before', us=t_b),
+             dict(what='layer', config='tuned', path='stream', us=t_s)]
+    print(f'four matmuls: before {t_b:.2f} us, stream {t_s:.2f} us ({t_b / t_s:.3f}x)', flush=True)
+    for name, (N, K) in SHAPES.items():
+        args = lambda i, N=N, K=K: (C.packed_w4a16(N, K)[:3],)
+        mm = lambda p, xx, N=N, K=K, **kw: KM.w4a16_mma(xx, *p, 4, 128, N, K, sym=True, **kw)
+        xin = xd if name == 'down' else x
+        acc = torch.zeros(1, N, device=C.DEVICE)
+        t0 = C.time_fn(args, lambda p: mm(p, xin, **({'act': 'silu_and_mul'} if name == 'gate_up' else {})), nb)
+        if name == 'down':
+            gsum = torch.randn(1, 2 * K, device=C.DEVICE)
+            t1 = C.time_fn(args, lambda p: mm(p, gsum, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16), nb)
+        elif name == 'o':
+            t1 = C.time_fn(args, lambda p: mm(p, xin, acc=acc, zero=sums), nb)
+        else:
+            t1 = C.time_fn(args, lambda p: mm(p, xin, acc=acc), nb)
+        rows += [dict(what=name, config='tuned', path='out', us=t0), dict(what=name, config='tuned', path='stream', us=t1)]
+        print(f'  {name:8s} writes its output {t0:6.2f} us, stream {t1:6.2f} us', flush=True)
+        if name == 'down':   # x activated on load: launch configs around the tuned one (which was tuned on bf16 x)
+            for nw, nh, sk in C.DRY and [(1, 1, 1)] or DOWN_CONFIGS:
+                t = C.time_fn(args, lambda p: mm(p, gsum, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16,
+                                                 num_warps=nw, nh=nh, split_k=sk), nb)
+                rows.append(dict(what=name, config=f'nw={nw} nh={nh} split={sk}', path='stream', us=t))
+                print(f'    x_act nw={nw} nh={nh} split={sk}: {t:6.2f} us', flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, 'w4a16_stream.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, ['device', 'what', 'variant', 'path', 'us'])
+        w = csv.DictWriter(f, ['device', 'what', 'config', 'path', 'us'])
         w.writeheader()
         for r in rows: w.writerow(dict(device=C.device_name(), **r))
 
