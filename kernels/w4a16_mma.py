@@ -34,6 +34,11 @@ before this one's MMAs, and split-K programs meet in the self-zeroing workspace 
 accumulator (`acc`: a residual stream the products are added to), add their partial sums straight into it. The
 register-level pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`.
 
+Two more inputs serve the fp32 residual stream of a decode step (`LlamaDecoderLayer.forward_acc`), where every
+matmul adds into fp32 sums and no kernel sits between them: `x_act` takes x as a fused gate/up layer's fp32 sums
+(interleaved pairs) and activates `silu(gate) * up` as the runs are loaded (one 32-byte load per run, one EX2 and
+one RCP per element), and `zero` has the programs clear a buffer between them (the sums the next matmuls add into).
+
 The mapping of tensor rows to lanes: every `[R, 4]` tensor has Triton's blocked layout with 4 elements per
 thread and row `r` on lane `r % 32` of warp `r // 32`, which the 16-byte word loads fix (checked by the GPU tests:
 a different layout gives wrong numbers, not a silent slowdown). Up to 8 rows of x are B's 8 columns, but the
