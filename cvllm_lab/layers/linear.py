@@ -164,8 +164,8 @@ GATED_ACTS = ('silu_and_mul', 'silu_and_mul_interleaved')
 def gated_act(x: torch.Tensor, act: str, dtype: torch.dtype) -> torch.Tensor:
     "`silu(gate) * up` `[..., I]` in `dtype` of gate/up sums `x` `[..., 2I]` laid out as `act` (`GATED_ACTS`) says."
     if act not in GATED_ACTS: raise ValueError(f"act={act!r}: one of {GATED_ACTS}")
-    g, u = (x[..., 0::2], x[..., 1::2]) if act.endswith('interleaved') else x.chunk(2, -1)
-    return (F.silu(g.float()) * u.float()).to(dtype)
+    from ..kernels.activation import silu_and_mul_ref
+    return silu_and_mul_ref(x, interleaved=act.endswith('interleaved')).to(dtype)
 
 def accumulates(layer: nn.Module, x: torch.Tensor, act: str | None = None) -> bool:
     """Whether `layer` adds its product into an fp32 sum itself (its `can_add_into`) for a batch like `x` (`act`: its

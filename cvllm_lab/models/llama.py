@@ -101,7 +101,8 @@ def forward_acc(self: LlamaDecoderLayer, positions, residual, sums, dtype):
     """One layer on the fp32 residual stream `residual` `[1, hidden]`, added into in place. `sums` (zero on entry)
     holds the QKV sums, then the gate/up sums; the output projection zeroes it for the next layer."""
     a, m = self.self_attn, self.mlp
-    qkv, gu = sums.split([(a.H + 2 * a.Hkv) * a.D, sums.shape[1] - (a.H + 2 * a.Hkv) * a.D], -1)
+    nq = (a.H + 2 * a.Hkv) * a.D
+    qkv, gu = sums.split([nq, sums.shape[1] - nq], -1)
     linear_add_(a.qkv_proj, self.input_layernorm.normed(residual, dtype), qkv)
     linear_add_(a.o_proj, a.attend_qkv(positions, qkv, dtype), residual, zero=sums)
     linear_add_(m.gate_up_proj, self.post_attention_layernorm.normed(residual, dtype), gu)
