@@ -164,7 +164,7 @@ GATED_ACTS = ('silu_and_mul', 'silu_and_mul_interleaved')
 def gated_act(x: torch.Tensor, act: str, dtype: torch.dtype) -> torch.Tensor:
     "`silu(gate) * up` `[..., I]` in `dtype` of gate/up sums `x` `[..., 2I]` laid out as `act` (`GATED_ACTS`) says."
     if act not in GATED_ACTS: raise ValueError(f"act={act!r}: one of {GATED_ACTS}")
-    from ..kernels.activation import silu_and_mul_ref
+    from cvllm_lab.kernels.activation import silu_and_mul_ref
     return silu_and_mul_ref(x, interleaved=act.endswith('interleaved')).to(dtype)
 
 def accumulates(layer: nn.Module, x: torch.Tensor, act: str | None = None) -> bool:
