@@ -1,7 +1,7 @@
 """The four W4A16 matmuls of a Llama-3-8B layer at one row, as the fp32 residual stream runs them, against the
-way they ran before it.
+way they ran before it; `--tune` searches the stream's launch configs.
 
-    python -m benchmarks.kernels.bench_w4a16_stream [--out DIR]
+    python -m benchmarks.kernels.bench_w4a16_stream [--out DIR] [--tune [--write]]
 
 | matmul | before (`w4a16_mma` writes its output) | the stream (`acc`: the programs add into fp32 sums) |
 |---|---|---|
@@ -12,21 +12,29 @@ way they ran before it.
 
 Each matmul alone and the four in a row, timed over rotating weight copies in a CUDA graph (`common.time_fn`), after
 a check of the stream's two new paths against the fp32 reference. Rows go to DIR/w4a16_stream.csv.
+
+`--tune`: every matmul as the stream launches it, over warps x word tensors per thread x split-K (the stream has no
+split-K read-back, so its best split can differ from the `shapes` table's), then the layer in a row with the best
+configs against the committed ones. The best per shape is printed as the `stream` table of `configs/w4a16_mma/`;
+`--write` puts it into the device's file (on the H200, the reference device, `default.json` too).
 """
 from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import csv
+import json
 import os
+import sys
 
 import torch
 
+from cvllm_lab.kernels import tuned
 from cvllm_lab.kernels import w4a16_mma as KM
 from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.kernels.w4a16_layout import dequantize_packed_ref
 
 SHAPES = {**C.L3_8B, 'gate_up': (2 * C.L3_8B['down'][1], C.L3_8B['gate_up'][1])}   # (the dry run's shapes differ)
 NQ, NI = SHAPES['qkv'][0], SHAPES['gate_up'][0]
-DOWN_CONFIGS = [(4, 2, 28), (8, 2, 28), (8, 2, 14), (4, 2, 14), (8, 1, 28), (4, 1, 28), (8, 2, 56), (4, 2, 56)]
+SPLITS = range(1, 65)   # split-K candidates: those that divide the K-tiles
 
 
 def make_layer(i):
@@ -43,9 +51,11 @@ def before(L, x, xd, res):
     mm('down', xd, acc=res)
 
 
-def stream(L, x, sums, res):
-    "The stream: every matmul adds into fp32 sums; o zeroes `sums`, down activates the gate/up part on load."
-    mm = lambda name, xx, **kw: KM.w4a16_mma(xx, *L[name], 4, 128, *SHAPES[name], sym=True, **kw)
+def stream(L, x, sums, res, cfgs=None):
+    """The stream: every matmul adds into fp32 sums; o zeroes `sums`, down activates the gate/up part on load.
+    `cfgs`: launch configs by matmul name (`num_warps`, `nh`, `split_k`), else the tuned ones."""
+    cfgs = cfgs or {}
+    mm = lambda name, xx, **kw: KM.w4a16_mma(xx, *L[name], 4, 128, *SHAPES[name], sym=True, **kw, **cfgs.get(name, {}))
     qkv, gu = sums.split([NQ, NI], -1)
     mm('qkv', x, acc=qkv)
     mm('o', x, acc=res, zero=sums)
@@ -67,6 +77,57 @@ def check():
     print(f'correct: down with x_act rel err {err:.2e}, zeroed', flush=True)
 
 
+def stream_call(name, p, x, acc, sums, **cfg):
+    "One matmul as the stream launches it (`stream`), alone."
+    N, K = SHAPES[name]
+    kw = dict(x_act='silu_and_mul', dtype=torch.bfloat16) if name == 'down' else dict(zero=sums) if name == 'o' else {}
+    return KM.w4a16_mma(x, *p, 4, 128, N, K, sym=True, acc=acc, **kw, **cfg)
+
+
+def configs(name):
+    "Launch configs to time for one matmul: warps x word tensors per thread x the splits that divide its K-tiles."
+    N, K = SHAPES[name]
+    tiles = K // 128
+    if C.DRY: return [dict(num_warps=1, nh=1, split_k=s) for s in (1, 2)]
+    return [dict(num_warps=nw, nh=nh, split_k=sk) for nw in (4, 8) for nh in (1, 2) for sk in SPLITS
+            if tiles % sk == 0 and C.num_sms() <= -(-N // (nh * nw * 32)) * sk <= 16 * C.num_sms()]
+
+
+def tune(rows, x, sums):
+    "Every config of `configs` per matmul, as the stream launches it; returns the best per matmul name."
+    best = {}
+    for name, (N, K) in SHAPES.items():
+        nb = sum(t.numel() * t.element_size() for t in C.packed_w4a16(N, K)[:3])
+        args = lambda i, N=N, K=K: (C.packed_w4a16(N, K)[:3],)
+        xin = torch.randn(1, 2 * K, device=C.DEVICE) if name == 'down' else x
+        acc = torch.zeros(1, N, device=C.DEVICE)
+        for cfg in configs(name):
+            try:
+                us = C.time_fn(args, lambda p: stream_call(name, p, xin, acc, sums, **cfg), nb)
+            except Exception as e:
+                print('failed', name, cfg, repr(e)[:200], flush=True); continue
+            rows.append(dict(what=name, config=f'nw={cfg["num_warps"]} nh={cfg["nh"]} split={cfg["split_k"]}',
+                             path='stream', us=us))
+            if name not in best or us < best[name][0]: best[name] = (us, cfg)
+        print(f'  {name:8s} best {best[name][0]:6.2f} us {best[name][1]}', flush=True)
+    return {name: cfg for name, (us, cfg) in best.items()}
+
+
+def write_stream_table(best):
+    "The best configs as the `stream` table of the device's `w4a16_mma` file (and `default.json` on the H200)."
+    dev = tuned.device_key(C.device_name())
+    table = {SHAPES[n]: dict(num_warps=c['num_warps'], nh=c['nh'], split=c['split_k']) for n, c in best.items()}
+    print(tuned.dump_configs({'stream': table}), flush=True)
+    if '--write' not in sys.argv or C.DRY: return
+    for name in [dev] + (['default'] if dev == 'NVIDIA_H200' else []):
+        path = tuned.CONFIG_DIR / 'w4a16_mma' / f'{name}.json'
+        named = json.loads(path.read_text()) if path.exists() else {}   # a device file keeps only the tables it names
+        tables = {k: v for k, v in tuned.load_configs('w4a16_mma', name).items() if k in named or name == 'default'}
+        tables['stream'] = table
+        path.write_text(tuned.dump_configs(tables))
+        print('wrote', path, flush=True)
+
+
 def main():
     out = C.arg('--out', 'results')
     check()
@@ -84,24 +145,23 @@ def main():
     for name, (N, K) in SHAPES.items():
         args = lambda i, N=N, K=K: (C.packed_w4a16(N, K)[:3],)
         mm = lambda p, xx, N=N, K=K, **kw: KM.w4a16_mma(xx, *p, 4, 128, N, K, sym=True, **kw)
-        xin = xd if name == 'down' else x
+        xin = torch.randn(1, 2 * K, device=C.DEVICE) if name == 'down' else x
         acc = torch.zeros(1, N, device=C.DEVICE)
-        t0 = C.time_fn(args, lambda p: mm(p, xin, **({'act': 'silu_and_mul'} if name == 'gate_up' else {})), nb)
-        if name == 'down':
-            gsum = torch.randn(1, 2 * K, device=C.DEVICE)
-            t1 = C.time_fn(args, lambda p: mm(p, gsum, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16), nb)
-        elif name == 'o':
-            t1 = C.time_fn(args, lambda p: mm(p, xin, acc=acc, zero=sums), nb)
-        else:
-            t1 = C.time_fn(args, lambda p: mm(p, xin, acc=acc), nb)
+        t0 = C.time_fn(args, lambda p: mm(p, xd if name == 'down' else x,
+                                          **({'act': 'silu_and_mul'} if name == 'gate_up' else {})), nb)
+        t1 = C.time_fn(args, lambda p: stream_call(name, p, xin, acc, sums), nb)
         rows += [dict(what=name, config='tuned', path='out', us=t0), dict(what=name, config='tuned', path='stream', us=t1)]
         print(f'  {name:8s} writes its output {t0:6.2f} us, stream {t1:6.2f} us', flush=True)
-        if name == 'down':   # x activated on load: launch configs around the tuned one (which was tuned on bf16 x)
-            for nw, nh, sk in C.DRY and [(1, 1, 1)] or DOWN_CONFIGS:
-                t = C.time_fn(args, lambda p: mm(p, gsum, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16,
-                                                 num_warps=nw, nh=nh, split_k=sk), nb)
-                rows.append(dict(what=name, config=f'nw={nw} nh={nh} split={sk}', path='stream', us=t))
-                print(f'    x_act nw={nw} nh={nh} split={sk}: {t:6.2f} us', flush=True)
+    if '--tune' in sys.argv:
+        best = tune(rows, x, sums)
+        t_t = C.time_fn(make_layer, lambda L: stream(L, x, sums, res, best), 4 * nb)
+        t_s = C.time_fn(make_layer, lambda L: stream(L, x, sums, res), 4 * nb)
+        rows += [dict(what='layer', config='stream tuned', path='stream', us=t_t),
+                 dict(what='layer', config='tuned', path='stream', us=t_s)]
+        print(f'four matmuls on the stream: committed configs {t_s:.2f} us, stream-tuned {t_t:.2f} us '
+              f'({t_s / t_t:.3f}x)', flush=True)
+        if t_t < t_s: write_stream_table(best)   # isolated timings can mislead: the layer in a row decides
+        else: print('stream table not written: the committed configs are as fast in a row', flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, 'w4a16_stream.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, ['device', 'what', 'config', 'path', 'us'])
