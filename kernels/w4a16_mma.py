@@ -56,7 +56,7 @@ from cvllm_lab.kernels.tuned import configs_for
 from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair, _silu_mul
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
-__all__ = ['MMA_MAX_M', 'launch_config', 'mma_supported', 'w4a16_mma']
+__all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
 _INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
 MMA_MAX_M = 8
 
@@ -304,18 +304,11 @@ def mma_supported(x, bits, group, N, K, dtype=None) -> bool:
     return G % TILE_K == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
-def launch_config(tables, N, K, stream=False) -> dict:
-    """The tuned config of an `[N, K]` layer: `tables['stream']` for launches that add into fp32 sums (`acc`: no
-    split-K read-back, so a larger split can pay), else `tables['shapes']`, else `tables['default']`."""
-    if stream and (N, K) in tables.get('stream', {}): return tables['stream'][(N, K)]
-    return tables['shapes'].get((N, K), tables['default'])
-
-
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
               maxnreg=None, pdl=None, act=None, sym=False, acc=None, x_act=None, dtype=None, zero=None):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
-    SM) and `maxnreg` (a register cap per thread) come from the tuned config (`launch_config`).
+    SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
     `act='silu_and_mul'`: W's rows interleave gate and up; returns `silu(gate) * up` `[M, N / 2]`. `sym`: the
     caller vouches `offsets == -8 * scales` (the offsets are not read). `pdl`: as `pdl_kw`. `acc` (fp32 `[M, N]`,
     contiguous): `acc += x @ W.T` in place and returned; the programs add their partial sums straight into it, so
@@ -336,7 +329,8 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     dtype = dtype if x_act else x.dtype
     x = x.contiguous()
     tiles = Kp // TILE_K
-    cfg = launch_config(configs_for('w4a16_mma', x.device), N, K, acc is not None)
+    T = configs_for('w4a16_mma', x.device)
+    cfg = T['shapes'].get((N, K), T['default'])
     default = num_warps is None and nh is None
     num_warps = num_warps or cfg['num_warps']
     nh = nh or cfg['nh']

@@ -47,14 +47,3 @@ def test_dump_configs_is_the_inverse_of_load():
         if not d.is_dir(): continue
         for f in d.glob('*.json'):
             assert tuned.dump_configs(tuned._parse(json.loads(f.read_text()))) == f.read_text(), f
-
-
-def test_w4a16_mma_stream_table():
-    "Launches that add into fp32 sums take the `stream` table where it names the shape, else `shapes`, else `default`."
-    from cvllm_lab.kernels.w4a16_mma import launch_config
-    t = {'default': {'num_warps': 4}, 'shapes': {(8, 4): {'num_warps': 8, 'split': 2}},
-         'stream': {(8, 4): {'num_warps': 4, 'split': 8}}}
-    assert launch_config(t, 8, 4) == {'num_warps': 8, 'split': 2}
-    assert launch_config(t, 8, 4, stream=True) == {'num_warps': 4, 'split': 8}
-    assert launch_config(t, 16, 4, stream=True) == {'num_warps': 4}
-    assert launch_config({k: t[k] for k in ('default', 'shapes')}, 8, 4, stream=True) == {'num_warps': 8, 'split': 2}

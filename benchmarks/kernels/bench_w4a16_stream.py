@@ -1,7 +1,7 @@
 """The four W4A16 matmuls of a Llama-3-8B layer at one row, as the fp32 residual stream runs them, against the
-way they ran before it; `--tune` searches the stream's launch configs.
+way they ran before it; `--tune` asks whether the stream would want launch configs of its own.
 
-    python -m benchmarks.kernels.bench_w4a16_stream [--out DIR] [--tune [--write]]
+    python -m benchmarks.kernels.bench_w4a16_stream [--out DIR] [--tune]
 
 | matmul | before (`w4a16_mma` writes its output) | the stream (`acc`: the programs add into fp32 sums) |
 |---|---|---|
@@ -14,20 +14,17 @@ Each matmul alone and the four in a row, timed over rotating weight copies in a 
 a check of the stream's two new paths against the fp32 reference. Rows go to DIR/w4a16_stream.csv.
 
 `--tune`: every matmul as the stream launches it, over warps x word tensors per thread x split-K (the stream has no
-split-K read-back, so its best split can differ from the `shapes` table's), then the layer in a row with the best
-configs against the committed ones. The best per shape is printed as the `stream` table of `configs/w4a16_mma/`;
-`--write` puts it into the device's file (on the H200, the reference device, `default.json` too).
+split-K read-back, so its best split could differ from that of `configs/w4a16_mma/`'s `shapes` table, which the
+stream launches with), then the four in a row with the best configs against the committed ones.
 """
 from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import csv
-import json
 import os
 import sys
 
 import torch
 
-from cvllm_lab.kernels import tuned
 from cvllm_lab.kernels import w4a16_mma as KM
 from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.kernels.w4a16_layout import dequantize_packed_ref
@@ -113,21 +110,6 @@ def tune(rows, x, sums):
     return {name: cfg for name, (us, cfg) in best.items()}
 
 
-def write_stream_table(best):
-    "The best configs as the `stream` table of the device's `w4a16_mma` file (and `default.json` on the H200)."
-    dev = tuned.device_key(C.device_name())
-    table = {SHAPES[n]: dict(num_warps=c['num_warps'], nh=c['nh'], split=c['split_k']) for n, c in best.items()}
-    print(tuned.dump_configs({'stream': table}), flush=True)
-    if '--write' not in sys.argv or C.DRY: return
-    for name in [dev] + (['default'] if dev == 'NVIDIA_H200' else []):
-        path = tuned.CONFIG_DIR / 'w4a16_mma' / f'{name}.json'
-        named = json.loads(path.read_text()) if path.exists() else {}   # a device file keeps only the tables it names
-        tables = {k: v for k, v in tuned.load_configs('w4a16_mma', name).items() if k in named or name == 'default'}
-        tables['stream'] = table
-        path.write_text(tuned.dump_configs(tables))
-        print('wrote', path, flush=True)
-
-
 def main():
     out = C.arg('--out', 'results')
     check()
@@ -160,8 +142,6 @@ def main():
                  dict(what='layer', config='tuned', path='stream', us=t_s)]
         print(f'four matmuls on the stream: committed configs {t_s:.2f} us, stream-tuned {t_t:.2f} us '
               f'({t_s / t_t:.3f}x)', flush=True)
-        if t_t < t_s: write_stream_table(best)   # isolated timings can mislead: the layer in a row decides
-        else: print('stream table not written: the committed configs are as fast in a row', flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, 'w4a16_stream.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, ['device', 'what', 'config', 'path', 'us'])
