@@ -21,6 +21,9 @@ nbdev-export
 [ -z "$(git status --porcelain -- cvllm_lab)" ] || { git status --porcelain -- cvllm_lab; echo "library out of sync with notebooks: run nbdev-export and commit"; exit 1; }
 echo "== house rules: import floors and loops, file sizes, no commit hashes in sources"
 python tools/check_house.py
+echo "== torch.empty filled with NaN from here on (tools/nan_empty): a read of unwritten memory fails every run"
+export PYTHONPATH="$PWD/tools/nan_empty${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import torch; assert torch.empty(8).isnan().all(), 'tools/nan_empty is not in effect'"
 echo "== nbdev-test"
 # in groups: nbdev-test's worker processes keep what each notebook allocated (they grow over a long run of
 # notebooks); fresh workers per group keep the peak within a small machine's memory
