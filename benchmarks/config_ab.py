@@ -8,7 +8,8 @@ graphs keep the kernels they were captured with), timed alternately.
 `paged_attention`: the decode attention's tuned tables (`configs/paged_attention/<device>.json`) against its
 `default` config. Another kernel whose launcher looks its table up through one module function joins `UNTUNED`,
 as does a fast path switched by one function (`fp32_stream`: the Llama layers' fp32 residual stream against the
-fused bf16 adds; `w4a16_mma`: the MMA kernel against the GEMV).
+fused bf16 adds; `w4a16_mma`: the MMA kernel against the GEMV; `deferred_norm`: the fp32 stream's norms split
+around their matmuls against a norm kernel each).
 
 A point is `quantization:batch:prompt_len` (`none`: the checkpoint's dtype); decode tok/s is batch x 128 /
 (t(129 tokens) - t(1 token)) of fresh random prompts, as the sweep measures it. Printed per point: each engine's
@@ -27,14 +28,15 @@ from cvllm_lab.bench.sweep import model_dir
 from cvllm_lab.kernels import paged_attention as pa
 from cvllm_lab.kernels import tuned
 from cvllm_lab.kernels import w4a16 as KW
-from cvllm_lab.models.llama import LlamaForCausalLM
+from cvllm_lab.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from cvllm_lab.sampling_params import SamplingParams
 
 
 # kernel -> (module, the lookup to replace, what it returns without the tuned table)
 UNTUNED = {'paged_attention': (pa, 'decode_config', lambda *a, **k: pa.configs_for('paged_attention', torch.device('cuda'))['default']),
            'w4a16_mma': (KW, 'mma_supported', lambda *a, **k: False),   # 'untuned': the kernels before it
-           'fp32_stream': (LlamaForCausalLM, 'fp32_stream', lambda *a, **k: False)}   # 'untuned': bf16 residual adds
+           'fp32_stream': (LlamaForCausalLM, 'fp32_stream', lambda *a, **k: False),   # 'untuned': bf16 residual adds
+           'deferred_norm': (LlamaDecoderLayer, 'defers_norms', lambda *a, **k: False)}   # 'untuned': norm kernels
 
 
 def engine(path, quant, max_model_len, max_seqs, kernel: str | None):

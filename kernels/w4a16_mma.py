@@ -97,36 +97,71 @@ def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr,
 
 
 @triton.jit
-def _x_run(xp, k, K, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, F16: tl.constexpr):
-    """x[k] for an [R, 4] run of K indices `k`. ACT_X: x is `silu(gate) * up` of fp32 gate/up sums at `2k`, `2k + 1`
-    (interleaved pairs), computed here and rounded to the MMA's 16-bit type, as an activation kernel would."""
+def _x_run(xp, gp, k, K, s, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl.constexpr, NORM_X: tl.constexpr,
+           F16: tl.constexpr):
+    """x[k] for an [R, 4] run of K indices `k`, and (NORM_X) the run's squares. ACT_X: x is `silu(s gate) * s up` of
+    fp32 gate/up sums at `2k`, `2k + 1` (interleaved pairs; RMS_X: `s` [R, 1] is the rows' 1/rms), computed here and
+    rounded to the MMA's 16-bit type, as an activation kernel would. NORM_X: x is an fp32 residual row and the input
+    `g[k] * x[k]` (`gp`: an RMSNorm's weight), rounded the same way; its 1/rms is left to the sums' consumer."""
     if ACT_X:
         p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]   # [R, 4, 2]: 32 contiguous bytes
         if EVEN_K:
             gate, up = tl.split(tl.load(p))
         else:
             gate, up = tl.split(tl.load(p, mask=(k < K)[:, :, None], other=0.0))
+        if RMS_X:
+            gate, up = gate * s, up * s
         y = _silu_mul(gate, up)
-        if F16:
-            return y.to(tl.float16)
+        sq = y
+    elif NORM_X:
+        if EVEN_K:
+            xv = tl.load(xp + k)
+            gv = tl.load(gp + k)
         else:
-            return y.to(tl.bfloat16)
+            xv = tl.load(xp + k, mask=k < K, other=0.0)
+            gv = tl.load(gp + k, mask=k < K, other=0.0)
+        y = xv * gv.to(tl.float32)
+        sq = xv * xv
     else:
         if EVEN_K:
-            return tl.load(xp + k)
+            xv = tl.load(xp + k)
         else:
-            return tl.load(xp + k, mask=k < K, other=0.0)
+            xv = tl.load(xp + k, mask=k < K, other=0.0)
+        return xv, xv
+    if F16:
+        return y.to(tl.float16), sq
+    else:
+        return y.to(tl.bfloat16), sq
 
 
 @triton.jit
-def _x_runs(xp, xk, T, K, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, F16: tl.constexpr):
+def _x_runs(xp, gp, xk, T, K, s, sq, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl.constexpr,
+            NORM_X: tl.constexpr, F16: tl.constexpr):
     """x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (16-bit x: one 8-byte load each);
-    `xk` = 4t + (0 .. 3)."""
+    `xk` = 4t + (0 .. 3). NORM_X: `sq` plus the runs' squares (the residual's sum of squares, per lane)."""
     k = T * 128 + xk
-    return (_x_run(xp, k, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 16, K, EVEN_K, ACT_X, F16),
-            _x_run(xp, k + 32, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 48, K, EVEN_K, ACT_X, F16),
-            _x_run(xp, k + 64, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 80, K, EVEN_K, ACT_X, F16),
-            _x_run(xp, k + 96, K, EVEN_K, ACT_X, F16), _x_run(xp, k + 112, K, EVEN_K, ACT_X, F16))
+    x0, q0 = _x_run(xp, gp, k, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x1, q1 = _x_run(xp, gp, k + 16, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x2, q2 = _x_run(xp, gp, k + 32, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x3, q3 = _x_run(xp, gp, k + 48, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x4, q4 = _x_run(xp, gp, k + 64, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x5, q5 = _x_run(xp, gp, k + 80, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x6, q6 = _x_run(xp, gp, k + 96, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    x7, q7 = _x_run(xp, gp, k + 112, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+    if NORM_X:
+        sq += ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+    return x0, x1, x2, x3, x4, x5, x6, x7, sq
+
+
+@triton.jit
+def _ssq_add(sq, r, g, M, ssq_ptr, stride_ssq):
+    """Add the residual's sum of squares over this program's K-tiles into `ssq[m]`: lane group g of warp 0 holds row
+    g's runs (`sq` [R, 4] per lane; the other warps and groups hold copies). One masked lane adds per row."""
+    for m in tl.static_range(8):
+        if m < M:
+            tot = tl.sum(tl.sum(tl.where((r < 32) & (g == m), sq, 0.0), 1), 0)
+            tl.atomic_add(ssq_ptr + m * stride_ssq + r * 0, tl.zeros_like(r).to(tl.float32) + tot, mask=r == 0,
+                          sem='relaxed')
 
 
 @triton.jit
@@ -214,16 +249,19 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 
 
 @triton.jit
-def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, M, N, K, stride_xm, TPS, ZN,
-                G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
+def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, g_ptr, ssq_ptr, M, N, K, stride_xm, TPS,
+                ZN, stride_ssq, inv_n, eps, G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
-                F16: tl.constexpr, ACC: tl.constexpr, ACT_X: tl.constexpr, ZERO: tl.constexpr):
+                F16: tl.constexpr, ACC: tl.constexpr, ACT_X: tl.constexpr, ZERO: tl.constexpr, NORM_X: tl.constexpr,
+                RMS_X: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
     the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). Per K-tile: the
     next tile's words and scales are loaded into registers, then this tile's x and MMAs run. The first tile's words
     load before `pdl_wait` (weights, which no kernel writes). ACT_X: x is fp32 gate/up pairs, activated on load
-    (`_x_run`); ZERO: the programs also zero the `ZN` floats at `z_ptr` between them."""
+    (`_x_run`; RMS_X: scaled by `rsqrt(ssq[m] * inv_n + eps)` first); ZERO: the programs also zero the `ZN` floats at
+    `z_ptr` between them. NORM_X: x is an fp32 residual, the input `g * x` (`g_ptr`: an RMSNorm's weight), and the
+    programs of column block 0 add the rows' sums of squares into `ssq` (`_ssq_add`) for the consumer's 1/rms."""
     R: tl.constexpr = NW * 32
     r = tl.arange(0, R)[:, None]
     e = tl.arange(0, 4)[None, :]
@@ -249,17 +287,23 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, M,
     pdl_launch(PDL)
     if ZERO:
         _zero_part(z_ptr, ZN, 4 * R)
+    s = 1.0
+    if RMS_X:
+        s = tl.rsqrt(tl.load(ssq_ptr + b * stride_ssq) * inv_n + eps)   # [R, 1]: this lane group's row
     z = tl.zeros([R, 4], dtype=tl.float32)
-    tA0, tA1, tB0, tB1 = z, z, z, z
+    tA0, tA1, tB0, tB1, sq = z, z, z, z, z
     for T in range(t0, t0 + TPS):
         Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
         c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB,
                                                                            nmA, nmB, G, NH, SYM, EVEN_N)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_runs(xp, xk, T, K, EVEN_K, ACT_X, F16)
+        x0, x1, x2, x3, x4, x5, x6, x7, sq = _x_runs(xp, g_ptr, xk, T, K, s, sq, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
         tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
                                         x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
         scA, ofA, scB, ofB = scC, ofC, scD, ofD
+    if NORM_X:
+        if pid_n == 0:
+            _ssq_add(sq, r, g, M, ssq_ptr, stride_ssq)
     bt = 2 * tq                                             # x rows of a thread's D elements: 2t, 2t + 1
     if ACC:                       # atomic adds (split > 1, not last) into the caller's fp32 sums: no last program
         _mma_put(tA0, fb, bt, out_ptr, out_ptr, M, N, False, 2, False)
@@ -305,7 +349,8 @@ def mma_supported(x, bits, group, N, K, dtype=None) -> bool:
 
 
 def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              maxnreg=None, pdl=None, act=None, sym=False, acc=None, x_act=None, dtype=None, zero=None):
+              maxnreg=None, pdl=None, act=None, sym=False, acc=None, x_act=None, dtype=None, zero=None, norm=None,
+              x_rms=None):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
     SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
@@ -315,18 +360,28 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     a split-K launch ends without the workspace's last-program read-back (three dependent L2 round trips).
     `x_act='silu_and_mul'`: `x` is fp32 `[M, 2K]` gate/up sums in interleaved pairs (a fused gate/up layer's `acc`),
     and the matmul's input is `silu(gate) * up` in `dtype` (16-bit), computed as x is loaded: no activation kernel.
-    `zero` (fp32, contiguous): zeroed by the launch's programs as well, e.g. sums a later matmul adds into."""
+    `zero` (fp32, contiguous): zeroed by the launch's programs as well, e.g. sums a later matmul adds into.
+    An RMSNorm split between a matmul and the consumer of its sums (the fp32 stream without norm kernels):
+    `norm=(weight, ssq)`: `x` is an fp32 residual `[M, K]`, the input `weight * x` in `dtype` (the norm without its
+    1/rms), and `ssq` (fp32 `[M]`, any stride) gets `sum_k x[m, k]^2` added; `x_rms=(ssq, n, eps)` (with `x_act`):
+    the gate/up sums are scaled by `rsqrt(ssq / n + eps)` before the activation, the norm's 1/rms applied late."""
     M = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == (2 * K if x_act else K) and 1 <= M <= MMA_MAX_M, x.shape
     assert act in (None, 'silu_and_mul') and x_act in (None, 'silu_and_mul'), (act, x_act)
+    if x_rms is not None and not x_act: raise ValueError("x_rms scales x_act's gate/up sums: give x_act too")
+    if norm is not None and x_act: raise ValueError("norm and x_act are two kinds of x: give one")
+    ssq = norm[1] if norm is not None else x_rms[0] if x_rms is not None else None
+    if ssq is not None and (ssq.dtype != torch.float32 or ssq.shape != (M,)):
+        raise ValueError(f"ssq must be fp32 [{M}], got {ssq.dtype} {tuple(ssq.shape)}")
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     if bits != 4 or G % TILE_K or N % 4:
         raise ValueError(f"w4a16_mma needs 4-bit weights, groups a multiple of {TILE_K} and N % 4 == 0")
-    if x_act and (x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"x_act needs fp32 sums and a 16-bit dtype; got {x.dtype}, dtype={dtype}")
+    if (x_act or norm is not None) and (x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"x_act and norm need fp32 x and a 16-bit dtype; got {x.dtype}, dtype={dtype}")
+    if norm is not None and norm[0].shape != (K,): raise ValueError(f"norm weight must be [{K}]")
     if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
         raise ValueError("zero must be a contiguous fp32 tensor")
-    dtype = dtype if x_act else x.dtype
+    dtype = dtype if x_act or norm is not None else x.dtype
     x = x.contiguous()
     tiles = Kp // TILE_K
     T = configs_for('w4a16_mma', x.device)
@@ -349,11 +404,15 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     else:
         out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, progs)
-    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, ws if zero is None else zero, M, N, K,
+    n, eps = (x_rms[1], x_rms[2]) if x_rms is not None else (1, 0.0)
+    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, ws if zero is None else zero,
+                                  x if norm is None else norm[0].contiguous(), ws if ssq is None else ssq, M, N, K,
                                   x.stride(0), tiles // split_k, 0 if zero is None else zero.numel(),
+                                  0 if ssq is None else ssq.stride(0), 1.0 / n, eps,
                                   G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
                                   SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=dtype == torch.float16,
                                   ACC=acc is not None, ACT_X=bool(x_act), ZERO=zero is not None,
+                                  NORM_X=norm is not None, RMS_X=x_rms is not None,
                                   num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
                                   **({'maxnreg': maxnreg} if maxnreg else {}))
     return out

@@ -138,9 +138,11 @@ def test_rotary_and_cache(is_neox, rot_dim, kv):
 
 @pytest.mark.parametrize('is_neox,rot_dim', [(True, 64), (False, 48)])
 @pytest.mark.parametrize('kv', ['auto', 'fp8'])
-def test_rotary_and_cache_fp32_sums(is_neox, rot_dim, kv):
+@pytest.mark.parametrize('rms', [False, True], ids=['sums', 'sums-rms'])
+def test_rotary_and_cache_fp32_sums(is_neox, rot_dim, kv, rms):
     """q, k, v as fp32 sums (the fp32 residual stream's QKV projection) with `q_out` in bf16: q is only read, the
-    rotated q lands in `q_out`, k and v are rounded as they are written; against the reference on the same sums."""
+    rotated q lands in `q_out`, k and v are rounded as they are written; against the reference on the same sums.
+    `rms`: the sums scaled per token by `rsqrt(ssq / n + eps)` (an input norm's 1/rms, applied here)."""
     torch.manual_seed(rot_dim)
     nb, bs, H, Hkv, D, T = 4, 16, 4, 2, 64, 3
     qkv = torch.randn(T, H + 2 * Hkv, D, device=DEV)
@@ -154,15 +156,19 @@ def test_rotary_and_cache_fp32_sums(is_neox, rot_dim, kv):
     caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=cdt) for _ in range(4)]
     scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)] if kv == 'fp8' else [None] * 4
     q0 = q.clone()
+    ssq = (torch.rand(T, 2, device=DEV) * 5000)[:, 1] if rms else None      # strided, as the stream's sums give
+    r = (ssq, 1000, 1e-5) if rms else None
+    s = torch.rsqrt(ssq / 1000 + 1e-5)[:, None, None] if rms else 1.0
     qos = [torch.full((T, H, D), 7.0, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
     pa.rotary_and_cache_ref(q, key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3],
-                            q_out=qos[1])
+                            q_out=qos[1], rms=r)
     got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1],
-                              q_out=qos[0])
+                              q_out=qos[0], rms=r)
     assert got is qos[0] and torch.equal(q, q0)                           # q read, not written
     torch.testing.assert_close(qos[0].float(), qos[1].float(), rtol=2 ** -7, atol=1e-6)
-    assert not torch.allclose(qos[0][..., :rot_dim].float(), q[..., :rot_dim].bfloat16().float(), atol=1e-2)
-    torch.testing.assert_close(qos[0][..., rot_dim:].float(), q[..., rot_dim:].bfloat16().float(), rtol=2 ** -7, atol=0)
+    assert not torch.allclose(qos[0][..., :rot_dim].float(), (q * s)[..., :rot_dim].bfloat16().float(), atol=1e-2)
+    torch.testing.assert_close(qos[0][..., rot_dim:].float(), (q * s)[..., rot_dim:].bfloat16().float(), rtol=2 ** -7,
+                               atol=0)
     if kv == 'fp8':
         for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): assert fp8_ulps(a, b).max() <= 1
     else:

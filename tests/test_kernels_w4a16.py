@@ -155,6 +155,22 @@ def test_w4a16_mma_cpu(N, K, group, sym):
         assert y.shape == (2, N) and _rel(y, xa.bfloat16().float() @ w.T) < 1e-2, (sk, _rel(y, xa @ w.T))
         assert z.abs().max() == 0; z.normal_()
     with pytest.raises(ValueError, match='x_act'): w4a16_mma(gu, *args, x_act='silu_and_mul')
+    # an RMSNorm split around the matmul: `norm` reads an fp32 residual times the norm's weight and adds the sum of
+    # squares into `ssq`; `x_rms` applies its 1/rms to gate/up sums before the activation (the interpreter rounds to
+    # bf16 by truncation, hence 1e-2 against the round-to-nearest references; the GPU test holds 2e-4)
+    for M, sk in ((1, 1), (3, 2)):
+        res, gw = torch.randn(M, K) * 3, (torch.rand(K) + 0.5).bfloat16()
+        ssq2 = torch.rand(M, 2); want_ssq = ssq2[:, 1] + res.pow(2).sum(-1)
+        acc = torch.randn(M, N); want = acc + (res * gw.float()).bfloat16().float() @ w.T
+        w4a16_mma(res, *args, num_warps=1, split_k=sk, sym=sym, acc=acc, norm=(gw, ssq2[:, 1]), dtype=torch.bfloat16)
+        assert _rel(acc, want) < 1e-2 and _rel(ssq2[:, 1], want_ssq) < 1e-6, (M, sk, _rel(acc, want))
+        gu, ss = torch.randn(M, 2 * K), torch.rand(M) * 400
+        xa = silu_and_mul_ref(gu * torch.rsqrt(ss / 100 + 1e-5)[:, None], interleaved=True).bfloat16().float()
+        y = w4a16_mma(gu, *args, num_warps=1, split_k=sk, sym=sym, x_act='silu_and_mul', dtype=torch.bfloat16,
+                      out_dtype=torch.float32, x_rms=(ss, 100, 1e-5))
+        assert _rel(y, xa @ w.T) < 1e-2, (M, sk, _rel(y, xa @ w.T))
+    with pytest.raises(ValueError, match='ssq'): w4a16_mma(res, *args, norm=(gw, ssq2), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match='x_act'): w4a16_mma(res, *args, x_rms=(ss, 100, 1e-5))
     assert _ws_clean()
     assert not mma_supported(x, 4, group, N, K)                    # the interpreter runs no PTX: w4a16_matmul won't
     with pytest.raises(ValueError, match='multiple of 128'):     # group 32 (GGUF repacks): the GEMV's
@@ -267,6 +283,20 @@ def test_w4a16_mma_cuda(N, K):
             want = acc + xa @ w.T
             w4a16_mma(gu, *args, sym=sym, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16, zero=z)
             assert _rel(acc, want) < 2e-4 and z.abs().max() == 0, (N, K, group, sym, 'x_act', _rel(acc, want))
+            ss = torch.rand(1, device='cuda') * 4 * K                    # x_rms: the gate/up sums scaled first
+            xa = silu_and_mul_ref(gu * torch.rsqrt(ss / K + 1e-5), interleaved=True).bfloat16().float()
+            acc = torch.randn(1, N, device='cuda')
+            want = acc + xa @ w.T
+            w4a16_mma(gu, *args, sym=sym, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16, x_rms=(ss, K, 1e-5))
+            assert _rel(acc, want) < 2e-4, (N, K, group, sym, 'x_rms', _rel(acc, want))
+        for M in (1, 3):                     # norm: an fp32 residual times the norm's weight, its squares summed
+            res, gw = torch.randn(M, K, device='cuda') * 3, (torch.rand(K, device='cuda') + 0.5).bfloat16()
+            ssq = torch.rand(M, 2, device='cuda')
+            want_ssq = ssq[:, 0] + res.pow(2).sum(-1)
+            acc = torch.randn(M, N, device='cuda')
+            want = acc + (res * gw.float()).bfloat16().float() @ w.T
+            w4a16_mma(res, *args, sym=sym, acc=acc, norm=(gw, ssq[:, 0]), dtype=torch.bfloat16)
+            assert _rel(acc, want) < 2e-4 and _rel(ssq[:, 0], want_ssq) < 1e-5, (N, K, group, sym, M, 'norm')
     assert _ws_clean()
 
 

@@ -49,14 +49,19 @@ class Attention(nn.Module):
         flash = name == 'triton' and os.environ.get('CVLLM_LAB_FLASH_PREFILL', '1') != '0'
         self.prefill_fn = flash_varlen_attention if flash else None
 
-    def forward(self, q, k, v, positions=None, rotary=None, dtype=None):
+    def forward(self, q, k, v, positions=None, rotary=None, dtype=None, rms=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
         first; the triton backend does that inside its cache-write kernel (`rotary_and_cache`: one launch, not two).
         `dtype`: q, k and v are fp32 sums (a decoder's fp32 residual stream), attended in `dtype`; in a decode step
-        the cache-write kernel reads them as they are and writes the rotated q in `dtype`, elsewhere they are cast."""
+        the cache-write kernel reads them as they are and writes the rotated q in `dtype`, elsewhere they are cast.
+        `rms` (a `DeferredRMS`): the sums still lack their input norm's `1/rms`, which that kernel applies as it reads
+        them (elsewhere they are scaled first)."""
         ctx = get_forward_context()
         T = q.shape[0]
         fused = rotary is not None and self.backend == 'triton'
+        late = fused and ctx.prefill is None and dtype not in (None, q.dtype)   # the cache-write kernel reads the sums
+        if rms is not None and not late:
+            s = rms.scale(); q, k, v = q * s, k * s, v * s
         if dtype is not None and q.dtype != dtype and not (fused and ctx.prefill is None):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if rotary is not None and not fused:
@@ -75,7 +80,7 @@ class Attention(nn.Module):
             kr = torch.empty(k.shape, dtype=k.dtype, device=k.device) if own else None   # the rotated keys
             qo = torch.empty(q.shape, dtype=dtype, device=q.device) if dtype not in (None, q.dtype) else None
             q = rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
-                                 slots, ks, vs, k_out=kr, q_out=qo)
+                                 slots, ks, vs, k_out=kr, q_out=qo, rms=rms.rms if rms is not None and late else None)
             if own: k = kr
         if split:
             t0 = ctx.prefill.token_start

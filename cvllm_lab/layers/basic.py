@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RMSNorm', 'GemmaRMSNorm', 'SiluAndMul', 'GeluAndMul', 'Linear']
+__all__ = ['RMSNorm', 'DeferredRMS', 'GemmaRMSNorm', 'SiluAndMul', 'GeluAndMul', 'Linear']
 
 # %% ../../nbs/20_layers.ipynb #c9add231
 def _use_triton(x: torch.Tensor) -> bool: return x.is_cuda
@@ -41,6 +42,35 @@ class RMSNorm(nn.Module):
             from cvllm_lab.kernels import norm as K
             return K.rms_norm(x, self.weight, self.eps, out=torch.empty(x.shape, dtype=dtype, device=x.device))
         return self._norm(x).to(dtype)
+
+# %% ../../nbs/20_layers.ipynb #dcc4c403
+from typing import NamedTuple
+
+class DeferredRMS(NamedTuple):
+    """An RMSNorm split around a matmul: the matmul reads `weight * x` and adds each row's `sum(x^2)` into `ssq`
+    `[T]` (fp32, zero before); the consumer of its sums scales them by `scale()`, the norm's `1/rms`."""
+    weight: torch.Tensor
+    eps: float
+    ssq: torch.Tensor
+
+    def prescaled(self, x, dtype):
+        "The matmul's input `weight * x` in `dtype`, the squares of fp32 `x` added into `ssq` (plain PyTorch)."
+        self.ssq.add_(x.pow(2).sum(-1))
+        return (x * self.weight.float()).to(dtype)
+
+    def scale(self) -> torch.Tensor:
+        "`rsqrt(ssq / n + eps)` `[T, 1]`: the norm's `1/rms` per row."
+        return torch.rsqrt(self.ssq / self.weight.numel() + self.eps)[:, None]
+
+    @property
+    def rms(self) -> tuple:
+        "`(ssq, n, eps)`, as the kernels that apply the `1/rms` take it (`w4a16_mma(x_rms=)`, `rotary_and_cache(rms=)`)."
+        return self.ssq, self.weight.numel(), self.eps
+
+@patch
+def deferred(self: RMSNorm, ssq: torch.Tensor) -> DeferredRMS:
+    "This norm split around a matmul (`DeferredRMS`), its rows' sums of squares kept in `ssq`."
+    return DeferredRMS(self.weight, self.eps, ssq)
 
 # %% ../../nbs/20_layers.ipynb #e17f49a7
 class GemmaRMSNorm(nn.Module):

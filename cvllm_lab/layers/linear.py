@@ -174,11 +174,15 @@ def accumulates(layer: nn.Module, x: torch.Tensor, act: str | None = None) -> bo
     return bool(f is not None and f(x, act=act))
 
 def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor, zero: torch.Tensor | None = None,
-                act: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                act: str | None = None, dtype: torch.dtype | None = None, norm=None, rms=None) -> torch.Tensor:
     """`acc += layer(x)` in place (`acc` fp32): by `layer.add_into` where it takes the call, else a matmul and an
-    add. `zero`: zeroed as well. `act`: `x` is gate/up sums whose activation (`gated_act`, in `dtype`) is the input."""
+    add. `zero`: zeroed as well. `act`: `x` is gate/up sums whose activation (`gated_act`, in `dtype`) is the input.
+    `norm` / `rms` (`DeferredRMS`): an RMSNorm split around this matmul (`x` its fp32 input) / around the one that
+    produced the gate/up sums `x`."""
     f = getattr(layer, 'add_into', None)
-    if f is None or not f(x, acc, zero=zero, act=act, dtype=dtype):
+    if f is None or not f(x, acc, zero=zero, act=act, dtype=dtype, norm=norm, rms=rms):
+        if norm is not None: x = norm.prescaled(x, dtype)
+        if rms is not None: x = x * rms.scale()
         acc.add_(layer(x if act is None else gated_act(x, act, dtype)))
         if zero is not None: zero.zero_()
     return acc

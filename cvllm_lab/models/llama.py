@@ -46,14 +46,16 @@ class LlamaAttention(nn.Module):
         "The heads' outputs `[T, H * D]`, before the output projection."
         return self.attend_qkv(positions, self.qkv_proj(h))
 
-    def attend_qkv(self, positions, qkv, dtype=None):
-        "`attend` from the QKV projection's output `qkv` (`dtype`: `qkv` holds fp32 sums, attended in `dtype`)."
+    def attend_qkv(self, positions, qkv, dtype=None, rms=None):
+        """`attend` from the QKV projection's output `qkv` (`dtype`: `qkv` holds fp32 sums, attended in `dtype`;
+        `rms`: a `DeferredRMS` whose `1/rms` they still lack)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
+            if rms is not None: s = rms.scale(); q, k, v, rms = q * s, k * s, v * s, None
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
-        return self.attn(q, k, v, positions, self.rotary_emb, dtype=dtype)   # rotary inside (fused on triton)
+        return self.attn(q, k, v, positions, self.rotary_emb, dtype=dtype, rms=rms)   # rotary inside (fused on triton)
 
     def forward(self, positions, h): return self.o_proj(self.attend(positions, h))
 
@@ -97,12 +99,28 @@ class LlamaDecoderLayer(nn.Module):
 
 # %% ../../nbs/30_llama.ipynb #bd1a7d02
 @patch
+def defers_norms(self: LlamaDecoderLayer) -> bool:
+    """Whether `forward_acc` splits both norms around their matmuls (`DeferredRMS`): plain `RMSNorm`s, read by
+    matmuls without bias (a bias would be scaled by the `1/rms` too)."""
+    a, m = self.self_attn, self.mlp
+    return (type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+            and getattr(a.qkv_proj, 'bias', None) is None and getattr(m.gate_up_proj, 'bias', None) is None)
+
+@patch
 def forward_acc(self: LlamaDecoderLayer, positions, residual, sums, dtype):
     """One layer on the fp32 residual stream `residual` `[1, hidden]`, added into in place. `sums` (zero on entry)
-    holds the QKV sums, then the gate/up sums; the output projection zeroes it for the next layer."""
+    holds the QKV sums, the gate/up sums and the two norms' sums of squares; the output projection zeroes it for the
+    next layer. Where it `defers_norms`, the matmuls read the residual and the sums' consumers apply the `1/rms`."""
     a, m = self.self_attn, self.mlp
     nq = (a.H + 2 * a.Hkv) * a.D
-    qkv, gu = sums.split([nq, sums.shape[1] - nq], -1)
+    qkv, gu, ssq = sums.split([nq, sums.shape[1] - nq - 2, 2], -1)
+    if self.defers_norms():
+        n1, n2 = self.input_layernorm.deferred(ssq[:, 0]), self.post_attention_layernorm.deferred(ssq[:, 1])
+        linear_add_(a.qkv_proj, residual, qkv, dtype=dtype, norm=n1)
+        linear_add_(a.o_proj, a.attend_qkv(positions, qkv, dtype, rms=n1), residual, zero=sums)
+        linear_add_(m.gate_up_proj, residual, gu, dtype=dtype, norm=n2)
+        linear_add_(m.down_proj, gu, residual, act=m.sums_act, dtype=dtype, rms=n2)
+        return residual
     linear_add_(a.qkv_proj, self.input_layernorm.normed(residual, dtype), qkv)
     linear_add_(a.o_proj, a.attend_qkv(positions, qkv, dtype), residual, zero=sums)
     linear_add_(m.gate_up_proj, self.post_attention_layernorm.normed(residual, dtype), gu)
@@ -156,10 +174,11 @@ class LlamaForCausalLM(nn.Module):
                 and accumulates(m.down_proj, h, m.sums_act))
 
     def stream_sums(self, h) -> torch.Tensor:
-        """The fp32 stream's `[T, qkv + 2 * intermediate]` sums for `h`'s rows and device (`forward_acc`): zero
-        between uses, one per shape, kept for the model's life (CUDA graphs hold their addresses)."""
+        """The fp32 stream's `[T, qkv + 2 * intermediate + 2]` sums for `h`'s rows and device (`forward_acc`; the last
+        two: the norms' sums of squares): zero between uses, one per shape, kept for the model's life (CUDA graphs
+        hold their addresses)."""
         a, m = self.model.layers[0].self_attn, self.model.layers[0].mlp
-        n = (a.H + 2 * a.Hkv) * a.D + sum(m.gate_up_proj.output_sizes)
+        n = (a.H + 2 * a.Hkv) * a.D + sum(m.gate_up_proj.output_sizes) + 2
         bufs = self.__dict__.setdefault('_stream_sums', {})
         key = (h.shape[0], n, str(h.device))
         if key not in bufs: bufs[key] = torch.zeros(h.shape[0], n, dtype=torch.float32, device=h.device)

@@ -154,17 +154,19 @@ class W4A16Linear(QuantLinear):
         from cvllm_lab.kernels.w4a16_mma import mma_supported
         return mma_supported(x, self.bits, self.group, self.output_size, self.input_size, dtype=dtype)
 
-    def add_into(self, x, acc, zero=None, act=None, dtype=None) -> bool:
+    def add_into(self, x, acc, zero=None, act=None, dtype=None, norm=None, rms=None) -> bool:
         """`acc += x @ W.T` in place (`acc` fp32) where `can_add_into`: the MMA kernel adds its split-K partial
         sums straight into `acc`, so the matmul ends without the workspace's read-back. A fused gate/up layer adds
         its raw sums (gate_i, up_i pairs); `act='silu_and_mul_interleaved'`: `x` is such sums, activated into
-        `dtype` as the kernel loads them. `zero`: zeroed by the kernel's programs too. False (nothing done)
-        elsewhere."""
+        `dtype` as the kernel loads them. `zero`: zeroed by the kernel's programs too. `norm` / `rms`
+        (`DeferredRMS`, as `linear_add_` takes them): `x` is an fp32 residual read as `weight * x`, its squares
+        summed / the gate/up sums scaled by a norm's `1/rms` as they are loaded. False (nothing done) elsewhere."""
         if not self.can_add_into(x, act, dtype): return False
         from cvllm_lab.kernels.w4a16_mma import w4a16_mma
         w4a16_mma(x, self.qweight, self.scales, self.offsets, self.bits, self.group, self.output_size,
                   self.input_size, sym=self.is_sym(), acc=acc, zero=zero, x_act='silu_and_mul' if act else None,
-                  dtype=dtype)
+                  dtype=dtype, norm=None if norm is None else (norm.weight, norm.ssq),
+                  x_rms=None if rms is None else rms.rms)
         return True
 
     def is_sym(self) -> bool:
