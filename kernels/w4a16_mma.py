@@ -38,6 +38,9 @@ Two more inputs serve the fp32 residual stream of a decode step (`LlamaDecoderLa
 matmul adds into fp32 sums and no kernel sits between them: `x_act` takes x as a fused gate/up layer's fp32 sums
 (interleaved pairs) and activates `silu(gate) * up` as the runs are loaded (one 32-byte load per run, one EX2 and
 one RCP per element), and `zero` has the programs clear a buffer between them (the sums the next matmuls add into).
+The stream's RMSNorms are split around their matmuls (`DeferredRMS`): `norm` reads x as the fp32 residual times the
+norm's weight and has the first column block's programs add the rows' sums of squares into `ssq`; `x_rms` scales
+`x_act`'s gate/up sums by the norm's `1/rms` before the activation. So no norm kernel sits between the matmuls either.
 
 The mapping of tensor rows to lanes: every `[R, 4]` tensor has Triton's blocked layout with 4 elements per
 thread and row `r` on lane `r % 32` of warp `r // 32`, which the 16-byte word loads fix (checked by the GPU tests:
