@@ -127,10 +127,10 @@ def _x_run(xp, gp, k, K, s, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl
         sq = xv * xv
     else:
         if EVEN_K:
-            xv = tl.load(xp + k)
+            y = tl.load(xp + k)
         else:
-            xv = tl.load(xp + k, mask=k < K, other=0.0)
-        return xv, xv
+            y = tl.load(xp + k, mask=k < K, other=0.0)
+        sq = y
     if F16:
         return y.to(tl.float16), sq
     else:
