@@ -256,6 +256,10 @@ def _b_regs(xj, xj4, xj1, xj5, i: tl.constexpr):
 _SILU_MUL = tl.constexpr("{ .reg .f32 e, d; mul.f32 e, $1, " + _f32(-1.4426950408889634) + "; ex2.approx.ftz.f32 e, e; "
                          "add.f32 d, e, " + _f32(1.0) + "; rcp.approx.ftz.f32 d, d; mul.f32 e, $1, $2; "
                          "mul.f32 $0, e, d; }")
+# the same of `s g` and `s u` (s: a norm's 1/rms): silu(s g) * s u = (s g) (s u) / (1 + 2^(-s g log2 e))
+_SILU_MUL_S = tl.constexpr("{ .reg .f32 e, d, g, u; mul.f32 g, $1, $3; mul.f32 u, $2, $3; mul.f32 e, g, " +
+                           _f32(-1.4426950408889634) + "; ex2.approx.ftz.f32 e, e; add.f32 d, e, " + _f32(1.0) +
+                           "; rcp.approx.ftz.f32 d, d; mul.f32 e, g, u; mul.f32 $0, e, d; }")
 
 
 @triton.jit
@@ -265,3 +269,13 @@ def _silu_mul(gate, up):
         return gate * tl.sigmoid(gate) * up
     else:
         return tl.inline_asm_elementwise(_SILU_MUL, "=f,f,f", [gate, up], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _silu_mul_scaled(gate, up, s):
+    "`silu(s gate) * s up` of fp32 tensors, `s` broadcast (`_SILU_MUL_S`; the interpreter: `tl.sigmoid`)."
+    if not _ASM:
+        return (s * gate) * tl.sigmoid(s * gate) * (s * up)
+    else:
+        return tl.inline_asm_elementwise(_SILU_MUL_S, "=f,f,f,f", [gate, up, s], dtype=tl.float32, is_pure=True,
+                                         pack=1)

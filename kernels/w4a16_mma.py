@@ -56,7 +56,7 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair, _silu_mul
+from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair, _silu_mul, _silu_mul_scaled
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
@@ -113,8 +113,9 @@ def _x_run(xp, gp, k, K, s, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl
         else:
             gate, up = tl.split(tl.load(p, mask=(k < K)[:, :, None], other=0.0))
         if RMS_X:
-            gate, up = gate * s, up * s
-        y = _silu_mul(gate, up)
+            y = _silu_mul_scaled(gate, up, s)
+        else:
+            y = _silu_mul(gate, up)
         sq = y
     elif NORM_X:
         if EVEN_K:
@@ -292,7 +293,7 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, g_
         _zero_part(z_ptr, ZN, 4 * R)
     s = 1.0
     if RMS_X:
-        s = tl.rsqrt(tl.load(ssq_ptr + b * stride_ssq) * inv_n + eps)   # [R, 1]: this lane group's row
+        s = tl.rsqrt(tl.load(ssq_ptr + (b + 0 * e) * stride_ssq) * inv_n + eps)   # [R, 4]: this lane group's row
     z = tl.zeros([R, 4], dtype=tl.float32)
     tA0, tA1, tB0, tB1, sq = z, z, z, z, z
     for T in range(t0, t0 + TPS):
