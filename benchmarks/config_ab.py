@@ -8,8 +8,8 @@ graphs keep the kernels they were captured with), timed alternately.
 `paged_attention`: the decode attention's tuned tables (`configs/paged_attention/<device>.json`) against its
 `default` config. Another kernel whose launcher looks its table up through one module function joins `UNTUNED`,
 as does a fast path switched by one function (`fp32_stream`: the Llama layers' fp32 residual stream against the
-fused bf16 adds; `w4a16_mma`: the MMA kernel against the GEMV; `deferred_norm`: the fp32 stream's norms split
-around their matmuls against a norm kernel each).
+fused bf16 adds; `w4a16_mma`: the MMA kernel against the GEMV; `deferred_norm`, run with `CVLLM_LAB_DEFER_NORMS=1`:
+the fp32 stream's norms split around their matmuls against a norm kernel each).
 
 A point is `quantization:batch:prompt_len` (`none`: the checkpoint's dtype); decode tok/s is batch x 128 /
 (t(129 tokens) - t(1 token)) of fresh random prompts, as the sweep measures it. Printed per point: each engine's

@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/llama.html.md"""
 # %% ../../nbs/30_llama.ipynb #a68d3931
 from __future__ import annotations
 import itertools
+import os
 from typing import Iterable
 import torch
 from torch import nn
@@ -100,10 +101,11 @@ class LlamaDecoderLayer(nn.Module):
 # %% ../../nbs/30_llama.ipynb #bd1a7d02
 @patch
 def defers_norms(self: LlamaDecoderLayer) -> bool:
-    """Whether `forward_acc` splits both norms around their matmuls (`DeferredRMS`): plain `RMSNorm`s, read by
-    matmuls without bias (a bias would be scaled by the `1/rms` too)."""
+    """Whether `forward_acc` splits both norms around their matmuls (`DeferredRMS`): asked for
+    (`CVLLM_LAB_DEFER_NORMS=1`; off by default), plain `RMSNorm`s, read by matmuls without bias (a bias would be
+    scaled by the `1/rms` too)."""
     a, m = self.self_attn, self.mlp
-    return (type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+    return (os.environ.get('CVLLM_LAB_DEFER_NORMS', '0') == '1' and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
             and getattr(a.qkv_proj, 'bias', None) is None and getattr(m.gate_up_proj, 'bias', None) is None)
 
 @patch
