@@ -103,7 +103,7 @@ def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr,
 def _x_run(xp, gp, k, K, s, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl.constexpr, NORM_X: tl.constexpr,
            F16: tl.constexpr):
     """x[k] for an [R, 4] run of K indices `k`, and (NORM_X) the run's squares. ACT_X: x is `silu(s gate) * s up` of
-    fp32 gate/up sums at `2k`, `2k + 1` (interleaved pairs; RMS_X: `s` [R, 1] is the rows' 1/rms), computed here and
+    fp32 gate/up sums at `2k`, `2k + 1` (interleaved pairs; RMS_X: `s` [R, 4] is the rows' 1/rms), computed here and
     rounded to the MMA's 16-bit type, as an activation kernel would. NORM_X: x is an fp32 residual row and the input
     `g[k] * x[k]` (`gp`: an RMSNorm's weight), rounded the same way; its 1/rms is left to the sums' consumer."""
     if ACT_X:

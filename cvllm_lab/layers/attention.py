@@ -61,7 +61,7 @@ class Attention(nn.Module):
         fused = rotary is not None and self.backend == 'triton'
         late = fused and ctx.prefill is None and dtype not in (None, q.dtype)   # the cache-write kernel reads the sums
         if rms is not None and not late:
-            s = rms.scale(); q, k, v = q * s, k * s, v * s
+            q, k, v = rms.apply(q, k, v)
         if dtype is not None and q.dtype != dtype and not (fused and ctx.prefill is None):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if rotary is not None and not fused:

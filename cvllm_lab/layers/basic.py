@@ -62,6 +62,11 @@ class DeferredRMS(NamedTuple):
         "`rsqrt(ssq / n + eps)` `[T, 1]`: the norm's `1/rms` per row."
         return torch.rsqrt(self.ssq / self.weight.numel() + self.eps)[:, None]
 
+    def apply(self, *xs) -> tuple:
+        "`xs` (`[T, ...]` sums of the matmul that read the norm) times the `1/rms` they lack (plain PyTorch)."
+        s = self.scale()
+        return tuple(x * s for x in xs)
+
     @property
     def rms(self) -> tuple:
         "`(ssq, n, eps)`, as the kernels that apply the `1/rms` take it (`w4a16_mma(x_rms=)`, `rotary_and_cache(rms=)`)."

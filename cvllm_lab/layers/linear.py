@@ -182,7 +182,7 @@ def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor, zero: torc
     f = getattr(layer, 'add_into', None)
     if f is None or not f(x, acc, zero=zero, act=act, dtype=dtype, norm=norm, rms=rms):
         if norm is not None: x = norm.prescaled(x, dtype)
-        if rms is not None: x = x * rms.scale()
+        if rms is not None: x, = rms.apply(x)
         acc.add_(layer(x if act is None else gated_act(x, act, dtype)))
         if zero is not None: zero.zero_()
     return acc

@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
         T = qkv.shape[0]
         q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
-            if rms is not None: s = rms.scale(); q, k, v, rms = q * s, k * s, v * s, None
+            if rms is not None: (q, k, v), rms = rms.apply(q, k, v), None
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
         return self.attn(q, k, v, positions, self.rotary_emb, dtype=dtype, rms=rms)   # rotary inside (fused on triton)
@@ -105,7 +105,8 @@ def defers_norms(self: LlamaDecoderLayer) -> bool:
     (`CVLLM_LAB_DEFER_NORMS=1`; off by default), plain `RMSNorm`s, read by matmuls without bias (a bias would be
     scaled by the `1/rms` too)."""
     a, m = self.self_attn, self.mlp
-    return (os.environ.get('CVLLM_LAB_DEFER_NORMS', '0') == '1' and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+    return (os.environ.get('CVLLM_LAB_DEFER_NORMS', '0') == '1'
+            and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
             and getattr(a.qkv_proj, 'bias', None) is None and getattr(m.gate_up_proj, 'bias', None) is None)
 
 @patch
