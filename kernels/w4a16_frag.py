@@ -253,13 +253,17 @@ def _b_regs(xj, xj4, xj1, xj5, i: tl.constexpr):
 
 # silu(g) * u = g * u / (1 + 2^(-g log2 e)): one MUFU.EX2 and one MUFU.RCP (approximate, flush-to-zero; the result
 # is rounded to 16 bits) instead of the range-checked exp and division of `tl.sigmoid`
-_SILU_MUL = tl.constexpr("{ .reg .f32 e, d; mul.f32 e, $1, " + _f32(-1.4426950408889634) + "; ex2.approx.ftz.f32 e, e; "
-                         "add.f32 d, e, " + _f32(1.0) + "; rcp.approx.ftz.f32 d, d; mul.f32 e, $1, $2; "
-                         "mul.f32 $0, e, d; }")
-# the same of `s g` and `s u` (s: a norm's 1/rms): silu(s g) * s u = (s g) (s u) / (1 + 2^(-s g log2 e))
-_SILU_MUL_S = tl.constexpr("{ .reg .f32 e, d, g, u; mul.f32 g, $1, $3; mul.f32 u, $2, $3; mul.f32 e, g, " +
-                           _f32(-1.4426950408889634) + "; ex2.approx.ftz.f32 e, e; add.f32 d, e, " + _f32(1.0) +
-                           "; rcp.approx.ftz.f32 d, d; mul.f32 e, g, u; mul.f32 $0, e, d; }")
+def _silu_mul_asm(scaled: bool) -> str:
+    "PTX of `silu(g) * u` (`$1`, `$2`); scaled: of `s g` and `s u` (`$3`: s, a norm's 1/rms), the products made first."
+    g, u = ('g', 'u') if scaled else ('$1', '$2')
+    pre = "mul.f32 g, $1, $3; mul.f32 u, $2, $3; " if scaled else ""
+    return ("{ .reg .f32 e, d, g, u; " + pre + f"mul.f32 e, {g}, " + _f32(-1.4426950408889634) + "; "
+            "ex2.approx.ftz.f32 e, e; add.f32 d, e, " + _f32(1.0) + "; rcp.approx.ftz.f32 d, d; "
+            f"mul.f32 e, {g}, {u}; mul.f32 $0, e, d; }}")
+
+
+_SILU_MUL = tl.constexpr(_silu_mul_asm(False))
+_SILU_MUL_S = tl.constexpr(_silu_mul_asm(True))
 
 
 @triton.jit
