@@ -1,8 +1,8 @@
 """Hand-written Triton kernels, each with a plain-PyTorch reference.
 
-Without a CUDA GPU the kernels run under Triton's interpreter (on CPU tensors): `TRITON_INTERPRET=1` is set here,
-before any kernel module defines its `@triton.jit` functions (the variable is read then), unless it is set already.
-So a notebook or script that uses a kernel works on a CPU-only machine as it is.
+Without a CUDA GPU the kernels run under Triton's interpreter (on CPU tensors): `interpret.py` decides that, once,
+before any kernel module defines its `@triton.jit` functions (Triton reads `TRITON_INTERPRET` then), and sets the
+variable unless it is set already. So a notebook or script that uses a kernel works on a CPU-only machine as it is.
 
 Run from the repository's root (`python -m ...`, a notebook or shell started there), this directory could also be
 imported as a top-level `kernels`: a name that belongs to Hugging Face's kernel hub package, which `transformers`
@@ -19,6 +19,5 @@ if __name__ == 'kernels':
     try: sys.modules['kernels'] = importlib.import_module('kernels')   # the import returns what sys.modules holds
     except ImportError: sys.modules['kernels'] = _self
     finally: sys.path[:] = _path
-elif 'TRITON_INTERPRET' not in os.environ:
-    import torch
-    if not torch.cuda.is_available(): os.environ['TRITON_INTERPRET'] = '1'
+else:
+    from . import interpret   # noqa: F401  (the interpreter decision, before any kernel is defined)

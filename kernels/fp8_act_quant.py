@@ -20,14 +20,13 @@ iteration, amax and quantization in one pass). The quotient `x / s` is rounded t
 division may differ from PyTorch's in the last bit, so a value may land one e4m3 step away from the reference
 where `x / s` lies within an ulp of a rounding tie.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 __all__ = ['FP8_MAX', 'EPS', 'to_e4m3', 'act_quant_fp8', 'act_quant_fp8_ref']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 _INTERP = tl.constexpr(_INTERPRET)
 FP8_MAX = 448.0
 EPS = 1e-10     # the smallest amax a scale is built from (vLLM's): zero rows stay finite

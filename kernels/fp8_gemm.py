@@ -30,7 +30,6 @@ before the first activation load.
 layout, 1 x 128 by 128 x 128 block scales for the block layout where the PyTorch build has them). The dispatcher
 that picks between these, the W8A16 kernels and the batch-1 GEMV is `fp8_matmul.fp8_linear`.
 """
-import os
 
 import torch
 import triton
@@ -41,7 +40,7 @@ from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace, store_out
 
 __all__ = ['fp8_gemm', 'fp8_scaled_mm', 'fp8_gemm_ref', 'scale_layout', 'GEMM_BUCKETS', 'gemm_bucket']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 GEMM_BUCKETS = (16, 32, 64, 128, 256, 512)   # row buckets of the config tables; 512: every M above 256
 
 

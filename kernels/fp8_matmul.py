@@ -18,7 +18,6 @@ Which one runs for a given (N, K, row bucket, layout) is tuned data: `configs/fp
 Split-K goes through the self-zeroing workspace of `cvllm_lab.kernels.split_k` (one launch per matmul). Launch
 configurations are tuned data (`configs/fp8_gemv/`, `configs/fp8_mm/`, `configs/fp8_gemm/`, loaded by `tuned`).
 """
-import os
 
 import torch
 import triton
@@ -31,7 +30,7 @@ from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fp8_matmul', 'fp8_gemv', 'fp8_mm', 'fp8_matmul_ref', 'fp8_dequantize', 'gemm_config']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 @triton.jit

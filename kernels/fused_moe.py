@@ -58,7 +58,6 @@ in FP8, scales it in registers by its block's scale and runs the dot in the acti
 cross memory. They always take the grouped GEMMs.
 """
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +73,7 @@ from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
            'get_config', 'm_bucket', 'M_BUCKETS', 'dequantize_experts_fp8', 'ALIGN_ONE_PROGRAM_MAX', 'moe_permute']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)   # token counts the config tables are keyed by
 # assignments (T * top_k) up to which one Triton program aligns them (a first guess, to tune with the configs)

@@ -30,7 +30,6 @@ Launch sizes are data, `CONFIGS` (first guesses keyed by the token count; tune o
 `fused_moe_w4a16_ref` is the plain-PyTorch reference: each used expert dequantized by `dequantize_packed_ref`,
 a loop over experts in fp32.
 """
-import os
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +44,7 @@ from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_pack
 
 __all__ = ['fused_moe_w4a16', 'fused_moe_w4a16_ref', 'dequantize_experts_w4a16', 'w4a16_moe_config', 'CONFIGS',
            'DECODE_MAX_T']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 TK = tl.constexpr(TILE_K)   # the K-tile, as a global the kernels may read
 
 DECODE_MAX_T = 4   # up to this many tokens: the GEMV decode path

@@ -26,7 +26,6 @@ affine per 32 weights (q4_0, q4_1, q4_k, q8_0) are repacked into the W4A16 layou
 a GPU (`GGUFLinear.pack`); these kernels serve the others.
 """
 import math
-import os
 
 import torch
 import triton
@@ -382,7 +381,7 @@ def _dequant_kernel(wq, wb, out_ptr, N, K, wpr, bpr,
 _KINFO = {GT.Q4_0: (2, 1), GT.Q4_1: (4, 1), GT.Q5_0: (2, 1), GT.Q5_1: (4, 1), GT.Q8_0: (2, 1),
           GT.Q2_K: (4, 4), GT.Q3_K: (2, 4), GT.Q4_K: (4, 2), GT.Q5_K: (4, 2), GT.Q6_K: (2, 2)}
 KERNEL_TYPES = tuple(_KINFO)
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 def _qtype(qtype):

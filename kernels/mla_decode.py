@@ -32,7 +32,6 @@ written by `benchmarks/kernels/tune_mla_decode.py`.
 """
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -44,7 +43,7 @@ from cvllm_lab.kernels.tuned import configs_for
 __all__ = ['concat_and_cache_mla', 'concat_and_cache_mla_ref', 'mla_decode', 'mla_decode_ref', 'decode_config',
            'check_mla_fp8_scale', 'dequantize_latent']
 
-_INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ before the causal / sliding-window mask and the softmax; the kernel applies it t
 """
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -57,7 +56,7 @@ from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 __all__ = ['paged_attention', 'paged_attention_ref', 'decode_config', 'pick_decode_config', 'MIN_KEYS_PER_SPLIT',
            'reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'quantize_kv_ref',
            'FP8_MAX', 'FP8_DTYPE']
-_INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,8 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_lab.kernels.interpret import INTERPRET
+
 __all__ = ['pdl_kw', 'pdl_on', 'pdl_wait', 'pdl_launch']
-_INTERPRET = tl.constexpr(os.environ.get('TRITON_INTERPRET', '0') == '1')
+_INTERPRET = tl.constexpr(INTERPRET)
+PDL_ENABLED = os.environ.get('CVLLM_PDL', '1') != '0'   # read once, at import (`cvllm_lab.envs` lists it)
 
 
 @functools.lru_cache(None)
@@ -34,8 +37,7 @@ def _sm90(index: int) -> bool:
 
 def pdl_on(device) -> bool:
     "Whether kernels on `device` are launched with PDL."
-    if device.type != 'cuda' or os.environ.get('TRITON_INTERPRET', '0') == '1': return False
-    if os.environ.get('CVLLM_PDL', '1') == '0': return False
+    if device.type != 'cuda' or INTERPRET or not PDL_ENABLED: return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 

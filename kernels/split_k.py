@@ -11,7 +11,6 @@ Host side: `split_for` picks the number of splits from a launch config (`split` 
 SM), `m_bucket` the row bucket of the batched kernels' config tables, `batched_plan` the whole launch plan of a
 batched (M > 1) split-K kernel.
 """
-import os
 
 import torch
 import triton
@@ -19,7 +18,7 @@ import triton.language as tl
 
 __all__ = ['split_add', 'split_take', 'store_out', 'split_k_workspace', 'workspaces', 'num_sms', 'pick_split',
            'split_for', 'm_bucket', 'batched_plan']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 @triton.jit

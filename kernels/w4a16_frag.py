@@ -13,13 +13,12 @@ Under `TRITON_INTERPRET=1` (no PTX) the same functions compute the same per-lane
 rows of lane group g and B columns of lane group n are gathered by reshaping `[R]` to `[warps, 8, 4]`
 (`_mma_emul`), and D is handed back in the lanes' order (`_lanes_out`).
 """
-import os
 import struct
 
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 _LOP = "lop3.b32 {d}, {s}, 0x000F000F, m, 0xEA; "
 

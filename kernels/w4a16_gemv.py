@@ -26,7 +26,6 @@ What each switch does, and why:
 Launch configurations per shape are tuned data (`configs/w4a16_gemv/`, loaded by `tuned`); `maxnreg` caps the
 registers per thread (ptxas schedules differently under a cap, and more programs fit per SM).
 """
-import os
 
 import torch
 import triton
@@ -39,7 +38,7 @@ from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f, field_slot, x_slot,
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['w4a16_gemv']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 @triton.jit

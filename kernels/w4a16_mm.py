@@ -16,7 +16,6 @@ Both matmul kernels run one program per (N-block, K-split, block of up to 64 row
 per 64 rows, and meet over K in the self-zeroing workspace of `split_k`. Launch configurations are per row bucket
 (`m_bucket`) and shape.
 """
-import os
 
 import torch
 import triton
@@ -29,7 +28,7 @@ from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, padded_k
 
 __all__ = ['w4a16_mm', 'w4a16_tc', 'tc_supported', 'w4a16_dequantize']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 @triton.jit(do_not_specialize=['M'])

@@ -47,7 +47,6 @@ thread and row `r` on lane `r % 32` of warp `r // 32`, which the 16-byte word lo
 a different layout gives wrong numbers, not a silent slowdown). Up to 8 rows of x are B's 8 columns, but the
 tensor-core kernel (`w4a16_tc`) is faster there, so `w4a16_matmul` takes this kernel at M = 1 only.
 """
-import os
 
 import torch
 import triton
@@ -60,7 +59,7 @@ from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pai
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
-_INTERPRET = os.environ.get('TRITON_INTERPRET', '0') == '1'
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 MMA_MAX_M = 8
 
 
