@@ -2,7 +2,7 @@
 committed text (`data/ppl_text.txt`) as B streams of N tokens, each token after the first fed as one decode step
 (teacher forcing), B sequences per step. `python -m benchmarks.cpu_decode_ppl [B] [N]` from the repository root
 (default 16 streams of 128 tokens, then 1 stream of 256)."""
-import math, os, sys, time
+import dataclasses, math, sys, time
 from pathlib import Path
 import torch
 from cvllm_lab.config import EngineConfig, default_model_path
@@ -32,8 +32,7 @@ hcfg = load_hf_config(resolve_model_source(gguf))
 ids = torch.tensor(load_tokenizer(gguf.parent, gguf.name).encode(Path('data/ppl_text.txt').read_text()))
 cfg = EngineConfig(model=str(gguf), device='cpu', max_model_len=1024, kv_cache_memory=8 << 20).finalize(hcfg.max_position_embeddings)
 base = load_model(cfg, hcfg, progress=False)
-os.environ['CVLLM_LAB_CPU_FAST_PATH'] = '1'
-fast = ModelRunner(cfg, hcfg, resolve_model_source(gguf), progress=False)
+fast = ModelRunner(dataclasses.replace(cfg, cpu_fast_path=True), hcfg, resolve_model_source(gguf), progress=False)
 shapes = [(int(sys.argv[1]), int(sys.argv[2]))] if len(sys.argv) > 2 else [(16, 128), (1, 256)]
 for B, N in shapes:
     streams = ids[:B * N].view(B, N)

@@ -6,14 +6,15 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #a913aeef
 from __future__ import annotations
-import importlib.util, os
+import contextlib, importlib.util
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 import torch
+import cvllm_lab.envs as envs
 
 # %% auto #0
 __all__ = ['DTYPES', 'KV_CACHE_DTYPES', 'TOKEN_BUDGETS', 'default_model_path', 'resolve_dtype', 'token_budget',
-           'default_max_num_batched_tokens', 'EngineConfig']
+           'default_max_num_batched_tokens', 'EngineConfig', 'set_current_engine_config', 'get_current_engine_config']
 
 # %% ../nbs/00_config.ipynb #2c420c54
 def default_model_path() -> Path:
@@ -87,11 +88,21 @@ class EngineConfig:
     scheduling_policy: str = 'fcfs'          # 'fcfs' | 'priority' (a request's `priority`: lower runs first)
     generation_config: str = 'auto'          # default sampling: 'auto' (the model's generation_config.json) | 'vllm' | a folder
     hf_overrides: dict = field(default_factory=dict)
+    # behaviour switches (issue 40): each was a hidden environment read; the documented variable (`envs`) now only
+    # sets the default, read once. Defaults are today's; the experimental ones get theirs from a GPU measurement.
+    cpu_fast_path: bool = field(default_factory=lambda: envs.CVLLM_LAB_CPU_FAST_PATH)  # CPU, TP 1: int4 kernels, bf16 activations (42)
+    flash_prefill: bool = field(default_factory=lambda: envs.CVLLM_LAB_FLASH_PREFILL)  # triton: prefills on FlashAttention-2 (22)
+    cudnn_prefill: bool = field(default_factory=lambda: envs.CVLLM_LAB_CUDNN_PREFILL)  # equal fresh prompts on cuDNN, sm90+ (22)
+    defer_norms: bool = field(default_factory=lambda: envs.CVLLM_LAB_DEFER_NORMS)    # fp32 stream: norms split around matmuls (30)
+    keep_rows: bool = True                   # eager steps run the last layer's MLP for the sampled rows only (50)
+    decodes_apart: bool = True               # a step's leading decodes take a paged-attention call of their own (50)
+    mixed_ahead: bool = True                 # async scheduling: mixed steps (chunks and decodes) launched ahead too (51)
+    small_step_tokens: int = 256             # ... a mixed step with at most this many prompt tokens always (51)
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."
         if self.device == 'auto':   # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
-            self.device = os.environ.get('CVLLM_LAB_DEVICE') or ('cuda' if torch.cuda.is_available() else 'cpu')
+            self.device = envs.CVLLM_LAB_DEVICE or ('cuda' if torch.cuda.is_available() else 'cpu')
         if self.attention_backend == 'auto': self.attention_backend = 'triton' if self.device.startswith('cuda') else 'torch'
         if self.device_ids is not None:
             ids = [int(d) for d in self.device_ids]
@@ -116,6 +127,7 @@ class EngineConfig:
         if self.prefill_chunk_size == 0 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("Chunked prefill is off (prefill_chunk_size=0), so max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+        if self.small_step_tokens < 0: raise ValueError(f"small_step_tokens must be >= 0, got {self.small_step_tokens}")
         for k in ('block_size', 'max_num_seqs', 'max_num_batched_tokens', 'max_model_len', 'tensor_parallel_size'):
             if getattr(self, k) < 1: raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.prefill_chunk_size < 0: raise ValueError("prefill_chunk_size must be >= 0")
@@ -142,3 +154,18 @@ class EngineConfig:
 
     @property
     def model_path(self) -> Path: return Path(self.model) if self.model else default_model_path()
+
+# %% ../nbs/00_config.ipynb #ff60e8b5
+_current: EngineConfig | None = None
+
+@contextlib.contextmanager
+def set_current_engine_config(cfg: EngineConfig):
+    "Within the block, `get_current_engine_config()` is `cfg` (the model runner builds its model in one)."
+    global _current
+    prev, _current = _current, cfg
+    try: yield cfg
+    finally: _current = prev
+
+def get_current_engine_config() -> EngineConfig:
+    "The config of the model being built (`set_current_engine_config`), else the defaults, `EngineConfig()`."
+    return _current if _current is not None else EngineConfig()

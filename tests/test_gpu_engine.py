@@ -130,26 +130,25 @@ def test_no_moe_compiles_after_start_up():
     assert count() == before, (before, count())
 
 
-@pytest.mark.parametrize('defer', ['0', '1'], ids=['norm-kernels', 'deferred-norms'])
+@pytest.mark.parametrize('defer', [False, True], ids=['norm-kernels', 'deferred-norms'])
 def test_w4a16_fp32_stream_matches_bf16_adds(monkeypatch, defer):
     """W4A16 at one row runs the Llama layers on the fp32 residual stream (the output and down projections' MMA
     kernels add into it); greedy tokens and their logprobs agree with the same engine on the fused bf16 adds.
-    `defer`: `CVLLM_LAB_DEFER_NORMS`, the stream's norms as kernels or split around their matmuls (`DeferredRMS`)."""
+    `defer`: `EngineConfig.defer_norms`, the stream's norms as kernels or split around their matmuls (`DeferredRMS`)."""
     from cvllm_lab import LLM, SamplingParams
     from cvllm_lab.models.llama import LlamaDecoderLayer, LlamaForCausalLM as Ours
-    monkeypatch.setenv('CVLLM_LAB_DEFER_NORMS', defer)
     deferred, defers = [], LlamaDecoderLayer.defers_norms
     monkeypatch.setattr(LlamaDecoderLayer, 'defers_norms', lambda self: deferred.append(defers(self)) or deferred[-1])
     _, d = _model('llama')
     prompt = {'prompt_token_ids': torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(3)).tolist()}
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     kw = dict(progress=False, device='cuda', dtype='bfloat16', quantization='w4a16', skip_tokenizer_init=True,
-              kv_cache_memory=256 << 20, max_num_seqs=4)
+              kv_cache_memory=256 << 20, max_num_seqs=4, defer_norms=defer)
     seen, stream = [], Ours.fp32_stream
     monkeypatch.setattr(Ours, 'fp32_stream', lambda self, h: seen.append(stream(self, h)) or seen[-1])
     a = LLM(str(d), **kw).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
     assert True in seen and False in seen          # decode rows on the stream, the prompt's prefill not
-    assert set(deferred) == {defer == '1'}
+    assert set(deferred) == {defer}
     monkeypatch.setattr(Ours, 'fp32_stream', lambda self, h: False)
     b = LLM(str(d), **kw).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
     assert a.token_ids[:4] == b.token_ids[:4], (a.token_ids, b.token_ids)

@@ -24,9 +24,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_tp_engine import check_same, run, VOCAB  # noqa: E402
+from test_tp_engine import check_same, run as _run, VOCAB  # noqa: E402
 from cvllm_lab.engine.worker import WorkerError  # noqa: E402
 
+
+
+def run(model: str, tp: int, **kw) -> dict:
+    "`test_tp_engine.run` on the exact CPU path (`cpu_fast_path=False`: TP 1 is compared with TP 2, which has none)."
+    return _run(model, tp, **{'cpu_fast_path': False, **kw})
 
 
 def make_model(root: Path) -> Path:
@@ -50,8 +55,7 @@ def make_model(root: Path) -> Path:
 
 @pytest.fixture(scope='module')
 def model():
-    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as d:
-        mp.setenv('CVLLM_LAB_CPU_FAST_PATH', '0')            # read by every runner, the spawned workers' too
+    with tempfile.TemporaryDirectory() as d:
         yield str(make_model(Path(d)))
 
 
@@ -159,17 +163,15 @@ def write_gguf_file(dst: Path, qtype: str) -> str:
 
 
 @pytest.mark.parametrize('qtype', ['q8_0', 'q4_0'])
-def test_gguf_file_tp2_matches_tp1(qtype, tmp_path, monkeypatch):
+def test_gguf_file_tp2_matches_tp1(qtype, tmp_path):
     """A GGUF file kept in its blocks (`quantization='gguf'`, the exact CPU path at both sizes): each rank's blocks are
     cut from the file (rows whole, columns in whole blocks), giving TP 1's answers."""
-    monkeypatch.setenv('CVLLM_LAB_CPU_FAST_PATH', '0')
     path = write_gguf_file(tmp_path, qtype)
     got = run(path, 2, skip_tokenizer_init=True, quantization='gguf')
     check_same(got, run(path, 1, skip_tokenizer_init=True, quantization='gguf'))
 
 
-def test_gguf_file_superblock_cut_by_the_shard_is_refused(tmp_path, monkeypatch):
+def test_gguf_file_superblock_cut_by_the_shard_is_refused(tmp_path):
     "Q4_K's 256-weight superblocks: o_proj's 256 inputs over 2 ranks would cut each in half."
-    monkeypatch.setenv('CVLLM_LAB_CPU_FAST_PATH', '0')
     with pytest.raises(WorkerError, match=r'o_proj'):
         run(write_gguf_file(tmp_path, 'q4k'), 2, skip_tokenizer_init=True, quantization='gguf')

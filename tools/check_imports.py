@@ -10,7 +10,7 @@ The floors, lowest first (a module may import its own floor and the ones below):
 | floor | packages | what lives there |
 |---|---|---|
 | 0 | `kernels` | Triton kernels and their PyTorch references, layouts, tuned configs |
-| 1 | `config`, `sampling_params`, `utils`, `tokenizer` | settings, the forward context, tokenizers |
+| 1 | `envs`, `config`, `sampling_params`, `utils`, `tokenizer` | environment variables, settings, the forward context, tokenizers |
 | 2 | `layers` | norms, linears, rotary, attention, sampler |
 | 3 | `quant` | quantized linears and the formats' converters |
 | 4 | `models` | model families over the layers |
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = 'cvllm_lab'
-FLOORS = {'kernels': 0, 'config': 1, 'sampling_params': 1, 'utils': 1, 'tokenizer': 1, 'layers': 2, 'quant': 3,
+FLOORS = {'kernels': 0, 'envs': 1, 'config': 1, 'sampling_params': 1, 'utils': 1, 'tokenizer': 1, 'layers': 2, 'quant': 3,
           'models': 4, 'weights': 5, 'engine': 6, 'entrypoints': 7, 'bench': 7}
 SKIP = {'_modidx'}   # nbdev's symbol index, no imports
 

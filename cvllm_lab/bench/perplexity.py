@@ -81,14 +81,9 @@ def measure(model, ids: torch.Tensor, quantization=None, dtype: str = 'float32',
     from cvllm_lab.entrypoints.llm import LLM
     if numerics == 'w8a16' and not str(device).startswith('cpu'):   # the kernels run there: a flat prefill is W8A8
         raise ValueError("numerics='w8a16' is a CPU mode: on the GPU the kernels run, and a prefill quantizes x")
-    prev = os.environ.get('CVLLM_LAB_CPU_FAST_PATH')
-    os.environ['CVLLM_LAB_CPU_FAST_PATH'] = '0'
-    try:
-        llm = LLM(model=str(model), quantization=quantization, dtype=dtype, device=device, skip_tokenizer_init=True,
-                  progress=False, max_model_len=window, block_size=16, num_gpu_blocks_override=-(-window // 16))
-    finally:
-        if prev is None: del os.environ['CVLLM_LAB_CPU_FAST_PATH']
-        else: os.environ['CVLLM_LAB_CPU_FAST_PATH'] = prev
+    llm = LLM(model=str(model), quantization=quantization, dtype=dtype, device=device, skip_tokenizer_init=True,
+              progress=False, max_model_len=window, block_size=16, num_gpu_blocks_override=-(-window // 16),
+              cpu_fast_path=False)
     runner = llm.engine.runner
     if set_fp8_numerics(runner.model, numerics) == 0 and numerics is not None:
         raise ValueError(f"numerics={numerics!r} but the model has no FP8 layer (quantization={quantization!r})")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from ..kernels.tuned import configs_for
-from ..config import EngineConfig
+from ..config import EngineConfig, set_current_engine_config
 from ..kernels.paged_attention import DECODE_MAX_QUERY_LEN
 from ..utils.context import (ForwardContext, PrefillMetadata, DecodeSplit, to_device, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
                                      kv_cache_groups, set_forward_context)
@@ -22,7 +22,6 @@ from ..sampling_params import SamplingParams
 from ..layers.sampler import Sampler, row_argmax, topk_logprobs
 from ..layers.attention import cudnn_plans_at_once
 from ..weights.loader import load_model, ModelSource, resolve_model_source
-from ..models.llama import LlamaForCausalLM
 from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
 
 # %% auto #0
@@ -39,8 +38,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
         # the CPU fast path rebuilds layers (int4 kernels, an 8-bit LM head) from whole tensors: one process only
-        self.cpu_fast = (self.device.type == 'cpu' and cfg.tensor_parallel_size == 1
-                         and os.environ.get('CVLLM_LAB_CPU_FAST_PATH', '1') != '0')
+        self.cpu_fast = self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path
         self.model = self._load(src, progress)
         self.compute_logits, self.lm_head = self.model.compute_logits, None   # on CPU: see setup_cpu
         if self.cpu_fast: self.setup_cpu()
@@ -49,8 +47,8 @@ class ModelRunner:
         # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, below)
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.keep_rows = True   # eager steps run the last layer's MLP for the sampled rows only (`_forward`)
-        self.decodes_apart = True   # a step's leading decodes take a paged call of their own (`DecodeSplit`)
+        self.keep_rows = cfg.keep_rows           # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
+        self.decodes_apart = cfg.decodes_apart   # a step's leading decodes: a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
         self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
@@ -88,21 +86,23 @@ class ModelRunner:
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
 def _load(self: ModelRunner, src: ModelSource | None, progress: bool = True) -> torch.nn.Module:
-    "The model on `cfg.device`; on the CPU fast path a GGUF keeps its linears quantized (`self.gguf` says so)."
+    """The model on `cfg.device`, built in `set_current_engine_config(cfg)` (its layers read the engine's switches then);
+    on the CPU fast path a GGUF keeps its linears quantized (`self.gguf` says so)."""
     cfg, self.gguf = self.cfg, False
     if self.cpu_fast and cfg.load_format != 'dummy' and cfg.quantization in (None, 'gguf'):
         src = src or resolve_model_source(cfg.model)
         if src.is_gguf: cfg, self.gguf = replace(cfg, quantization='gguf'), True
-    return load_model(cfg, self.hf_config, src, progress)
+    with set_current_engine_config(cfg): return load_model(cfg, self.hf_config, src, progress)
 
 @patch
 def setup_cpu(self: ModelRunner):
-    "Threads from the cores we may use, the CPU layers of notebook 42, and a GGUF model's LM head as q8_0 in int4 halves."
+    """Threads from the cores we may use, the CPU layers of notebook 42, and a GGUF model's LM head as q8_0 in int4
+    halves where the model declares a plain one (`supports_cpu_lm_head`: `compute_logits` is a matmul by `logits_weight()`)."""
     if 'OMP_NUM_THREADS' not in os.environ: torch.set_num_threads(cpu_threads())
     self.cpu_layers = cpu_fast_path(self.model)
     m = self.model
-    if self.gguf and isinstance(m, LlamaForCausalLM) and type(m).compute_logits is LlamaForCausalLM.compute_logits:
-        w = m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+    if self.gguf and getattr(m, 'supports_cpu_lm_head', False):
+        w = m.logits_weight()
         if CPUInt4Linear.fits(*w.shape): self.lm_head = self.compute_logits = CPUInt4Linear.from_int8_blocks(w.float())
 
 # %% ../../nbs/50_model_runner.ipynb #245dafdb
@@ -288,8 +288,8 @@ def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens:
     forward (its leading decodes marked for a paged call of their own, `DecodeSplit`). An eager step that samples
     fewer rows than it runs and wants no prompt log-probs asks the model for the sampled rows only
     (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that returns them so sets
-    `b.rows_kept`, and `b.sample_at` indexes accordingly. `self.keep_rows = False` runs every row to the end,
-    `self.decodes_apart = False` the decodes in one paged call with the rest (to compare)."""
+    `b.rows_kept`, and `b.sample_at` indexes accordingly. `keep_rows=False` (`EngineConfig`, copied to
+    `self.keep_rows`) runs every row to the end, `decodes_apart=False` the decodes in one paged call with the rest."""
     if prev_tokens is not None and b.prev_rows is None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
         raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
     if (self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs)

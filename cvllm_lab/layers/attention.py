@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 
 # %% ../../nbs/22_attention.ipynb #05ff41bb
 from __future__ import annotations
-import collections, contextlib, os
+import collections, contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastcore.basics import patch
 from torch import nn
 from ..utils.context import get_forward_context
+from ..config import get_current_engine_config
 
 # %% auto #0
 __all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'CUDNN_PLAN_AFTER', 'cudnn_plan_after', 'cudnn_shape_steps',
@@ -31,11 +32,15 @@ def get_attention_backend(name: str):
 
 class Attention(nn.Module):
     "Paged multi-head / grouped-query attention over this layer's slice of the KV cache."
+    supports_cpu_decode_attention = True   # its paged calls go through `set_kernels`'s functions (notebook 42 swaps them)
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, backend: str = 'torch', logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap   # soft-cap: Gemma 2
+        cfg = get_current_engine_config()   # the engine's switches, read once, at build (`00_config`)
+        self.flash_prefill, self.cudnn_prefill = cfg.flash_prefill, cfg.cudnn_prefill
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None   # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]
@@ -43,11 +48,15 @@ class Attention(nn.Module):
 
     def set_backend(self, name: str):
         self.backend = name
-        self._cache_fn, self._attn_fn = get_attention_backend(name)
+        self.set_kernels(*get_attention_backend(name))
         # varlen causal attention for a step's prefills (None: the paged kernel does every row);
-        # CVLLM_LAB_FLASH_PREFILL=0 keeps every row on the paged kernel (an A/B switch for benchmarks)
-        flash = name == 'triton' and os.environ.get('CVLLM_LAB_FLASH_PREFILL', '1') != '0'
-        self.prefill_fn = flash_varlen_attention if flash else None
+        # `EngineConfig.flash_prefill=False` keeps every row on the paged kernel (an A/B switch for benchmarks)
+        self.prefill_fn = flash_varlen_attention if name == 'triton' and self.flash_prefill else None
+
+    def set_kernels(self, cache_fn, attn_fn):
+        """Use `cache_fn` to write K/V and `attn_fn` for paged attention, with the signatures of the backend's
+        `reshape_and_cache` and `paged_attention` (the CPU fast path's decode attention, notebook 42)."""
+        self._cache_fn, self._attn_fn = cache_fn, attn_fn
 
     def forward(self, q, k, v, positions=None, rotary=None, dtype=None, rms=None):
         """Attention output `[T, H * D]`. With `rotary` (a `RotaryEmbedding`) and `positions`, q and k are rotated
@@ -121,10 +130,9 @@ CUDNN_PREFILL_MIN_LEN = 512   # equal-length prompts from this length on go to c
 CUDNN_PREFILL_MIN_TOKENS = 4096   # ... when the run holds this many tokens (fewer: the call's host time is not hidden)
 
 def cudnn_attention_available(q) -> bool:
-    "Whether cuDNN's fused attention runs on `q`: CUDA sm90+, cuDNN 9, fp16/bf16, its SDPA backend enabled (`CVLLM_LAB_CUDNN_PREFILL=0`: off)."
+    "Whether cuDNN's fused attention runs on `q`: CUDA sm90+, cuDNN 9, fp16/bf16, its SDPA backend enabled."
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
-            and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability(q.device)[0] >= 9
-            and os.environ.get('CVLLM_LAB_CUDNN_PREFILL', '1') != '0')
+            and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 def dense_prefill_split(query_lens, seq_lens) -> tuple[int, int] | None:
     """`(L, n)` when a prefill run (host-side lengths, as in `PrefillMetadata`) is all fresh prompts whose first `n`
@@ -197,7 +205,8 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
         cu_k, max_k, _, _ = p.keys(w)
         kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
     else: cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
-    d = cudnn_prefill_run(p) if self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q) else None
+    cudnn = self.cudnn_prefill and self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q)
+    d = cudnn_prefill_run(p) if cudnn else None
     if d is None: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
     else:                                       # equal fresh prompts batched on cuDNN, the rest (fresh too) on FlashAttention
         (L, n), m = d, d[0] * d[1]

@@ -7,7 +7,6 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/llama.html.md"""
 # %% ../../nbs/30_llama.ipynb #a68d3931
 from __future__ import annotations
 import itertools
-import os
 from typing import Iterable
 import torch
 from torch import nn
@@ -22,14 +21,28 @@ from ..layers.linear import (QKVParallelLinear, RowParallelLinear, MergedColumnP
                                      VocabParallelEmbedding, ParallelLMHead, accumulates, linear_add_)
 from ..utils.parallel_state import get_tensor_model_parallel_world_size, tensor_model_parallel_gather
 from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
+from ..config import get_current_engine_config
 
 # %% auto #0
-__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'MistralForCausalLM', 'check_tensor_parallel',
-           'compare_with_hf']
+__all__ = ['redeclare_on_override', 'LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'MistralForCausalLM',
+           'check_tensor_parallel', 'compare_with_hf']
 
 # %% ../../nbs/30_llama.ipynb #ff277da5
+def redeclare_on_override(cls, flags: tuple[str, ...], methods: tuple[str, ...] = ('forward',)):
+    """For `__init_subclass__`: a subclass that defines its own `methods` computes something the fast paths named by
+    `flags` may not; each flag it does not declare itself is set False. A subclass that keeps the methods keeps the
+    fast paths (no type check names a class), and one that changes them must say again what it supports."""
+    if any(m in vars(cls) for m in methods):
+        for f in flags:
+            if f not in vars(cls): setattr(cls, f, False)
+
 class LlamaAttention(nn.Module):
     "Self-attention over this rank's heads: merged QKV projection, optional q/k norm, RoPE, paged attention, output projection."
+    supports_fp32_stream = True   # `forward` is `o_proj(attend_qkv(qkv_proj(h)))`, as `forward_acc` runs it
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_fp32_stream',))
+
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch', qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: bool = False, sliding_window: int | None = None):
         super().__init__()
@@ -62,6 +75,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     "SwiGLU MLP with one merged gate/up matmul; the intermediate dimension split over the TP ranks."
+    supports_fp32_stream = True   # `forward` is `down_proj(act(gate_up_proj(x)))`, as `forward_acc` runs it
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_fp32_stream',))
+
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
@@ -81,9 +99,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     "Pre-norm block: `h, residual -> attention -> MLP`, residual adds fused into the norms."
     prunes_rows = True   # `forward` takes `keep`
+    supports_fp32_stream = True     # `forward_acc` computes `forward` on an fp32 residual stream (`fp32_stream`)
+    supports_cpu_fast_path = True   # `CPUDecoderLayer` computes `forward` on the CPU kernels (notebook 42)
+    defer_norms = False             # `EngineConfig.defer_norms`, read when built (`defers_norms`)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_fp32_stream', 'supports_cpu_fast_path'))
 
     def __init__(self, config, rotary, backend, **attn_kw):
         super().__init__()
+        self.defer_norms = get_current_engine_config().defer_norms
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary, backend, **attn_kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,10 +127,10 @@ class LlamaDecoderLayer(nn.Module):
 @patch
 def defers_norms(self: LlamaDecoderLayer) -> bool:
     """Whether `forward_acc` splits both norms around their matmuls (`DeferredRMS`): asked for
-    (`CVLLM_LAB_DEFER_NORMS=1`; off by default), plain `RMSNorm`s, read by matmuls without bias (a bias would be
-    scaled by the `1/rms` too)."""
+    (`EngineConfig.defer_norms`, read when the layer is built; off by default until a GPU measurement says
+    otherwise), plain `RMSNorm`s, read by matmuls without bias (a bias would be scaled by the `1/rms` too)."""
     a, m = self.self_attn, self.mlp
-    return (os.environ.get('CVLLM_LAB_DEFER_NORMS', '0') == '1'
+    return (self.defer_norms
             and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
             and getattr(a.qkv_proj, 'bias', None) is None and getattr(m.gate_up_proj, 'bias', None) is None)
 
@@ -136,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = {'q_proj': ('qkv_proj', 'q'), 'k_proj': ('qkv_proj', 'k'), 'v_proj': ('qkv_proj', 'v'),
                               'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
     qkv_bias = qk_norm = False
+    supports_cpu_lm_head = True   # `compute_logits` is `hidden @ logits_weight().T`: the CPU fast path may replace it (50)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_cpu_lm_head',), ('compute_logits',))
 
     def attn_kwargs(self, config) -> dict:
         b = getattr(config, 'attention_bias', False)
@@ -167,11 +196,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h, residual)[0]
 
     def fp32_stream(self, h) -> bool:
-        """Whether `run_layers` keeps the residual in fp32 (`LlamaDecoderLayer.forward_acc`) for the batch `h`: the
-        layers are this file's, and all four projections add into fp32 sums themselves."""
+        """Whether `run_layers` keeps the residual in fp32 (`LlamaDecoderLayer.forward_acc`) for the batch `h`: every
+        layer, its attention and its MLP declare `supports_fp32_stream`, and all four projections add into fp32
+        sums themselves."""
         layers = self.model.layers
-        if not len(layers) or any(type(l) is not LlamaDecoderLayer or type(l.self_attn) is not LlamaAttention
-                                  or type(l.mlp) is not LlamaMLP for l in layers): return False
+        if not len(layers) or not all(getattr(m, 'supports_fp32_stream', False)
+                                      for l in layers for m in (l, l.self_attn, l.mlp)): return False
         a, m = layers[0].self_attn, layers[0].mlp
         return (all(accumulates(p, h) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj))
                 and accumulates(m.down_proj, h, m.sums_act))
@@ -210,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
         if e.tp_size == 1: return local
         full = tensor_model_parallel_gather(local, dim=-1)
         return None if full is None else full[..., :e.num_embeddings]
+
+    def logits_weight(self) -> torch.Tensor:
+        "The `[V, hidden]` weight `compute_logits` multiplies by: the LM head's, or the embedding's when tied."
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def attention_layers(self) -> list[Attention]: return [l.self_attn.attn for l in self.model.layers]
 

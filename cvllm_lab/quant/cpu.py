@@ -306,8 +306,9 @@ class CPUDecoderLayer(nn.Module):
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
-        "Whether `layer` is a `LlamaDecoderLayer` (or a subclass with its forward) over the CPU fast path's layers."
-        if type(layer).forward.__qualname__ != 'LlamaDecoderLayer.forward': return False
+        """Whether `layer` declares `supports_cpu_fast_path` (its `forward` is the Llama pre-norm block this layer
+        computes: `LlamaDecoderLayer` and subclasses that keep its forward) and sits on the CPU fast path's layers."""
+        if not getattr(layer, 'supports_cpu_fast_path', False): return False
         a, mlp = layer.self_attn, layer.mlp
         lins = [getattr(a, 'qkv_proj', None), getattr(a, 'o_proj', None), getattr(mlp, 'gate_up_proj', None), getattr(mlp, 'down_proj', None)]
         return (all(type(l) is CPUInt4Linear and l.bias is None and l.repeat == 1 for l in lins)
@@ -368,8 +369,8 @@ def cpu_fast_path(model: nn.Module, dense: bool | None = None) -> dict:
             m.rotary_emb = rot.setdefault(id(r), CPURotary(r)); n['rotary'] += 1
     path = CPUDecodeAttention()
     for m in model.modules():
-        if isinstance(m, Attention) and m.backend == 'torch':
-            m._cache_fn, m._attn_fn = path.cache, path.attn; n['attention'] += 1
+        if isinstance(m, Attention) and m.supports_cpu_decode_attention and m.backend == 'torch':
+            m.set_kernels(path.cache, path.attn); n['attention'] += 1
     steps = {}
     for name, m in [(name, m) for name, m in model.named_modules() if CPUDecoderLayer.fits(m)]:
         r = m.self_attn.rotary_emb
