@@ -7,13 +7,14 @@
 3. No measurement diary in code or notebook sources: no hashes of this repository's commits (the history of what
    each change measured lives in `results/NOTES.md`). Candidates are 7-40 character hex words with a digit and a
    letter (not `0x` literals, not nbdev's `# %%` cell markers); those git knows as commits are reported.
+4. No module reaches into another module's private names (`obj._name`; `check_private.py`, with its allowlist).
 """
 from __future__ import annotations
 import json, re, subprocess, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_imports
+import check_imports, check_private
 
 ROOT = check_imports.ROOT
 MAX_LINES = 520
@@ -63,8 +64,8 @@ def diaries() -> list[str]:
 
 if __name__ == '__main__':
     assert _hashes('at 5af620f and 0x3F800000, deadbeef, 1234567, a58b782c-ffff\n# %% x.ipynb #be5991c4') == ['5af620f']
-    problems = check_imports.check() + sizes() + diaries()
+    problems = check_imports.check() + sizes() + diaries() + check_private.check(verbose=False)
     for p in problems: print(p)
     if problems: sys.exit(1)
     print(f'house: {len(check_imports.modules())} modules on their floors, no loops, no file over {MAX_LINES} '
-          'lines, no commit hashes in sources')
+          'lines, no commit hashes in sources, no reach-ins to private names outside the allowlist')
