@@ -261,7 +261,7 @@ def main():
             for d in (a.decodes_apart if f[0] == 'engine' else ['-'])]
     for r, budget, keep, mixed, apart, (name, fn) in runs:
             eng.scheduler.max_num_batched_tokens = budget
-            eng.runner.keep_rows, eng.mixed_ahead = keep == 'on', mixed != 'off'
+            eng.runner.keep_rows, eng.scheduler.mixed_ahead = keep == 'on', mixed != 'off'
             eng.runner.decodes_apart = apart != 'off'
             time.sleep(a.idle); before = smi()
             res = fn(eng, prompts(g, eng.vocab_size))

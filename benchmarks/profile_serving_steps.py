@@ -10,7 +10,7 @@ import gc, sys, time, collections, yaml, torch
 from cvllm_lab import LLM
 from cvllm_lab.sampling_params import SamplingParams
 from cvllm_lab.bench.sweep import model_dir
-from cvllm_lab.engine.core import freeze_gc_heap
+from cvllm_lab.engine.core_proc import freeze_gc_heap
 
 # `tiny`: a 2-layer Llama whose steps cost little, so that host-side (scheduler, KV manager) stalls stand out on a CPU
 TINY = dict(name='tiny-llama-serving', hf_config=dict(architectures=['LlamaForCausalLM'], model_type='llama',
@@ -49,7 +49,7 @@ def main(model='llama3_8b', C=64, N=256, P=1024, O=256, freeze='freeze'):
     sp.max_tokens = 16
     for _ in range(2):   # warm-up rounds on other prompts, as the server benchmark does
         for _ in range(C): new()
-        while eng.has_unfinished_requests(): eng.step()      # step(), not step_parents(): it forgets finished requests
+        while eng.has_unfinished_requests(): eng.step()      # the front end forgets finished requests
     sp.max_tokens = O
     if freeze == 'freeze': freeze_gc_heap()          # as the engine-core process does once started
     compiles.clear(); gc_pauses.clear()
@@ -61,7 +61,7 @@ def main(model='llama3_8b', C=64, N=256, P=1024, O=256, freeze='freeze'):
         sync(); t = time.perf_counter()
         outs = eng.step()
         sync(); dt = time.perf_counter() - t
-        sched = eng.last_scheduled or []
+        sched = eng.core.last_scheduled or []
         pre = sum(1 for r in sched if r.num_output_tokens <= 1)   # prefilling, or its first token just made
         steps.append(dict(t=t - t_start, ms=1e3 * dt, seqs=len(sched), prefills=pre, compiles=compiles[n_c:],
                           gc_ms=sum(1e3 * d for _, d in gc_pauses[n_g:]), gc2=sum(g == 2 for g, _ in gc_pauses[n_g:])))

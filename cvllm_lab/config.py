@@ -96,8 +96,8 @@ class EngineConfig:
     defer_norms: bool = field(default_factory=lambda: envs.CVLLM_LAB_DEFER_NORMS)    # fp32 stream: norms split around matmuls (30)
     keep_rows: bool = True                   # eager steps run the last layer's MLP for the sampled rows only (50)
     decodes_apart: bool = True               # a step's leading decodes take a paged-attention call of their own (50)
-    mixed_ahead: bool = True                 # async scheduling: mixed steps (chunks and decodes) launched ahead too (51)
-    small_step_tokens: int = 256             # ... a mixed step with at most this many prompt tokens always (51)
+    mixed_ahead: bool = True                 # async scheduling: mixed steps (chunks and decodes) launched ahead too (15)
+    small_step_tokens: int = 256             # ... a mixed step with at most this many prompt tokens always (15)
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."

@@ -24,9 +24,6 @@ DIRS = ('cvllm_lab', 'kernels')
 SELFISH = {'self', 'cls'}
 
 ALLOWLIST: set[str] = {
-    # issue 40: front-end refactor in progress
-    'cvllm_lab/engine/core.py: eng._forget',
-    'cvllm_lab/entrypoints/openai/api_server.py: aengine._task',
     # a quantized linear's constructor calls its base class's helper on the new layer (notebooks 44-46): `set_bias`
     'cvllm_lab/quant/fp8.py: m._set_bias',
     'cvllm_lab/quant/gguf.py: m._set_bias',

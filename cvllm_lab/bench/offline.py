@@ -43,20 +43,21 @@ def steady_decode(llm, B: int, P: int, O: int, g: torch.Generator, max_steps: in
     sp = SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
     ids = [eng.add_request(None, {'prompt_token_ids': torch.randint(10, vocab, (P,), generator=g).tolist()}, sp)
            for _ in range(B)]
-    reqs = [r for i in ids for r in eng.parents[i]]
+    core = eng.core                       # the core stepped directly: no outputs built, as a busy loop runs it
+    reqs = [r for i in ids for r in core.parents[i]]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     try:
-        while any(r.first_token_time is None for r in reqs): eng.step_parents()
+        while any(r.first_token_time is None for r in reqs): core.step()
         k = min(max_steps, O - max(r.num_output_tokens for r in reqs) - 2)   # 2: a step launched ahead, and margin
         if k < 4: return float('nan'), 0
         sync(); t = time.perf_counter()
-        for _ in range(k): eng.step_parents()
+        for _ in range(k): core.step()
         sync(); dt = time.perf_counter() - t
         assert not any(r.is_finished for r in reqs), "a sequence finished inside the timed steps"
         return dt / k, k
     finally:
         eng.abort_request(ids)
-        while eng.has_unfinished_requests(): eng.step_parents()
+        while core.has_unfinished_requests(): core.step()
 
 # %% ../../nbs/60_bench_offline.ipynb #0c47223d
 def _timed_generate(llm, B: int, P: int, O: int, g: torch.Generator) -> float:

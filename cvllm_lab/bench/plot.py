@@ -35,6 +35,7 @@ def load_reference(ref_dir: Path, gpu: str) -> tuple[pd.DataFrame, pd.DataFrame]
         newer = vllm.notes.fillna('').str.contains('re-measured')
         vllm = vllm.assign(_n=newer).sort_values('_n').drop_duplicates(key, keep='last').drop(columns='_n').sort_index()
     candle = pd.read_csv(ref_dir / 'candle_vllm_documented.csv')
+    candle = candle[~candle.source.str.contains('before 20')]   # a table candle-vllm replaced: plot its newer one
     table = 'Hopper' if gpu in ('H100', 'H200') else gpu
     return vllm, candle[candle.gpu == table]
 

@@ -63,10 +63,10 @@ class Scheduler:
             if len(self.waiting) + len(reqs) > cap:
                 raise QueueFullError(f"The waiting queue is full ({len(self.waiting)} of max_num_queued_requests={cap})")
         for r in reqs:
-            self._enqueue(r)
+            self.requeue(r)
             self.requests[r.request_id] = r
 
-    def _enqueue(self, req: Request, front: bool = False):
+    def requeue(self, req: Request, front: bool = False):
         "fcfs: the back of the queue (the front for a preempted request); priority: its place in `(priority, arrival)` order."
         if self.policy == 'priority': self.waiting.insert(bisect.bisect_right(self.waiting, _KEY(req), key=_KEY), req)
         elif front: self.waiting.appendleft(req)
@@ -85,12 +85,10 @@ def _num_new(self: Scheduler, req: Request, num_computed: int, budget: int) -> i
 @patch
 def _preempt(self: Scheduler, out: SchedulerOutput) -> Request:
     "Free the blocks of a running request (fcfs: the newest; priority: the highest `(priority, arrival)`) and requeue it."
-    victim = self.running.pop() if self.policy == 'fcfs' else max(self.running, key=_KEY)
-    if self.policy == 'priority': self.running.remove(victim)
-    self.kv.free(victim)
-    victim.status, victim.num_computed_tokens = RequestStatus.PREEMPTED, 0
+    victim = self.running[-1] if self.policy == 'fcfs' else max(self.running, key=_KEY)
+    self.reset_request(victim)
     victim.num_preemptions += 1; self.num_preemptions += 1
-    self._enqueue(victim, front=True)
+    self.requeue(victim, front=True)
     out.preempted.append(victim)
     return victim
 
@@ -130,6 +128,18 @@ def schedule(self: Scheduler) -> SchedulerOutput:
         out.group_block_tables = [out.block_tables] + [{r.request_id: self.kv.block_table(r.request_id, g) for r in out.scheduled}
                                                        for g in range(1, self.kv.num_groups)]
     return out
+
+@patch
+def reset_request(self: Scheduler, req: Request):
+    """Take a request out of the queues with its blocks freed and nothing computed, as a preemption does (also after a
+    failed step: a token in flight is dropped). `requeue` puts it back."""
+    if req.has_placeholder:
+        req.output_token_ids.pop(); req.all_token_ids.pop(); req.has_placeholder = False
+    if req in self.running: self.running.remove(req)
+    elif req in self.waiting: self.waiting.remove(req)
+    self.kv.free(req)
+    req.num_computed_tokens = 0
+    if req.status == RequestStatus.RUNNING: req.status = RequestStatus.PREEMPTED
 
 # %% ../../nbs/11_scheduler.ipynb #b62d45bc
 @patch

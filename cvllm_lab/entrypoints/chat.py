@@ -87,12 +87,10 @@ class LocalBackend:
 
     def stream(self, messages: list[dict], s: ChatSettings) -> Iterator[Delta]:
         from cvllm_lab.sampling_params import SamplingParams
-        from cvllm_lab.tokenizer import apply_chat_template
         from cvllm_lab.entrypoints.openai.reasoning import ReasoningParser
         eng, tok = self.engine, self.engine.tokenizer
         kw = {} if s.thinking is None else {'enable_thinking': s.thinking}
-        prompt = apply_chat_template(tok, messages, **kw)
-        ids = tok(prompt, add_special_tokens=False).input_ids
+        prompt, ids = eng.input_processor.render_chat(messages, chat_template_kwargs=kw)   # as the server renders it
         room = eng.cfg.max_model_len - len(ids)
         if room < 1: raise ChatError(f'The conversation has {len(ids)} tokens, more than max_model_len={eng.cfg.max_model_len} allows; /reset it')
         from cvllm_lab.sampling_params import diff_sampling_param

@@ -214,15 +214,15 @@ def main(argv: list[str] | None = None):
         LLMEngine(ecfg, progress=False)                    # serves rank 0's steps; exits when rank 0 shuts down
         sys.exit(1)                                        # (not reached)
     import uvicorn
-    from cvllm_lab.engine.async_llm_engine import AsyncLLMEngine
+    from cvllm_lab.engine.async_llm_engine import AsyncLLM
     from cvllm_lab.entrypoints.openai.api_server import build_app
     print(f"cvllm-serve: loading {ecfg.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    try: aengine = AsyncLLMEngine.from_config(ecfg, num_threads=args.threads, progress=True)   # the engine-core process
+    try: aengine = AsyncLLM.from_config(ecfg, num_threads=args.threads, progress=True)   # the engine-core process
     except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"cvllm-serve: error: {e}", file=sys.stderr); sys.exit(1)
     app = build_app(aengine, scfg)
-    from cvllm_lab.engine.core import freeze_gc_heap
-    freeze_gc_heap()                                       # this process's start-up heap too (53_engine_core)
+    from cvllm_lab.engine.core_proc import freeze_gc_heap
+    freeze_gc_heap()                                       # this process's start-up heap too (59_core_proc)
     srv = app.state.serving
     print(f"cvllm-serve: serving {srv.model_names} (max_model_len {srv.max_model_len}) on http://{args.host}:{args.port}"
           + (" with the chat page at /" if scfg.ui else ""), file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/metrics.html.md"""
 from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from ...engine.async_llm_engine import AsyncLLMEngine, EngineObserver
+from ...engine.async_llm_engine import AsyncLLM, EngineObserver
 
 # %% auto #0
 __all__ = ['ServerMetrics']
@@ -18,7 +18,7 @@ _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 
 class ServerMetrics(EngineObserver):
     "Prometheus metrics of one server: latency histograms fed by the engine loop, engine stats read at scrape time."
-    def __init__(self, aengine: AsyncLLMEngine, model_name: str):
+    def __init__(self, aengine: AsyncLLM, model_name: str):
         self.aengine, self.model_name, self.registry = aengine, model_name, CollectorRegistry()
         h = lambda name, doc: Histogram(name, doc, ['model_name'], registry=self.registry, buckets=_LAT_BUCKETS).labels(model_name)
         self.ttft = h('cvllm:time_to_first_token_seconds', 'Time from arrival to the first generated token.')
