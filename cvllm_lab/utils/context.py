@@ -11,11 +11,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
 import torch
+from .kv_cache_spec import (KVCacheSpec, FullAttentionSpec, KVCacheGroupSpec,  # KVCacheGroupSpec: re-exported
+                                         layer_kv_cache_spec)
 
 # %% auto #0
 __all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'DecodeSplit',
-           'kv_bytes_per_token', 'KVCacheGroupSpec', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache',
-           'prefill_context']
+           'kv_bytes_per_token', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 def to_device(a: np.ndarray, device) -> torch.Tensor:
@@ -150,26 +151,22 @@ def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
         return math.prod(shape) * es + scale * math.prod(shape[:-1])
     return 2 * layer.num_kv_heads * (layer.head_dim * es + scale)
 
-@dataclass(frozen=True)
-class KVCacheGroupSpec:
-    "Attention layers that share one block table per sequence: full attention (`sliding_window` None) or one window."
-    sliding_window: int | None
-    layers: tuple[int, ...]      # indices into `model.attention_layers()`
 
 def kv_cache_groups(layers) -> list[KVCacheGroupSpec]:
-    """vLLM's hybrid grouping: layers by attention type (full, sliding window W), each type cut into groups of the same
+    """vLLM's hybrid grouping: layers by KV cache spec (full, sliding window W, ...), each cut into groups of the same
     size (the smallest type's count; the largest's when within 1.25x), full attention first. One group (today's
     layout) when every layer has the same type, or the layers' caches differ in shape (they could not share tensors)."""
-    by_type: dict[int | None, list[int]] = {}
-    for i, a in enumerate(layers): by_type.setdefault(getattr(a, 'sliding_window', None) or None, []).append(i)
+    by_type: dict[KVCacheSpec, list[int]] = {}   # layers by spec (`12a_kv_cache_spec`): full, each window, ...
+    for i, a in enumerate(layers): by_type.setdefault(layer_kv_cache_spec(a), []).append(i)
     uniform = len({(getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None), hasattr(a, 'kv_cache_shape'))
                    for a in layers}) == 1 and not hasattr(layers[0], 'kv_cache_shape')
     if len(by_type) == 1 or not uniform:
-        return [KVCacheGroupSpec(next(iter(by_type)) if len(by_type) == 1 else None, tuple(range(len(layers))))]
+        return [KVCacheGroupSpec(next(iter(by_type)) if len(by_type) == 1 else FullAttentionSpec(), tuple(range(len(layers))))]
     lo, hi = min(map(len, by_type.values())), max(map(len, by_type.values()))
     size = hi if hi < 1.25 * lo else lo
-    return [KVCacheGroupSpec(w, tuple(ids[i:i + size])) for w in sorted(by_type, key=lambda w: (w is not None, w or 0))
-            for ids in [by_type[w]] for i in range(0, len(ids), size)]
+    order = lambda s: (not s.grows, s.frees_blocks, getattr(s, 'sliding_window', 0) or getattr(s, 'attention_chunk_size', 0))
+    return [KVCacheGroupSpec(s, tuple(ids[i:i + size])) for s in sorted(by_type, key=order)   # full attention first
+            for ids in [by_type[s]] for i in range(0, len(ids), size)]
 
 def kv_cache_bytes_per_token(layers, groups: list[KVCacheGroupSpec] | None = None, dtype=torch.float32) -> int:
     "Cache bytes one block slot costs over all of `bind_kv_cache`'s tensors (groups: one per layer of the largest group)."
