@@ -28,8 +28,6 @@ ALLOWLIST: set[str] = {
     'cvllm_lab/quant/fp8.py: m._set_bias',
     'cvllm_lab/quant/gguf.py: m._set_bias',
     'cvllm_lab/quant/w4a16.py: m._set_bias',
-    # Gemma's loader resets its norms' cached CUDA scale (notebook 36): a public `GemmaRMSNorm` method
-    'cvllm_lab/models/gemma.py: m._scale',
 }
 
 

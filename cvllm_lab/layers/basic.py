@@ -90,10 +90,14 @@ class GemmaRMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
     def scale(self) -> torch.Tensor:
-        "fp32 `1 + w`, recomputed when the weight's storage or version changes (a loader resets `_scale`)."
+        "fp32 `1 + w`, recomputed when the weight's storage or version changes (a loader calls `reset_scale`)."
         key = (self.weight.data_ptr(), self.weight._version)
         if self._scale is None or self._scale[0] != key: self._scale = (key, 1.0 + self.weight.detach().float())
         return self._scale[1]
+
+    def reset_scale(self):
+        "Forget the cached `1 + w` (a loader that writes the weight in place calls this)."
+        self._scale = None
 
     def forward(self, x, residual=None):
         if _use_triton(x):

@@ -121,7 +121,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         "Llama's loader; then the norms' cached CUDA scales are dropped (they follow the new weights)."
         loaded = super().load_weights(weights)
         for m in self.modules():
-            if isinstance(m, GemmaRMSNorm): m._scale = None
+            if isinstance(m, GemmaRMSNorm): m.reset_scale()
         return loaded
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
