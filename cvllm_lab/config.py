@@ -94,6 +94,7 @@ class EngineConfig:
     flash_prefill: bool = field(default_factory=lambda: envs.CVLLM_LAB_FLASH_PREFILL)  # triton: prefills on FlashAttention-2 (22)
     cudnn_prefill: bool = field(default_factory=lambda: envs.CVLLM_LAB_CUDNN_PREFILL)  # equal fresh prompts on cuDNN, sm90+ (22)
     defer_norms: bool = field(default_factory=lambda: envs.CVLLM_LAB_DEFER_NORMS)    # fp32 stream: norms split around matmuls (30)
+    batch_invariant: bool = field(default_factory=lambda: envs.CVLLM_LAB_BATCH_INVARIANT)  # vLLM's VLLM_BATCH_INVARIANT: output independent of the batch (42, 50)
     keep_rows: bool = True                   # eager steps run the last layer's MLP for the sampled rows only (50)
     decodes_apart: bool = True               # a step's leading decodes take a paged-attention call of their own (50)
     mixed_ahead: bool = True                 # async scheduling: mixed steps (chunks and decodes) launched ahead too (15)

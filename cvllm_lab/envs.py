@@ -54,6 +54,10 @@ ENV_VARS = [
            "cuDNN's fused attention, sm90+)", 'config'),
     EnvVar('CVLLM_LAB_DEFER_NORMS', '0', env_bool, "default of `EngineConfig.defer_norms` (the fp32 residual stream's "
            "RMSNorms split around their matmuls)", 'config'),
+    EnvVar('CVLLM_LAB_BATCH_INVARIANT', '0', env_bool, "default of `EngineConfig.batch_invariant` (vLLM's "
+           "`VLLM_BATCH_INVARIANT`: a request's output does not depend on the rest of the batch, chunking or the prefix "
+           "cache; CPU fast path and GPU split-K, notebooks 42 and 50)",
+           'config'),
     EnvVar('CVLLM_LAB_CACHE', '~/.cache/cvllm_lab', env_path, "folder for what is converted from GGUF files "
            "(tokenizers), keyed by file name, size and mtime", 'tokenizer'),
     EnvVar('CVLLM_LAB_STEP_TIMEOUT', '300', float, "seconds the engine waits for a tensor-parallel worker's step "

@@ -10,6 +10,12 @@ between calls, so CUDA graphs can replay the kernels as they are.
 Host side: `split_for` picks the number of splits from a launch config (`split` fixed, or `target` programs per
 SM), `m_bucket` the row bucket of the batched kernels' config tables, `batched_plan` the whole launch plan of a
 batched (M > 1) split-K kernel.
+
+Batch-invariant mode (`EngineConfig.batch_invariant`, vLLM's `VLLM_BATCH_INVARIANT`; the model runner calls
+`set_batch_invariant`): split-K is off (the fp32 atomic adds of a split sum in arrival order, and the number of
+splits follows the grid, so M; a caller's explicit `split_k` still wins) and every M takes the row bucket 16's config, so a row's K loop (tile sizes, order)
+does not depend on how many rows the call has. What it does not cover: which kernel runs (GEMV at one row, the
+batched kernels above; `fp8_matmul`'s backends by row bucket), attention and MoE kernels. Not measured on a GPU.
 """
 
 import torch
@@ -17,7 +23,7 @@ import triton
 import triton.language as tl
 
 __all__ = ['split_add', 'split_take', 'store_out', 'split_k_workspace', 'workspaces', 'num_sms', 'pick_split',
-           'split_for', 'm_bucket', 'batched_plan']
+           'split_for', 'm_bucket', 'batched_plan', 'set_batch_invariant', 'batch_invariant']
 from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
@@ -51,6 +57,17 @@ def store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
 
 
 _WS, _WS_ALL = {}, []
+_BATCH_INVARIANT = [False]
+
+
+def set_batch_invariant(on: bool):
+    "Batch-invariant mode for the split-K kernels of this process: no split-K, one row bucket for every M."
+    _BATCH_INVARIANT[0] = bool(on)
+
+
+def batch_invariant() -> bool:
+    "Whether `set_batch_invariant` turned the mode on."
+    return _BATCH_INVARIANT[0]
 
 
 def split_k_workspace(device, numel, ncounters):
@@ -86,13 +103,16 @@ def pick_split(tiles, want, multiple=1):
 
 def split_for(cfg, tiles, progs, multiple, device):
     """Splits of `tiles` K-tiles for a launch of `progs` programs per split: `cfg['split']` where it divides them
-    into multiples of `multiple`, else enough to bring the grid near `cfg['target']` (default 2) programs per SM."""
+    into multiples of `multiple`, else enough to bring the grid near `cfg['target']` (default 2) programs per SM.
+    Batch-invariant mode: 1."""
+    if _BATCH_INVARIANT[0]: return 1
     if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0: return cfg['split']
     return pick_split(tiles, triton.cdiv(int(cfg.get('target', 2) * num_sms(device)), progs), multiple)
 
 
 def m_bucket(M):
-    "The row bucket (16, 32, 64, 128) of the batched kernels' config tables."
+    "The row bucket (16, 32, 64, 128) of the batched kernels' config tables (16 for every M in batch-invariant mode)."
+    if _BATCH_INVARIANT[0]: return 16
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 

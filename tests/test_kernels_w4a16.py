@@ -348,3 +348,22 @@ def test_fuse_mlp_act_cuda():
                      [lp.logprob for st in b.outputs[0].logprobs for lp in st.values()]
             assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4], method
             assert max(abs(x - y) for x, y in zip(la[:4], lb[:4])) < 0.05, method
+
+
+@pytest.mark.interp
+def test_batch_invariant_mode_cpu():
+    "Batch-invariant mode (`set_batch_invariant`): no split-K, one row bucket, the batched kernel's rows the same at any M."
+    from cvllm_lab.kernels import split_k as S
+    cfg, dev = {'split': 4}, torch.device('cpu')
+    assert S.split_for(cfg, 16, 1, 1, dev) == 4 and [S.m_bucket(M) for M in (3, 40, 200)] == [16, 64, 128]
+    S.set_batch_invariant(True)
+    try:
+        assert S.batch_invariant() and S.split_for(cfg, 16, 1, 1, dev) == 1
+        assert [S.m_bucket(M) for M in (3, 40, 200)] == [16, 16, 16]
+        args = _packed(32, 512, 4, 128, False, 11)
+        torch.manual_seed(11)
+        x = torch.randn(20, 512).half()
+        full = w4a16_mm(x, *args)
+        for M in (2, 5, 17): assert torch.equal(w4a16_mm(x[:M], *args), full[:M]), M
+    finally: S.set_batch_invariant(False)
+    assert not S.batch_invariant() and S.split_for(cfg, 16, 1, 1, dev) == 4

@@ -62,7 +62,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the same buckets <= 32, captured at `short_len`
         self.tok_host, self.tok_i = [], 0     # two pinned buffers for the sampled ids (at most two steps in flight)
-        if self.device.type == 'cuda':
+        if self.device.type == 'cuda':   # batch-invariant mode first: split-K off, one config per M (kernels/split_k.py)
+            from cvllm_lab.kernels.split_k import set_batch_invariant; set_batch_invariant(bool(cfg.batch_invariant))
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
             if not cfg.enforce_eager and cfg.attention_backend == 'triton': self.capture_cudagraphs(progress)
             with cudnn_plans_at_once(): self.warm_up_kernels()   # the shapes it meets are planned now
@@ -99,11 +100,10 @@ def setup_cpu(self: ModelRunner):
     """Threads from the cores we may use, the CPU layers of notebook 42, and a GGUF model's LM head as q8_0 in int4
     halves where the model declares a plain one (`supports_cpu_lm_head`: `compute_logits` is a matmul by `logits_weight()`)."""
     if 'OMP_NUM_THREADS' not in os.environ: torch.set_num_threads(cpu_threads())
-    self.cpu_layers = cpu_fast_path(self.model)
-    m = self.model
-    if self.gguf and getattr(m, 'supports_cpu_lm_head', False):
-        w = m.logits_weight()
-        if CPUInt4Linear.fits(*w.shape): self.lm_head = self.compute_logits = CPUInt4Linear.from_int8_blocks(w.float())
+    self.cpu_layers = cpu_fast_path(self.model, batch_invariant=(bi := bool(self.cfg.batch_invariant)))
+    if self.gguf and getattr(self.model, 'supports_cpu_lm_head', False):
+        w = self.model.logits_weight()
+        if CPUInt4Linear.fits(*w.shape): self.lm_head = self.compute_logits = CPUInt4Linear.from_int8_blocks(w.float(), dense=not bi)
 
 # %% ../../nbs/50_model_runner.ipynb #245dafdb
 CPU_KV_CACHE_BYTES = 1 << 30

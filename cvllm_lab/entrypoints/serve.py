@@ -69,6 +69,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--enforce-eager', action='store_true', help="no CUDA graphs: every decode step runs eagerly")
     g.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before reading this one's tokens (default: on for CUDA)")
+    g.add_argument('--batch-invariant', action=argparse.BooleanOptionalAction, default=None,
+                   help="a request's output does not depend on the rest of the batch, chunking or the prefix cache (vLLM's VLLM_BATCH_INVARIANT; default: $CVLLM_LAB_BATCH_INVARIANT, off)")
     g.add_argument('--threads', type=int, help="PyTorch intra-op threads on CPU (1 is often fastest on a busy small box)")
     g.add_argument('--max-num-queued-requests', type=int,
                    help="waiting requests before new ones get 503 + Retry-After (default: no limit)")
@@ -181,7 +183,8 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         _refuse('--tensor-parallel-size', f"{tp} with a quantized model ({quant or 'GGUF'}): quantized layers are not "
                 "sharded yet; give a float (safetensors) model, or use 1")
     overrides = yarn_overrides(model, args.yarn_scaling_factor) if args.yarn_scaling_factor else {}
-    ecfg = EngineConfig(model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=device, seed=args.seed,
+    bi = {} if args.batch_invariant is None else dict(batch_invariant=args.batch_invariant)   # unset: the field's default
+    ecfg = EngineConfig(**bi, model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=device, seed=args.seed,
                         load_format=args.load_format, max_model_len=args.max_model_len, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size, usage_context='server', enable_prefix_caching=args.enable_prefix_caching,

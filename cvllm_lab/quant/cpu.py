@@ -22,7 +22,8 @@ from .gguf import GGUFLinear, quantize
 # %% auto #0
 __all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'MIRROR_DTYPE', 'MIRROR_HEADROOM', 'DENSE_BYTES',
            'cpu_threads', 'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention',
-           'CPUDecodeAttention', 'CPUDecodeStep', 'CPUDecoderLayer', 'cpu_fast_path']
+           'CPUDecodeAttention', 'invariant_plan', 'invariant_attention', 'CPUDecodeStep', 'CPUDecoderLayer',
+           'cpu_fast_path']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -159,8 +160,11 @@ def decode_attention(q, k, v, mask, pad, scale):
 # %% ../../nbs/42_cpu_linear.ipynb #374ad904
 class CPUDecodeAttention:
     """The torch backend's `(reshape_and_cache, paged_attention)` pair with a lean path for decode batches on CPU:
-    each step's block ids and padding mask are worked out once (by the first layer) and reused by the others."""
-    def __init__(self): self._slots = self._meta = None
+    each step's block ids and padding mask are worked out once (by the first layer) and reused by the others.
+    `batch_invariant`: every query row, decode or prefill, through `invariant_attention` (see Batch invariance)."""
+    def __init__(self, batch_invariant: bool = False):
+        self._slots = self._meta = self._plan_key = None
+        self.batch_invariant = batch_invariant
 
     def cache(self, k, v, kc, vc, slot_mapping, ks=None, vs=None):
         "Write this step's K/V rows to their slots (a plain `index_copy_` when every slot is real)."
@@ -182,6 +186,12 @@ class CPUDecodeAttention:
     def attn(self, q, kc, vc, qsl, seq_lens, bt, scale, sliding_window=None, max_query_len=None, max_seq_len=None,
              k_scale=None, v_scale=None, **kw):
         "Decode rows (one query token each): gather each sequence's blocks, one SDPA; else the reference."
+        if self.batch_invariant and k_scale is None and kc.dtype in CPU_KV_DTYPES and sliding_window is None and kw.get('softcap') is None:
+            if not _same(self._plan_key, qsl, seq_lens, bt):
+                self._plan_key = [(t, t.clone()) for t in (qsl, seq_lens, bt)]
+                self._plan = invariant_plan(qsl, seq_lens, bt, kc.shape[1])
+            o = invariant_attention(q, kc, vc, self._plan, scale)
+            return o if kw.get('out') is None else kw['out'].copy_(o)
         if (k_scale is not None or kc.dtype not in CPU_KV_DTYPES or sliding_window is not None or max_query_len != 1 or not max_seq_len
                 or any(v is not None for v in kw.values())):   # e.g. a logit soft-cap
             return paged_attention_ref(q, kc, vc, qsl, seq_lens, bt, scale, sliding_window, max_query_len, max_seq_len,
@@ -192,6 +202,46 @@ class CPUDecodeAttention:
         nb, bs, Hkv = kc.shape[:3]
         kv = [c.view(nb, -1).index_select(0, self._blocks).view(B, -1, Hkv, D)[:, :self._L].transpose(1, 2) for c in (kc, vc)]
         return decode_attention(q.view(B, Hkv, H // Hkv, D), *kv, self._mask, self._pad, scale).to(q.dtype).reshape(B, H, D)
+
+# %% ../../nbs/42_cpu_linear.ipynb #fa8c0f9f
+def invariant_plan(qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor, bs: int) -> list:
+    """A step's query tiles for `invariant_attention`: for every block a sequence has query rows in, its key length
+    `nblk * bs` and the rows at its `bs` positions (`T`, the step's row count, where the position is not queried).
+    Tiles of one length are grouped: `[(nblk, block ids [n nblk], rows [n, bs], mask [bs, nblk bs])]`."""
+    qs, sl = qsl.tolist(), seq_lens.tolist()
+    T, groups = qs[-1], {}
+    for b in range(len(sl)):
+        n = qs[b + 1] - qs[b]
+        if n == 0 or sl[b] == 0: continue
+        ctx = sl[b] - n
+        for j in range(ctx // bs, -(-sl[b] // bs)):
+            rows = [qs[b] + p - ctx if ctx <= p < sl[b] else T for p in range(j * bs, (j + 1) * bs)]
+            seqs, idx = groups.setdefault(j + 1, ([], []))
+            seqs.append(b); idx.append(rows)
+    plan = []
+    for nblk, (seqs, idx) in sorted(groups.items()):
+        keys = torch.arange(nblk * bs)
+        mask = keys > (nblk - 1) * bs + torch.arange(bs)[:, None]        # key after the query's position
+        plan.append((nblk, bt[seqs, :nblk].long().reshape(-1), torch.tensor(idx).view(-1), mask))
+    return plan
+
+def invariant_attention(q, kc, vc, plan, scale) -> torch.Tensor:
+    """Causal attention of the step's rows `q` `[T, H, D]` over the paged cache `kc`/`vc` `[blocks, bs, Hkv, D]`, each
+    row computed by the same shapes whatever else is in the step (`invariant_plan`). Returns `[T, H, D]` in `q`'s dtype."""
+    T, H, D = q.shape
+    nb, bs, Hkv = kc.shape[:3]
+    G = H // Hkv
+    qz, out = torch.cat([q, q.new_zeros(1, H, D)]), q.new_zeros(T + 1, H, D)   # row T: an unqueried position
+    for nblk, blocks, rows, mask in plan:
+        n, L = rows.numel() // bs, nblk * bs
+        Q = qz[rows].view(n, bs, Hkv, G, D).transpose(1, 2).reshape(n * Hkv, bs * G, D)
+        k, v = (c.view(nb, -1).index_select(0, blocks).view(n, L, Hkv, D).transpose(1, 2).reshape(n * Hkv, L, D).to(q.dtype)
+                for c in (kc, vc))
+        s = torch.bmm(Q, k.transpose(1, 2)).mul_(scale)
+        s.view(n * Hkv, bs, G, L).masked_fill_(mask[:, None], float('-inf'))
+        o = torch.bmm(torch.softmax(s, -1), v).view(n, Hkv, bs, G, D).transpose(1, 2).reshape(n * bs, H, D)
+        out[rows] = o      # row T takes whatever comes last: it is dropped
+    return out[:T]
 
 # %% ../../nbs/42_cpu_linear.ipynb #eba27e01
 MIRROR_BYTES = 256 << 20      # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
@@ -349,17 +399,19 @@ def _replace(model: nn.Module, name: str, new: nn.Module):
 
 DENSE_BYTES = 1 << 30   # auto `dense`: keep bf16 copies for prefill when they take at most this much
 
-def cpu_fast_path(model: nn.Module, dense: bool | None = None) -> dict:
+def cpu_fast_path(model: nn.Module, dense: bool | None = None, batch_invariant: bool = False) -> dict:
     """Put a loaded CPU model on the CPU kernels, in place: q4_0/q4_1/q4_k `GGUFLinear`s become `CPUInt4Linear`s
     (the same weights; with bf16 copies for prefill if `dense`, by default when those fit in `DENSE_BYTES`), the shared
     NeoX RoPE becomes a `CPURotary`, torch-backend attention layers share one `CPUDecodeAttention`, and Llama blocks
-    on these layers become `CPUDecoderLayer`s (one `CPUDecodeStep` per RoPE). Returns how many linears, RoPE users
-    and attention layers were changed."""
+    on these layers become `CPUDecoderLayer`s (one `CPUDecodeStep` per RoPE). `batch_invariant`: no bf16 copies, no
+    `CPUDecoderLayer`s, and attention through `invariant_attention`, so a row's numbers do not depend on the step.
+    Returns how many linears, RoPE users and attention layers were changed."""
     n = dict(linears=0, rotary=0, attention=0)
     todo = [(name, m) for name, m in model.named_modules()
             if isinstance(m, GGUFLinear) and m.packed is None and m.qtype in (GT.Q4_0, GT.Q4_1, GT.Q4_K)
             and CPUInt4Linear.fits(m.output_size, m.input_size)]
-    if dense is None: dense = sum(2 * m.output_size * m.input_size for _, m in todo) <= DENSE_BYTES
+    if batch_invariant: dense = False
+    elif dense is None: dense = sum(2 * m.output_size * m.input_size for _, m in todo) <= DENSE_BYTES
     for name, m in todo:
         _replace(model, name, CPUInt4Linear.from_gguf(m, dense)); n['linears'] += 1
     rot = {}
@@ -367,12 +419,12 @@ def cpu_fast_path(model: nn.Module, dense: bool | None = None) -> dict:
         r = getattr(m, 'rotary_emb', None)
         if isinstance(r, RotaryEmbedding) and r.is_neox and r.rotary_dim == r.head_dim:
             m.rotary_emb = rot.setdefault(id(r), CPURotary(r)); n['rotary'] += 1
-    path = CPUDecodeAttention()
+    path = CPUDecodeAttention(batch_invariant)
     for m in model.modules():
         if isinstance(m, Attention) and m.supports_cpu_decode_attention and m.backend == 'torch':
             m.set_kernels(path.cache, path.attn); n['attention'] += 1
     steps = {}
-    for name, m in [(name, m) for name, m in model.named_modules() if CPUDecoderLayer.fits(m)]:
+    for name, m in [(name, m) for name, m in model.named_modules() if not batch_invariant and CPUDecoderLayer.fits(m)]:
         r = m.self_attn.rotary_emb
         _replace(model, name, CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r))))
     return n
