@@ -341,11 +341,13 @@ class CPUDecoderLayer(nn.Module):
     modules) with a lean decode path on the CPU layers: each RMSNorm's row scale `1 / rms` is applied to the bf16
     matmul's output (`(x w) W^T / rms` = `norm(x) W^T`, so the norm is 3 small ops and the input's one bf16 cast), q and
     k rotate together as `[T, H + Hkv, 2, D/2]`, and the step's metadata comes from a shared `CPUDecodeStep`. Other
-    steps (prefill, mixed batches) run the layer's own `forward`."""
-    def __init__(self, layer: nn.Module, step: CPUDecodeStep):
+    steps (prefill, mixed batches) run the layer's own `forward`. `invariant` (batch-invariant mode: the layer's
+    attention kernels, a `CPUDecodeAttention(batch_invariant=True)`): every row of every step takes the same math
+    (`forward_rows`) and `invariant_attention`."""
+    def __init__(self, layer: nn.Module, step: CPUDecodeStep, invariant: CPUDecodeAttention | None = None):
         super().__init__()
         self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
-        self.post_attention_layernorm, self.mlp, self.step = layer.post_attention_layernorm, layer.mlp, step
+        self.post_attention_layernorm, self.mlp, self.step, self.invariant = layer.post_attention_layernorm, layer.mlp, step, invariant
         step.num_layers += 1
         self._fallback = type(layer).forward
         H = self.input_layernorm.weight.shape[0]
@@ -372,9 +374,30 @@ class CPUDecoderLayer(nn.Module):
         f = torch.rsqrt(torch.linalg.vecdot(x, x).add_(eps_h))[:, None]
         return lin.mm((x * w).to(torch.bfloat16)) * f
 
+    def forward_rows(self, positions, h, residual):
+        "Any step, row by row the same: the lean math, K/V and attention through the attention layer's kernels."
+        a, att, ctx = self.self_attn, self.self_attn.attn, get_forward_context()
+        kv, T, H, Hkv, D, n = att.kv_cache, h.shape[0], a.H, a.Hkv, a.D, ctx.num_seqs
+        cos, sin = (t.view(T, 1, 2, -1) for t in a.rotary_emb._cos_sin(positions))
+        residual = h.float() if residual is None else h + residual
+        qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)
+        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
+        qk = torch.addcmul(qk * cos, qk.flip(2), sin).view(T, H + Hkv, D)
+        slots, bt = ctx.group_tables(att.kv_cache_group)
+        self.invariant.cache(qk[:, H:], qkv[:, (H + Hkv) * D:].view(T, Hkv, D), kv[0], kv[1], slots)
+        o = self.invariant.attn(qk[:, :H], kv[0], kv[1], ctx.query_start_loc[:n + 1], ctx.seq_lens[:n], bt[:n], att.scale,
+                         max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
+        residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
+        gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
+        I = gu.shape[1] // 2
+        return self.mlp.down_proj.mm((F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)), residual
+
     def forward(self, positions, h, residual):
         a, att = self.self_attn, self.self_attn.attn
         kv = att.kv_cache
+        if (self.invariant is not None and kv is not None and att.kv_scale is None and kv.dtype in CPU_KV_DTYPES
+                and h.dtype in (torch.float32, torch.bfloat16)):
+            return self.forward_rows(positions, h, residual)
         if (kv is None or att.kv_scale is not None or kv.dtype not in CPU_KV_DTYPES or h.dtype not in (torch.float32, torch.bfloat16)
                 or not self.step.prepare(get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * MIRROR_DTYPE.itemsize)):
             return self._fallback(self, positions, h, residual)
@@ -403,8 +426,8 @@ def cpu_fast_path(model: nn.Module, dense: bool | None = None, batch_invariant: 
     """Put a loaded CPU model on the CPU kernels, in place: q4_0/q4_1/q4_k `GGUFLinear`s become `CPUInt4Linear`s
     (the same weights; with bf16 copies for prefill if `dense`, by default when those fit in `DENSE_BYTES`), the shared
     NeoX RoPE becomes a `CPURotary`, torch-backend attention layers share one `CPUDecodeAttention`, and Llama blocks
-    on these layers become `CPUDecoderLayer`s (one `CPUDecodeStep` per RoPE). `batch_invariant`: no bf16 copies, no
-    `CPUDecoderLayer`s, and attention through `invariant_attention`, so a row's numbers do not depend on the step.
+    on these layers become `CPUDecoderLayer`s (one `CPUDecodeStep` per RoPE). `batch_invariant`: no bf16 copies,
+    `CPUDecoderLayer`s take every step alike, attention through `invariant_attention`: a row's numbers do not depend on the step.
     Returns how many linears, RoPE users and attention layers were changed."""
     n = dict(linears=0, rotary=0, attention=0)
     todo = [(name, m) for name, m in model.named_modules()
@@ -419,12 +442,13 @@ def cpu_fast_path(model: nn.Module, dense: bool | None = None, batch_invariant: 
         r = getattr(m, 'rotary_emb', None)
         if isinstance(r, RotaryEmbedding) and r.is_neox and r.rotary_dim == r.head_dim:
             m.rotary_emb = rot.setdefault(id(r), CPURotary(r)); n['rotary'] += 1
-    path = CPUDecodeAttention(batch_invariant)
+    path, took = CPUDecodeAttention(batch_invariant), set()
     for m in model.modules():
         if isinstance(m, Attention) and m.supports_cpu_decode_attention and m.backend == 'torch':
-            m.set_kernels(path.cache, path.attn); n['attention'] += 1
+            m.set_kernels(path.cache, path.attn); n['attention'] += 1; took.add(id(m))
     steps = {}
-    for name, m in [(name, m) for name, m in model.named_modules() if not batch_invariant and CPUDecoderLayer.fits(m)]:
+    for name, m in [(name, m) for name, m in model.named_modules()
+                    if CPUDecoderLayer.fits(m) and (not batch_invariant or id(m.self_attn.attn) in took)]:
         r = m.self_attn.rotary_emb
-        _replace(model, name, CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r))))
+        _replace(model, name, CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r)), path if batch_invariant else None))
     return n
