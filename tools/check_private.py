@@ -24,10 +24,6 @@ DIRS = ('cvllm_lab', 'kernels')
 SELFISH = {'self', 'cls'}
 
 ALLOWLIST: set[str] = {
-    # a quantized linear's constructor calls its base class's helper on the new layer (notebooks 44-46): `set_bias`
-    'cvllm_lab/quant/fp8.py: m._set_bias',
-    'cvllm_lab/quant/gguf.py: m._set_bias',
-    'cvllm_lab/quant/w4a16.py: m._set_bias',
 }
 
 

@@ -119,7 +119,7 @@ class ConcatLinear(QuantLinear):
         super().__init__(in_features, out_features, bias is not None, shard_ids, None if bias is None else bias.device,
                          torch.float32 if bias is None else bias.dtype)
         self.parts = nn.ModuleList(parts)
-        self._set_bias(bias)
+        self.set_bias(bias)
 
     def dequantize(self, dtype=torch.float32):
         return torch.cat([_dequant(p, dtype) for p in self.parts], 0)

@@ -33,7 +33,7 @@ class QuantLinear(Linear):
     @property
     def out_features(self) -> int: return self.output_size
 
-    def _set_bias(self, bias):
+    def set_bias(self, bias):
         if bias is not None: self.bias.data.copy_(bias.detach())
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:

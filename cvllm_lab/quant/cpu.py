@@ -63,7 +63,7 @@ class CPUInt4Linear(QuantLinear):
             sz = self.scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, 1)   # [N, K, 2]
             w = (q.float() - 8) * sz[..., 0] + sz[..., 1]
             self._dense = pack_bf16(w.reshape(N, repeat, -1).sum(1))
-        self._set_bias(bias)
+        self.set_bias(bias)
 
     def __getstate__(self):   # copies and pickles rebuild the oneDNN copy (an opaque tensor) on first use
         return {**super().__getstate__(), '_dense': None}

@@ -85,7 +85,7 @@ class FP8Linear(QuantLinear):
         m.weight.copy_(weight)
         m.scale.copy_(scale.float().reshape(m.scale.shape) if block else _channel_scale(scale, N))
         if input_scale is not None: m.input_scale.copy_(input_scale.float().reshape(()))
-        m._set_bias(bias)
+        m.set_bias(bias)
         return m
 
     @classmethod

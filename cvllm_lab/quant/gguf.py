@@ -255,7 +255,7 @@ class GGUFLinear(QuantLinear):
         m = cls(in_f, out_features or out_f, qtype, bias=bias is not None, device=weight.device,
                 bias_dtype=bias.dtype if bias is not None else torch.float32, shard_ids=shard_ids)
         m.qweight.copy_(quantize(weight.detach(), m.qtype))
-        m._set_bias(bias)
+        m.set_bias(bias)
         return m
 
     @classmethod
@@ -272,7 +272,7 @@ class GGUFLinear(QuantLinear):
         m = cls(in_f, out_features or out_f, qtype, bias=bias is not None, device=raw.device,
                 bias_dtype=bias.dtype if bias is not None else torch.float32, shard_ids=shard_ids)
         m.qweight.copy_(raw.reshape(out_f, -1))
-        m._set_bias(bias)
+        m.set_bias(bias)
         return m
 
     @property

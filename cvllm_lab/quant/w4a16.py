@@ -103,7 +103,7 @@ class W4A16Linear(QuantLinear):
         m.qweight.copy_(pack_weights(q, bits))
         m.scales[:len(scales)] = scales.half()
         m.offsets[:len(offsets)] = offsets.half()
-        m._set_bias(bias)
+        m.set_bias(bias)
         return m
 
     @classmethod
