@@ -13,6 +13,7 @@ from multiprocessing.connection import wait
 from typing import Callable
 import torch
 from fastcore.basics import patch
+import cvllm_lab.envs as envs
 from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
 from .scheduler import SchedulerOutput
@@ -172,7 +173,7 @@ def worker_main(init: DistInit, device: str, device_ids: list[int] | None, make_
     destroy_distributed()
 
 # %% ../../nbs/56_worker.ipynb #a693a35c
-STEP_TIMEOUT_S = float(os.environ.get('CVLLM_LAB_STEP_TIMEOUT', 300))
+STEP_TIMEOUT_S = envs.CVLLM_LAB_STEP_TIMEOUT   # seconds (envs: read once)
 
 class MultiprocExecutor:
     "Spawns `world_size` workers on this host; sends each step to all, returns rank 0's output."

@@ -8,6 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/serve.html.md"""
 from __future__ import annotations
 import argparse, logging, os, sys
 from pathlib import Path
+import cvllm_lab.envs as envs
 from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
 from .openai.api_server import ServerConfig
 from .openai.protocol import DEFAULT_MAX_N
@@ -81,7 +82,7 @@ def make_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group('server')
     g.add_argument('--host', default='0.0.0.0')
     g.add_argument('--port', '--p', type=int, default=8000)
-    g.add_argument('--api-key', default=os.environ.get('CVLLM_API_KEY'), help="require `Authorization: Bearer KEY` (env CVLLM_API_KEY)")
+    g.add_argument('--api-key', default=envs.CVLLM_API_KEY, help="require `Authorization: Bearer KEY` (env CVLLM_API_KEY)")
     g.add_argument('--enforce-parser', '--tool-call-parser', dest='tool_parser', choices=sorted(TOOL_PARSERS),
                    help="tool-call parser (default: picked from the chat template, else hermes)")
     g.add_argument('--enable-auto-tool-choice', action='store_true', help="accepted: tool_choice auto is always on")
@@ -198,8 +199,8 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
                         reasoning_parser=None if args.reasoning_parser == 'none' else args.reasoning_parser,
                         max_gen_tokens=args.max_gen_tokens, max_n=args.max_n, ui=args.ui_server,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        torch_profiler_dir=os.environ.get('CVLLM_TORCH_PROFILER_DIR') or None,
-                        torch_profiler_record_shapes=os.environ.get('CVLLM_TORCH_PROFILER_RECORD_SHAPES', '0') == '1')
+                        torch_profiler_dir=envs.CVLLM_TORCH_PROFILER_DIR or None,
+                        torch_profiler_record_shapes=envs.CVLLM_TORCH_PROFILER_RECORD_SHAPES)
     return ecfg, scfg
 
 # %% ../../nbs/78_serve.ipynb #323c18a4
