@@ -3,11 +3,19 @@ call again, for the batched fresh-prompt prefill of `layers/attention.py` at the
 
     python -m benchmarks.bench_cudnn_plans
 """
-import time, torch
+
+import time
+import torch
 from cvllm_lab.layers.attention import cudnn_prefill_attention
 
+
 def timed(f):
-    torch.cuda.synchronize(); t = time.perf_counter(); f(); torch.cuda.synchronize(); return time.perf_counter() - t
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    f()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
 
 if __name__ == '__main__':
     H, Hkv, D = 32, 8, 128
@@ -16,6 +24,7 @@ if __name__ == '__main__':
         for n in (1, 2, 3, 5, 8):
             q = torch.randn(n * L, H, D, device='cuda', dtype=torch.bfloat16)
             k, v = (torch.randn(n * L, Hkv, D, device='cuda', dtype=torch.bfloat16) for _ in range(2))
-            f = lambda: cudnn_prefill_attention(q, k, v, n, D ** -0.5)
-            t1 = timed(f); t2 = min(timed(f) for _ in range(3))
+            f = lambda: cudnn_prefill_attention(q, k, v, n, D**-0.5)
+            t1 = timed(f)
+            t2 = min(timed(f) for _ in range(3))
             print(f'{n:6d} {L:5d} {1e3 * t1:9.1f} {1e3 * t2:9.3f}', flush=True)

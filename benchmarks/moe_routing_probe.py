@@ -6,7 +6,7 @@ what uniform random routing would give, `E (1 - (1 - k / E)^B)` (the figure the 
 
 The dummy weights are the loader's `load_format='dummy'` (uniform in +-1e-3 for every parameter, as vLLM's), so the
 count says whether a peer's dummy-weight decode figure could come from a step reading fewer experts."""
-import collections
+
 import sys
 from pathlib import Path
 
@@ -28,19 +28,30 @@ def main():
 
     def counting(logits, top_k, renorm, *a, **k):
         w, ids = select(logits, top_k, renorm, *a, **k)
-        if ids.shape[0] == B: counts.append(int(torch.unique(ids).numel())); E['n'] = logits.shape[-1]   # a decode step
+        if ids.shape[0] == B:
+            counts.append(int(torch.unique(ids).numel()))
+            E['n'] = logits.shape[-1]  # a decode step
         return w, ids
-    fm.select_experts = dsv2.select_experts = counting   # the names the MoE layer and DeepSeek's router call
-    llm = LLM(model=str(Path('/tmp/moe_routing_probe') / model), load_format='dummy', enforce_eager=True,
-              max_model_len=max(4096, P + 64), gpu_memory_utilization=0.85, progress=False)
+
+    fm.select_experts = dsv2.select_experts = counting  # the names the MoE layer and DeepSeek's router call
+    llm = LLM(
+        model=str(Path('/tmp/moe_routing_probe') / model),
+        load_format='dummy',
+        enforce_eager=True,
+        max_model_len=max(4096, P + 64),
+        gpu_memory_utilization=0.85,
+        progress=False,
+    )
     rng = np.random.default_rng(0)
     V, k = spec['hf_config']['vocab_size'], spec['hf_config']['num_experts_per_tok']
     prompts = [{'prompt_token_ids': rng.integers(10, V, P).tolist()} for _ in range(B)]
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     n = E['n']
-    print(f"{model} B={B}: decode-step MoE layers route to {np.mean(counts):.1f} of {n} experts on average "
-          f"(min {min(counts)}, max {max(counts)}; uniform random routing would give {n * (1 - (1 - k / n) ** B):.1f}); "
-          f"distinct first generated tokens {len(set(o.outputs[0].token_ids[0] for o in out))} of {B}")
+    print(
+        f'{model} B={B}: decode-step MoE layers route to {np.mean(counts):.1f} of {n} experts on average '
+        f'(min {min(counts)}, max {max(counts)}; uniform random routing would give {n * (1 - (1 - k / n) ** B):.1f}); '
+        f'distinct first generated tokens {len(set(o.outputs[0].token_ids[0] for o in out))} of {B}'
+    )
 
 
 if __name__ == '__main__':

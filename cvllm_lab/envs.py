@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/envs.html.md"""
 
 # %% ../nbs/01a_envs.ipynb #c16d5592
 from __future__ import annotations
-import os, re
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,83 +20,206 @@ __all__ = ['ENV_VARS', 'BY_NAME', 'ENV_NAME', 'TABLE_START', 'TABLE_END', 'env_b
 def env_bool(raw: str) -> bool:
     "`1`/`true`/`yes`/`on` -> True, `0`/`false`/`no`/`off` -> False (any case); anything else raises."
     v = raw.strip().lower()
-    if v in ('1', 'true', 'yes', 'on'): return True
-    if v in ('0', 'false', 'no', 'off'): return False
-    raise ValueError(f"{raw!r} is not a switch value: use 1 or 0")
+    if v in ('1', 'true', 'yes', 'on'):
+        return True
+    if v in ('0', 'false', 'no', 'off'):
+        return False
+    raise ValueError(f'{raw!r} is not a switch value: use 1 or 0')
 
-def env_path(raw: str) -> Path: return Path(raw).expanduser()
+
+def env_path(raw: str) -> Path:
+    return Path(raw).expanduser()
+
 
 @dataclass(frozen=True)
 class EnvVar:
     "One environment variable: its default (as it would be written; None: unset), parser, meaning, and reader."
+
     name: str
     default: str | None
     parse: Callable[[str], Any]
     meaning: str
-    read_in: str              # the module that reads (or sets) it
-    ours: bool = True         # False: another tool's variable (torchrun, NCCL, OpenMP, Triton), listed, not read here
+    read_in: str  # the module that reads (or sets) it
+    ours: bool = True  # False: another tool's variable (torchrun, NCCL, OpenMP, Triton), listed, not read here
 
     def value(self, environ) -> Any:
         "The parsed value in `environ` (the default when unset); a bad value raises naming the variable."
         raw = environ.get(self.name, self.default)
-        if raw is None: return None
-        try: return self.parse(raw)
-        except ValueError as e: raise ValueError(f"{self.name}={raw!r}: {e}") from None
+        if raw is None:
+            return None
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f'{self.name}={raw!r}: {e}') from None
 
 # %% ../nbs/01a_envs.ipynb #959724d3
 ENV_VARS = [
-    EnvVar('CVLLM_LAB_DEVICE', None, str, "device of `EngineConfig(device='auto')` (default: cuda if a GPU is visible, "
-           "else cpu); `cpu` runs the CPU tests on a GPU machine", 'config'),
-    EnvVar('CVLLM_LAB_CPU_FAST_PATH', '1', env_bool, "default of `EngineConfig.cpu_fast_path` (the CPU int4 kernels and "
-           "bf16 activations, notebook 42); the test suite sets 0 for exact fp32", 'config'),
-    EnvVar('CVLLM_LAB_FLASH_PREFILL', '1', env_bool, "default of `EngineConfig.flash_prefill` (a step's prefills on "
-           "FlashAttention-2; 0: every row on the paged kernel)", 'config'),
-    EnvVar('CVLLM_LAB_CUDNN_PREFILL', '1', env_bool, "default of `EngineConfig.cudnn_prefill` (equal fresh prompts on "
-           "cuDNN's fused attention, sm90+)", 'config'),
-    EnvVar('CVLLM_LAB_DEFER_NORMS', '0', env_bool, "default of `EngineConfig.defer_norms` (the fp32 residual stream's "
-           "RMSNorms split around their matmuls)", 'config'),
-    EnvVar('CVLLM_LAB_BATCH_INVARIANT', '0', env_bool, "default of `EngineConfig.batch_invariant` (vLLM's "
-           "`VLLM_BATCH_INVARIANT`: a request's output does not depend on the rest of the batch, chunking or the prefix "
-           "cache; CPU fast path and GPU split-K, notebooks 42 and 50)",
-           'config'),
-    EnvVar('CVLLM_LAB_CACHE', '~/.cache/cvllm_lab', env_path, "folder for what is converted from GGUF files "
-           "(tokenizers), keyed by file name, size and mtime", 'tokenizer'),
-    EnvVar('CVLLM_LAB_STEP_TIMEOUT', '300', float, "seconds the engine waits for a tensor-parallel worker's step "
-           "before it fails", 'engine.worker'),
-    EnvVar('CVLLM_LAB_DIST_TIMEOUT', '300', float, "seconds a tensor-parallel collective may take before "
-           "`torch.distributed` fails", 'utils.parallel_state'),
-    EnvVar('CVLLM_LAB_NUMA_BIND', '1', env_bool, "pin each tensor-parallel worker to its GPU's NUMA node (0: leave "
-           "the affinity alone)", 'utils.parallel_state'),
-    EnvVar('MAP_NUMA_NODE', None, str, "comma-separated NUMA node per worker rank, in place of the GPU's node from "
-           "sysfs", 'utils.parallel_state'),
-    EnvVar('CVLLM_PDL', '1', env_bool, "programmatic dependent launch of the decode kernels on sm90+ (0: off, for "
-           "kernel timings); read once at import", 'kernels.pdl'),
-    EnvVar('CVLLM_API_KEY', None, str, "default of `cvllm-serve --api-key` (requests then need "
-           "`Authorization: Bearer KEY`)", 'entrypoints.serve'),
-    EnvVar('CVLLM_TORCH_PROFILER_DIR', None, str, "folder for `torch.profiler` traces of the server's engine steps "
-           "(enables `POST /start_profile`, `/stop_profile`; vLLM's `VLLM_TORCH_PROFILER_DIR`)", 'entrypoints.serve'),
-    EnvVar('CVLLM_TORCH_PROFILER_RECORD_SHAPES', '0', env_bool, "those traces record op shapes",
-           'entrypoints.serve'),
-    EnvVar('CVLLM_LAB_COMMIT', None, str, "the commit a benchmark row names, for a copy without `.git`",
-           'bench.offline'),
-    EnvVar('TRITON_INTERPRET', None, str, "Triton's: run kernels as Python on CPU tensors; unset, set to 1 when no "
-           "CUDA device is visible (decided once in `kernels/interpret.py`)", 'kernels.interpret', ours=False),
-    EnvVar('OMP_NUM_THREADS', None, str, "OpenMP's: the CPU threads; unset, the engine uses the cores the process "
-           "may run on", 'engine.model_runner', ours=False),
-    EnvVar('CUDA_VISIBLE_DEVICES', None, str, "CUDA's: set by each tensor-parallel worker to its GPU before CUDA "
-           "starts", 'engine.worker', ours=False),
-    EnvVar('RANK', None, str, "torchrun's (with `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, "
-           "`GROUP_RANK`, `GROUP_WORLD_SIZE`): a process's place in a multi-node group", 'utils.parallel_state',
-           ours=False),
-    EnvVar('NCCL_NVLS_ENABLE', None, str, "NCCL's (with `TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NVSHMEM_DISABLE_NVLS`): "
-           "set to keep NVLink multicast off before any NCCL init", 'utils.parallel_state', ours=False),
-    EnvVar('OPENAI_API_KEY', None, str, "the OpenAI client's: default of the load generator's `--api-key`",
-           'bench.loadgen', ours=False),
+    EnvVar(
+        'CVLLM_LAB_DEVICE',
+        None,
+        str,
+        "device of `EngineConfig(device='auto')` (default: cuda if a GPU is visible, "
+        'else cpu); `cpu` runs the CPU tests on a GPU machine',
+        'config',
+    ),
+    EnvVar(
+        'CVLLM_LAB_CPU_FAST_PATH',
+        '1',
+        env_bool,
+        'default of `EngineConfig.cpu_fast_path` (the CPU int4 kernels and '
+        'bf16 activations, notebook 42); the test suite sets 0 for exact fp32',
+        'config',
+    ),
+    EnvVar(
+        'CVLLM_LAB_FLASH_PREFILL',
+        '1',
+        env_bool,
+        "default of `EngineConfig.flash_prefill` (a step's prefills on "
+        'FlashAttention-2; 0: every row on the paged kernel)',
+        'config',
+    ),
+    EnvVar(
+        'CVLLM_LAB_CUDNN_PREFILL',
+        '1',
+        env_bool,
+        "default of `EngineConfig.cudnn_prefill` (equal fresh prompts on cuDNN's fused attention, sm90+)",
+        'config',
+    ),
+    EnvVar(
+        'CVLLM_LAB_DEFER_NORMS',
+        '0',
+        env_bool,
+        "default of `EngineConfig.defer_norms` (the fp32 residual stream's RMSNorms split around their matmuls)",
+        'config',
+    ),
+    EnvVar(
+        'CVLLM_LAB_BATCH_INVARIANT',
+        '0',
+        env_bool,
+        "default of `EngineConfig.batch_invariant` (vLLM's "
+        "`VLLM_BATCH_INVARIANT`: a request's output does not depend on the rest of the batch, chunking or the prefix "
+        'cache; CPU fast path and GPU split-K, notebooks 42 and 50)',
+        'config',
+    ),
+    EnvVar(
+        'CVLLM_LAB_CACHE',
+        '~/.cache/cvllm_lab',
+        env_path,
+        'folder for what is converted from GGUF files (tokenizers), keyed by file name, size and mtime',
+        'tokenizer',
+    ),
+    EnvVar(
+        'CVLLM_LAB_STEP_TIMEOUT',
+        '300',
+        float,
+        "seconds the engine waits for a tensor-parallel worker's step before it fails",
+        'engine.worker',
+    ),
+    EnvVar(
+        'CVLLM_LAB_DIST_TIMEOUT',
+        '300',
+        float,
+        'seconds a tensor-parallel collective may take before `torch.distributed` fails',
+        'utils.parallel_state',
+    ),
+    EnvVar(
+        'CVLLM_LAB_NUMA_BIND',
+        '1',
+        env_bool,
+        "pin each tensor-parallel worker to its GPU's NUMA node (0: leave the affinity alone)",
+        'utils.parallel_state',
+    ),
+    EnvVar(
+        'MAP_NUMA_NODE',
+        None,
+        str,
+        "comma-separated NUMA node per worker rank, in place of the GPU's node from sysfs",
+        'utils.parallel_state',
+    ),
+    EnvVar(
+        'CVLLM_PDL',
+        '1',
+        env_bool,
+        'programmatic dependent launch of the decode kernels on sm90+ (0: off, for '
+        'kernel timings); read once at import',
+        'kernels.pdl',
+    ),
+    EnvVar(
+        'CVLLM_API_KEY',
+        None,
+        str,
+        'default of `cvllm-serve --api-key` (requests then need `Authorization: Bearer KEY`)',
+        'entrypoints.serve',
+    ),
+    EnvVar(
+        'CVLLM_TORCH_PROFILER_DIR',
+        None,
+        str,
+        "folder for `torch.profiler` traces of the server's engine steps "
+        "(enables `POST /start_profile`, `/stop_profile`; vLLM's `VLLM_TORCH_PROFILER_DIR`)",
+        'entrypoints.serve',
+    ),
+    EnvVar('CVLLM_TORCH_PROFILER_RECORD_SHAPES', '0', env_bool, 'those traces record op shapes', 'entrypoints.serve'),
+    EnvVar(
+        'CVLLM_LAB_COMMIT', None, str, 'the commit a benchmark row names, for a copy without `.git`', 'bench.offline'
+    ),
+    EnvVar(
+        'TRITON_INTERPRET',
+        None,
+        str,
+        "Triton's: run kernels as Python on CPU tensors; unset, set to 1 when no "
+        'CUDA device is visible (decided once in `kernels/interpret.py`)',
+        'kernels.interpret',
+        ours=False,
+    ),
+    EnvVar(
+        'OMP_NUM_THREADS',
+        None,
+        str,
+        "OpenMP's: the CPU threads; unset, the engine uses the cores the process may run on",
+        'engine.model_runner',
+        ours=False,
+    ),
+    EnvVar(
+        'CUDA_VISIBLE_DEVICES',
+        None,
+        str,
+        "CUDA's: set by each tensor-parallel worker to its GPU before CUDA starts",
+        'engine.worker',
+        ours=False,
+    ),
+    EnvVar(
+        'RANK',
+        None,
+        str,
+        "torchrun's (with `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, "
+        "`GROUP_RANK`, `GROUP_WORLD_SIZE`): a process's place in a multi-node group",
+        'utils.parallel_state',
+        ours=False,
+    ),
+    EnvVar(
+        'NCCL_NVLS_ENABLE',
+        None,
+        str,
+        "NCCL's (with `TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NVSHMEM_DISABLE_NVLS`): "
+        'set to keep NVLink multicast off before any NCCL init',
+        'utils.parallel_state',
+        ours=False,
+    ),
+    EnvVar(
+        'OPENAI_API_KEY',
+        None,
+        str,
+        "the OpenAI client's: default of the load generator's `--api-key`",
+        'bench.loadgen',
+        ours=False,
+    ),
 ]
 BY_NAME = {v.name: v for v in ENV_VARS}
 
 # %% ../nbs/01a_envs.ipynb #9626afe8
 _values: dict[str, Any] | None = None
+
 
 def refresh(environ=None) -> dict[str, Any]:
     "Read (again) every variable of ours from `environ` (default `os.environ`); returns the values."
@@ -104,23 +228,36 @@ def refresh(environ=None) -> dict[str, Any]:
     _values = {v.name: v.value(env) for v in ENV_VARS if v.ours}
     return _values
 
+
 def get(name: str) -> Any:
     "The value of our variable `name`, as read the first time any was asked for (or at the last `refresh`)."
-    if name not in BY_NAME or not BY_NAME[name].ours: raise KeyError(f"{name} is not one of cvllm_lab's variables (`ENV_VARS`)")
+    if name not in BY_NAME or not BY_NAME[name].ours:
+        raise KeyError(f"{name} is not one of cvllm_lab's variables (`ENV_VARS`)")
     return (_values if _values is not None else refresh())[name]
+
 
 def __getattr__(name: str):
     "`envs.CVLLM_LAB_DEVICE` and the like: `get(name)`."
-    if name in BY_NAME and BY_NAME[name].ours: return get(name)
+    if name in BY_NAME and BY_NAME[name].ours:
+        return get(name)
     raise AttributeError(f"module 'cvllm_lab.envs' has no attribute {name!r}")
 
 # %% ../nbs/01a_envs.ipynb #ef26a87e
-ENV_NAME = re.compile(r"""['"]((?:CVLLM_|TRITON_|NCCL_|OMP_|CUDA_VISIBLE|MAP_NUMA|MASTER_|GROUP_RANK|GROUP_WORLD_SIZE|LOCAL_RANK|WORLD_SIZE|RANK\b|OPENAI_|TORCH_SYMM|NVSHMEM_)[A-Z_]*)['"]""")
+ENV_NAME = re.compile(
+    r"""['"]((?:CVLLM_|TRITON_|NCCL_|OMP_|CUDA_VISIBLE|MAP_NUMA|MASTER_|GROUP_RANK|GROUP_WORLD_SIZE|LOCAL_RANK|WORLD_SIZE|RANK\b|OPENAI_|TORCH_SYMM|NVSHMEM_)[A-Z_]*)['"]"""
+)
+
 
 def names_in_sources(*roots: Path) -> set[str]:
     "Environment-variable names quoted in the `.py` files under `roots` (nbdev's `_modidx.py` left out)."
-    return {n for r in roots for f in Path(r).rglob('*.py') if f.name != '_modidx.py'
-            for n in ENV_NAME.findall(f.read_text())}
+    return {
+        n
+        for r in roots
+        for f in Path(r).rglob('*.py')
+        if f.name != '_modidx.py'
+        for n in ENV_NAME.findall(f.read_text())
+    }
+
 
 def declared_names() -> set[str]:
     "Every name `ENV_VARS` declares, with the companions its entries name in backquotes."
@@ -128,6 +265,7 @@ def declared_names() -> set[str]:
 
 # %% ../nbs/01a_envs.ipynb #4e49c528
 TABLE_START, TABLE_END = '<!-- envs:start -->', '<!-- envs:end -->'
+
 
 def env_table() -> str:
     "The markdown table of `ENV_VARS`: ours first, then the other tools' that we read or set."
@@ -137,10 +275,13 @@ def env_table() -> str:
         rows.append(f'| `{v.name}` | {d} | `{v.read_in}` | {v.meaning} |')
     return '\n'.join(rows)
 
+
 def readme_table(text: str) -> str:
     "The part of a README between the table markers."
-    if TABLE_START not in text or TABLE_END not in text: raise ValueError(f"no {TABLE_START} ... {TABLE_END} section")
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f'no {TABLE_START} ... {TABLE_END} section')
     return text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
+
 
 def write_readme_table(path: Path):
     "Rewrite the README's section between the markers with `env_table()`."

@@ -6,8 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/sampling_params.html.md"""
 
 # %% ../nbs/01_sampling_params.ipynb #b1807e53
 from __future__ import annotations
-import json, math
-from dataclasses import dataclass, field
+import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -16,13 +17,17 @@ __all__ = ['GGUF_SAMPLING_DEFAULTS', 'SamplingParams', 'diff_sampling_param']
 
 # %% ../nbs/01_sampling_params.ipynb #8c54ea9b
 _GREEDY_EPS = 1e-5
-_INT64 = 2**63      # the sampler puts seeds and top-k in int64 tensors
+_INT64 = 2**63  # the sampler puts seeds and top-k in int64 tensors
 
-def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
 
 @dataclass
 class SamplingParams:
     "How to sample one request's output (vLLM's names and meanings)."
+
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -45,46 +50,69 @@ class SamplingParams:
     logits_processors: list[Callable] | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1: self.top_k = 0
+        if self.top_k == -1:
+            self.top_k = 0
         self._verify()
 
     def _verify(self):
-        def bad(name, msg): raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+        def bad(name, msg):
+            raise ValueError(f'{name} {msg}, got {getattr(self, name)!r}')
+
         for k in ('n', 'top_k', 'min_tokens', 'max_tokens', 'seed', 'logprobs', 'prompt_logprobs'):
             v = getattr(self, k)
-            if v is None and k not in ('n', 'top_k', 'min_tokens'): continue
-            if not _is_int(v): bad(k, 'must be an integer')
-            if not -_INT64 <= v < _INT64: bad(k, 'must fit in 64 bits')
+            if v is None and k not in ('n', 'top_k', 'min_tokens'):
+                continue
+            if not _is_int(v):
+                bad(k, 'must be an integer')
+            if not -_INT64 <= v < _INT64:
+                bad(k, 'must fit in 64 bits')
         for k in ('presence_penalty', 'frequency_penalty', 'repetition_penalty', 'temperature', 'top_p', 'min_p'):
             v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v): bad(k, 'must be a finite number')
-        if self.n < 1: bad('n', 'must be an integer >= 1')
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(k, 'must be a finite number')
+        if self.n < 1:
+            bad('n', 'must be an integer >= 1')
         for k in ('presence_penalty', 'frequency_penalty'):
-            if not -2.0 <= getattr(self, k) <= 2.0: bad(k, 'must be in [-2, 2]')
-        if not self.repetition_penalty > 0: bad('repetition_penalty', 'must be > 0')
-        if not self.temperature >= 0: bad('temperature', 'must be >= 0')
-        if not 0 < self.top_p <= 1: bad('top_p', 'must be in (0, 1]')
-        if self.top_k < 0: bad('top_k', 'must be 0 or -1 (off) or a positive integer')
-        if not 0 <= self.min_p <= 1: bad('min_p', 'must be in [0, 1]')
-        if self.max_tokens is not None and self.max_tokens < 1: bad('max_tokens', 'must be >= 1')
-        if self.min_tokens < 0: bad('min_tokens', 'must be >= 0')
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens: bad('min_tokens', 'must be <= max_tokens')
-        if self.logprobs is not None and self.logprobs < -1: bad('logprobs', 'must be >= 0 (or -1 for the whole vocabulary)')
-        if self.prompt_logprobs is not None and self.prompt_logprobs < -1: bad('prompt_logprobs', 'must be >= 0 (or -1 for the whole vocabulary)')
-        if any(not _is_int(t) or not 0 <= t < _INT64 for t in self.stop_token_ids): bad('stop_token_ids', 'must be token ids')
+            if not -2.0 <= getattr(self, k) <= 2.0:
+                bad(k, 'must be in [-2, 2]')
+        if not self.repetition_penalty > 0:
+            bad('repetition_penalty', 'must be > 0')
+        if not self.temperature >= 0:
+            bad('temperature', 'must be >= 0')
+        if not 0 < self.top_p <= 1:
+            bad('top_p', 'must be in (0, 1]')
+        if self.top_k < 0:
+            bad('top_k', 'must be 0 or -1 (off) or a positive integer')
+        if not 0 <= self.min_p <= 1:
+            bad('min_p', 'must be in [0, 1]')
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad('max_tokens', 'must be >= 1')
+        if self.min_tokens < 0:
+            bad('min_tokens', 'must be >= 0')
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad('min_tokens', 'must be <= max_tokens')
+        if self.logprobs is not None and self.logprobs < -1:
+            bad('logprobs', 'must be >= 0 (or -1 for the whole vocabulary)')
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            bad('prompt_logprobs', 'must be >= 0 (or -1 for the whole vocabulary)')
+        if any(not _is_int(t) or not 0 <= t < _INT64 for t in self.stop_token_ids):
+            bad('stop_token_ids', 'must be token ids')
 
     def validate_for_vocab(self, vocab_size: int) -> 'SamplingParams':
         "Check the token ids against the model's vocabulary (before the request reaches a step); `top_k` past it is off."
         if bad := [t for t in self.stop_token_ids if t >= vocab_size]:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-        if self.top_k >= vocab_size: self.top_k = 0      # keeping at least the whole vocabulary filters nothing
+            raise ValueError(f'stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})')
+        if self.top_k >= vocab_size:
+            self.top_k = 0  # keeping at least the whole vocabulary filters nothing
         return self
 
     @property
-    def greedy(self) -> bool: return self.temperature < _GREEDY_EPS
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
 
     def clone(self, **kw) -> 'SamplingParams':
         "A copy with some fields replaced (used to fan a request out into `n` samples)."
@@ -94,18 +122,31 @@ class SamplingParams:
 
 # %% ../nbs/01_sampling_params.ipynb #4dcbe90b
 GGUF_SAMPLING_DEFAULTS = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1)
-_GENERATION_KEYS = {'temperature': 'temperature', 'top_p': 'top_p', 'top_k': 'top_k', 'min_p': 'min_p',
-                    'repetition_penalty': 'repetition_penalty', 'max_new_tokens': 'max_tokens'}
+_GENERATION_KEYS = {
+    'temperature': 'temperature',
+    'top_p': 'top_p',
+    'top_k': 'top_k',
+    'min_p': 'min_p',
+    'repetition_penalty': 'repetition_penalty',
+    'max_new_tokens': 'max_tokens',
+}
 
-def diff_sampling_param(generation_config: str = 'auto', model_dir: str | Path | None = None, is_gguf: bool = False) -> dict:
+
+def diff_sampling_param(
+    generation_config: str = 'auto', model_dir: str | Path | None = None, is_gguf: bool = False
+) -> dict:
     "Default `SamplingParams` fields from the model (vLLM's `--generation-config auto|vllm|<folder>`)."
-    if generation_config == 'vllm': return {}
+    if generation_config == 'vllm':
+        return {}
     if generation_config == 'auto':
-        if is_gguf: return dict(GGUF_SAMPLING_DEFAULTS)
+        if is_gguf:
+            return dict(GGUF_SAMPLING_DEFAULTS)
         f = Path(model_dir) / 'generation_config.json' if model_dir is not None else None
-        if f is None or not f.exists(): return {}
+        if f is None or not f.exists():
+            return {}
     else:
         f = Path(generation_config) / 'generation_config.json'
-        if not f.exists(): raise ValueError(f"generation_config: {f} does not exist (use auto, vllm or a folder holding it)")
+        if not f.exists():
+            raise ValueError(f'generation_config: {f} does not exist (use auto, vllm or a folder holding it)')
     cfg = json.loads(f.read_text())
     return {v: cfg[k] for k, v in _GENERATION_KEYS.items() if cfg.get(k) is not None}

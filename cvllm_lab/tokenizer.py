@@ -19,69 +19,93 @@ def gguf_cache_dir(path: Path, what: str) -> Path:
     "A cache folder for things converted from a GGUF file, keyed by its name, size and mtime."
     st = Path(path).stat()
     root = Path(os.environ.get('CVLLM_LAB_CACHE', Path.home() / '.cache' / 'cvllm_lab'))
-    return root / what / f"{Path(path).name}-{st.st_size}-{st.st_mtime_ns}"
+    return root / what / f'{Path(path).name}-{st.st_size}-{st.st_mtime_ns}'
+
 
 # Gemma's chat template (google/gemma-3-*-it tokenizer_config.json, text parts only): for GGUFs that ship none
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
     "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
     "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
-    "{%- for message in loop_messages -%}"
+    '{%- for message in loop_messages -%}'
     "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
     "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 # a template for a tokenizer without one, picked by the turn tokens its vocabulary has
 DEFAULT_CHAT_TEMPLATES = [(('<start_of_turn>', '<end_of_turn>'), GEMMA_CHAT_TEMPLATE)]
 # tokens that close a turn: when the chat template writes one, it also ends a generation (llama.cpp's end-of-generation set)
 END_OF_TURN_TOKENS = ('<end_of_turn>', '<|im_end|>', '<|eot_id|>', '<|end|>')
+
 
 def default_chat_template(tokenizer) -> str | None:
     "The template of `DEFAULT_CHAT_TEMPLATES` whose tokens are all in `tokenizer`'s vocabulary, if any."
     vocab = tokenizer.get_vocab()
     return next((t for toks, t in DEFAULT_CHAT_TEMPLATES if all(x in vocab for x in toks)), None)
 
+
 def load_tokenizer(root: str | Path, gguf_file: str | None = None):
     "The HF tokenizer of a model folder or of a GGUF file in it (a GGUF's is converted once, then cached)."
     from transformers import AutoTokenizer
+
     try:
-        if gguf_file is None: return AutoTokenizer.from_pretrained(str(root))
+        if gguf_file is None:
+            return AutoTokenizer.from_pretrained(str(root))
         cache = gguf_cache_dir(Path(root) / gguf_file, 'tokenizers')
-        if (cache / 'tokenizer_config.json').exists(): tok = AutoTokenizer.from_pretrained(str(cache))
+        if (cache / 'tokenizer_config.json').exists():
+            tok = AutoTokenizer.from_pretrained(str(cache))
         else:
             tok = AutoTokenizer.from_pretrained(str(root), gguf_file=gguf_file)
-            try: tok.save_pretrained(str(cache))
-            except OSError: pass                   # a read-only home: just don't cache
-        if not tok.chat_template: tok.chat_template = default_chat_template(tok)   # e.g. Gemma GGUFs without one
+            try:
+                tok.save_pretrained(str(cache))
+            except OSError:
+                pass  # a read-only home: just don't cache
+        if not tok.chat_template:
+            tok.chat_template = default_chat_template(tok)  # e.g. Gemma GGUFs without one
         return tok
-    except Exception as e: raise ValueError(f"Cannot load the tokenizer of {Path(root) / (gguf_file or '')}: {e}") from e
+    except Exception as e:
+        raise ValueError(f'Cannot load the tokenizer of {Path(root) / (gguf_file or "")}: {e}') from e
+
 
 def eos_token_ids(tokenizer, hf_config=None, root: str | Path | None = None) -> set[int]:
     """All token ids that end a generation: tokenizer EOS, config and generation-config `eos_token_id`, and the
     end-of-turn token its chat template writes (Gemma's `<end_of_turn>`, which a GGUF does not list as EOS)."""
     ids = set()
+
     def add(x):
-        if x is None: return
+        if x is None:
+            return
         ids.update(x if isinstance(x, (list, tuple, set)) else [x])
-    add(tokenizer.eos_token_id); add(getattr(hf_config, 'eos_token_id', None))
+
+    add(tokenizer.eos_token_id)
+    add(getattr(hf_config, 'eos_token_id', None))
     template, vocab = getattr(tokenizer, 'chat_template', None), tokenizer.get_vocab()
-    if isinstance(template, str): add([vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab])
+    if isinstance(template, str):
+        add([vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab])
     if root is not None and (Path(root) / 'generation_config.json').exists():
         import json
+
         add(json.loads((Path(root) / 'generation_config.json').read_text()).get('eos_token_id'))
     return {int(i) for i in ids}
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+
+def apply_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs
+) -> str:
     "The prompt text for a conversation, rendered by the model's own chat template."
-    if not tokenizer.chat_template: raise ValueError("This model's tokenizer has no chat template; use generate() with a prompt")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **kwargs)
+    if not tokenizer.chat_template:
+        raise ValueError("This model's tokenizer has no chat template; use generate() with a prompt")
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+    )
 
 # %% ../nbs/14_tokenizer.ipynb #2f7dad7c
 class IncrementalDetokenizer:
     "Turns one request's generated tokens into text step by step and detects stop strings."
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, window: int = 6):
         self.tok, self.params = tokenizer, params
         self.ids = list(prompt_token_ids[-window:])
@@ -89,30 +113,37 @@ class IncrementalDetokenizer:
         self.output_text = ''
         self.max_stop = max((len(s) for s in params.stop), default=0)
 
-    def _decode(self, ids): return self.tok.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+    def _decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def update(self, token_id: int, num_output_tokens: int, decode: bool = True) -> str | None:
         "Add a token; returns the stop string it completed, if any (the text is then truncated)."
-        if not decode: return None
+        if not decode:
+            return None
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset:])
-        if len(new) <= len(prefix) or new.endswith('\ufffd'): return None
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset :])
+        if len(new) <= len(prefix) or new.endswith('\ufffd'):
+            return None
         start = len(self.output_text)
-        self.output_text += new[len(prefix):]
+        self.output_text += new[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if not self.params.stop or num_output_tokens < self.params.min_tokens: return None
+        if not self.params.stop or num_output_tokens < self.params.min_tokens:
+            return None
         lo = max(0, start - self.max_stop + 1)
         hits = [(i, s) for s in self.params.stop if (i := self.output_text.find(s, lo)) >= 0]
-        if not hits: return None
+        if not hits:
+            return None
         i, s = min(hits)
-        self.output_text = self.output_text[:i + len(s) if self.params.include_stop_str_in_output else i]
+        self.output_text = self.output_text[: i + len(s) if self.params.include_stop_str_in_output else i]
         return s
 
     def visible_text(self, finished: bool) -> str:
         "Text safe to show: while running, without a tail that might become a stop string."
         t = self.output_text
-        if finished or not self.params.stop: return t
+        if finished or not self.params.stop:
+            return t
         for n in range(min(self.max_stop - 1, len(t)), 0, -1):
-            if any(s.startswith(t[-n:]) for s in self.params.stop): return t[:-n]
+            if any(s.startswith(t[-n:]) for s in self.params.stop):
+                return t[:-n]
         return t

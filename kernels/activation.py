@@ -1,5 +1,6 @@
 """Gated MLP activation `silu(x[..., :I]) * x[..., I:]` (or, `interleaved`, `silu(x[..., 0::2]) * x[..., 1::2]`):
 Triton kernel and plain-PyTorch reference."""
+
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +17,9 @@ def silu_and_mul_ref(x, interleaved: bool = False):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
-                         PDL: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_inter
@@ -34,12 +36,14 @@ def silu_and_mul(x, out=None, interleaved: bool = False):
     "Triton `silu_and_mul_ref` over the last dim of `x` (any leading shape)."
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
-    if x2.stride(-1) != 1: x2 = x2.contiguous()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     o2 = out.view(-1, n)
-    if x2.shape[0] == 0: return out
+    if x2.shape[0] == 0:
+        return out
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, o2, x2.stride(0), o2.stride(0), n,
-                                                               BLOCK=block, INTERLEAVED=interleaved, num_warps=4,
-                                                               **pdl_kw(x2.device))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+        x2, o2, x2.stride(0), o2.stride(0), n, BLOCK=block, INTERLEAVED=interleaved, num_warps=4, **pdl_kw(x2.device)
+    )
     return out

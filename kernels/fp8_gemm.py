@@ -40,23 +40,29 @@ from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace, store_out
 
 __all__ = ['fp8_gemm', 'fp8_scaled_mm', 'fp8_gemm_ref', 'scale_layout', 'GEMM_BUCKETS', 'gemm_bucket']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
-GEMM_BUCKETS = (16, 32, 64, 128, 256, 512)   # row buckets of the config tables; 512: every M above 256
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
+
+GEMM_BUCKETS = (16, 32, 64, 128, 256, 512)  # row buckets of the config tables; 512: every M above 256
 
 
 def gemm_bucket(M: int) -> int:
     "The row bucket of `configs/fp8_gemm` tables for M rows."
     for b in GEMM_BUCKETS:
-        if M <= b: return b
+        if M <= b:
+            return b
     return GEMM_BUCKETS[-1]
 
 
 def scale_layout(scale: torch.Tensor, N: int, K: int) -> str:
     "'channel' for an fp32 `[N]` scale, 'block' for `[ceil(N/128), ceil(K/128)]`; ValueError otherwise."
-    if scale.ndim == 1 and scale.shape[0] == N: return 'channel'
-    if scale.ndim == 2 and tuple(scale.shape) == (-(-N // 128), -(-K // 128)): return 'block'
-    raise ValueError(f"weight scale must be [{N}] (per channel) or [{-(-N // 128)}, {-(-K // 128)}] (128 x 128 blocks), "
-                     f"got {tuple(scale.shape)}")
+    if scale.ndim == 1 and scale.shape[0] == N:
+        return 'channel'
+    if scale.ndim == 2 and tuple(scale.shape) == (-(-N // 128), -(-K // 128)):
+        return 'block'
+    raise ValueError(
+        f'weight scale must be [{N}] (per channel) or [{-(-N // 128)}, {-(-K // 128)}] (128 x 128 blocks), '
+        f'got {tuple(scale.shape)}'
+    )
 
 
 @triton.jit
@@ -68,11 +74,36 @@ def _quant_rows(x, EPS_: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['M'])
-def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KB, stride_am, stride_om,
-                 stride_asm, stride_asg, TPS,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_W: tl.constexpr, GROUP_A: tl.constexpr,
-                 AQ: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                 GROUP_M: tl.constexpr, EPS_: tl.constexpr, PDL: tl.constexpr):
+def _w8a8_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    KB,
+    stride_am,
+    stride_om,
+    stride_asm,
+    stride_asg,
+    TPS,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    GROUP_A: tl.constexpr,
+    AQ: tl.constexpr,
+    SWAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPS_: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """out[BM, BN] tile of `x_q @ W_q.T` with the scales of the module docstring. Program axis 0: output tile
     (rows grouped by GROUP_M), axis 1: K-split of TPS steps of BK. BLOCK_W: weight scales per 128 x 128 block (else
     per channel); GROUP_A: activation scales per 1 x 128 group (else per token); AQ: a_ptr is the 16-bit x, quantized
@@ -91,8 +122,8 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     rk = tl.arange(0, BK)
     rm_c = tl.minimum(rm, M - 1)
     rn_c = tl.minimum(rn, N - 1)
-    ap = a_ptr + rm_c.to(tl.int64)[:, None] * stride_am + rk[None, :]      # [BM, BK]
-    bp = b_ptr + rn_c.to(tl.int64)[:, None] * K + rk[None, :]              # [BN, BK]: W rows, K contiguous
+    ap = a_ptr + rm_c.to(tl.int64)[:, None] * stride_am + rk[None, :]  # [BM, BK]
+    bp = b_ptr + rn_c.to(tl.int64)[:, None] * K + rk[None, :]  # [BN, BK]: W rows, K contiguous
     if SWAP:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
@@ -111,14 +142,14 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
         if AQ:
             a, sa = _quant_rows(a, EPS_)
         elif GROUP_A:
-            sa = tl.load(as_ptr + rm_c * stride_asm + t * stride_asg)                  # [BM]
+            sa = tl.load(as_ptr + rm_c * stride_asm + t * stride_asg)  # [BM]
         if GROUP_A:
             if SWAP:
-                d = tl.dot(b, tl.trans(a))                                              # [BN, BM]
+                d = tl.dot(b, tl.trans(a))  # [BN, BM]
             else:
-                d = tl.dot(a, tl.trans(b))                                              # [BM, BN]
+                d = tl.dot(a, tl.trans(b))  # [BM, BN]
             if BLOCK_W:
-                if BN <= 128:                        # the program's columns lie in one 128-row block of W
+                if BN <= 128:  # the program's columns lie in one 128-row block of W
                     f = sa * tl.load(bs_ptr + (pid_n * BN // 128) * KB + t)
                     if SWAP:
                         acc += d * f[None, :]
@@ -140,7 +171,7 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                 acc = tl.dot(b, tl.trans(a), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-    if not BLOCK_W:                                   # per-channel weight scales (and per-token x scales) once
+    if not BLOCK_W:  # per-channel weight scales (and per-token x scales) once
         sb = tl.load(bs_ptr + rn_c)
         if GROUP_A:
             if SWAP:
@@ -155,12 +186,24 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                 acc = acc * sa[:, None] * sb[None, :]
     if SWAP:
         mask = (rn < N)[:, None] & (rm < M)[None, :]
-        store_out(acc, out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None], mask,
-                  ws_ptr + rm[None, :] * N + rn[:, None], cnt_ptr + pid, SPLIT)
+        store_out(
+            acc,
+            out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None],
+            mask,
+            ws_ptr + rm[None, :] * N + rn[:, None],
+            cnt_ptr + pid,
+            SPLIT,
+        )
     else:
         mask = (rm < M)[:, None] & (rn < N)[None, :]
-        store_out(acc, out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], mask,
-                  ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid, SPLIT)
+        store_out(
+            acc,
+            out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
+            mask,
+            ws_ptr + rm[:, None] * N + rn[None, :],
+            cnt_ptr + pid,
+            SPLIT,
+        )
 
 
 def _plan(M, N, steps, cfg, device, bm, bn, split_k, swap):
@@ -171,13 +214,32 @@ def _plan(M, N, steps, cfg, device, bm, bn, split_k, swap):
     if split_k is None:
         split_k = 1 if _INTERPRET else split_for(cfg, steps, tiles, 1, device)
     elif steps % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {steps} K-steps")
+        raise ValueError(f'split_k={split_k} must divide the {steps} K-steps')
     return bm, bn, tiles, split_k
 
 
-def fp8_gemm(x, weight, scale, N, K, cfg=None, act_group=128, fused=None, out_dtype=None, bm=None, bn=None, bk=None,
-             swap=None, split_k=None, num_warps=None, num_stages=None, group_m=None, pdl=None, input_scale=None,
-             scale_ub=None):
+def fp8_gemm(
+    x,
+    weight,
+    scale,
+    N,
+    K,
+    cfg=None,
+    act_group=128,
+    fused=None,
+    out_dtype=None,
+    bm=None,
+    bn=None,
+    bk=None,
+    swap=None,
+    split_k=None,
+    num_warps=None,
+    num_stages=None,
+    group_m=None,
+    pdl=None,
+    input_scale=None,
+    scale_ub=None,
+):
     """`x` `[M, K]` (16/32-bit) @ W.T -> `[M, N]` with `_w8a8_kernel`. `scale`: the weight's (`scale_layout`).
     `act_group`: 128 (per 1 x 128 group) or None (per token, channel layout only); `fused`: quantize x inside the
     kernel (per group) instead of by `act_quant_fp8` first; `input_scale` (a static per-tensor activation scale) and
@@ -185,39 +247,74 @@ def fp8_gemm(x, weight, scale, N, K, cfg=None, act_group=128, fused=None, out_dt
     (`configs/fp8_gemm/`); the keyword arguments override it."""
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous float8_e4m3fn [{N}, {K}], got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f'weight must be contiguous float8_e4m3fn [{N}, {K}], got {weight.dtype} {tuple(weight.shape)}'
+        )
     layout = scale_layout(scale, N, K)
     cfg = cfg or {}
-    if input_scale is not None or scale_ub is not None: act_group, fused = None, False
+    if input_scale is not None or scale_ub is not None:
+        act_group, fused = None, False
     fused = cfg.get('fused', act_group is not None) if fused is None else fused
     if layout == 'block' and act_group is None:
-        raise ValueError("block-scaled weights need activations quantized per 1 x 128 group (act_group=128)")
-    if fused and act_group is None: raise ValueError("the fused activation quantization is per 1 x 128 group")
+        raise ValueError('block-scaled weights need activations quantized per 1 x 128 group (act_group=128)')
+    if fused and act_group is None:
+        raise ValueError('the fused activation quantization is per 1 x 128 group')
     M = x.shape[0]
     out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    if M == 0: return out
+    if M == 0:
+        return out
     group_a = act_group is not None
     bk = bk or (128 if group_a else cfg.get('bk', 128))
-    if group_a and bk != 128: raise ValueError(f"per-group scales need BK = 128, got {bk}")
+    if group_a and bk != 128:
+        raise ValueError(f'per-group scales need BK = 128, got {bk}')
     swap = cfg.get('swap', False) if swap is None else swap
     steps = triton.cdiv(K, bk)
     bm, bn, tiles, split_k = _plan(M, N, steps, cfg, x.device, bm, bn, split_k, swap)
-    if layout == 'block' and bn > 128 and bn % 128: raise ValueError(f"bn={bn}: above 128 it must be a multiple of 128")
-    if layout == 'block' and bn < 128 and 128 % bn: raise ValueError(f"bn={bn} must divide 128")
+    if layout == 'block' and bn > 128 and bn % 128:
+        raise ValueError(f'bn={bn}: above 128 it must be a multiple of 128')
+    if layout == 'block' and bn < 128 and 128 % bn:
+        raise ValueError(f'bn={bn} must divide 128')
     if fused:
         a, sa = (x if x.stride(-1) == 1 else x.contiguous()), x.new_empty(1, 1, dtype=torch.float32)
     else:
         a, sa = act_quant_fp8(x, act_group, scale=input_scale, scale_ub=scale_ub)
-        if sa.ndim == 1: sa = sa[:, None]
+        if sa.ndim == 1:
+            sa = sa[:, None]
     ws, cnt = split_k_workspace(x.device, M * N if split_k > 1 else 1, tiles if split_k > 1 else 1)
     num_warps = num_warps or cfg.get('num_warps', 4)
     num_stages = num_stages or cfg.get('num_stages', 3)
     _w8a8_kernel[(tiles, split_k)](
-        a, sa, weight, scale, out, ws, cnt, M, N, K, triton.cdiv(K, 128), a.stride(0), out.stride(0),
-        sa.stride(0), sa.stride(1), steps // split_k, BM=bm, BN=bn, BK=bk, BLOCK_W=layout == 'block',
-        GROUP_A=group_a, AQ=fused, SWAP=swap, EVEN_K=K % bk == 0, SPLIT=split_k,
-        GROUP_M=group_m or cfg.get('group_m', 8), EPS_=1e-10, num_warps=num_warps, num_stages=num_stages,
-        **pdl_kw(x.device, pdl))
+        a,
+        sa,
+        weight,
+        scale,
+        out,
+        ws,
+        cnt,
+        M,
+        N,
+        K,
+        triton.cdiv(K, 128),
+        a.stride(0),
+        out.stride(0),
+        sa.stride(0),
+        sa.stride(1),
+        steps // split_k,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BLOCK_W=layout == 'block',
+        GROUP_A=group_a,
+        AQ=fused,
+        SWAP=swap,
+        EVEN_K=K % bk == 0,
+        SPLIT=split_k,
+        GROUP_M=group_m or cfg.get('group_m', 8),
+        EPS_=1e-10,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_kw(x.device, pdl),
+    )
     return out
 
 
@@ -231,11 +328,22 @@ def fp8_scaled_mm(x, weight, scale, N, K, out_dtype=None, input_scale=None, scal
     if layout == 'channel':
         xq, sx = act_quant_fp8(x, None, scale=input_scale, scale_ub=scale_ub)
         return torch._scaled_mm(xq, weight.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=out_dtype)
-    if input_scale is not None or scale_ub is not None: raise ValueError("block-scaled weights take dynamic 1 x 128 activations")
+    if input_scale is not None or scale_ub is not None:
+        raise ValueError('block-scaled weights take dynamic 1 x 128 activations')
     from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
-    xq, sx = act_quant_fp8(x, 128, scales_t=True)       # 1 x 128 scales read K-block-major
-    return scaled_mm(xq, weight.t(), sx, ScalingType.BlockWise1x128, scale, ScalingType.BlockWise128x128,
-                     swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=out_dtype)
+
+    xq, sx = act_quant_fp8(x, 128, scales_t=True)  # 1 x 128 scales read K-block-major
+    return scaled_mm(
+        xq,
+        weight.t(),
+        sx,
+        ScalingType.BlockWise1x128,
+        scale,
+        ScalingType.BlockWise128x128,
+        swizzle_a=SwizzleType.NO_SWIZZLE,
+        swizzle_b=SwizzleType.NO_SWIZZLE,
+        output_dtype=out_dtype,
+    )
 
 
 def fp8_gemm_ref(x, weight, scale, N, K, act_group=128, input_scale=None, scale_ub=None):
@@ -243,8 +351,14 @@ def fp8_gemm_ref(x, weight, scale, N, K, act_group=128, input_scale=None, scale_
     as in `fp8_gemm`), both operands dequantized in fp32, an fp32 matmul, cast to x's dtype."""
     from cvllm_lab.kernels.fp8_act_quant import act_quant_fp8_ref
     from cvllm_lab.kernels.fp8_layout import dequantize_fp8_block
-    if input_scale is not None or scale_ub is not None: act_group = None
+
+    if input_scale is not None or scale_ub is not None:
+        act_group = None
     xq, sx = act_quant_fp8_ref(x, act_group, input_scale, scale_ub)
     xd = xq.float() * (sx[:, None] if act_group is None else sx.repeat_interleave(128, 1)[:, :K])
-    wd = weight.float() * scale[:, None] if scale_layout(scale, N, K) == 'channel' else dequantize_fp8_block(weight, scale)
+    wd = (
+        weight.float() * scale[:, None]
+        if scale_layout(scale, N, K) == 'channel'
+        else dequantize_fp8_block(weight, scale)
+    )
     return (xd @ wd.T).to(x.dtype)

@@ -5,6 +5,7 @@
 the reference the Triton kernels (`fp8_matmul`) are tested against; quantization is in `cvllm_lab.quant.fp8`.
 Plain PyTorch (no Triton).
 """
+
 import torch
 
 __all__ = ['BLOCK', 'dequantize_fp8_block']

@@ -57,6 +57,7 @@ FP8 experts (W8A16): `w13`/`w2` may be `float8_e4m3fn` with block scales `[E, ce
 in FP8, scales it in registers by its block's scale and runs the dot in the activation dtype, so only FP8 bytes
 cross memory. They always take the grouped GEMMs.
 """
+
 import functools
 
 import torch
@@ -71,13 +72,26 @@ from cvllm_lab.kernels.fused_moe_router import FUSED_TOPK_MAX_EXPERTS, fused_top
 from cvllm_lab.kernels.moe_sum import moe_sum
 from cvllm_lab.kernels.tuned import configs_for
 
-__all__ = ['fused_moe', 'fused_moe_ref', 'select_experts', 'moe_align_block_size', 'moe_align_block_size_ref',
-           'get_config', 'm_bucket', 'M_BUCKETS', 'dequantize_experts_fp8', 'ALIGN_ONE_PROGRAM_MAX', 'moe_permute']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
+__all__ = [
+    'fused_moe',
+    'fused_moe_ref',
+    'select_experts',
+    'moe_align_block_size',
+    'moe_align_block_size_ref',
+    'get_config',
+    'm_bucket',
+    'M_BUCKETS',
+    'dequantize_experts_fp8',
+    'ALIGN_ONE_PROGRAM_MAX',
+    'moe_permute',
+]
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)   # token counts the config tables are keyed by
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)  # token counts the config tables are keyed by
 # assignments (T * top_k) up to which one Triton program aligns them (a first guess, to tune with the configs)
-ALIGN_ONE_PROGRAM_MAX = 128   # assignments done by one program; above, the three-launch grid is faster (results/NOTES.md)
+ALIGN_ONE_PROGRAM_MAX = (
+    128  # assignments done by one program; above, the three-launch grid is faster (results/NOTES.md)
+)
 FP8_BLOCK = 128
 
 
@@ -86,17 +100,20 @@ def m_bucket(num_tokens: int) -> int:
     return next((b for b in M_BUCKETS if b >= num_tokens), M_BUCKETS[-1])
 
 
-def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
-               device: torch.device | str = 'cpu') -> dict:
+def get_config(
+    num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int, device: torch.device | str = 'cpu'
+) -> dict:
     "The launch config for `num_tokens` tokens at this expert shape: a tuned shape row, else the bucket's default."
     tables = configs_for('fused_moe', torch.device(device))
-    if _INTERPRET: return dict(tables['interpret'])
+    if _INTERPRET:
+        return dict(tables['interpret'])
     b = m_bucket(num_tokens)
     row = tables.get('shapes', {}).get((num_experts, hidden, inter, top_k, b))
     return dict(row if row is not None else tables['default'][b])
 
 
 # ------------------------------------------------------------------------------------------------ references
+
 
 def _renormalized(topk_weights):
     return topk_weights / topk_weights.sum(dim=-1, keepdim=True)
@@ -114,12 +131,13 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False,
     `renormalize` divides each token's `topk_weights` by their sum first; `w13_scale`/`w2_scale`: FP8 experts."""
     T, H = x.shape
     w = topk_weights.float()
-    if renormalize: w = _renormalized(w)
+    if renormalize:
+        w = _renormalized(w)
     xf, out = x.float(), torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         t, j = torch.where(topk_ids == e)
-        w13e = w13[e].float() if w13_scale is None else dequantize_experts_fp8(w13[e:e + 1], w13_scale[e:e + 1])[0]
-        w2e = w2[e].float() if w2_scale is None else dequantize_experts_fp8(w2[e:e + 1], w2_scale[e:e + 1])[0]
+        w13e = w13[e].float() if w13_scale is None else dequantize_experts_fp8(w13[e : e + 1], w13_scale[e : e + 1])[0]
+        w2e = w2[e].float() if w2_scale is None else dequantize_experts_fp8(w2[e : e + 1], w2_scale[e : e + 1])[0]
         gate, up = (xf[t] @ w13e.T).chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ w2e.T
         out.index_add_(0, t, y * w[t, j, None])
@@ -133,16 +151,21 @@ def select_experts(router_logits, top_k: int, renormalize: bool, scoring: str = 
     we keep fp32 for the kernel), `topk_ids [T, k]` int32. `scoring='softmax'` only
     (DeepSeek's sigmoid scoring with a correction bias is not implemented yet). On CUDA (or `use_kernel=True`) one
     Triton launch, `fused_moe_router.fused_topk`; elsewhere (or `use_kernel=False`) the PyTorch ops below."""
-    if scoring != 'softmax': raise NotImplementedError(f'scoring={scoring!r}: only softmax routing is implemented')
-    if use_kernel is None: use_kernel = router_logits.is_cuda and router_logits.shape[-1] <= FUSED_TOPK_MAX_EXPERTS
-    if use_kernel: return fused_topk(router_logits, top_k, renormalize)
+    if scoring != 'softmax':
+        raise NotImplementedError(f'scoring={scoring!r}: only softmax routing is implemented')
+    if use_kernel is None:
+        use_kernel = router_logits.is_cuda and router_logits.shape[-1] <= FUSED_TOPK_MAX_EXPERTS
+    if use_kernel:
+        return fused_topk(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize: topk_weights = _renormalized(topk_weights)
+    if renormalize:
+        topk_weights = _renormalized(topk_weights)
     return topk_weights, topk_ids.to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------ alignment
+
 
 def _align_sizes(n: int, block_m: int, num_experts: int) -> int:
     "EM, the static length of `sorted_token_ids`: at most min(E, n) experts are padded, each by < block_m."
@@ -159,7 +182,7 @@ def moe_align_block_size_ref(topk_ids, block_m: int, num_experts: int):
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start, count_start = padded_end - padded, torch.cumsum(counts, 0) - counts
-    order = torch.sort(flat, stable=True).indices          # assignments grouped by expert, in token order
+    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, in token order
     e_sorted = flat[order]
     dest = padded_start[e_sorted] + torch.arange(n, device=dev) - count_start[e_sorted]
     sorted_ids = torch.full((em,), n, dtype=torch.int32, device=dev)
@@ -172,8 +195,18 @@ def moe_align_block_size_ref(topk_ids, block_m: int, num_experts: int):
 
 
 @triton.jit(do_not_specialize=['n', 'EM'])
-def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, EM,
-                      BM: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+def _moe_align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    n,
+    EM,
+    BM: tl.constexpr,
+    E_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
     "One program: per-expert counts, their padded prefix sums, the block experts, then a stable scatter."
     experts = tl.arange(0, E_P2)
     rows = tl.arange(0, CHUNK)
@@ -185,19 +218,19 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n, EM,
     pend = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(ntpp_ptr, total)
-    fill = tl.arange(0, FILL)                            # the sentinel fill in wide stores: EM >> n at large BM
+    fill = tl.arange(0, FILL)  # the sentinel fill in wide stores: EM >> n at large BM
     for c in range(0, EM, FILL):
         tl.store(sorted_ptr + c + fill, tl.zeros([FILL], dtype=tl.int32) + n, mask=c + fill < EM)
     for c in range(0, EM // BM, CHUNK):
-        start = (c + rows) * BM                          # a block's expert: how many experts end at or before it
+        start = (c + rows) * BM  # a block's expert: how many experts end at or before it
         eid = tl.sum((pend[None, :] <= start[:, None]).to(tl.int32), axis=1)
         tl.store(expert_ids_ptr + c + rows, tl.where(start < total, eid, -1), mask=c + rows < EM // BM)
-    tl.debug_barrier()                                   # the sentinels land before the real entries
-    cur = pend - padded                                  # next free slot of each expert
+    tl.debug_barrier()  # the sentinels land before the real entries
+    cur = pend - padded  # next free slot of each expert
     for c in range(0, n, CHUNK):
         e = tl.load(ids_ptr + c + rows, mask=c + rows < n, other=E_P2).to(tl.int32)
         onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1    # among this chunk's same-expert rows
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # among this chunk's same-expert rows
         base = tl.sum(onehot * cur[None, :], axis=1)
         tl.store(sorted_ptr + base + rank, c + rows, mask=c + rows < n)
         cur += tl.sum(onehot, axis=0)
@@ -212,32 +245,76 @@ def moe_align_block_size(topk_ids, block_m: int, num_experts: int):
     (decode) one Triton program does it in one launch; above, three launches over chunks of assignments
     (`fused_moe_align`; the same result), since the single program walks the assignments serially."""
     n = topk_ids.numel()
-    if n == 0: return moe_align_block_size_ref(topk_ids, block_m, num_experts)
+    if n == 0:
+        return moe_align_block_size_ref(topk_ids, block_m, num_experts)
     ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous(): ids = ids.contiguous()
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
     em = _align_sizes(n, block_m, num_experts)
-    if n > ALIGN_ONE_PROGRAM_MAX: return moe_align_block_size_grid(ids, em, block_m, num_experts)
+    if n > ALIGN_ONE_PROGRAM_MAX:
+        return moe_align_block_size_grid(ids, em, block_m, num_experts)
     sorted_ids = torch.empty(em, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(em // block_m, dtype=torch.int32, device=ids.device)
     ntpp = torch.empty(1, dtype=torch.int32, device=ids.device)
     e_p2 = triton.next_power_of_2(num_experts)
-    _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, n, em, BM=block_m, E_P2=e_p2,
-                            CHUNK=max(16, min(128, 8192 // e_p2)), FILL=min(1024, triton.next_power_of_2(em)),
-                            num_warps=4)
+    _moe_align_kernel[(1,)](
+        ids,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        n,
+        em,
+        BM=block_m,
+        E_P2=e_p2,
+        CHUNK=max(16, min(128, 8192 // e_p2)),
+        FILL=min(1024, triton.next_power_of_2(em)),
+        num_warps=4,
+    )
     return sorted_ids, expert_ids, ntpp
 
 
 # ------------------------------------------------------------------------------------------------ grouped GEMM
 
+
 @triton.jit(do_not_specialize=['num_valid'])
-def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, bs_ptr,
-                      N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-                      stride_bse, stride_bsn, stride_bsk,
-                      A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                      B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, A_SORTED: tl.constexpr,
-                      C_SORTED: tl.constexpr, C_ATOMIC: tl.constexpr, C_ROW_DIV: tl.constexpr,
-                      EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _fused_moe_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    bs_ptr,
+    N,
+    K,
+    num_valid,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
+    C_ATOMIC: tl.constexpr,
+    C_ROW_DIV: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """The grouped GEMM over the real tiles (row blocks below `num_tokens_post_padded`, times N blocks): one tile
     per program, or (`PERSISTENT`) a grid of about one program per SM striding over the tiles, the tile loop
     flattened into the K loop (`FLATTEN`) so the next tile's loads overlap this one's epilogue."""
@@ -245,25 +322,124 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for pid in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-            _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-                      bs_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse,
-                      stride_bsn, stride_bsk, A_ROW_DIV, MUL_ROUTED_WEIGHT, PRECISION, B_SCALE, ACT, SWAP,
-                      A_SORTED, C_SORTED, C_ATOMIC, C_ROW_DIV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-    elif tl.program_id(0) < num_pid_m * num_pid_n:     # else past the last real block
-        _moe_tile(tl.program_id(0), num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr,
-                  expert_ids_ptr, bs_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-                  stride_bse, stride_bsn, stride_bsk, A_ROW_DIV, MUL_ROUTED_WEIGHT, PRECISION, B_SCALE, ACT, SWAP,
-                  A_SORTED, C_SORTED, C_ATOMIC, C_ROW_DIV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _moe_tile(
+                pid,
+                num_pid_m,
+                num_pid_n,
+                a_ptr,
+                b_ptr,
+                c_ptr,
+                topk_w_ptr,
+                sorted_ids_ptr,
+                expert_ids_ptr,
+                bs_ptr,
+                N,
+                K,
+                num_valid,
+                stride_am,
+                stride_be,
+                stride_bn,
+                stride_bk,
+                stride_cm,
+                stride_bse,
+                stride_bsn,
+                stride_bsk,
+                A_ROW_DIV,
+                MUL_ROUTED_WEIGHT,
+                PRECISION,
+                B_SCALE,
+                ACT,
+                SWAP,
+                A_SORTED,
+                C_SORTED,
+                C_ATOMIC,
+                C_ROW_DIV,
+                EVEN_K,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+            )
+    elif tl.program_id(0) < num_pid_m * num_pid_n:  # else past the last real block
+        _moe_tile(
+            tl.program_id(0),
+            num_pid_m,
+            num_pid_n,
+            a_ptr,
+            b_ptr,
+            c_ptr,
+            topk_w_ptr,
+            sorted_ids_ptr,
+            expert_ids_ptr,
+            bs_ptr,
+            N,
+            K,
+            num_valid,
+            stride_am,
+            stride_be,
+            stride_bn,
+            stride_bk,
+            stride_cm,
+            stride_bse,
+            stride_bsn,
+            stride_bsk,
+            A_ROW_DIV,
+            MUL_ROUTED_WEIGHT,
+            PRECISION,
+            B_SCALE,
+            ACT,
+            SWAP,
+            A_SORTED,
+            C_SORTED,
+            C_ATOMIC,
+            C_ROW_DIV,
+            EVEN_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+        )
 
 
 @triton.jit
-def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, bs_ptr,
-              N, K, num_valid, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-              stride_bse, stride_bsn, stride_bsk,
-              A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-              B_SCALE: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, A_SORTED: tl.constexpr,
-              C_SORTED: tl.constexpr, C_ATOMIC: tl.constexpr, C_ROW_DIV: tl.constexpr, EVEN_K: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _moe_tile(
+    pid,
+    num_pid_m,
+    num_pid_n,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    bs_ptr,
+    N,
+    K,
+    num_valid,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
+    C_ATOMIC: tl.constexpr,
+    C_ROW_DIV: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """Tile `pid`: c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of
     one block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
     scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block).
@@ -274,7 +450,7 @@ def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted
     false): padding rows read a real row (or the padding of a sorted buffer) and are never stored, and columns
     past N wrap around. `C_ATOMIC`: `c` is fp32 `[T, N]`, each assignment added into its token's row
     `a // C_ROW_DIV` (the top-k)."""
-    group = GROUP_M * num_pid_n                        # GROUP_M row-blocks share their weight tiles in L2
+    group = GROUP_M * num_pid_n  # GROUP_M row-blocks share their weight tiles in L2
     first_m = (pid // group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group) % size_m
@@ -286,20 +462,20 @@ def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_bn = offs_n % N                               # wrapped: the weight loads need no N mask
+    offs_bn = offs_n % N  # wrapped: the weight loads need no N mask
     offs_k = tl.arange(0, BLOCK_K)
     if A_SORTED:
         rows = offs_m.to(tl.int64) * stride_am
     else:
         rows = (tl.minimum(assign, num_valid - 1) // A_ROW_DIV) * stride_am
     b_cols = b_ptr + expert * stride_be + offs_bn.to(tl.int64) * stride_bn
-    if SWAP:   # a.T [BK, BM], b [BN, BK]
+    if SWAP:  # a.T [BK, BM], b [BN, BK]
         a_ptrs = a_ptr + rows[None, :] + offs_k[:, None]
         b_ptrs = b_cols[:, None] + offs_k[None, :] * stride_bk
-    else:      # a [BM, BK], b.T [BK, BN]
+    else:  # a [BM, BK], b.T [BK, BN]
         a_ptrs = a_ptr + rows[:, None] + offs_k[None, :]
         b_ptrs = b_cols[None, :] + offs_k[:, None] * stride_bk
-    up_off = N * stride_bn                             # ACT: the up rows start N rows below the gate rows
+    up_off = N * stride_bn  # ACT: the up rows start N rows below the gate rows
     if B_SCALE:
         bs_ptrs = bs_ptr + expert * stride_bse + (offs_bn // 128) * stride_bsn
         bs2_ptrs = bs_ptr + expert * stride_bse + ((offs_bn + N) // 128) * stride_bsn
@@ -319,7 +495,7 @@ def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted
             b = tl.load(b_ptrs, mask=bmask, other=0.0)
             if ACT:
                 b2 = tl.load(b_ptrs + up_off, mask=bmask, other=0.0)
-        if B_SCALE:   # dequantize the FP8 tiles in registers
+        if B_SCALE:  # dequantize the FP8 tiles in registers
             kq = ((kb * BLOCK_K) // 128) * stride_bsk
             s = tl.load(bs_ptrs + kq)
             b = (b.to(tl.float32) * (s[:, None] if SWAP else s[None, :])).to(a.dtype)
@@ -346,11 +522,19 @@ def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted
     if C_ATOMIC:
         c_rows = assign // C_ROW_DIV
         if SWAP:
-            tl.atomic_add(c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None], acc,
-                          mask=mask_n[:, None] & mask_m[None, :], sem='relaxed')
+            tl.atomic_add(
+                c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None],
+                acc,
+                mask=mask_n[:, None] & mask_m[None, :],
+                sem='relaxed',
+            )
         else:
-            tl.atomic_add(c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :], acc,
-                          mask=mask_m[:, None] & mask_n[None, :], sem='relaxed')
+            tl.atomic_add(
+                c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :],
+                acc,
+                mask=mask_m[:, None] & mask_n[None, :],
+                sem='relaxed',
+            )
     elif SWAP:
         c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
@@ -360,8 +544,19 @@ def _moe_tile(pid, num_pid_m, num_pid_n, a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted
 
 
 @triton.jit(do_not_specialize=['num_valid'])
-def _moe_permute_kernel(x_ptr, out_ptr, sorted_ids_ptr, ntpp_ptr, num_valid, H, stride_x, stride_o,
-                        TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_permute_kernel(
+    x_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    ntpp_ptr,
+    num_valid,
+    H,
+    stride_x,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     "out[p] = x[sorted_ids[p] // TOP_K] for the real positions `p` of BLOCK_R rows; padding rows are left as they are."
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if tl.program_id(0) * BLOCK_R >= tl.load(ntpp_ptr):
@@ -380,9 +575,20 @@ def moe_permute(x, sorted_ids, ntpp, top_k: int):
     "`x [T, H]` gathered into expert order: `[EM, H]`, row p = x[sorted_ids[p] // top_k] (padding rows unset)."
     em, H = sorted_ids.numel(), x.shape[1]
     out = x.new_empty(em, H)
-    _moe_permute_kernel[(triton.cdiv(em, 16),)](x, out, sorted_ids, ntpp, x.shape[0] * top_k, H, x.stride(0),
-                                               out.stride(0), TOP_K=top_k, BLOCK_R=16,
-                                               BLOCK_H=min(1024, triton.next_power_of_2(H)), num_warps=4)
+    _moe_permute_kernel[(triton.cdiv(em, 16),)](
+        x,
+        out,
+        sorted_ids,
+        ntpp,
+        x.shape[0] * top_k,
+        H,
+        x.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_R=16,
+        BLOCK_H=min(1024, triton.next_power_of_2(H)),
+        num_warps=4,
+    )
     return out
 
 
@@ -399,16 +605,33 @@ def _smem_limit(device_index: int) -> int:
 def _fit_shared_memory(cfg: dict, a_bytes: int, w_bytes: int, device) -> dict:
     """`cfg` with fewer pipeline stages where its A and B tiles would not fit in shared memory: the tuned configs are
     for 16-bit inputs, and fp32 inputs (tests, fp32 models) double every tile."""
-    if device.type != 'cuda' or a_bytes <= 2 and w_bytes <= 2: return cfg
+    if device.type != 'cuda' or a_bytes <= 2 and w_bytes <= 2:
+        return cfg
     per_stage = cfg['BLOCK_M'] * cfg['BLOCK_K'] * a_bytes + cfg['BLOCK_K'] * cfg['BLOCK_N'] * w_bytes
     stages, limit = cfg['num_stages'], _smem_limit(device.index or 0)
-    while stages > 1 and stages * per_stage > limit: stages -= 1
+    while stages > 1 and stages * per_stage > limit:
+        stages -= 1
     return cfg if stages == cfg['num_stages'] else {**cfg, 'num_stages': stages}
 
 
-def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_valid: int, a_row_div: int,
-                  mul_routed: bool, cfg, w_scale=None, act: bool = False, a_sorted: bool = False,
-                  c_sorted: bool = False, c_atomic: int = 0):
+def _grouped_gemm(
+    a,
+    w,
+    out,
+    topk_weights,
+    sorted_ids,
+    expert_ids,
+    ntpp,
+    num_valid: int,
+    a_row_div: int,
+    mul_routed: bool,
+    cfg,
+    w_scale=None,
+    act: bool = False,
+    a_sorted: bool = False,
+    c_sorted: bool = False,
+    c_atomic: int = 0,
+):
     """out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`
     (`num_valid` of them); `act`: w holds gate rows then up rows and out gets `silu(gate) * up` (half of w's rows
     wide); `a_sorted` / `c_sorted`: `a` / `out` rows are positions in `sorted_ids` instead; `c_atomic` (the top-k):
@@ -416,25 +639,63 @@ def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, num_val
     N, K = w.shape[1] // (2 if act else 1), w.shape[2]
     cfg = _fit_shared_memory(cfg, a.element_size(), w.element_size(), a.device)
     em = sorted_ids.numel()
-    tiles = triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N'])   # at most: EM is an upper bound
+    tiles = triton.cdiv(em, cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N'])  # at most: EM is an upper bound
     persistent = int(cfg.get('PERSISTENT', 0))
     grid = (min(tiles, _num_sms(a.device) * cfg.get('CTAS_PER_SM', 1)) if persistent else tiles,)
-    bs = w_scale if w_scale is not None else topk_weights          # any pointer: unused without B_SCALE
+    bs = w_scale if w_scale is not None else topk_weights  # any pointer: unused without B_SCALE
     bss = w_scale.stride() if w_scale is not None else (0, 0, 0)
-    _fused_moe_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, ntpp, bs,
-                            N, K, num_valid, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-                            *bss, A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=mul_routed,
-                            PRECISION='ieee' if a.dtype == torch.float32 else 'tf32', B_SCALE=w_scale is not None,
-                            ACT=act, SWAP=bool(cfg.get('SWAP', 0)), A_SORTED=a_sorted, C_SORTED=c_sorted,
-                            C_ATOMIC=c_atomic > 0, C_ROW_DIV=max(c_atomic, 1),
-                            EVEN_K=K % cfg['BLOCK_K'] == 0, PERSISTENT=persistent > 0, FLATTEN=persistent > 1,
-                            BLOCK_M=cfg['BLOCK_M'], BLOCK_N=cfg['BLOCK_N'], BLOCK_K=cfg['BLOCK_K'],
-                            GROUP_M=cfg['GROUP_M'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
+    _fused_moe_kernel[grid](
+        a,
+        w,
+        out,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        bs,
+        N,
+        K,
+        num_valid,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        *bss,
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=mul_routed,
+        PRECISION='ieee' if a.dtype == torch.float32 else 'tf32',
+        B_SCALE=w_scale is not None,
+        ACT=act,
+        SWAP=bool(cfg.get('SWAP', 0)),
+        A_SORTED=a_sorted,
+        C_SORTED=c_sorted,
+        C_ATOMIC=c_atomic > 0,
+        C_ROW_DIV=max(c_atomic, 1),
+        EVEN_K=K % cfg['BLOCK_K'] == 0,
+        PERSISTENT=persistent > 0,
+        FLATTEN=persistent > 1,
+        BLOCK_M=cfg['BLOCK_M'],
+        BLOCK_N=cfg['BLOCK_N'],
+        BLOCK_K=cfg['BLOCK_K'],
+        GROUP_M=cfg['GROUP_M'],
+        num_warps=cfg['num_warps'],
+        num_stages=cfg['num_stages'],
+    )
     return out
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, renormalize: bool = False,
-              w13_scale=None, w2_scale=None):
+def fused_moe(
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    config: dict | None = None,
+    renormalize: bool = False,
+    w13_scale=None,
+    w2_scale=None,
+):
     """`fused_moe_ref` in Triton: the decode path (`fused_moe_decode`, two GEMV launches) where the config row of
     the token bucket has a `decode` entry, else the grouped GEMMs (see the module docstring).
 
@@ -449,41 +710,81 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, config: dict | None = None, re
     assert w13.shape[2] == H and w2.shape == (E, H, two_i // 2), (x.shape, w13.shape, w2.shape)
     assert topk_ids.shape == topk_weights.shape == (T, k), (topk_ids.shape, topk_weights.shape)
     for w, sc in ((w13, w13_scale), (w2, w2_scale)):
-        if sc is None: assert w.dtype == x.dtype, (x.dtype, w.dtype)
-        else: assert w.dtype == torch.float8_e4m3fn and sc.shape == (E, -(-w.shape[1] // FP8_BLOCK), -(-w.shape[2] // FP8_BLOCK)), (w.dtype, sc.shape)
-    if T == 0: return x.new_empty(0, H)
+        if sc is None:
+            assert w.dtype == x.dtype, (x.dtype, w.dtype)
+        else:
+            assert w.dtype == torch.float8_e4m3fn and sc.shape == (
+                E,
+                -(-w.shape[1] // FP8_BLOCK),
+                -(-w.shape[2] // FP8_BLOCK),
+            ), (w.dtype, sc.shape)
+    if T == 0:
+        return x.new_empty(0, H)
     cfg = {**get_config(T, E, H, two_i // 2, k, x.device), **(config or {})}
     fp8 = w13_scale is not None or w2_scale is not None
-    if fp8:   # a K-tile must lie inside one 128-wide scale block
+    if fp8:  # a K-tile must lie inside one 128-wide scale block
         cfg['BLOCK_K'] = min(cfg['BLOCK_K'], FP8_BLOCK)
-    if x.stride(-1) != 1: x = x.contiguous()
-    if w13.stride(-1) != 1: w13 = w13.contiguous()
-    if w2.stride(-1) != 1: w2 = w2.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w13.stride(-1) != 1:
+        w13 = w13.contiguous()
+    if w2.stride(-1) != 1:
+        w2 = w2.contiguous()
     tw = topk_weights.float()
-    if renormalize: tw = _renormalized(tw)
+    if renormalize:
+        tw = _renormalized(tw)
     tw = tw.contiguous()
-    if cfg.get('decode') and not fp8: return fused_moe_decode(x, w13, w2, tw, topk_ids, cfg['decode'])
+    if cfg.get('decode') and not fp8:
+        return fused_moe_decode(x, w13, w2, tw, topk_ids, cfg['decode'])
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
     n, em, I = T * k, sorted_ids.numel(), two_i // 2
-    cfg2 = {**cfg, **cfg.get('down', {}), 'BLOCK_M': cfg['BLOCK_M']}     # the down GEMM's own tile, same blocks
-    if fp8: cfg2['BLOCK_K'] = min(cfg2['BLOCK_K'], FP8_BLOCK)
-    srt = bool(cfg.get('SORTED'))                   # the intermediate in sorted order: [EM, I], contiguous tiles
-    xs = bool(cfg.get('XSORT'))                     # x gathered into sorted order once, before the first GEMM
+    cfg2 = {**cfg, **cfg.get('down', {}), 'BLOCK_M': cfg['BLOCK_M']}  # the down GEMM's own tile, same blocks
+    if fp8:
+        cfg2['BLOCK_K'] = min(cfg2['BLOCK_K'], FP8_BLOCK)
+    srt = bool(cfg.get('SORTED'))  # the intermediate in sorted order: [EM, I], contiguous tiles
+    xs = bool(cfg.get('XSORT'))  # x gathered into sorted order once, before the first GEMM
     a1 = moe_permute(x, sorted_ids, ntpp, k) if xs else x
     gemm1 = dict(num_valid=n, a_row_div=k, mul_routed=False, cfg=cfg, w_scale=w13_scale, a_sorted=xs, c_sorted=srt)
-    if cfg.get('ACT'):                              # silu(gate) * up in the first GEMM's epilogue
+    if cfg.get('ACT'):  # silu(gate) * up in the first GEMM's epilogue
         inter = x.new_empty(em if srt else n, I)
         _grouped_gemm(a1, w13, inter, tw, sorted_ids, expert_ids, ntpp, act=True, **gemm1)
     else:
         inter13 = x.new_empty(em if srt else n, two_i)
         _grouped_gemm(a1, w13, inter13, tw, sorted_ids, expert_ids, ntpp, **gemm1)
-        inter = silu_and_mul(inter13)               # non-interleaved: gate = [:, :I], up = [:, I:]
-    if cfg.get('ATOMIC'):                           # the k weighted outputs added into fp32 token rows
+        inter = silu_and_mul(inter13)  # non-interleaved: gate = [:, :I], up = [:, I:]
+    if cfg.get('ATOMIC'):  # the k weighted outputs added into fp32 token rows
         out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-        _grouped_gemm(inter, w2, out, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True,
-                      cfg=cfg2, w_scale=w2_scale, a_sorted=srt, c_atomic=k)
+        _grouped_gemm(
+            inter,
+            w2,
+            out,
+            tw,
+            sorted_ids,
+            expert_ids,
+            ntpp,
+            num_valid=n,
+            a_row_div=1,
+            mul_routed=True,
+            cfg=cfg2,
+            w_scale=w2_scale,
+            a_sorted=srt,
+            c_atomic=k,
+        )
         return out.to(x.dtype)
-    out_k = x.new_empty(n, H)                       # each assignment's weighted expert output at row t * k + j
-    _grouped_gemm(inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True,
-                  cfg=cfg2, w_scale=w2_scale, a_sorted=srt)
+    out_k = x.new_empty(n, H)  # each assignment's weighted expert output at row t * k + j
+    _grouped_gemm(
+        inter,
+        w2,
+        out_k,
+        tw,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        num_valid=n,
+        a_row_div=1,
+        mul_routed=True,
+        cfg=cfg2,
+        w_scale=w2_scale,
+        a_sorted=srt,
+    )
     return moe_sum(out_k.view(T, k, H))

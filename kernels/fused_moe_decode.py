@@ -23,7 +23,7 @@ Launch sizes are data: the `decode` entry of a `configs/fused_moe` row (`BN1`, `
 `BN2`, `BK2`, `W2`, `SPLIT2` of launch 2). `fused_moe` takes this path where the row for the token bucket has one
 (`benchmarks/kernels/tune_fused_moe.py` keeps it only where it beats the grouped GEMM).
 """
-import torch
+
 import triton
 import triton.language as tl
 
@@ -35,9 +35,23 @@ DECODE_DEFAULT = dict(BN1=16, BK1=256, W1=4, BN2=16, BK2=256, W2=4, SPLIT2=2)
 
 
 @triton.jit
-def _moe_gemv_act_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                         PDL: tl.constexpr):
+def _moe_gemv_act_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    I,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     "out[a, n] = silu(gate_e[n] . x[a // TOP_K]) * (up_e[n] . x[a // TOP_K]) for BN rows n, e = ids[a]."
     pid_n = tl.program_id(0)
     a = tl.program_id(1)
@@ -45,7 +59,7 @@ def _moe_gemv_act_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride
     nmask = rn < I
     rn_c = tl.minimum(rn, I - 1)
     rk = tl.arange(0, BK)
-    pdl_wait(PDL)                                        # the expert ids come from the router kernel
+    pdl_wait(PDL)  # the expert ids come from the router kernel
     pdl_launch(PDL)
     e = tl.load(ids_ptr + a).to(tl.int64)
     gp = w_ptr + e * stride_we + rn_c.to(tl.int64)[:, None] * stride_wn + rk[None, :]
@@ -71,9 +85,27 @@ def _moe_gemv_act_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xm, stride
 
 
 @triton.jit
-def _moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_am, stride_we,
-                          stride_wn, stride_om, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _moe_gemv_down_kernel(
+    a_ptr,
+    w_ptr,
+    ids_ptr,
+    tw_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """out[t, n] = sum over this split's experts j of tw[t, j] * (down_e[n] . inter[t * TOP_K + j]), BN rows n;
     the SPLIT programs of a (t, n-block) add up in the workspace (`store_out`)."""
     pid_n = tl.program_id(0)
@@ -102,8 +134,14 @@ def _moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, ws_ptr, cnt_pt
                 w = tl.load(wp + k0, mask=km[None, :], other=0.0, eviction_policy='evict_first')
             acc += w.to(tl.float32) * xv[None, :]
     y = tl.sum(acc, axis=1)
-    store_out(y, out_ptr + t.to(tl.int64) * stride_om + rn, nmask, ws_ptr + t * N + rn,
-              cnt_ptr + t * tl.num_programs(0) + pid_n, SPLIT)
+    store_out(
+        y,
+        out_ptr + t.to(tl.int64) * stride_om + rn,
+        nmask,
+        ws_ptr + t * N + rn,
+        cnt_ptr + t * tl.num_programs(0) + pid_n,
+        SPLIT,
+    )
 
 
 def fused_moe_decode(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, pdl=None):
@@ -122,13 +160,48 @@ def fused_moe_decode(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None
     kw = pdl_kw(x.device, pdl)
     inter = x.new_empty(T * k, I)
     _moe_gemv_act_kernel[(triton.cdiv(I, c['BN1']), T * k)](
-        x, w13, ids, inter, I, H, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=k, BN=c['BN1'], BK=c['BK1'], EVEN_K=H % c['BK1'] == 0, num_warps=c['W1'], num_stages=1, **kw)
+        x,
+        w13,
+        ids,
+        inter,
+        I,
+        H,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        inter.stride(0),
+        TOP_K=k,
+        BN=c['BN1'],
+        BK=c['BK1'],
+        EVEN_K=H % c['BK1'] == 0,
+        num_warps=c['W1'],
+        num_stages=1,
+        **kw,
+    )
     out = x.new_empty(T, H)
     n_blocks = triton.cdiv(H, c['BN2'])
     ws, cnt = split_k_workspace(x.device, T * H, T * n_blocks)
     _moe_gemv_down_kernel[(n_blocks, split, T)](
-        inter, w2, ids, tw, out, ws, cnt, H, I, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=k, SPLIT=split, BN=c['BN2'], BK=c['BK2'], EVEN_K=I % c['BK2'] == 0, num_warps=c['W2'],
-        num_stages=1, **kw)
+        inter,
+        w2,
+        ids,
+        tw,
+        out,
+        ws,
+        cnt,
+        H,
+        I,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        TOP_K=k,
+        SPLIT=split,
+        BN=c['BN2'],
+        BK=c['BK2'],
+        EVEN_K=I % c['BK2'] == 0,
+        num_warps=c['W2'],
+        num_stages=1,
+        **kw,
+    )
     return out

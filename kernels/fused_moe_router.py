@@ -11,6 +11,7 @@ then k rounds of "take the row maximum, record it and its first index, knock it 
 Ties pick the lowest expert index (as `torch.topk` does on the GPU in practice; with real-valued logits ties have
 measure zero). Rows are independent, so the result does not depend on the batch.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -18,12 +19,24 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 __all__ = ['fused_topk', 'FUSED_TOPK_MAX_EXPERTS']
-FUSED_TOPK_MAX_EXPERTS = 1024     # one row's logits stay in registers up to this many experts
+FUSED_TOPK_MAX_EXPERTS = 1024  # one row's logits stay in registers up to this many experts
 
 
 @triton.jit(do_not_specialize=['T'])
-def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
-                         E_P2: tl.constexpr, ROWS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+def _topk_softmax_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    T,
+    E,
+    stride_l,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    RENORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     "Rows `pid * ROWS ..`: fp32 softmax over E, the k largest (first index on ties), optionally renormalized."
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < T
@@ -31,13 +44,14 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, K: tl.const
     cmask = cols < E
     pdl_wait(PDL)
     pdl_launch(PDL)
-    rows_c = tl.minimum(rows, T - 1)                   # rows past T repeat the last one (not stored)
-    lg = tl.load(logits_ptr + rows_c.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=cmask[None, :],
-                 other=float('-inf')).to(tl.float32)
+    rows_c = tl.minimum(rows, T - 1)  # rows past T repeat the last one (not stored)
+    lg = tl.load(
+        logits_ptr + rows_c.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=cmask[None, :], other=float('-inf')
+    ).to(tl.float32)
     mx = tl.max(lg, axis=1)
     p = tl.exp(lg - mx[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
-    p = tl.where(cmask[None, :], p, -1.0)              # padding columns are never picked
+    p = tl.where(cmask[None, :], p, -1.0)  # padding columns are never picked
     kk = tl.arange(0, K_P2)
     wsel = tl.zeros([ROWS, K_P2], dtype=tl.float32)
     isel = tl.zeros([ROWS, K_P2], dtype=tl.int32)
@@ -59,15 +73,30 @@ def fused_topk(router_logits, top_k: int, renormalize: bool, rows: int | None = 
     """`select_experts`' softmax routing in one Triton launch: `router_logits [T, E]` (any float dtype) ->
     `topk_weights [T, k]` fp32, `topk_ids [T, k]` int32. `rows`: token rows per program (default by E)."""
     T, E = router_logits.shape
-    if not 0 < top_k <= E: raise ValueError(f"top_k={top_k} must be in 1..{E}")
-    if E > FUSED_TOPK_MAX_EXPERTS: raise ValueError(f"{E} experts: fused_topk holds at most {FUSED_TOPK_MAX_EXPERTS}")
+    if not 0 < top_k <= E:
+        raise ValueError(f'top_k={top_k} must be in 1..{E}')
+    if E > FUSED_TOPK_MAX_EXPERTS:
+        raise ValueError(f'{E} experts: fused_topk holds at most {FUSED_TOPK_MAX_EXPERTS}')
     lg = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     w = torch.empty(T, top_k, dtype=torch.float32, device=lg.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=lg.device)
-    if T == 0: return w, ids
+    if T == 0:
+        return w, ids
     e_p2 = triton.next_power_of_2(E)
     rows = rows or max(1, min(16, 2048 // e_p2, triton.next_power_of_2(T)))
-    _topk_softmax_kernel[(triton.cdiv(T, rows),)](lg, w, ids, T, E, lg.stride(0), K=top_k,
-                                                   K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, ROWS=rows,
-                                                   RENORM=renormalize, num_warps=4, **pdl_kw(lg.device))
+    _topk_softmax_kernel[(triton.cdiv(T, rows),)](
+        lg,
+        w,
+        ids,
+        T,
+        E,
+        lg.stride(0),
+        K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        E_P2=e_p2,
+        ROWS=rows,
+        RENORM=renormalize,
+        num_warps=4,
+        **pdl_kw(lg.device),
+    )
     return w, ids

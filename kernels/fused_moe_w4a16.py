@@ -42,47 +42,75 @@ from cvllm_lab.kernels.split_k import split_k_workspace, store_out
 from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_packed_ref
 
-__all__ = ['fused_moe_w4a16', 'fused_moe_w4a16_ref', 'dequantize_experts_w4a16', 'w4a16_moe_config', 'CONFIGS',
-           'DECODE_MAX_T']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
-TK = tl.constexpr(TILE_K)   # the K-tile, as a global the kernels may read
+__all__ = [
+    'fused_moe_w4a16',
+    'fused_moe_w4a16_ref',
+    'dequantize_experts_w4a16',
+    'w4a16_moe_config',
+    'CONFIGS',
+    'DECODE_MAX_T',
+]
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
-DECODE_MAX_T = 4   # up to this many tokens: the GEMV decode path
+TK = tl.constexpr(TILE_K)  # the K-tile, as a global the kernels may read
+
+DECODE_MAX_T = 4  # up to this many tokens: the GEMV decode path
 # max tokens -> launch sizes (the first row whose bound is >= T); `decode`: the GEMV path's column blocks, warps
 # and expert splits of launch 2
 CONFIGS = {
-    DECODE_MAX_T: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3,
-                       decode=dict(BN1=32, W1=4, BN2=32, W2=4, SPLIT2=2)),
+    DECODE_MAX_T: dict(
+        BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, decode=dict(BN1=32, W1=4, BN2=32, W2=4, SPLIT2=2)
+    ),
     64: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),
     512: dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-    1 << 62: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),   # 64 x 128 spills with ACT's two accumulators
-    'interpret': dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1,
-                      decode=dict(BN1=32, W1=4, BN2=32, W2=4, SPLIT2=2)),
+    1 << 62: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),  # 64 x 128 spills with ACT's two accumulators
+    'interpret': dict(
+        BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, decode=dict(BN1=32, W1=4, BN2=32, W2=4, SPLIT2=2)
+    ),
 }
 
 
 def w4a16_moe_config(num_tokens: int) -> dict:
     "The launch sizes for `num_tokens` tokens (`CONFIGS`; its `interpret` row under the Triton interpreter)."
-    if _INTERPRET: return dict(CONFIGS['interpret'])
+    if _INTERPRET:
+        return dict(CONFIGS['interpret'])
     return dict(next(v for b, v in CONFIGS.items() if b != 'interpret' and b >= num_tokens))
 
 
 # ------------------------------------------------------------------------------------------------ reference
 
+
 def dequantize_experts_w4a16(qweight, scales, offsets, bits: int, group: int, N: int, K: int, dtype=torch.float32):
     "Stacked packed experts `[E, ...]` -> float `[E, N, K]` (`dequantize_packed_ref` per expert)."
-    return torch.stack([dequantize_packed_ref(qweight[e], scales[e], offsets[e], bits, group, N, K, dtype)
-                        for e in range(qweight.shape[0])])
+    return torch.stack(
+        [
+            dequantize_packed_ref(qweight[e], scales[e], offsets[e], bits, group, N, K, dtype)
+            for e in range(qweight.shape[0])
+        ]
+    )
 
 
-def fused_moe_w4a16_ref(x, w13_qweight, w2_qweight, w13_scales, w2_scales, w13_offsets, w2_offsets, topk_weights,
-                        topk_ids, bits: int = 4, group: int = 128, renormalize: bool = False):
+def fused_moe_w4a16_ref(
+    x,
+    w13_qweight,
+    w2_qweight,
+    w13_scales,
+    w2_scales,
+    w13_offsets,
+    w2_offsets,
+    topk_weights,
+    topk_ids,
+    bits: int = 4,
+    group: int = 128,
+    renormalize: bool = False,
+):
     """Plain PyTorch: each used expert dequantized to fp32, a loop over experts (as `fused_moe_ref`); `[T, H]` in x's
     dtype."""
     T, H = x.shape
     I = w13_qweight.shape[2] // 2
     w = topk_weights.float()
-    if renormalize: w = w / w.sum(-1, keepdim=True)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
     xf, out = x.float(), torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         t, j = torch.where(topk_ids == e)
@@ -95,6 +123,7 @@ def fused_moe_w4a16_ref(x, w13_qweight, w2_qweight, w13_scales, w2_scales, w13_o
 
 # ------------------------------------------------------------------------------------------------ kernels
 
+
 @triton.jit
 def _group_sb(s_ptrs, o_ptrs, go, NW, BITS: tl.constexpr):
     "The group's `S = 2**BITS scale` and `B = offset - S` (fp32 `[BLOCK_N]`): `W = S f + B` for `f = field_f`."
@@ -103,11 +132,35 @@ def _group_sb(s_ptrs, o_ptrs, go, NW, BITS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['num_valid'])
-def _w4a16_moe_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
-                      N, K, NW, num_valid, ONE, stride_am, stride_cm, stride_qe, stride_se,
-                      A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ACT: tl.constexpr,
-                      BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _w4a16_moe_kernel(
+    a_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    c_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    N,
+    K,
+    NW,
+    num_valid,
+    ONE,
+    stride_am,
+    stride_cm,
+    stride_qe,
+    stride_se,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ACT: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One tile: c[a, n] = sum_k a[a // A_ROW_DIV, k] W_e[n, k] (* topk_w[a]) for the assignments `a` of one
     `sorted_ids` block (expert e) and BLOCK_N of the N output columns; W_e packed (`NW` columns per word row).
     ACT: W_e holds 2N columns (gate, then up) and the tile writes silu(gate) * up. Padding rows read a real row and
@@ -117,7 +170,7 @@ def _w4a16_moe_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, c_ptr, topk_w_ptr, sorted_ids
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n
-    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):             # past the last real block
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):  # past the last real block
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     assign = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
@@ -136,8 +189,8 @@ def _w4a16_moe_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, c_ptr, topk_w_ptr, sorted_ids
     for t in range(0, tl.cdiv(K, TK)):
         words = tl.load(w_ptrs + t * C * NW)
         if ACT:
-            words2 = tl.load(w_ptrs + t * C * NW + N)   # the up columns
-        if G >= TK:                                  # one scale group for the whole K-tile
+            words2 = tl.load(w_ptrs + t * C * NW + N)  # the up columns
+        if G >= TK:  # one scale group for the whole K-tile
             s, b = _group_sb(s_ptrs, o_ptrs, (t * TK) // G, NW, BITS)
             if ACT:
                 s2, b2 = _group_sb(s_ptrs + N, o_ptrs + N, (t * TK) // G, NW, BITS)
@@ -160,13 +213,31 @@ def _w4a16_moe_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, c_ptr, topk_w_ptr, sorted_ids
         acc = acc * tl.sigmoid(acc) * acc2
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + assign, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptr + assign[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        c_ptr + assign[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
-def _gemv_tile(acc, xp, words, s, b, t, K, ONE, BITS: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr,
-               s_ptrs, o_ptrs, NW, XSCALE):
+def _gemv_tile(
+    acc,
+    xp,
+    words,
+    s,
+    b,
+    t,
+    K,
+    ONE,
+    BITS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    G: tl.constexpr,
+    s_ptrs,
+    o_ptrs,
+    NW,
+    XSCALE,
+):
     "acc [C, BN] += W_e[n, k].T * x[k] * XSCALE over the K-tile `t` (fields of `words`, dequantized in fp32)."
     C: tl.constexpr = 4 * BITS
     rc = tl.arange(0, C)
@@ -183,9 +254,27 @@ def _gemv_tile(acc, xp, words, s, b, t, K, ONE, BITS: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _w4a16_gemv_act_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, I, K, NW, ONE, stride_xm, stride_om,
-                           stride_qe, stride_se, TOP_K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                           BN: tl.constexpr, EVEN_K: tl.constexpr):
+def _w4a16_gemv_act_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    ids_ptr,
+    out_ptr,
+    I,
+    K,
+    NW,
+    ONE,
+    stride_xm,
+    stride_om,
+    stride_qe,
+    stride_se,
+    TOP_K: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     "out[a, n] = silu(gate_e[n] . x[a // TOP_K]) * (up_e[n] . x[a // TOP_K]) for BN columns n, e = ids[a]."
     C: tl.constexpr = 4 * BITS
     a = tl.program_id(1)
@@ -217,9 +306,30 @@ def _w4a16_gemv_act_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, I, K, 
 
 
 @triton.jit
-def _w4a16_gemv_down_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, ids_ptr, tw_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, ONE,
-                            stride_am, stride_om, stride_qe, stride_se, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                            BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr):
+def _w4a16_gemv_down_kernel(
+    a_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    ids_ptr,
+    tw_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    ONE,
+    stride_am,
+    stride_om,
+    stride_qe,
+    stride_se,
+    TOP_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """out[t, n] = sum over this split's experts j of tw[t, j] * (down_e[n] . inter[t * TOP_K + j]) for BN columns
     n; the SPLIT programs of a (token, column block) add up in the `split_k` workspace."""
     C: tl.constexpr = 4 * BITS
@@ -246,23 +356,57 @@ def _w4a16_gemv_down_kernel(a_ptr, qw_ptr, s_ptr, o_ptr, ids_ptr, tw_ptr, out_pt
                 s, b = _group_sb(sp, op, (kt * TK) // G, N, BITS)
             words = tl.load(wp + kt * C * N, eviction_policy='evict_first')
             acc = _gemv_tile(acc, xp, words, s, b, kt, K, ONE, BITS, EVEN_K, G, sp, op, N, wt)
-    store_out(tl.sum(acc, axis=0), out_ptr + t.to(tl.int64) * stride_om + rn, nmask, ws_ptr + t * N + rn,
-              cnt_ptr + t * tl.num_programs(0) + pid_n, SPLIT)
+    store_out(
+        tl.sum(acc, axis=0),
+        out_ptr + t.to(tl.int64) * stride_om + rn,
+        nmask,
+        ws_ptr + t * N + rn,
+        cnt_ptr + t * tl.num_programs(0) + pid_n,
+        SPLIT,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ host
 
-def _grouped(a, qw, s, o, out, tw, sorted_ids, expert_ids, ntpp, num_valid, a_row_div, mul_routed, act, bits, G, K,
-             cfg):
+
+def _grouped(
+    a, qw, s, o, out, tw, sorted_ids, expert_ids, ntpp, num_valid, a_row_div, mul_routed, act, bits, G, K, cfg
+):
     "One `_w4a16_moe_kernel` launch over every (block, column block) tile (see the module docstring)."
     NW = qw.shape[2]
     N = NW // 2 if act else NW
     grid = (triton.cdiv(sorted_ids.numel(), cfg['BLOCK_M']) * triton.cdiv(N, cfg['BLOCK_N']),)
-    _w4a16_moe_kernel[grid](a, qw, s, o, out, tw, sorted_ids, expert_ids, ntpp, N, K, NW, num_valid, F32_ONE,
-                            a.stride(0), out.stride(0), qw.stride(0), s.stride(0), A_ROW_DIV=a_row_div,
-                            MUL_ROUTED_WEIGHT=mul_routed, ACT=act, BITS=bits, G=G, EVEN_K=K % TILE_K == 0,
-                            PREC='ieee' if a.dtype == torch.float32 else 'tf32', BLOCK_M=cfg['BLOCK_M'],
-                            BLOCK_N=cfg['BLOCK_N'], num_warps=cfg['num_warps'], num_stages=cfg['num_stages'])
+    _w4a16_moe_kernel[grid](
+        a,
+        qw,
+        s,
+        o,
+        out,
+        tw,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        N,
+        K,
+        NW,
+        num_valid,
+        F32_ONE,
+        a.stride(0),
+        out.stride(0),
+        qw.stride(0),
+        s.stride(0),
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=mul_routed,
+        ACT=act,
+        BITS=bits,
+        G=G,
+        EVEN_K=K % TILE_K == 0,
+        PREC='ieee' if a.dtype == torch.float32 else 'tf32',
+        BLOCK_M=cfg['BLOCK_M'],
+        BLOCK_N=cfg['BLOCK_N'],
+        num_warps=cfg['num_warps'],
+        num_stages=cfg['num_stages'],
+    )
     return out
 
 
@@ -271,21 +415,72 @@ def _decode(x, w13, w2, tw, ids, bits, G, H, I, c):
     T, k = ids.shape
     inter = x.new_empty(T * k, I)
     _w4a16_gemv_act_kernel[(triton.cdiv(I, c['BN1']), T * k)](
-        x, *w13, ids, inter, I, H, 2 * I, F32_ONE, x.stride(0), inter.stride(0), w13[0].stride(0), w13[1].stride(0),
-        TOP_K=k, BITS=bits, G=G, BN=c['BN1'], EVEN_K=H % TILE_K == 0, num_warps=c['W1'], num_stages=1)
+        x,
+        *w13,
+        ids,
+        inter,
+        I,
+        H,
+        2 * I,
+        F32_ONE,
+        x.stride(0),
+        inter.stride(0),
+        w13[0].stride(0),
+        w13[1].stride(0),
+        TOP_K=k,
+        BITS=bits,
+        G=G,
+        BN=c['BN1'],
+        EVEN_K=H % TILE_K == 0,
+        num_warps=c['W1'],
+        num_stages=1,
+    )
     split = c['SPLIT2'] if k % c['SPLIT2'] == 0 else 1
     out = x.new_empty(T, H)
     n_blocks = triton.cdiv(H, c['BN2'])
     ws, cnt = split_k_workspace(x.device, T * H, T * n_blocks)
     _w4a16_gemv_down_kernel[(n_blocks, split, T)](
-        inter, *w2, ids, tw, out, ws, cnt, H, I, F32_ONE, inter.stride(0), out.stride(0), w2[0].stride(0),
-        w2[1].stride(0), TOP_K=k, SPLIT=split, BITS=bits, G=G, BN=c['BN2'], EVEN_K=I % TILE_K == 0,
-        num_warps=c['W2'], num_stages=1)
+        inter,
+        *w2,
+        ids,
+        tw,
+        out,
+        ws,
+        cnt,
+        H,
+        I,
+        F32_ONE,
+        inter.stride(0),
+        out.stride(0),
+        w2[0].stride(0),
+        w2[1].stride(0),
+        TOP_K=k,
+        SPLIT=split,
+        BITS=bits,
+        G=G,
+        BN=c['BN2'],
+        EVEN_K=I % TILE_K == 0,
+        num_warps=c['W2'],
+        num_stages=1,
+    )
     return out
 
 
-def fused_moe_w4a16(x, w13_qweight, w2_qweight, w13_scales, w2_scales, w13_offsets, w2_offsets, topk_weights,
-                    topk_ids, bits: int = 4, group: int = 128, renormalize: bool = False, config: dict | None = None):
+def fused_moe_w4a16(
+    x,
+    w13_qweight,
+    w2_qweight,
+    w13_scales,
+    w2_scales,
+    w13_offsets,
+    w2_offsets,
+    topk_weights,
+    topk_ids,
+    bits: int = 4,
+    group: int = 128,
+    renormalize: bool = False,
+    config: dict | None = None,
+):
     """`fused_moe_w4a16_ref` in Triton: `x [T, H]` (fp32/fp16/bf16), the stacked packed experts of the module
     docstring, `topk_weights`/`topk_ids [T, k]`. The decode GEMVs where the config has a `decode` entry (few
     tokens), else alignment + two grouped GEMMs. `config` overrides keys of `w4a16_moe_config`. No host sync
@@ -295,16 +490,22 @@ def fused_moe_w4a16(x, w13_qweight, w2_qweight, w13_scales, w2_scales, w13_offse
     I, k = two_i // 2, topk_ids.shape[1]
     _, G = check_layout(w13_qweight[0], w13_scales[0], w13_offsets[0], bits, group, 2 * I, H)
     check_layout(w2_qweight[0], w2_scales[0], w2_offsets[0], bits, group, H, I)
-    assert w2_qweight.shape[0] == E and topk_ids.shape == topk_weights.shape == (T, k), (w2_qweight.shape, topk_ids.shape)
-    if T == 0: return x.new_empty(0, H)
+    assert w2_qweight.shape[0] == E and topk_ids.shape == topk_weights.shape == (T, k), (
+        w2_qweight.shape,
+        topk_ids.shape,
+    )
+    if T == 0:
+        return x.new_empty(0, H)
     w13 = tuple(t.contiguous() for t in (w13_qweight, w13_scales, w13_offsets))
     w2 = tuple(t.contiguous() for t in (w2_qweight, w2_scales, w2_offsets))
     x = x.contiguous()
     tw = topk_weights.float()
-    if renormalize: tw = tw / tw.sum(-1, keepdim=True)
+    if renormalize:
+        tw = tw / tw.sum(-1, keepdim=True)
     tw, ids = tw.contiguous(), topk_ids.contiguous()
     cfg = {**w4a16_moe_config(T), **(config or {})}
-    if cfg.get('decode') and T <= DECODE_MAX_T: return _decode(x, w13, w2, tw, ids, bits, G, H, I, cfg['decode'])
+    if cfg.get('decode') and T <= DECODE_MAX_T:
+        return _decode(x, w13, w2, tw, ids, bits, G, H, I, cfg['decode'])
     sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, cfg['BLOCK_M'], E)
     n = T * k
     inter = x.new_empty(n, I)

@@ -10,14 +10,27 @@ structs as `uint8 [n_blocks, type_size]` and returns fp32 `[n_blocks, QK]`, in t
 `gguf.quants` (scale products first, then the offset), so the results match it bit for bit. `gguf_levels` reads the
 four types that repack into the W4A16 layout (group 32) as levels, scales and offsets. Plain PyTorch (no Triton).
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 
-__all__ = ['GT', 'QUANT_TYPES', 'FLOAT_TYPES', 'SUPPORTED_TYPES', 'FLOAT_DTYPES', 'PACKED_TYPES', 'parse_qtype',
-           'block_info', 'bytes_per_row', 'as_bytes', 'dequantize', 'gguf_levels']
+__all__ = [
+    'GT',
+    'QUANT_TYPES',
+    'FLOAT_TYPES',
+    'SUPPORTED_TYPES',
+    'FLOAT_DTYPES',
+    'PACKED_TYPES',
+    'parse_qtype',
+    'block_info',
+    'bytes_per_row',
+    'as_bytes',
+    'dequantize',
+    'gguf_levels',
+]
 
 GT = GGMLQuantizationType
 QUANT_TYPES = (GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K)
@@ -28,13 +41,18 @@ _BY_KEY = {t.name.replace('_', '').upper(): t for t in SUPPORTED_TYPES}
 
 def parse_qtype(q) -> GGMLQuantizationType:
     "Map `q4_0`/`Q4_K`/`q4k`/`f16`/`bf16`, a `GGMLQuantizationType` or its int value to a supported `GGMLQuantizationType`."
-    if isinstance(q, GGMLQuantizationType): t = q
-    elif isinstance(q, (int, np.integer)): t = GGMLQuantizationType(int(q))
+    if isinstance(q, GGMLQuantizationType):
+        t = q
+    elif isinstance(q, (int, np.integer)):
+        t = GGMLQuantizationType(int(q))
     elif isinstance(q, str):
         t = _BY_KEY.get(q.strip().replace('_', '').upper())
-        if t is None: raise ValueError(f"unknown GGUF quantization type {q!r}; supported: {[s.name for s in SUPPORTED_TYPES]}")
-    else: raise TypeError(f"can't parse a quantization type from {type(q).__name__}")
-    if t not in SUPPORTED_TYPES: raise ValueError(f"GGUF type {t.name} is not supported here")
+        if t is None:
+            raise ValueError(f'unknown GGUF quantization type {q!r}; supported: {[s.name for s in SUPPORTED_TYPES]}')
+    else:
+        raise TypeError(f"can't parse a quantization type from {type(q).__name__}")
+    if t not in SUPPORTED_TYPES:
+        raise ValueError(f'GGUF type {t.name} is not supported here')
     return t
 
 
@@ -46,7 +64,8 @@ def block_info(qtype) -> tuple[int, int]:
 def bytes_per_row(qtype, cols: int) -> int:
     "Bytes of one quantized row of `cols` weights."
     qk, ts = block_info(qtype)
-    if cols % qk: raise ValueError(f"{parse_qtype(qtype).name} needs a row length divisible by {qk}, got {cols}")
+    if cols % qk:
+        raise ValueError(f'{parse_qtype(qtype).name} needs a row length divisible by {qk}, got {cols}')
     return cols // qk * ts
 
 
@@ -96,7 +115,9 @@ def _deq_q8_0(b):
 def _crumbs(qs, n_halves):
     "2-bit fields: byte `32*h + l` bit pair `j` -> element `128*h + 32*j + l`; `[n, 32*n_halves]` -> `[n, 128*n_halves]`."
     n = len(qs)
-    return ((qs.reshape(n, n_halves, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1), device=qs.device)) & 3).reshape(n, -1)
+    return ((qs.reshape(n, n_halves, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1), device=qs.device)) & 3).reshape(
+        n, -1
+    )
 
 
 def _deq_q2_k(b):
@@ -162,15 +183,27 @@ def _deq_q6_k(b):
     return (dl[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
 
 
-_DEQ = {GT.Q4_0: _deq_q4_0, GT.Q4_1: _deq_q4_1, GT.Q5_0: _deq_q5_0, GT.Q5_1: _deq_q5_1, GT.Q8_0: _deq_q8_0,
-        GT.Q2_K: _deq_q2_k, GT.Q3_K: _deq_q3_k, GT.Q4_K: _deq_q4_k, GT.Q5_K: _deq_q5_k, GT.Q6_K: _deq_q6_k}
+_DEQ = {
+    GT.Q4_0: _deq_q4_0,
+    GT.Q4_1: _deq_q4_1,
+    GT.Q5_0: _deq_q5_0,
+    GT.Q5_1: _deq_q5_1,
+    GT.Q8_0: _deq_q8_0,
+    GT.Q2_K: _deq_q2_k,
+    GT.Q3_K: _deq_q3_k,
+    GT.Q4_K: _deq_q4_k,
+    GT.Q5_K: _deq_q5_k,
+    GT.Q6_K: _deq_q6_k,
+}
 FLOAT_DTYPES = {GT.F32: torch.float32, GT.F16: torch.float16, GT.BF16: torch.bfloat16}
 
 
 def as_bytes(raw) -> torch.Tensor:
     "A GGUF tensor's block bytes (numpy array or torch tensor) as a `uint8` torch tensor."
-    if isinstance(raw, np.ndarray): raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
-    if raw.dtype != torch.uint8: raise TypeError(f"expected uint8 block bytes, got {raw.dtype}")
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
+    if raw.dtype != torch.uint8:
+        raise TypeError(f'expected uint8 block bytes, got {raw.dtype}')
     return raw
 
 
@@ -178,16 +211,18 @@ def dequantize(raw, qtype, shape=None, dtype=torch.float32, chunk_weights: int =
     "Block bytes `raw` `uint8 [..., bytes_per_row]` -> weights `[..., cols]` (or `shape`) in `dtype`."
     t, raw = parse_qtype(qtype), as_bytes(raw)
     qk, ts = GGML_QUANT_SIZES[t]
-    if raw.shape[-1] % ts: raise ValueError(f"{t.name}: {raw.shape[-1]} bytes per row is not a multiple of {ts}")
+    if raw.shape[-1] % ts:
+        raise ValueError(f'{t.name}: {raw.shape[-1]} bytes per row is not a multiple of {ts}')
     cols = raw.shape[-1] // ts * qk
     rows = raw.reshape(-1, raw.shape[-1])
-    if t in FLOAT_DTYPES: out = rows.contiguous().view(FLOAT_DTYPES[t]).to(dtype)
+    if t in FLOAT_DTYPES:
+        out = rows.contiguous().view(FLOAT_DTYPES[t]).to(dtype)
     else:
         out = torch.empty(len(rows), cols, dtype=dtype, device=raw.device)
         step = max(1, chunk_weights // max(cols, 1))
         for r in range(0, len(rows), step):  # row chunks (each many blocks), only to bound memory
-            blk = rows[r:r + step].reshape(-1, ts)
-            out[r:r + step] = _DEQ[t](blk).reshape(-1, cols).to(dtype)
+            blk = rows[r : r + step].reshape(-1, ts)
+            out[r : r + step] = _DEQ[t](blk).reshape(-1, cols).to(dtype)
     return out.reshape(*(shape if shape is not None else (*raw.shape[:-1], cols)))
 
 
@@ -212,5 +247,6 @@ def gguf_levels(raw, qtype):
         d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
         sc, mn = _q4k_scales(b[:, 4:16])
         q, s, o = _nibbles_k(b[:, 16:144]), d * sc, -(dmin * mn)
-    else: raise ValueError(f"{t.name} has no packed form; packed types: {[p.name for p in PACKED_TYPES]}")
+    else:
+        raise ValueError(f'{t.name} has no packed form; packed types: {[p.name for p in PACKED_TYPES]}')
     return q.reshape(N, -1), s.reshape(N, -1), o.reshape(N, -1)

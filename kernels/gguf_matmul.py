@@ -25,6 +25,7 @@ bf16 GEMV is faster; `results/NOTES.md` has the measurements and where the time 
 affine per 32 weights (q4_0, q4_1, q4_k, q8_0) are repacked into the W4A16 layout instead when a model is loaded on
 a GPU (`GGUFLinear.pack`); these kernels serve the others.
 """
+
 import math
 
 import torch
@@ -33,11 +34,13 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as GT, GGML_QUANT_SIZES
 
 from cvllm_lab.kernels.gguf_layout import dequantize, parse_qtype
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = ['gguf_matmul', 'gguf_gemv', 'gguf_mm', 'gguf_dequantize', 'gguf_matmul_ref', 'KERNEL_TYPES']
 
 # --------------------------------------------------------------------------------------------- helpers
+
 
 @triton.jit
 def _u2f(q):
@@ -78,6 +81,7 @@ def _ld16(wq, off):
 # --------------------------------------------------------------------------------------------- tiles
 # Each returns (w fp32 [BN, KP], kk int32 [KP]) for step `sb` (256 weights, or 32*NB for the legacy types) of the rows
 # whose first word / byte are at `rw` / `rb` ([BN] int64).
+
 
 @triton.jit
 def _t_q4_0(wq, rw, sb, BN: tl.constexpr, NB: tl.constexpr):
@@ -231,7 +235,9 @@ def _t_q5_k(wq, wb, rw, rb, sb, P: tl.constexpr, BN: tl.constexpr):
     b = tl.arange(0, 4)
     base = rw[:, None] + sb * 44
     lo = _unpack(tl.load(wq + base + (12 + i)[None, :]), (8 * b + 4 * P)[None, :] + 0 * i[:, None], 15, BN, 32, 4)
-    hb = _unpack(tl.load(wq + base + (4 + i % 8)[None, :]), (8 * b)[None, :] + (2 * (i // 8) + P)[:, None], 1, BN, 32, 4)
+    hb = _unpack(
+        tl.load(wq + base + (4 + i % 8)[None, :]), (8 * b)[None, :] + (2 * (i // 8) + P)[:, None], 1, BN, 32, 4
+    )
     kk = _flat((i // 8 * 64 + P * 32 + i % 8 * 4)[:, None] + b[None, :], 32, 4)
     sc, mn = _q4k_scale_min(wb, rb[:, None] + sb * 176 + 4, 2 * tl.arange(0, 4) + P)
     dd = tl.load(wq + rw + sb * 44)
@@ -247,8 +253,14 @@ def _t_q6_k(wq, wb, rw, rb, sb, P: tl.constexpr, BN: tl.constexpr):
     b = tl.arange(0, 2)
     base = rw[:, None] + sb * 105
     lo = _unpack(_ld16(wq, base + v[None, :]), (8 * b + 4 * P)[None, :] + 0 * v[:, None], 15, BN, 64, 2)
-    hi = _unpack(_ld16(wq, base + (64 + v // 32 * 16 + v % 16)[None, :]),
-                 (8 * b)[None, :] + (4 * P + 2 * (v % 32 // 16))[:, None], 3, BN, 64, 2)
+    hi = _unpack(
+        _ld16(wq, base + (64 + v // 32 * 16 + v % 16)[None, :]),
+        (8 * b)[None, :] + (4 * P + 2 * (v % 32 // 16))[:, None],
+        3,
+        BN,
+        64,
+        2,
+    )
     kk = _flat((v // 32 * 128 + P * 64 + v % 32 * 2)[:, None] + b[None, :], 64, 2)
     u = tl.arange(0, 8)  # groups of 16 weights = 8 halfwords
     s = tl.load(wb + rb[:, None] + (sb * 210 + 192 + u // 4 * 8 + 4 * P + u % 4)[None, :]).to(tl.int32)
@@ -285,10 +297,29 @@ def _tile(QT: tl.constexpr, wq, wb, rw, rb, sb, P: tl.constexpr, BN: tl.constexp
 
 # --------------------------------------------------------------------------------------------- kernels
 
+
 @triton.jit(do_not_specialize=['M'])
-def _gemv_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr, SPLIT_K,
-                 QT: tl.constexpr, NB: tl.constexpr, NPASS: tl.constexpr, STEP: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, ATOMIC: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    wq,
+    wb,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    wpr,
+    bpr,
+    SPLIT_K,
+    QT: tl.constexpr,
+    NB: tl.constexpr,
+    NPASS: tl.constexpr,
+    STEP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     "out[m, n] (+)= sum_k x[m, k] * W[n, k] for m < M <= BM <= 4; program (n-tile, k-split)."
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -332,9 +363,28 @@ def _gemv_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr
 
 
 @triton.jit(do_not_specialize=['M'])
-def _mm_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr, SPLIT_K,
-               QT: tl.constexpr, NB: tl.constexpr, NPASS: tl.constexpr, STEP: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr):
+def _mm_kernel(
+    x_ptr,
+    wq,
+    wb,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    wpr,
+    bpr,
+    SPLIT_K,
+    QT: tl.constexpr,
+    NB: tl.constexpr,
+    NPASS: tl.constexpr,
+    STEP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    PREC: tl.constexpr,
+):
     "out[BM, BN] tile (+)= x[BM, :] @ dequant(W[BN, :]).T with tl.dot on the x dtype; program (m-tile, n-tile, k-split)."
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -360,8 +410,20 @@ def _mm_kernel(x_ptr, wq, wb, out_ptr, M, N, K, stride_xm, stride_om, wpr, bpr, 
 
 
 @triton.jit
-def _dequant_kernel(wq, wb, out_ptr, N, K, wpr, bpr,
-                    QT: tl.constexpr, NB: tl.constexpr, NPASS: tl.constexpr, STEP: tl.constexpr, BN: tl.constexpr):
+def _dequant_kernel(
+    wq,
+    wb,
+    out_ptr,
+    N,
+    K,
+    wpr,
+    bpr,
+    QT: tl.constexpr,
+    NB: tl.constexpr,
+    NPASS: tl.constexpr,
+    STEP: tl.constexpr,
+    BN: tl.constexpr,
+):
     "out[BN rows, one step of K] = dequant(W); program (n-tile, step)."
     pid_n = tl.program_id(0)
     sb = tl.program_id(1)
@@ -378,15 +440,25 @@ def _dequant_kernel(wq, wb, out_ptr, N, K, wpr, bpr,
 # --------------------------------------------------------------------------------------------- launchers
 
 # type -> (word bytes of the word view, passes per 256-weight step); legacy types have 1 pass of NB blocks
-_KINFO = {GT.Q4_0: (2, 1), GT.Q4_1: (4, 1), GT.Q5_0: (2, 1), GT.Q5_1: (4, 1), GT.Q8_0: (2, 1),
-          GT.Q2_K: (4, 4), GT.Q3_K: (2, 4), GT.Q4_K: (4, 2), GT.Q5_K: (4, 2), GT.Q6_K: (2, 2)}
+_KINFO = {
+    GT.Q4_0: (2, 1),
+    GT.Q4_1: (4, 1),
+    GT.Q5_0: (2, 1),
+    GT.Q5_1: (4, 1),
+    GT.Q8_0: (2, 1),
+    GT.Q2_K: (4, 4),
+    GT.Q3_K: (2, 4),
+    GT.Q4_K: (4, 2),
+    GT.Q5_K: (4, 2),
+    GT.Q6_K: (2, 2),
+}
 KERNEL_TYPES = tuple(_KINFO)
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
 
 
 def _qtype(qtype):
     t = parse_qtype(qtype)
-    if t not in _KINFO: raise ValueError(f"no Triton kernel for {t.name}")
+    if t not in _KINFO:
+        raise ValueError(f'no Triton kernel for {t.name}')
     return t
 
 
@@ -397,7 +469,9 @@ def _plan(qweight, qtype, N, K):
     word, npass = _KINFO[t]
     bpr = K // qk * ts
     if K % qk or tuple(qweight.shape) != (N, bpr) or qweight.dtype != torch.uint8:
-        raise ValueError(f"{t.name} weight for N={N}, K={K} must be uint8 [{N}, {bpr}], got {qweight.dtype} {tuple(qweight.shape)}")
+        raise ValueError(
+            f'{t.name} weight for N={N}, K={K} must be uint8 [{N}, {bpr}], got {qweight.dtype} {tuple(qweight.shape)}'
+        )
     wb = qweight.contiguous()
     wq = wb.view(torch.int32 if word == 4 else torch.int16)
     if qk == 32:  # legacy: NB blocks per step, the largest power of 2 <= 8 that divides the block count
@@ -415,7 +489,8 @@ def _num_sms(device):
 
 def _split_k(programs, steps, device, split_k):
     "K splits so that the grid has ~4 programs per SM (never less than 2 steps per split)."
-    if split_k is not None: return max(1, min(split_k, steps))
+    if split_k is not None:
+        return max(1, min(split_k, steps))
     want = 4 * _num_sms(device)
     return max(1, min(math.ceil(want / max(programs, 1)), steps // 2 if steps >= 4 else 1, 16))
 
@@ -432,9 +507,30 @@ def gguf_gemv(x, qweight, qtype, N, K, out_dtype=None, bn=None, num_warps=4, spl
     tiles = triton.cdiv(N, bn)
     sk = _split_k(tiles, K // meta['STEP'], x.device, split_k)
     out_dtype = out_dtype or x.dtype
-    out = torch.zeros(M, N, dtype=torch.float32, device=x.device) if sk > 1 else torch.empty(M, N, dtype=out_dtype, device=x.device)
-    _gemv_kernel[(tiles, sk)](x, wq, wb, out, M, N, K, x.stride(0), out.stride(0), wpr, bpr, sk,
-                              BM=bm, BN=bn, ATOMIC=sk > 1, num_warps=num_warps, **meta)
+    out = (
+        torch.zeros(M, N, dtype=torch.float32, device=x.device)
+        if sk > 1
+        else torch.empty(M, N, dtype=out_dtype, device=x.device)
+    )
+    _gemv_kernel[(tiles, sk)](
+        x,
+        wq,
+        wb,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        out.stride(0),
+        wpr,
+        bpr,
+        sk,
+        BM=bm,
+        BN=bn,
+        ATOMIC=sk > 1,
+        num_warps=num_warps,
+        **meta,
+    )
     return out.to(out_dtype)
 
 
@@ -450,11 +546,32 @@ def gguf_mm(x, qweight, qtype, N, K, out_dtype=None, bm=None, bn=None, num_warps
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     sk = _split_k(tiles, K // meta['STEP'], x.device, split_k)
     out_dtype = out_dtype or x.dtype
-    out = torch.zeros(M, N, dtype=torch.float32, device=x.device) if sk > 1 else torch.empty(M, N, dtype=out_dtype, device=x.device)
+    out = (
+        torch.zeros(M, N, dtype=torch.float32, device=x.device)
+        if sk > 1
+        else torch.empty(M, N, dtype=out_dtype, device=x.device)
+    )
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), sk)](
-        x, wq, wb, out, M, N, K, x.stride(0), out.stride(0), wpr, bpr, sk,
-        BM=bm, BN=bn, ATOMIC=sk > 1, PREC=prec, num_warps=num_warps, **meta)
+        x,
+        wq,
+        wb,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        out.stride(0),
+        wpr,
+        bpr,
+        sk,
+        BM=bm,
+        BN=bn,
+        ATOMIC=sk > 1,
+        PREC=prec,
+        num_warps=num_warps,
+        **meta,
+    )
     return out.to(out_dtype)
 
 
@@ -463,8 +580,9 @@ def gguf_dequantize(qweight, qtype, N, K, dtype=torch.float16, bn=None, num_warp
     wq, wb, wpr, bpr, meta = _plan(qweight, qtype, N, K)
     bn = bn or (8 if _INTERPRET else 32)
     out = torch.empty(N, K, dtype=dtype, device=qweight.device)
-    _dequant_kernel[(triton.cdiv(N, bn), K // meta['STEP'])](wq, wb, out, N, K, wpr, bpr, BN=bn,
-                                                             num_warps=num_warps, **meta)
+    _dequant_kernel[(triton.cdiv(N, bn), K // meta['STEP'])](
+        wq, wb, out, N, K, wpr, bpr, BN=bn, num_warps=num_warps, **meta
+    )
     return out
 
 
@@ -476,9 +594,12 @@ def gguf_matmul(x, qweight, qtype, N, K):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if M == 0: return x.new_empty(*lead, N)
-    if M <= GEMV_MAX_M: y = gguf_gemv(x2, qweight, qtype, N, K)
-    elif M <= MM_MAX_M: y = gguf_mm(x2, qweight, qtype, N, K)
+    if M == 0:
+        return x.new_empty(*lead, N)
+    if M <= GEMV_MAX_M:
+        y = gguf_gemv(x2, qweight, qtype, N, K)
+    elif M <= MM_MAX_M:
+        y = gguf_mm(x2, qweight, qtype, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
         y = (x2.to(wdt) @ gguf_dequantize(qweight, qtype, N, K, dtype=wdt).T).to(x.dtype)

@@ -6,6 +6,7 @@ visible, so a notebook or script that uses a kernel works on a CPU-only machine 
 (`cvllm_lab.kernels`) imports this module before any kernel module, and every kernel module reads `INTERPRET` from
 here rather than the environment. The decision is for the process: the variable is read by Triton, not only by us.
 """
+
 import os
 
 __all__ = ['INTERPRET', 'decide']
@@ -18,8 +19,10 @@ def decide(environ=None, cuda_available=None) -> bool:
     if 'TRITON_INTERPRET' not in env:
         if cuda_available is None:
             import torch
+
             cuda_available = torch.cuda.is_available()
-        if cuda_available: return False
+        if cuda_available:
+            return False
         env['TRITON_INTERPRET'] = '1'
     return env['TRITON_INTERPRET'] == '1'
 

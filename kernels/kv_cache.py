@@ -9,6 +9,7 @@ own fp32 scale in `k_scale` / `v_scale` `[num_blocks, block_size, num_kv_heads]`
 head `h` has its scale at `s * num_kv_heads + h`. A write quantizes each row with `scale = max|x| / 448`,
 `x8 = clamp(x / scale, -448, 448)` (round to nearest even); a read (`paged_attention`) dequantizes `x8 * scale`.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +17,17 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.rotary import rotary_pairs, rotate_heads, apply_rotary_ref
 
-__all__ = ['reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'quantize_kv_ref',
-           'check_fp8_scales', 'FP8_MAX', 'FP8_DTYPE', 'SCALE_MIN']
+__all__ = [
+    'reshape_and_cache',
+    'reshape_and_cache_ref',
+    'rotary_and_cache',
+    'rotary_and_cache_ref',
+    'quantize_kv_ref',
+    'check_fp8_scales',
+    'FP8_MAX',
+    'FP8_DTYPE',
+    'SCALE_MIN',
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -28,6 +38,7 @@ _FP8_MAX, _SCALE_MIN = tl.constexpr(FP8_MAX), tl.constexpr(SCALE_MIN)  # the sam
 # ---------------------------------------------------------------------------------------------------------------
 # References
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def quantize_kv_ref(x):
     "FP8 rows with one scale each: `x` `[T, Hkv, D]` -> (`float8_e4m3fn` `[T, Hkv, D]`, fp32 scales `[T, Hkv]`)."
@@ -60,6 +71,7 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=No
 # reshape_and_cache
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _round_to_e4m3(x):
     # x fp32 in [-448, 448] -> the nearest e4m3 value (ties to even), still fp32, so that the cast that follows is
@@ -87,25 +99,80 @@ def _store_row(x, cache_ptr, scale_ptr, slot, h, d, mask, num_kv_heads, FP8: tl.
 
 
 @triton.jit
-def _store_kv(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, h, d, mask,
-              stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_kv_heads,
-              BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+def _store_kv(
+    k,
+    v,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot,
+    h,
+    d,
+    mask,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+):
     "Write one token's K and V rows `[BLOCK_H, BLOCK_D]` to cache slot `slot` (>= 0)."
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    _store_row(k, k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d, k_scale_ptr, slot, h, d,
-               mask, num_kv_heads, FP8)
-    _store_row(v, v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d, v_scale_ptr, slot, h, d,
-               mask, num_kv_heads, FP8)
+    _store_row(
+        k,
+        k_cache_ptr + blk * stride_kcb + off * stride_kco + h * stride_kch + d,
+        k_scale_ptr,
+        slot,
+        h,
+        d,
+        mask,
+        num_kv_heads,
+        FP8,
+    )
+    _store_row(
+        v,
+        v_cache_ptr + blk * stride_vcb + off * stride_vco + h * stride_vch + d,
+        v_scale_ptr,
+        slot,
+        h,
+        d,
+        mask,
+        num_kv_heads,
+        FP8,
+    )
 
 
 @triton.jit
-def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-                              stride_kt, stride_kh, stride_vt, stride_vh,
-                              stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
-                              num_kv_heads, head_dim,
-                              BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                              FP8: tl.constexpr):
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -114,40 +181,97 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
         mask = (h < num_kv_heads) & (d < head_dim)
         k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
         v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-        _store_kv(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, h, d, mask,
-                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_kv_heads, BLOCK_SIZE, FP8)
+        _store_kv(
+            k,
+            v,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            slot,
+            h,
+            d,
+            mask,
+            stride_kcb,
+            stride_kco,
+            stride_kch,
+            stride_vcb,
+            stride_vco,
+            stride_vch,
+            num_kv_heads,
+            BLOCK_SIZE,
+            FP8,
+        )
 
 
 def check_fp8_scales(k_cache, k_scale, v_scale):
     "True for an FP8 cache (whose scales must be contiguous fp32 `[num_blocks, block_size, Hkv]`)."
-    if k_cache.dtype != FP8_DTYPE: return False
+    if k_cache.dtype != FP8_DTYPE:
+        return False
     for sc in (k_scale, v_scale):
-        assert sc is not None and sc.dtype == torch.float32 and sc.is_contiguous() and sc.shape == k_cache.shape[:3], \
-            "an FP8 cache needs contiguous fp32 scales [num_blocks, block_size, num_kv_heads]"
+        assert sc is not None and sc.dtype == torch.float32 and sc.is_contiguous() and sc.shape == k_cache.shape[:3], (
+            'an FP8 cache needs contiguous fp32 scales [num_blocks, block_size, num_kv_heads]'
+        )
     return True
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     "Triton `reshape_and_cache_ref`: scatter `key`/`value` `[T, Hkv, D]` to their slots (slots < 0 skipped)."
     T, Hkv, D = key.shape
-    if T == 0: return
+    if T == 0:
+        return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     fp8 = check_fp8_scales(k_cache, k_scale, v_scale)
     _reshape_and_cache_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale if fp8 else key, v_scale if fp8 else value,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        Hkv, D, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
-        BLOCK_D=triton.next_power_of_2(D), FP8=fp8, num_warps=4 if Hkv * D >= 1024 else 1)
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale if fp8 else key,
+        v_scale if fp8 else value,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        Hkv,
+        D,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(Hkv),
+        BLOCK_D=triton.next_power_of_2(D),
+        FP8=fp8,
+        num_warps=4 if Hkv * D >= 1024 else 1,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # rotary_and_cache: the rotary embedding fused with the cache write (one launch per layer instead of two)
 # ---------------------------------------------------------------------------------------------------------------
 
-def rotary_and_cache_ref(q, key, value, positions, cos_sin_cache, head_dim, is_neox, k_cache, v_cache, slot_mapping,
-                         k_scale=None, v_scale=None, k_out=None, q_out=None, rms=None):
+
+def rotary_and_cache_ref(
+    q,
+    key,
+    value,
+    positions,
+    cos_sin_cache,
+    head_dim,
+    is_neox,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    k_scale=None,
+    v_scale=None,
+    k_out=None,
+    q_out=None,
+    rms=None,
+):
     """Reference: `apply_rotary_ref` on q and k, then `reshape_and_cache_ref` of the rotated k and v; returns rotated q
     (also written to `q_out` if given; and writes the rotated k to `k_out` `[T, Hkv, D]` if given). `rms=(ssq, n, eps)`:
     q, k and v are first scaled by each token's `rsqrt(ssq / n + eps)` (an RMSNorm's 1/rms, applied late)."""
@@ -156,7 +280,8 @@ def rotary_and_cache_ref(q, key, value, positions, cos_sin_cache, head_dim, is_n
         q, key, value = q * s, key * s, value * s
     qr, kr = apply_rotary_ref(q, key, positions, cos_sin_cache, head_dim, is_neox)
     reshape_and_cache_ref(kr.view(key.shape), value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if k_out is not None: k_out.copy_(kr.view(key.shape))
+    if k_out is not None:
+        k_out.copy_(kr.view(key.shape))
     return qr if q_out is None else q_out.copy_(qr.view(q_out.shape))
 
 
@@ -172,14 +297,56 @@ def _rotated_rows(base, stride_h, n_heads, h, d, p, first, rot, c, sn, head_dim)
 
 
 @triton.jit
-def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                             k_scale_ptr, v_scale_ptr, k_out_ptr, q_out_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                             stride_vt, stride_vh, stride_c, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
-                             stride_vch, stride_ot, stride_oh, stride_qot, stride_qoh, n_q_heads, num_kv_heads, head_dim,
-                             ssq_ptr, stride_ssq, inv_n, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_HQ: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr, FP8: tl.constexpr,
-                             K_OUT: tl.constexpr, Q_OUT: tl.constexpr, RMS: tl.constexpr, PDL: tl.constexpr):
+def _rotary_and_cache_kernel(
+    q_ptr,
+    key_ptr,
+    value_ptr,
+    pos_ptr,
+    cs_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_out_ptr,
+    q_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_ot,
+    stride_oh,
+    stride_qot,
+    stride_qoh,
+    n_q_heads,
+    num_kv_heads,
+    head_dim,
+    ssq_ptr,
+    stride_ssq,
+    inv_n,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    FP8: tl.constexpr,
+    K_OUT: tl.constexpr,
+    Q_OUT: tl.constexpr,
+    RMS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One token: rotate its q heads (in place, pairs as `_rotary_kernel`; Q_OUT: into `q_out` instead, whole heads),
     and write its rotated k and its v to the cache slot (`K_OUT`: the rotated k also to `k_out`). k is not written
     back: each k element is rotated from itself and its partner in registers (`_rotated_rows`), which another warp
@@ -197,8 +364,8 @@ def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache
     rot = d < 2 * HALF
     if IS_NEOX:
         first = d < HALF
-        j = tl.where(first, d, d - HALF)             # index into cos / sin
-        p = tl.where(first, d + HALF, d - HALF)      # pair partner
+        j = tl.where(first, d, d - HALF)  # index into cos / sin
+        p = tl.where(first, d + HALF, d - HALF)  # pair partner
     else:
         first = (d % 2) == 0
         j = d // 2
@@ -220,14 +387,49 @@ def _rotary_and_cache_kernel(q_ptr, key_ptr, value_ptr, pos_ptr, cs_ptr, k_cache
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     if RMS:
         y, v = y * s, v * s
-    if K_OUT: tl.store(k_out_ptr + t * stride_ot + h * stride_oh + d, y.to(k_out_ptr.dtype.element_ty), mask=mask)
+    if K_OUT:
+        tl.store(k_out_ptr + t * stride_ot + h * stride_oh + d, y.to(k_out_ptr.dtype.element_ty), mask=mask)
     if slot >= 0:
-        _store_kv(y, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, h, d, mask,
-                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_kv_heads, BLOCK_SIZE, FP8)
+        _store_kv(
+            y,
+            v,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            slot,
+            h,
+            d,
+            mask,
+            stride_kcb,
+            stride_kco,
+            stride_kch,
+            stride_vcb,
+            stride_vco,
+            stride_vch,
+            num_kv_heads,
+            BLOCK_SIZE,
+            FP8,
+        )
 
 
-def rotary_and_cache(q, key, value, positions, cos_sin_cache, head_dim, is_neox, k_cache, v_cache, slot_mapping,
-                     k_scale=None, v_scale=None, k_out=None, q_out=None, rms=None):
+def rotary_and_cache(
+    q,
+    key,
+    value,
+    positions,
+    cos_sin_cache,
+    head_dim,
+    is_neox,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    k_scale=None,
+    v_scale=None,
+    k_out=None,
+    q_out=None,
+    rms=None,
+):
     """Triton `rotary_and_cache_ref`: `q` `[T, H, D]` rotated in place (returned), the rotated `key` and `value`
     `[T, Hkv, D]` scattered to their slots (slots < 0 skipped; `key` itself is left as it was). `k_out` `[T, Hkv, D]`
     (last dim contiguous): also gets every token's rotated key (with a slot or not), e.g. for attention over a
@@ -242,22 +444,63 @@ def rotary_and_cache(q, key, value, positions, cos_sin_cache, head_dim, is_neox,
     assert q.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_out is None or (k_out.shape == key.shape and k_out.stride(-1) == 1)
     assert q_out is None or (q_out.shape == q.shape and q_out.stride(-1) == 1)
-    assert rms is None or (q_out is not None and rms[0].dtype == torch.float32 and rms[0].shape == (T,)), \
-        "rms needs q_out and fp32 ssq [T]"
-    if T == 0: return q if q_out is None else q_out
+    assert rms is None or (q_out is not None and rms[0].dtype == torch.float32 and rms[0].shape == (T,)), (
+        'rms needs q_out and fp32 ssq [T]'
+    )
+    if T == 0:
+        return q if q_out is None else q_out
     fp8 = check_fp8_scales(k_cache, k_scale, v_scale)
     ko = key if k_out is None else k_out
     qo = q if q_out is None else q_out
     _rotary_and_cache_kernel[(T,)](
-        q, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        k_scale if fp8 else key, v_scale if fp8 else value, ko, qo,
-        q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ko.stride(0), ko.stride(1), qo.stride(0), qo.stride(1),
-        H, Hkv, D, q if rms is None else rms[0], 0 if rms is None else rms[0].stride(0),
-        1.0 if rms is None else 1.0 / rms[1], 0.0 if rms is None else rms[2],
-        HALF=rot_dim // 2, BLOCK_R=triton.next_power_of_2(rot_dim // 2), BLOCK_HQ=triton.next_power_of_2(H),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
-        IS_NEOX=is_neox, FP8=fp8, K_OUT=k_out is not None, Q_OUT=q_out is not None, RMS=rms is not None,
-        num_warps=4 if H * D >= 2048 else 1, **pdl_kw(q.device))
+        q,
+        key,
+        value,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale if fp8 else key,
+        v_scale if fp8 else value,
+        ko,
+        qo,
+        q.stride(0),
+        q.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        ko.stride(0),
+        ko.stride(1),
+        qo.stride(0),
+        qo.stride(1),
+        H,
+        Hkv,
+        D,
+        q if rms is None else rms[0],
+        0 if rms is None else rms[0].stride(0),
+        1.0 if rms is None else 1.0 / rms[1],
+        0.0 if rms is None else rms[2],
+        HALF=rot_dim // 2,
+        BLOCK_R=triton.next_power_of_2(rot_dim // 2),
+        BLOCK_HQ=triton.next_power_of_2(H),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(Hkv),
+        BLOCK_D=triton.next_power_of_2(D),
+        IS_NEOX=is_neox,
+        FP8=fp8,
+        K_OUT=k_out is not None,
+        Q_OUT=q_out is not None,
+        RMS=rms is not None,
+        num_warps=4 if H * D >= 2048 else 1,
+        **pdl_kw(q.device),
+    )
     return qo

@@ -11,7 +11,7 @@ latent not normed). Three launches would follow (`rms_norm` of `c_kv`, `apply_ro
 Numerics as the three kernels it replaces (fp32 inside, stored in the cache's / q's dtype). An FP8 cache
 (`kv_scale [num_blocks, block_size]`) gets the row quantized with one scale, as `concat_and_cache_mla` does.
 """
-import torch
+
 import triton
 import triton.language as tl
 
@@ -22,8 +22,9 @@ from cvllm_lab.kernels.rotary import apply_rotary_ref, rotary_pairs, rotate_head
 __all__ = ['mla_rope_norm_cache', 'mla_rope_norm_cache_ref']
 
 
-def mla_rope_norm_cache_ref(q, latent, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, P: int,
-                            is_neox: bool, kv_scale=None):
+def mla_rope_norm_cache_ref(
+    q, latent, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, P: int, is_neox: bool, kv_scale=None
+):
     "`q [T, H, P + R]` rotated in place; `[rms_norm(latent[:, :L]) | rope(latent[:, L:])]` written at `slot_mapping`."
     L = kv_cache.shape[-1] - q.shape[-1] + P
     R = q.shape[-1] - P
@@ -33,10 +34,33 @@ def mla_rope_norm_cache_ref(q, latent, positions, cos_sin_cache, norm_weight, ep
 
 
 @triton.jit
-def _prepare_kernel(q_ptr, lat_ptr, pos_ptr, cs_ptr, w_ptr, cache_ptr, scale_ptr, slot_ptr, eps, H, L,
-                    stride_qt, stride_qh, stride_lt, stride_c, stride_cb, stride_co,
-                    P: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_L: tl.constexpr, PAGE: tl.constexpr, IS_NEOX: tl.constexpr, FP8: tl.constexpr):
+def _prepare_kernel(
+    q_ptr,
+    lat_ptr,
+    pos_ptr,
+    cs_ptr,
+    w_ptr,
+    cache_ptr,
+    scale_ptr,
+    slot_ptr,
+    eps,
+    H,
+    L,
+    stride_qt,
+    stride_qh,
+    stride_lt,
+    stride_c,
+    stride_cb,
+    stride_co,
+    P: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    PAGE: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    FP8: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i1, i2, r_ok, cos, sin = rotary_pairs(cs_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
@@ -54,9 +78,12 @@ def _prepare_kernel(q_ptr, lat_ptr, pos_ptr, cs_ptr, w_ptr, cache_ptr, scale_ptr
         k2 = tl.load(lat + L + i2[None, :], mask=r_ok[None, :], other=0.0).to(tl.float32)
         y1 = tl.where(r_ok[None, :], k1 * cos - k2 * sin, 0.0)
         y2 = tl.where(r_ok[None, :], k2 * cos + k1 * sin, 0.0)
-        if FP8:   # one scale for the whole row [c | k_pe]
-            scale = fp8_row_scale(tl.maximum(tl.maximum(tl.max(tl.abs(c), 0), tl.max(tl.max(tl.abs(y1), 1), 0)),
-                                             tl.max(tl.max(tl.abs(y2), 1), 0)))
+        if FP8:  # one scale for the whole row [c | k_pe]
+            scale = fp8_row_scale(
+                tl.maximum(
+                    tl.maximum(tl.max(tl.abs(c), 0), tl.max(tl.max(tl.abs(y1), 1), 0)), tl.max(tl.max(tl.abs(y2), 1), 0)
+                )
+            )
             tl.store(scale_ptr + slot, scale)
             c, y1, y2 = fp8_quantize(c, scale), fp8_quantize(y1, scale), fp8_quantize(y2, scale)
         tl.store(row + offs, c.to(cache_ptr.dtype.element_ty), mask=ok)
@@ -64,8 +91,9 @@ def _prepare_kernel(q_ptr, lat_ptr, pos_ptr, cs_ptr, w_ptr, cache_ptr, scale_ptr
         tl.store(row + L + i2[None, :], y2.to(cache_ptr.dtype.element_ty), mask=r_ok[None, :])
 
 
-def mla_rope_norm_cache(q, latent, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, P: int,
-                        is_neox: bool, kv_scale=None):
+def mla_rope_norm_cache(
+    q, latent, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, P: int, is_neox: bool, kv_scale=None
+):
     """Triton `mla_rope_norm_cache_ref`: `q [T, H, P + R]` (head dim contiguous), `latent [T, L + R]` (last dim
     contiguous, rows may be strided), `cos_sin_cache [max_pos, R]`, `kv_cache [num_blocks, block_size, L + R]`."""
     T, H, D = q.shape
@@ -74,10 +102,33 @@ def mla_rope_norm_cache(q, latent, positions, cos_sin_cache, norm_weight, eps, k
     assert q.stride(-1) == 1 and latent.stride(-1) == 1 and kv_cache.stride(-1) == 1 and latent.shape[1] == L + R
     assert cos_sin_cache.shape[-1] == R and cos_sin_cache.stride(-1) == 1
     fp8 = check_mla_fp8_scale(kv_cache, kv_scale)
-    if T == 0: return
-    _prepare_kernel[(T,)](q, latent, positions, cos_sin_cache, norm_weight, kv_cache, kv_scale if fp8 else latent,
-                          slot_mapping, eps, H, L,
-                          q.stride(0), q.stride(1), latent.stride(0), cos_sin_cache.stride(0), kv_cache.stride(0),
-                          kv_cache.stride(1), P=P, HALF=R // 2, BLOCK_R=triton.next_power_of_2(R // 2),
-                          BLOCK_H=triton.next_power_of_2(H), BLOCK_L=triton.next_power_of_2(L),
-                          PAGE=kv_cache.shape[1], IS_NEOX=is_neox, FP8=fp8, num_warps=4 if H * R >= 1024 or L >= 256 else 1)
+    if T == 0:
+        return
+    _prepare_kernel[(T,)](
+        q,
+        latent,
+        positions,
+        cos_sin_cache,
+        norm_weight,
+        kv_cache,
+        kv_scale if fp8 else latent,
+        slot_mapping,
+        eps,
+        H,
+        L,
+        q.stride(0),
+        q.stride(1),
+        latent.stride(0),
+        cos_sin_cache.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        P=P,
+        HALF=R // 2,
+        BLOCK_R=triton.next_power_of_2(R // 2),
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_L=triton.next_power_of_2(L),
+        PAGE=kv_cache.shape[1],
+        IS_NEOX=is_neox,
+        FP8=fp8,
+        num_warps=4 if H * R >= 1024 or L >= 256 else 1,
+    )

@@ -4,6 +4,7 @@
 input dtype. The fused variant first forms `new_residual = x + residual` (rounded to the residual dtype, as an
 unfused model would store it) and normalizes that.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -26,16 +27,33 @@ def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
 
 
 @triton.jit(do_not_specialize=['n_rows'])
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     stride_x, stride_xi, inner, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_xi,
+    inner,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (offs < n_cols)[None, :]
-    w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)   # a weight: safe before the wait
+    w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)  # a weight: safe before the wait
     pdl_wait(PDL)
     pdl_launch(PDL)
-    x_rows = (rows // inner) * stride_x + (rows % inner) * stride_xi   # x: rows of [outer, inner, n_cols]
+    x_rows = (rows // inner) * stride_x + (rows % inner) * stride_xi  # x: rows of [outer, inner, n_cols]
     x = tl.load(x_ptr + x_rows[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + rows[:, None] * stride_r + offs[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -43,8 +61,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         tl.store(res_out_ptr + rows[:, None] * stride_ro + offs[None, :], x, mask=mask)
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / n_cols + eps)
-    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + offs[None, :],
+        (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _rows(t):
@@ -66,18 +87,40 @@ def _x_rows(x):
 def _launch(x, residual, weight, eps, out, res_out):
     n = x.shape[-1]
     block = triton.next_power_of_2(n)
-    if residual is None: x2, sx, sxi, inner = _x_rows(x)
-    else: x2 = _rows(x); sx, sxi, inner = x2.stride(0), 0, 1
+    if residual is None:
+        x2, sx, sxi, inner = _x_rows(x)
+    else:
+        x2 = _rows(x)
+        sx, sxi, inner = x2.stride(0), 0, 1
     r2 = _rows(residual) if residual is not None else x2
     o2, ro2 = out.view(-1, n), (res_out.view(-1, n) if res_out is not None else out.view(-1, n))
     m = o2.shape[0]
-    if m == 0: return
+    if m == 0:
+        return
     # short rows (QK-norm's head_dim rows) are packed several to a program: one row of 128 values per program
     # leaves most of a warp's loads idle and needs hundreds of thousands of programs
     rows = max(1, min(16, 2048 // block, triton.next_power_of_2(m)))
-    _rms_norm_kernel[(triton.cdiv(m, rows),)](x2, r2, weight, o2, ro2, sx, sxi, inner, r2.stride(0), o2.stride(0),
-                                              ro2.stride(0), m, n, eps, HAS_RESIDUAL=residual is not None, ROWS=rows,
-                                              BLOCK=block, **pdl_kw(x2.device), num_warps=min(16, max(1, rows * block // 256)))
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](
+        x2,
+        r2,
+        weight,
+        o2,
+        ro2,
+        sx,
+        sxi,
+        inner,
+        r2.stride(0),
+        o2.stride(0),
+        ro2.stride(0),
+        m,
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        ROWS=rows,
+        BLOCK=block,
+        **pdl_kw(x2.device),
+        num_warps=min(16, max(1, rows * block // 256)),
+    )
 
 
 def rms_norm(x, weight, eps: float = 1e-6, out=None):

@@ -40,6 +40,7 @@ Logit soft-capping (`softcap`, Gemma 2's `attn_logit_softcapping`): each score b
 before the causal / sliding-window mask and the softmax; the kernel applies it to the log2-unit scores as
 `cap log2(e) tanh(s / (cap log2(e)))`, the same map, behind a constexpr flag (no cost when off).
 """
+
 import functools
 import math
 
@@ -48,20 +49,40 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.kv_cache import (FP8_DTYPE, FP8_MAX, check_fp8_scales, quantize_kv_ref, reshape_and_cache,
-                                        reshape_and_cache_ref, rotary_and_cache, rotary_and_cache_ref)
+from cvllm_lab.kernels.kv_cache import (
+    FP8_DTYPE,
+    FP8_MAX,
+    check_fp8_scales,
+    quantize_kv_ref,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+    rotary_and_cache,
+    rotary_and_cache_ref,
+)
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
 # the cache writes (`kv_cache`) are re-exported: callers find the whole paged-KV API here
-__all__ = ['paged_attention', 'paged_attention_ref', 'decode_config', 'pick_decode_config', 'MIN_KEYS_PER_SPLIT',
-           'reshape_and_cache', 'reshape_and_cache_ref', 'rotary_and_cache', 'rotary_and_cache_ref', 'quantize_kv_ref',
-           'FP8_MAX', 'FP8_DTYPE']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
+__all__ = [
+    'paged_attention',
+    'paged_attention_ref',
+    'decode_config',
+    'pick_decode_config',
+    'MIN_KEYS_PER_SPLIT',
+    'reshape_and_cache',
+    'reshape_and_cache_ref',
+    'rotary_and_cache',
+    'rotary_and_cache_ref',
+    'quantize_kv_ref',
+    'FP8_MAX',
+    'FP8_DTYPE',
+]
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None):
     """Masked attention of a padded batch in fp32: `q` `[B, H, M, D]`, `k`/`v` `[B, Hkv, L, D]`,
@@ -72,12 +93,13 @@ def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None)
     G = H // Hkv
     kpos = torch.arange(L, device=q.device)
     mask = (kpos <= qpos[..., None]) & (kpos < kv_len[:, None, None])  # [B, M, L]
-    if sliding_window is not None: mask &= kpos > qpos[..., None] - sliding_window
+    if sliding_window is not None:
+        mask &= kpos > qpos[..., None] - sliding_window
     mask |= ~mask.any(-1, keepdim=True)  # padded query rows: attend anywhere, result is dropped
     # GQA without copying K/V: the G heads sharing a KV head become G*M rows of that head
     qg = q.float().reshape(B, Hkv, G * M, D)
     mg = mask[:, None, None].expand(B, 1, G, M, L).reshape(B, 1, G * M, L)
-    if softcap:   # SDPA has no soft-capping: scores, cap, mask, softmax written out
+    if softcap:  # SDPA has no soft-capping: scores, cap, mask, softmax written out
         s = qg @ k.float().transpose(-1, -2) * scale
         s = (torch.tanh(s / softcap) * softcap).masked_fill(~mg, float('-inf'))
         return (s.softmax(-1) @ v.float()).reshape(B, H, M, D)
@@ -91,23 +113,38 @@ def _gather_kv(cache, block_tables, n, scale=None):
     nblk = (n + bs - 1) // bs
     idx = block_tables[:, :nblk].long()
     g = cache[idx]  # [B, nblk, bs, Hkv, D]
-    if scale is not None: g = g.float() * scale[idx][..., None]
+    if scale is not None:
+        g = g.float() * scale[idx][..., None]
     return g.reshape(g.shape[0], nblk * bs, *cache.shape[2:])[:, :n].transpose(1, 2)
 
 
 REF_SCORE_BUDGET = 1 << 26  # fp32 scores per query chunk of the reference's prefill path (256 MiB)
 
 
-def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                        sliding_window: int | None = None, max_query_len: int | None = None,
-                        max_seq_len: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None, out=None):
+def paged_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    scale,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale=None,
+    v_scale=None,
+    softcap: float | None = None,
+    out=None,
+):
     """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]` (in `out` if given).
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
     chunks that keep the score matrix small. Rows past `query_start_loc[-1]` are zero. `max_query_len` and
     `max_seq_len` are accepted for parity with `paged_attention` and not needed here. FP8 caches are read
     through their per-row scales `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`. `softcap` (Gemma 2's
     `attn_logit_softcapping`): each score `s` becomes `softcap * tanh(s / softcap)`."""
-    if k_cache.dtype == FP8_DTYPE: assert k_scale is not None and v_scale is not None, "an FP8 cache needs its scales"
+    if k_cache.dtype == FP8_DTYPE:
+        assert k_scale is not None and v_scale is not None, 'an FP8 cache needs its scales'
     T, H, D = q.shape
     qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
     B, dev = len(sl), q.device
@@ -125,18 +162,19 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         out[rows] = o[:, :, 0].to(q.dtype)
     for b in range(B):
         n = q_lens[b]
-        if n <= 1 or sl[b] == 0: continue
+        if n <= 1 or sl[b] == 0:
+            continue
         ctx = sl[b] - n
         chunk = max(1, REF_SCORE_BUDGET // (H * sl[b]))
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             L = ctx + e  # keys visible to the chunk's last query
-            k = _gather_kv(k_cache, block_tables[b:b + 1], L, k_scale)
-            v = _gather_kv(v_cache, block_tables[b:b + 1], L, v_scale)
+            k = _gather_kv(k_cache, block_tables[b : b + 1], L, k_scale)
+            v = _gather_kv(v_cache, block_tables[b : b + 1], L, v_scale)
             qpos = torch.arange(ctx + s, ctx + e, device=dev)[None]
-            qc = q[qsl[b] + s:qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
+            qc = q[qsl[b] + s : qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
             o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap)
-            out[qsl[b] + s:qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
+            out[qsl[b] + s : qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
     return out if dst is None else dst.copy_(out)
 
 
@@ -148,30 +186,57 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 # sequences (`DecodeSplit`) passes views that start at any int32 offset, and must not compile another binary
 _META = ['qsl_ptr', 'seq_lens_ptr', 'block_tables_ptr']
 
-@triton.jit(do_not_specialize=['num_seqs', 'stride_bt', 'stride_pt', 'stride_ph'] + _META, do_not_specialize_on_alignment=_META)
+
+@triton.jit(
+    do_not_specialize=['num_seqs', 'stride_bt', 'stride_pt', 'stride_ph'] + _META, do_not_specialize_on_alignment=_META
+)
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        qsl_ptr, seq_lens_ptr, block_tables_ptr,
-        k_scale_ptr, v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
-        qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
-        softcap,  # logit soft-cap (SOFTCAP only), in natural units
-        num_seqs, head_dim, num_kv_heads,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-        stride_bt, stride_pt, stride_ph,
-        QUERIES_PER_KV: tl.constexpr,  # G = num_heads // num_kv_heads
-        G_P: tl.constexpr,  # G rounded up to a power of 2
-        BLOCK_Q: tl.constexpr,  # query tokens per tile
-        BLOCK_M: tl.constexpr,  # rows per tile, >= BLOCK_Q * G_P (row r = token r // G_P, head r % G_P)
-        HEAD_DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
-        WINDOW: tl.constexpr,  # sliding window (0: off)
-        DIRECT: tl.constexpr,  # program 0-axis index == sequence index (every q_len <= BLOCK_Q)
-        SPLIT: tl.constexpr,  # write unnormalized partials for _merge_splits_kernel instead of the output
-        PRECISION: tl.constexpr,
-        DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
-        FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
-        SOFTCAP: tl.constexpr,  # tanh soft-capping of the scores (Gemma 2)
-        PDL: tl.constexpr):
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
+    qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
+    softcap,  # logit soft-cap (SOFTCAP only), in natural units
+    num_seqs,
+    head_dim,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    QUERIES_PER_KV: tl.constexpr,  # G = num_heads // num_kv_heads
+    G_P: tl.constexpr,  # G rounded up to a power of 2
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_M: tl.constexpr,  # rows per tile, >= BLOCK_Q * G_P (row r = token r // G_P, head r % G_P)
+    HEAD_DIM_P: tl.constexpr,
+    PAGE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window (0: off)
+    DIRECT: tl.constexpr,  # program 0-axis index == sequence index (every q_len <= BLOCK_Q)
+    SPLIT: tl.constexpr,  # write unnormalized partials for _merge_splits_kernel instead of the output
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
+    FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
+    SOFTCAP: tl.constexpr,  # tanh soft-capping of the scores (Gemma 2)
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)
     pdl_launch(PDL)
     tile = tl.program_id(0)
@@ -213,8 +278,11 @@ def _paged_attention_kernel(
         token = (q_start + q_idx).to(tl.int64)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < head_dim
-        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if DOT_F32:
             q = q.to(tl.float32)
 
@@ -241,8 +309,11 @@ def _paged_attention_kernel(
             blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
             page_off = offs_n % PAGE
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None]
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
             if FP8_KV:
                 k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
                 scale_idx = (blk * PAGE + page_off) * num_kv_heads + kvh
@@ -264,8 +335,11 @@ def _paged_attention_kernel(
             alpha = tl.math.exp2(m_i - m_safe)  # rescale of the old sums to the new max
             p = tl.math.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None]
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(
+                v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
             if FP8_KV:  # dequantize the tile in fp32 (folding vs into p could underflow fp16 probabilities)
                 v_scale = tl.load(v_scale_ptr + scale_idx, mask=n_ok, other=0.0)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
@@ -284,14 +358,29 @@ def _paged_attention_kernel(
             tl.store(part_acc_ptr + ph[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(
+                out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
 
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_pt', 'stride_ph'])
-def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, head_dim,
-                         stride_ot, stride_oh, stride_pt, stride_ph,
-                         SPLITS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, PDL: tl.constexpr):
+def _merge_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_splits,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ph,
+    SPLITS_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits have m_s = -inf)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -308,8 +397,7 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_spli
     offs_d = tl.arange(0, HEAD_DIM_P)
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < head_dim)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,10 +405,10 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-MIN_KEYS_PER_SPLIT = 256   # the runner's short-context decode graphs are captured with this `max_seq_len` bound
+MIN_KEYS_PER_SPLIT = 256  # the runner's short-context decode graphs are captured with this `max_seq_len` bound
 
 
-MAX_KV_SPLITS = 32         # the split count's cap; the merge kernel's compile-time width (one binary for all counts)
+MAX_KV_SPLITS = 32  # the split count's cap; the merge kernel's compile-time width (one binary for all counts)
 
 
 def decode_config(num_seqs: int, max_seq_len: int, head_dim: int, device: torch.device) -> dict:
@@ -332,7 +420,8 @@ def decode_config(num_seqs: int, max_seq_len: int, head_dim: int, device: torch.
     the Triton interpreter) takes `default`. Buckets are the runner's CUDA-graph batch sizes, so capturing the
     graphs compiles every binary the tables name."""
     T = configs_for('paged_attention', device)
-    if _INTERPRET or device.type != 'cuda': return T['default']
+    if _INTERPRET or device.type != 'cuda':
+        return T['default']
     return pick_decode_config(T, num_seqs, max_seq_len, head_dim)
 
 
@@ -341,13 +430,15 @@ def pick_decode_config(tables: dict, num_seqs: int, max_seq_len: int, head_dim: 
     below `num_seqs` of `decode` and, under a short bound, of `short`, which wins a tie."""
     names = ('short', 'decode') if max_seq_len <= MIN_KEYS_PER_SPLIT else ('decode',)
     found = [(b, name == 'short', name) for name in names for d, b in tables[name] if d == head_dim and b <= num_seqs]
-    if not found: return tables['default']
+    if not found:
+        return tables['default']
     b, _, name = max(found)
     return tables[name][head_dim, b]
 
 
-def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=MIN_KEYS_PER_SPLIT,
-                        max_splits=MAX_KV_SPLITS, waves=4):
+def _default_num_splits(
+    q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_split=MIN_KEYS_PER_SPLIT, max_splits=MAX_KV_SPLITS, waves=4
+):
     "Enough KV splits for about `waves` waves of programs, each covering >= `min_keys_per_split` keys."
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 8
     want = triton.cdiv(waves * sms, max(1, num_seqs * num_kv_heads))
@@ -357,10 +448,24 @@ def _default_num_splits(q, num_seqs, num_kv_heads, max_seq_len, min_keys_per_spl
 DECODE_MAX_QUERY_LEN = 8  # batches whose longest query is at most this many tokens take the split-KV path
 
 
-def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                    sliding_window: int | None = None, max_query_len: int | None = None,
-                    max_seq_len: int | None = None, out=None, num_kv_splits: int | None = None,
-                    k_scale=None, v_scale=None, softcap: float | None = None, config: dict | None = None):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    scale,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out=None,
+    num_kv_splits: int | None = None,
+    k_scale=None,
+    v_scale=None,
+    softcap: float | None = None,
+    config: dict | None = None,
+):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
 
@@ -374,10 +479,14 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     assert H % Hkv == 0, (H, Hkv)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     fp8 = check_fp8_scales(k_cache, k_scale, v_scale)
-    if out is None: out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    if T == 0 or B == 0: return out
-    if max_query_len is None: max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    if max_seq_len is None: max_seq_len = int(seq_lens.max())
+    if out is None:
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0 or B == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
 
     G = H // Hkv
     G_P = triton.next_power_of_2(G)
@@ -392,11 +501,14 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         # chunk, or a prompt cached but for a few tokens, must not compile a new binary mid-serving
         block_q = 1 if max_query_len <= 1 else DECODE_MAX_QUERY_LEN
         block_m = max(16, block_q * G_P)
-        cfg = config or (decode_config(B, max_seq_len, D_P, q.device) if block_q == 1 else
-                         configs_for('paged_attention', q.device)['default'])
+        cfg = config or (
+            decode_config(B, max_seq_len, D_P, q.device)
+            if block_q == 1
+            else configs_for('paged_attention', q.device)['default']
+        )
         splits = num_kv_splits or _default_num_splits(q, B, Hkv, max_seq_len, cfg['min_keys'], waves=cfg['waves'])
         grid = (B, Hkv, splits)
-        tile_n = min(cfg['tile_n'], 32) if fp32 or D_P > 128 else cfg['tile_n']   # fp32 / wide heads: registers
+        tile_n = min(cfg['tile_n'], 32) if fp32 or D_P > 128 else cfg['tile_n']  # fp32 / wide heads: registers
         warps, stages = cfg['num_warps'], (2 if fp32 else cfg['num_stages'])
     else:
         block_m = max(16, 64 if fp32 or D_P > 128 else 128, G_P)
@@ -413,19 +525,69 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     else:
         part_m = part_l = part_acc = out  # unused
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables, k_scale if fp8 else q, v_scale if fp8 else q, qk_scale,
-        float(softcap or 1.0), B, D, Hkv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), H * splits, splits,
-        QUERIES_PER_KV=G, G_P=G_P, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_P=D_P, PAGE=page,
-        TILE_N=tile_n, WINDOW=sliding_window or 0, DIRECT=decode, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
-        FP8_KV=fp8, SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages, **pdl_kw(q.device))
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        k_scale if fp8 else q,
+        v_scale if fp8 else q,
+        qk_scale,
+        float(softcap or 1.0),
+        B,
+        D,
+        Hkv,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        H * splits,
+        splits,
+        QUERIES_PER_KV=G,
+        G_P=G_P,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM_P=D_P,
+        PAGE=page,
+        TILE_N=tile_n,
+        WINDOW=sliding_window or 0,
+        DIRECT=decode,
+        SPLIT=split,
+        PRECISION=precision,
+        DOT_F32=dot_f32,
+        FP8_KV=fp8,
+        SOFTCAP=bool(softcap),
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_kw(q.device),
+    )
     if split:
         _merge_splits_kernel[(T, H)](
-            out, part_acc, part_m, part_l, splits, D, out.stride(0), out.stride(1), H * splits, splits,
-            SPLITS_P=max(MAX_KV_SPLITS, triton.next_power_of_2(splits)), HEAD_DIM_P=D_P, num_warps=4 if D_P >= 128 else 2,
-            **pdl_kw(q.device))
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            splits,
+            D,
+            out.stride(0),
+            out.stride(1),
+            H * splits,
+            splits,
+            SPLITS_P=max(MAX_KV_SPLITS, triton.next_power_of_2(splits)),
+            HEAD_DIM_P=D_P,
+            num_warps=4 if D_P >= 128 else 2,
+            **pdl_kw(q.device),
+        )
     return out

@@ -16,6 +16,7 @@ Off under the Triton interpreter, before sm_90, and with the environment variabl
 `pdl=True` to force the kernels' PDL code paths (the interpreter then skips only the two instructions), so the CPU
 tests cover them too.
 """
+
 import functools
 import os
 
@@ -27,7 +28,7 @@ from cvllm_lab.kernels.interpret import INTERPRET
 
 __all__ = ['pdl_kw', 'pdl_on', 'pdl_wait', 'pdl_launch']
 _INTERPRET = tl.constexpr(INTERPRET)
-PDL_ENABLED = os.environ.get('CVLLM_PDL', '1') != '0'   # read once, at import (`cvllm_lab.envs` lists it)
+PDL_ENABLED = os.environ.get('CVLLM_PDL', '1') != '0'  # read once, at import (`cvllm_lab.envs` lists it)
 
 
 @functools.lru_cache(None)
@@ -37,7 +38,8 @@ def _sm90(index: int) -> bool:
 
 def pdl_on(device) -> bool:
     "Whether kernels on `device` are launched with PDL."
-    if device.type != 'cuda' or INTERPRET or not PDL_ENABLED: return False
+    if device.type != 'cuda' or INTERPRET or not PDL_ENABLED:
+        return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 

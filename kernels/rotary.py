@@ -7,6 +7,7 @@ then `sin(p * inv_freq)`. The first `rot_dim <= head_dim` dims of every head are
 
 NeoX / HF-Llama style pairs dim `i` with `i + rot_dim/2` (rotate halves); GPT-J style pairs `2i` with `2i+1`.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +35,7 @@ def apply_rotary_ref(q, k, positions, cos_sin_cache, head_dim: int, is_neox: boo
     "Rotated copies of `q` `[T, H*D]` (or `[T, H, D]`) and `k` (or None), computed in fp32."
     rot_dim = cos_sin_cache.shape[-1]
     cs = cos_sin_cache[positions.long()].float()
-    cos, sin = cs[:, :rot_dim // 2], cs[:, rot_dim // 2:]
+    cos, sin = cs[:, : rot_dim // 2], cs[:, rot_dim // 2 :]
     qo = _rotate_ref(q, cos, sin, head_dim, rot_dim, is_neox).to(q.dtype)
     ko = None if k is None else _rotate_ref(k, cos, sin, head_dim, rot_dim, is_neox).to(k.dtype)
     return qo, ko
@@ -69,9 +70,25 @@ def rotary_pairs(cs_row_ptr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX:
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    n_q_heads,
+    n_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_K: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i1, i2, r_ok, cos, sin = rotary_pairs(cache_ptr + pos * stride_c, HALF, BLOCK_R, IS_NEOX)
@@ -94,12 +111,28 @@ def apply_rotary(q, k, positions, cos_sin_cache, head_dim: int, is_neox: bool = 
     T = q.shape[0]
     rot_dim = cos_sin_cache.shape[-1]
     assert rot_dim <= head_dim and rot_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
-    if T == 0: return q, k
+    if T == 0:
+        return q, k
     sqt, sqh, hq = _strides(q, head_dim)
     skt, skh, hk = _strides(k, head_dim) if k is not None else (0, 0, 0)
-    _rotary_kernel[(T,)](q, q if k is None else k, positions, cos_sin_cache, sqt, sqh, skt, skh,
-                         cos_sin_cache.stride(0), hq, hk, HALF=rot_dim // 2,
-                         BLOCK_R=triton.next_power_of_2(rot_dim // 2), BLOCK_HQ=triton.next_power_of_2(hq),
-                         BLOCK_HK=triton.next_power_of_2(max(hk, 1)), IS_NEOX=is_neox, HAS_K=k is not None,
-                         num_warps=4 if hq * rot_dim >= 2048 else 1)
+    _rotary_kernel[(T,)](
+        q,
+        q if k is None else k,
+        positions,
+        cos_sin_cache,
+        sqt,
+        sqh,
+        skt,
+        skh,
+        cos_sin_cache.stride(0),
+        hq,
+        hk,
+        HALF=rot_dim // 2,
+        BLOCK_R=triton.next_power_of_2(rot_dim // 2),
+        BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HK=triton.next_power_of_2(max(hk, 1)),
+        IS_NEOX=is_neox,
+        HAS_K=k is not None,
+        num_warps=4 if hq * rot_dim >= 2048 else 1,
+    )
     return q, k

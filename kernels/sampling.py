@@ -22,12 +22,22 @@ left strictly inside the interval; the next pivot splits that hull, and the sear
 boundary is pinned between two adjacent attained values (at most ~33 passes, usually far fewer; rows without
 top-k/top-p do none).
 """
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ['apply_penalties', 'apply_penalties_ref', 'sample', 'sample_ref', 'sampling_thresholds',
-           'sampling_mask_ref', 'compute_logprobs', 'argmax', 'GREEDY_EPS']
+__all__ = [
+    'apply_penalties',
+    'apply_penalties_ref',
+    'sample',
+    'sample_ref',
+    'sampling_thresholds',
+    'sampling_mask_ref',
+    'compute_logprobs',
+    'argmax',
+    'GREEDY_EPS',
+]
 
 GREEDY_EPS = 1e-5
 KEY_BIG: tl.constexpr = tl.constexpr(1 << 40)  # beyond every key
@@ -37,6 +47,7 @@ KEY_NEG_INF: tl.constexpr = tl.constexpr(-2139095041)  # _key(-inf): bits 0xFF80
 # ---------------------------------------------------------------------------------------------------------------
 # References
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def apply_penalties_ref(logits, prompt_mask, output_counts, repetition, frequency, presence):
     "Repetition / frequency / presence penalties, in place on `logits` `[B, V]` fp32; returns `logits`."
@@ -104,9 +115,21 @@ def compute_logprobs(logits, k: int, token_ids=None):
 # Penalties
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _penalties_kernel(logits_ptr, prompt_ptr, counts_ptr, rep_ptr, freq_ptr, pres_ptr, V,
-                      stride_l, stride_p, stride_c, BLOCK: tl.constexpr):
+def _penalties_kernel(
+    logits_ptr,
+    prompt_ptr,
+    counts_ptr,
+    rep_ptr,
+    freq_ptr,
+    pres_ptr,
+    V,
+    stride_l,
+    stride_p,
+    stride_c,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
@@ -129,17 +152,30 @@ def apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, p
     B, V = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
     assert prompt_mask.stride(-1) == 1 and output_counts.stride(-1) == 1
-    if B == 0: return logits
+    if B == 0:
+        return logits
     block = min(4096, triton.next_power_of_2(V))
     _penalties_kernel[(B, triton.cdiv(V, block))](
-        logits, prompt_mask.view(torch.uint8), output_counts, repetition, frequency, presence, V,
-        logits.stride(0), prompt_mask.stride(0), output_counts.stride(0), BLOCK=block, num_warps=4)
+        logits,
+        prompt_mask.view(torch.uint8),
+        output_counts,
+        repetition,
+        frequency,
+        presence,
+        V,
+        logits.stride(0),
+        prompt_mask.stride(0),
+        output_counts.stride(0),
+        BLOCK=block,
+        num_warps=4,
+    )
     return logits
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def _key(x):
@@ -225,14 +261,14 @@ def _threshold_key(row_ptr, V, temp, m, top_k, top_p, min_p, BLOCK: tl.constexpr
     thr = key_min
     # top-k: lo ends on the k-th largest key (count(key >= lo) >= k > count(key >= hi))
     if (top_k > 0) & (top_k < V):
-        lo, hi = _bisect(row_ptr, V, temp, m, key_min, _key(m) + 1, top_k.to(tl.float32), key_min,
-                         MASS=False, BLOCK=BLOCK)
+        lo, hi = _bisect(
+            row_ptr, V, temp, m, key_min, _key(m) + 1, top_k.to(tl.float32), key_min, MASS=False, BLOCK=BLOCK
+        )
         thr = lo
     # top-p over the top-k survivors: hi ends on the smallest key whose strictly-larger mass is < p * Z
     if top_p < 1.0:
         z, _, _, _, _ = _scan(row_ptr, V, temp, m, key_min, thr - 1, key_min, thr, MASS=True, BLOCK=BLOCK)
-        _, hi = _bisect(row_ptr, V, temp, m, thr - 1, _key(m), tl.maximum(top_p, 1e-9) * z, thr,
-                        MASS=True, BLOCK=BLOCK)
+        _, hi = _bisect(row_ptr, V, temp, m, thr - 1, _key(m), tl.maximum(top_p, 1e-9) * z, thr, MASS=True, BLOCK=BLOCK)
         thr = hi
     # min-p: l >= max + log(min_p)
     if min_p > 0.0:
@@ -255,9 +291,22 @@ def _argmax_raw(row_ptr, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, out_ptr, thr_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
-                   offset_ptr, V, stride_l, GREEDY_EPS: tl.constexpr, THRESHOLDS_ONLY: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    out_ptr,
+    thr_ptr,
+    temp_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    offset_ptr,
+    V,
+    stride_l,
+    GREEDY_EPS: tl.constexpr,
+    THRESHOLDS_ONLY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     temp = tl.load(temp_ptr + row).to(tl.float32)
@@ -268,8 +317,16 @@ def _sample_kernel(logits_ptr, out_ptr, thr_ptr, temp_ptr, top_k_ptr, top_p_ptr,
             tl.store(out_ptr + row, _argmax_raw(row_ptr, V, BLOCK).to(tl.int64))
     else:
         m = _row_max(row_ptr, V, temp, BLOCK)
-        thr = _threshold_key(row_ptr, V, temp, m, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row).to(tl.float32),
-                             tl.load(min_p_ptr + row).to(tl.float32), BLOCK)
+        thr = _threshold_key(
+            row_ptr,
+            V,
+            temp,
+            m,
+            tl.load(top_k_ptr + row),
+            tl.load(top_p_ptr + row).to(tl.float32),
+            tl.load(min_p_ptr + row).to(tl.float32),
+            BLOCK,
+        )
         if THRESHOLDS_ONLY:
             tl.store(thr_ptr + row, _unkey(tl.maximum(thr, KEY_NEG_INF)))
         else:
@@ -298,15 +355,30 @@ def _launch_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, thr
     B, V = logits.shape
     assert logits.stride(-1) == 1
     res = torch.empty(B, dtype=torch.float32 if thresholds_only else torch.int64, device=logits.device)
-    if B == 0: return res
+    if B == 0:
+        return res
     block = min(2048, triton.next_power_of_2(V))
     # the kernel indexes per-row tensors by row: make them dense (an `expand`ed view has stride 0; no copy otherwise)
     temperature, top_k, top_p, min_p = (t.contiguous() for t in (temperature, top_k, top_p, min_p))
     seeds, offsets = (None if t is None else t.contiguous() for t in (seeds, offsets))
     dummy = res if seeds is None else seeds
-    _sample_kernel[(B,)](logits, res, res, temperature, top_k, top_p, min_p,
-                         dummy, dummy if offsets is None else offsets, V, logits.stride(0),
-                         GREEDY_EPS=GREEDY_EPS, THRESHOLDS_ONLY=thresholds_only, BLOCK=block, num_warps=8)
+    _sample_kernel[(B,)](
+        logits,
+        res,
+        res,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        dummy,
+        dummy if offsets is None else offsets,
+        V,
+        logits.stride(0),
+        GREEDY_EPS=GREEDY_EPS,
+        THRESHOLDS_ONLY=thresholds_only,
+        BLOCK=block,
+        num_warps=8,
+    )
     return res
 
 
@@ -326,6 +398,7 @@ def sampling_thresholds(logits, temperature, top_k, top_p, min_p):
 # Greedy argmax of few long rows, in one launch
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _argmax_kernel(logits_ptr, out_ptr, best_ptr, cnt_ptr, V, stride_l, BLOCK: tl.constexpr):
     """Program (row, chunk): the chunk's first maximum as one int64 `_key(value) << 32 | (2**32 - 1 - index)`,
@@ -335,7 +408,7 @@ def _argmax_kernel(logits_ptr, out_ptr, best_ptr, cnt_ptr, V, stride_l, BLOCK: t
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < V, other=float('-inf')).to(tl.float32) + 0.0
-    m = tl.max(x, 0)                    # + 0.0 above: -0.0 becomes +0.0 (torch's argmax treats them as equal)
+    m = tl.max(x, 0)  # + 0.0 above: -0.0 becomes +0.0 (torch's argmax treats them as equal)
     i = tl.min(tl.where(x == m, offs, V), 0).to(tl.int64)
     key = (_key(m) << 32) | (0xFFFFFFFF - i)
     tl.atomic_max(best_ptr + row, key, sem='relaxed')
@@ -356,12 +429,14 @@ def argmax(logits, block: int = 4096):
     B, V = logits.shape
     assert logits.stride(-1) == 1 and V < 2**31
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    if B == 0: return out
+    if B == 0:
+        return out
     ws = _ARGMAX_WS.get(logits.device)
     if ws is None or ws[0].numel() < B:
         n = max(B, 64)
-        ws = _ARGMAX_WS[logits.device] = (torch.full((n,), -2**63, dtype=torch.int64, device=logits.device),
-                                          torch.zeros(n, dtype=torch.int32, device=logits.device))
-    _argmax_kernel[(B, triton.cdiv(V, block))](logits, out, ws[0], ws[1], V, logits.stride(0), BLOCK=block,
-                                               num_warps=8)
+        ws = _ARGMAX_WS[logits.device] = (
+            torch.full((n,), -(2**63), dtype=torch.int64, device=logits.device),
+            torch.zeros(n, dtype=torch.int32, device=logits.device),
+        )
+    _argmax_kernel[(B, triton.cdiv(V, block))](logits, out, ws[0], ws[1], V, logits.stride(0), BLOCK=block, num_warps=8)
     return out

@@ -22,9 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ['split_add', 'split_take', 'store_out', 'split_k_workspace', 'workspaces', 'num_sms', 'pick_split',
-           'split_for', 'm_bucket', 'batched_plan', 'set_batch_invariant', 'batch_invariant']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
+__all__ = [
+    'split_add',
+    'split_take',
+    'store_out',
+    'split_k_workspace',
+    'workspaces',
+    'num_sms',
+    'pick_split',
+    'split_for',
+    'm_bucket',
+    'batched_plan',
+    'set_batch_invariant',
+    'batch_invariant',
+]
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
 
 @triton.jit
@@ -32,7 +44,7 @@ def split_add(y, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
     """Add the fp32 tile `y` into the workspace at `wsp` and count this program on the counter at `cnt_ptr`; True
     for the last of the SPLIT programs of the tile, which then calls `split_take`."""
     tl.atomic_add(wsp, y, mask=mask, sem='relaxed')
-    tl.debug_barrier()                                  # all of this program's adds before its release below
+    tl.debug_barrier()  # all of this program's adds before its release below
     return tl.atomic_add(cnt_ptr, 1, sem='acq_rel') == SPLIT - 1
 
 
@@ -40,7 +52,7 @@ def split_add(y, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
 def split_take(y, mask, wsp, cnt_ptr):
     "The tile's sum, leaving workspace and counter at zero for the next call (no memset, no cast kernel)."
     tot = tl.load(wsp, mask=mask, other=0.0, cache_modifier='.cg')
-    tl.debug_barrier()                                  # every thread has read before any thread zeroes
+    tl.debug_barrier()  # every thread has read before any thread zeroes
     tl.store(wsp, tl.zeros_like(y), mask=mask)
     tl.store(cnt_ptr, 0)
     return tot
@@ -77,8 +89,10 @@ def split_k_workspace(device, numel, ncounters):
     key = str(device)
     ws = _WS.get(key)
     if ws is None or ws[0].numel() < numel or ws[1].numel() < ncounters:
-        ws = (torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device),
-              torch.zeros(max(ncounters, 1 << 16), dtype=torch.int32, device=device))
+        ws = (
+            torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device),
+            torch.zeros(max(ncounters, 1 << 16), dtype=torch.int32, device=device),
+        )
         _WS_ALL.append(ws)
         _WS[key] = ws
     return ws
@@ -97,7 +111,8 @@ def num_sms(device):
 def pick_split(tiles, want, multiple=1):
     "Largest split s <= want with tiles % s == 0 and (tiles // s) % multiple == 0."
     for s in range(max(1, min(want, tiles)), 0, -1):
-        if tiles % s == 0 and (tiles // s) % multiple == 0: return s
+        if tiles % s == 0 and (tiles // s) % multiple == 0:
+            return s
     return 1
 
 
@@ -105,14 +120,17 @@ def split_for(cfg, tiles, progs, multiple, device):
     """Splits of `tiles` K-tiles for a launch of `progs` programs per split: `cfg['split']` where it divides them
     into multiples of `multiple`, else enough to bring the grid near `cfg['target']` (default 2) programs per SM.
     Batch-invariant mode: 1."""
-    if _BATCH_INVARIANT[0]: return 1
-    if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0: return cfg['split']
+    if _BATCH_INVARIANT[0]:
+        return 1
+    if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0:
+        return cfg['split']
     return pick_split(tiles, triton.cdiv(int(cfg.get('target', 2) * num_sms(device)), progs), multiple)
 
 
 def m_bucket(M):
     "The row bucket (16, 32, 64, 128) of the batched kernels' config tables (16 for every M in batch-invariant mode)."
-    if _BATCH_INVARIANT[0]: return 16
+    if _BATCH_INVARIANT[0]:
+        return 16
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
@@ -128,7 +146,15 @@ def batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages, split_k, targe
     if split_k is None:
         split_k = split_for(cfg if default else {'target': target or cfg.get('target', 2)}, tiles, grid_mn, 1, x.device)
     elif tiles % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} {what}")
+        raise ValueError(f'split_k={split_k} must divide the {tiles} {what}')
     ws, cnt = split_k_workspace(x.device, M * N, grid_mn)
-    return (bm, bn, num_warps or cfg['num_warps'], num_stages or cfg['num_stages'], split_k,
-            torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device), ws, cnt)
+    return (
+        bm,
+        bn,
+        num_warps or cfg['num_warps'],
+        num_stages or cfg['num_stages'],
+        split_k,
+        torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device),
+        ws,
+        cnt,
+    )

@@ -11,6 +11,7 @@ map from a key to a config, where the key is a comma-separated list of integers,
 kernel reads, and what their fields mean, are described in `configs/README.md`. The returned tables are shared:
 callers must not modify them.
 """
+
 import functools
 import json
 import re
@@ -24,14 +25,16 @@ _INT_KEY = re.compile(r'^-?\d+(,-?\d+)*$')
 
 
 def _key(k: str):
-    if not _INT_KEY.match(k): return k
+    if not _INT_KEY.match(k):
+        return k
     v = tuple(int(p) for p in k.split(','))
     return v[0] if len(v) == 1 else v
 
 
 def _parse(obj):
     "JSON -> tables: integer-list keys as int tuples (one integer: an int), recursively."
-    if isinstance(obj, dict): return {_key(k): _parse(v) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        return {_key(k): _parse(v) for k, v in obj.items()}
     return obj
 
 
@@ -45,13 +48,15 @@ def load_configs(kernel: str, device: str = 'default') -> dict:
     "The tables of `kernel` for `device` (a `device_key`, or 'default'): `default.json`, updated by `<device>.json`."
     tables = _parse(json.loads((CONFIG_DIR / kernel / 'default.json').read_text()))
     path = CONFIG_DIR / kernel / f'{device}.json'
-    if device != 'default' and path.exists(): tables.update(_parse(json.loads(path.read_text())))
+    if device != 'default' and path.exists():
+        tables.update(_parse(json.loads(path.read_text())))
     return tables
 
 
 @functools.lru_cache(None)
 def _device_name(device: torch.device) -> str:
-    if device.type != 'cuda': return 'default'
+    if device.type != 'cuda':
+        return 'default'
     return device_key(torch.cuda.get_device_name(device))
 
 

@@ -20,6 +20,7 @@ Split-K in all of them goes through the self-zeroing workspace of `split_k` (one
 configurations are data: `configs/<kernel>/<device>.json` (`tuned`). The measurements behind the choices are in
 `results/NOTES.md`.
 """
+
 import torch
 
 from cvllm_lab.kernels.activation import silu_and_mul
@@ -28,8 +29,22 @@ from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_pack
 from cvllm_lab.kernels.w4a16_mm import tc_supported, w4a16_dequantize, w4a16_mm, w4a16_tc
 from cvllm_lab.kernels.w4a16_mma import mma_supported, w4a16_mma
 
-__all__ = ['w4a16_matmul', 'w4a16_matmul_ref', 'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_mma', 'w4a16_dequantize',
-           'tc_supported', 'mma_supported', 'MM_MAX_M', 'TILE_K', 'padded_k', 'check_layout', 'dequantize_packed_ref']
+__all__ = [
+    'w4a16_matmul',
+    'w4a16_matmul_ref',
+    'w4a16_gemv',
+    'w4a16_mm',
+    'w4a16_tc',
+    'w4a16_mma',
+    'w4a16_dequantize',
+    'tc_supported',
+    'mma_supported',
+    'MM_MAX_M',
+    'TILE_K',
+    'padded_k',
+    'check_layout',
+    'dequantize_packed_ref',
+]
 
 MM_MAX_M = 128  # above: dequantize once + cuBLAS
 
@@ -45,17 +60,20 @@ def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=F
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if M == 0: return x.new_empty(*lead, N // 2 if act else N)
+    if M == 0:
+        return x.new_empty(*lead, N // 2 if act else N)
     if M == 1:
         one = w4a16_mma if mma_supported(x2, bits, group, N, K) else w4a16_gemv
         return one(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)
     if M <= MM_MAX_M and tc_supported(x2, bits, group, K):
         return w4a16_tc(x2, qweight, scales, offsets, bits, group, N, K, sym=sym, act=act).reshape(*lead, -1)
-    elif M <= MM_MAX_M: y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
+    elif M <= MM_MAX_M:
+        y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
     else:
         wdt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
         y = (x2.to(wdt) @ w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=wdt).T).to(x.dtype)
-    if act: y = silu_and_mul(y, interleaved=True)
+    if act:
+        y = silu_and_mul(y, interleaved=True)
     return y.reshape(*lead, -1)
 
 

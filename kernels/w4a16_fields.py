@@ -10,6 +10,7 @@ two shifts per word, so 8 weights cost 2 shifts + 8 LOP3. Each field then stands
 its own bit position `b`; x is pre-scaled by `2**(23 - b)` (`x_slot`, folded into x's bf16 -> fp32 conversion) so
 that every field adds `x q`, and the sums start at `-sum(x * 2**(23 - b))` (`x_start`) to cancel the `1`s.
 """
+
 import triton
 import triton.language as tl
 

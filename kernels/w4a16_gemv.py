@@ -38,7 +38,7 @@ from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f, field_slot, x_slot,
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['w4a16_gemv']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
 
 @triton.jit
@@ -69,8 +69,22 @@ def _gemv_put(y, y2, out_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH:
 
 
 @triton.jit
-def _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr, rn, nmask, nmask2, col0, N, BNH: tl.constexpr, NH: tl.constexpr,
-              ACT: tl.constexpr, SPLIT: tl.constexpr):
+def _gemv_end(
+    acc,
+    acc2,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    rn,
+    nmask,
+    nmask2,
+    col0,
+    N,
+    BNH: tl.constexpr,
+    NH: tl.constexpr,
+    ACT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """A GEMV program's epilogue: reduce its accumulators over the rows and write the columns (`_gemv_put`); with
     SPLIT > 1, both halves go into the workspace with one count per program on `cnt_ptr` (`split_add`'s barrier
     covers both adds) and the tile's last program writes."""
@@ -121,17 +135,38 @@ def _x_field(xb, kb, rc, K, J: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
-               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr, SYM: tl.constexpr = False):
+def _gemv_tile(
+    acc,
+    acc2,
+    words,
+    words2,
+    xb,
+    s_ptr,
+    o_ptr,
+    sp,
+    rn,
+    rc,
+    nmask,
+    nmask2,
+    kb,
+    K,
+    ONE,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    NH: tl.constexpr,
+    BNH: tl.constexpr,
+    SYM: tl.constexpr = False,
+):
     """acc[C, BNH] += the products of one K-tile: `words` [C, BNH], x at `xb` (+ field offsets), scale rows from
     `sp`; with NH = 2 also acc2 for `words2`, the columns BNH further on, with the same x values (each thread holds
     the same rows of both, so one x load and conversion serves 8 columns instead of 4). SYM (4-bit, groups >= 64):
     offsets are -8 scale, folded into the sums' start (`x_start`)."""
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
-    JPG: tl.constexpr = GW // C                # bit fields per scale group
-    NG: tl.constexpr = 128 // GW               # scale groups per tile
+    JPG: tl.constexpr = GW // C  # bit fields per scale group
+    NG: tl.constexpr = 128 // GW  # scale groups per tile
     SLOT: tl.constexpr = BITS == 4 and JPG > 2  # fields where they lie (`field_slot`), x scaled to match
     for gi in tl.static_range(NG):
         row = (kb + gi * GW) // G * sp
@@ -139,7 +174,7 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
         s2, o2 = s, o
         if NH == 2:
             s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N, SLOT)
-        if SLOT:   # x sums first (the loads below are the same, CSE'd): xs = sum x, xsp = sum x * 2**E
+        if SLOT:  # x sums first (the loads below are the same, CSE'd): xs = sum x, xsp = sum x * 2**E
             for jj in tl.static_range(JPG):
                 xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
                 if jj == 0:
@@ -164,7 +199,7 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
                 f2 = f
                 if NH == 2:
                     f2 = field_f(words2, gi * JPG + jj, BITS, ONE)
-                if JPG <= 2:   # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
+                if JPG <= 2:  # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
                     acc += (f * s[None, :] + o[None, :]) * xj[:, None]
                     if NH == 2:
                         acc2 += (f2 * s2[None, :] + o2[None, :]) * xj[:, None]
@@ -179,7 +214,7 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
                             tf2 += f2 * xj[:, None]
                         xs += xj
         if JPG > 2:
-            acc += tf * s[None, :]       # two separate updates: two FFMAs, not FMUL + FFMA + FADD
+            acc += tf * s[None, :]  # two separate updates: two FFMAs, not FMUL + FFMA + FADD
             if not (SLOT and SYM):
                 acc += xs[:, None] * o[None, :]
             if NH == 2:
@@ -190,9 +225,30 @@ def _gemv_tile(acc, acc2, words, words2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nm
 
 
 @triton.jit
-def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nmask, nmask2, kb, K, ONE,
-                  G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BNH: tl.constexpr,
-                  SYM: tl.constexpr):
+def _gemv_tile_rs(
+    acc,
+    acc2,
+    wa,
+    wb,
+    wa2,
+    wb2,
+    xb,
+    s_ptr,
+    o_ptr,
+    sp,
+    rn,
+    rc,
+    nmask,
+    nmask2,
+    kb,
+    K,
+    ONE,
+    G: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BNH: tl.constexpr,
+    SYM: tl.constexpr,
+):
     """`_gemv_tile` for 4-bit groups >= 64 with NH = 2, the K-tile's 16 word rows as two `[8, BNH]` halves (`wa`:
     rows 0-7, `wb`: 8-15; `wa2`, `wb2` the columns BNH further on): a thread holds one row of each half and chains
     both into one `[8, BNH]` sum per column tile, so the per-group scale updates and the accumulators are half
@@ -204,7 +260,7 @@ def _gemv_tile_rs(acc, acc2, wa, wb, wa2, wb2, xb, s_ptr, o_ptr, sp, rn, rc, nma
         row = (kb + gi * GW) // G * sp
         s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, 4, EVEN_N, True)
         s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, 4, EVEN_N, True)
-        for jj in tl.static_range(JPG):   # x sums first (the loads below are the same, CSE'd)
+        for jj in tl.static_range(JPG):  # x sums first (the loads below are the same, CSE'd)
             xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
             xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
             if jj == 0:
@@ -241,8 +297,19 @@ def _wload(ptr, mask, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH: tl.constexpr, BNH: tl.constexpr,
-                RS: tl.constexpr = False, EVEN_N: tl.constexpr = False):
+def _gemv_words(
+    wp,
+    t,
+    N,
+    nmask,
+    nmask2,
+    C: tl.constexpr,
+    TPI: tl.constexpr,
+    NH: tl.constexpr,
+    BNH: tl.constexpr,
+    RS: tl.constexpr = False,
+    EVEN_N: tl.constexpr = False,
+):
     """The word tiles `[C, BNH]` of one iteration: K-tiles t .. t + TPI - 1 (NH = 1), or (K-tile, column half)
     (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones. RS: the
     `[C / 2, BNH]` row halves (rows, columns) (0, 0), (1, 0), (0, 1), (1, 1) of K-tile t."""
@@ -272,38 +339,239 @@ def _gemv_words(wp, t, N, nmask, nmask2, C: tl.constexpr, TPI: tl.constexpr, NH:
 
 
 @triton.jit
-def _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-               BITS: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TPI: tl.constexpr,
-               NH: tl.constexpr, BNH: tl.constexpr, RS: tl.constexpr = False, SYM: tl.constexpr = False):
+def _gemv_iter(
+    acc,
+    acc2,
+    w0,
+    w1,
+    w2,
+    w3,
+    t,
+    x_ptr,
+    s_ptr,
+    o_ptr,
+    N,
+    rn,
+    rc,
+    nmask,
+    nmask2,
+    K,
+    ONE,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    TPI: tl.constexpr,
+    NH: tl.constexpr,
+    BNH: tl.constexpr,
+    RS: tl.constexpr = False,
+    SYM: tl.constexpr = False,
+):
     "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
     if RS:
-        acc, acc2 = _gemv_tile_rs(acc, acc2, w0, w1, w2, w3, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                  nmask2, t * 128, K, ONE, G, EVEN_K, EVEN_N, BNH, SYM)
+        acc, acc2 = _gemv_tile_rs(
+            acc,
+            acc2,
+            w0,
+            w1,
+            w2,
+            w3,
+            x_ptr + t * 128 + rc,
+            s_ptr,
+            o_ptr,
+            N,
+            rn,
+            rc,
+            nmask,
+            nmask2,
+            t * 128,
+            K,
+            ONE,
+            G,
+            EVEN_K,
+            EVEN_N,
+            BNH,
+            SYM,
+        )
     elif NH == 1:
-        acc, acc2 = _gemv_tile(acc, acc2, w0, w0, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+        acc, acc2 = _gemv_tile(
+            acc,
+            acc2,
+            w0,
+            w0,
+            x_ptr + t * 128 + rc,
+            s_ptr,
+            o_ptr,
+            N,
+            rn,
+            rc,
+            nmask,
+            nmask2,
+            t * 128,
+            K,
+            ONE,
+            BITS,
+            G,
+            EVEN_K,
+            EVEN_N,
+            NH,
+            BNH,
+            SYM,
+        )
         if TPI > 1:
-            acc, acc2 = _gemv_tile(acc, acc2, w1, w1, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+            acc, acc2 = _gemv_tile(
+                acc,
+                acc2,
+                w1,
+                w1,
+                x_ptr + (t + 1) * 128 + rc,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                (t + 1) * 128,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                NH,
+                BNH,
+                SYM,
+            )
         if TPI > 2:
-            acc, acc2 = _gemv_tile(acc, acc2, w2, w2, x_ptr + (t + 2) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 2) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
-            acc, acc2 = _gemv_tile(acc, acc2, w3, w3, x_ptr + (t + 3) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 3) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+            acc, acc2 = _gemv_tile(
+                acc,
+                acc2,
+                w2,
+                w2,
+                x_ptr + (t + 2) * 128 + rc,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                (t + 2) * 128,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                NH,
+                BNH,
+                SYM,
+            )
+            acc, acc2 = _gemv_tile(
+                acc,
+                acc2,
+                w3,
+                w3,
+                x_ptr + (t + 3) * 128 + rc,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                (t + 3) * 128,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                NH,
+                BNH,
+                SYM,
+            )
     else:
-        acc, acc2 = _gemv_tile(acc, acc2, w0, w1, x_ptr + t * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                               t * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+        acc, acc2 = _gemv_tile(
+            acc,
+            acc2,
+            w0,
+            w1,
+            x_ptr + t * 128 + rc,
+            s_ptr,
+            o_ptr,
+            N,
+            rn,
+            rc,
+            nmask,
+            nmask2,
+            t * 128,
+            K,
+            ONE,
+            BITS,
+            G,
+            EVEN_K,
+            EVEN_N,
+            NH,
+            BNH,
+            SYM,
+        )
         if TPI > 1:
-            acc, acc2 = _gemv_tile(acc, acc2, w2, w3, x_ptr + (t + 1) * 128 + rc, s_ptr, o_ptr, N, rn, rc, nmask,
-                                   nmask2, (t + 1) * 128, K, ONE, BITS, G, EVEN_K, EVEN_N, NH, BNH, SYM)
+            acc, acc2 = _gemv_tile(
+                acc,
+                acc2,
+                w2,
+                w3,
+                x_ptr + (t + 1) * 128 + rc,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                (t + 1) * 128,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                NH,
+                BNH,
+                SYM,
+            )
     return acc, acc2
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TPS, ONE,
-                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, TPI: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PF: tl.constexpr,
-                 PDL: tl.constexpr, ACT: tl.constexpr, NH: tl.constexpr, RS: tl.constexpr, SYM: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    TPS,
+    ONE,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    TPI: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PF: tl.constexpr,
+    PDL: tl.constexpr,
+    ACT: tl.constexpr,
+    NH: tl.constexpr,
+    RS: tl.constexpr,
+    SYM: tl.constexpr,
+):
     """out[n] = sum_k x[k] W[n, k] for the BN columns of program axis 0 and the TPS K-tiles of program axis 1
     (ACT: `silu(gate) * up` of interleaved gate/up columns, `_store_act`), as NH tiles of BN / NH columns that
     share their x loads. TPI K-tiles per iteration, all loads first (more bytes in flight per thread). With PF the
@@ -317,14 +585,14 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     tl.static_assert(not RS or (BITS == 4 and G >= 64 and NH == 2 and TPI == 1))
     tl.static_assert(not SYM or (BITS == 4 and G >= 64))
     C: tl.constexpr = 4 * BITS
-    CR: tl.constexpr = C // (1 + RS)   # word rows per tile
+    CR: tl.constexpr = C // (1 + RS)  # word rows per tile
     BNH: tl.constexpr = BN // NH
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     col0 = pid_n * BN
     rn = col0 + tl.arange(0, BNH)
     rc = tl.arange(0, CR)
-    wp = qw_ptr + rc[:, None] * N + rn[None, :]   # [CR, BNH] word tile of K-tile 0
+    wp = qw_ptr + rc[:, None] * N + rn[None, :]  # [CR, BNH] word tile of K-tile 0
     nmask = rn < N
     nmask2 = rn + BNH < N
     acc = tl.zeros([CR, BNH], dtype=tl.float32)
@@ -333,37 +601,188 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, TP
     ts = t0
     if PF or PDL:
         n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
-    pdl_wait(PDL)   # the words above are weights; x and the outputs come after the wait
+    pdl_wait(PDL)  # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
     if PDL:
-        if not PF:   # peel the first iteration: its words are in flight already
-            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t0, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K, ONE,
-                                   BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+        if not PF:  # peel the first iteration: its words are in flight already
+            acc, acc2 = _gemv_iter(
+                acc,
+                acc2,
+                n0,
+                n1,
+                n2,
+                n3,
+                t0,
+                x_ptr,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                TPI,
+                NH,
+                BNH,
+                RS,
+                SYM,
+            )
             ts = t0 + TPI
-    if PF:   # iterations in pairs, the words ping-ponged between two register sets (no copies of a rotation)
+    if PF:  # iterations in pairs, the words ping-ponged between two register sets (no copies of a rotation)
         last = t0 + TPS - TPI
         for t in range(ts, last, 2 * TPI):
             m0, m1, m2, m3 = _gemv_words(wp, t + TPI, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
-            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
-                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
-            n0, n1, n2, n3 = _gemv_words(wp, tl.minimum(t + 2 * TPI, last), N, nmask, nmask2, C, TPI, NH, BNH, RS,
-                                         EVEN_N)   # the last pair re-reads its own tile (L2 hits)
-            acc, acc2 = _gemv_iter(acc, acc2, m0, m1, m2, m3, t + TPI, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2,
-                                   K, ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
-        if (TPS // TPI) % 2 == 1:   # an odd count: the last iteration, its words loaded by the last pair (or above)
-            acc, acc2 = _gemv_iter(acc, acc2, n0, n1, n2, n3, last, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
-                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+            acc, acc2 = _gemv_iter(
+                acc,
+                acc2,
+                n0,
+                n1,
+                n2,
+                n3,
+                t,
+                x_ptr,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                TPI,
+                NH,
+                BNH,
+                RS,
+                SYM,
+            )
+            n0, n1, n2, n3 = _gemv_words(
+                wp, tl.minimum(t + 2 * TPI, last), N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N
+            )  # the last pair re-reads its own tile (L2 hits)
+            acc, acc2 = _gemv_iter(
+                acc,
+                acc2,
+                m0,
+                m1,
+                m2,
+                m3,
+                t + TPI,
+                x_ptr,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                TPI,
+                NH,
+                BNH,
+                RS,
+                SYM,
+            )
+        if (TPS // TPI) % 2 == 1:  # an odd count: the last iteration, its words loaded by the last pair (or above)
+            acc, acc2 = _gemv_iter(
+                acc,
+                acc2,
+                n0,
+                n1,
+                n2,
+                n3,
+                last,
+                x_ptr,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                TPI,
+                NH,
+                BNH,
+                RS,
+                SYM,
+            )
     else:
         for t in range(ts, t0 + TPS, TPI):
             w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
-            acc, acc2 = _gemv_iter(acc, acc2, w0, w1, w2, w3, t, x_ptr, s_ptr, o_ptr, N, rn, rc, nmask, nmask2, K,
-                                   ONE, BITS, G, EVEN_K, EVEN_N, TPI, NH, BNH, RS, SYM)
+            acc, acc2 = _gemv_iter(
+                acc,
+                acc2,
+                w0,
+                w1,
+                w2,
+                w3,
+                t,
+                x_ptr,
+                s_ptr,
+                o_ptr,
+                N,
+                rn,
+                rc,
+                nmask,
+                nmask2,
+                K,
+                ONE,
+                BITS,
+                G,
+                EVEN_K,
+                EVEN_N,
+                TPI,
+                NH,
+                BNH,
+                RS,
+                SYM,
+            )
     _gemv_end(acc, acc2, out_ptr, ws_ptr, cnt_ptr + pid_n, rn, nmask, nmask2, col0, N, BNH, NH, ACT, SPLIT)
 
 
-def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bn=None, tpi=None,
-               num_warps=None, split_k=None, num_stages=None, prefetch=None, pdl=None, act=None, nh=None,
-               maxnreg=None, rs=None, sym=False):
+def w4a16_gemv(
+    x,
+    qweight,
+    scales,
+    offsets,
+    bits,
+    group,
+    N,
+    K,
+    out_dtype=None,
+    bn=None,
+    tpi=None,
+    num_warps=None,
+    split_k=None,
+    num_stages=None,
+    prefetch=None,
+    pdl=None,
+    act=None,
+    nh=None,
+    maxnreg=None,
+    rs=None,
+    sym=False,
+):
     """`x` `[1, K]` @ W.T -> `[1, N]` with `_gemv_kernel`. Arguments left at None come from the tuned config of the
     shape (`bn` columns per program, `tpi` K-tiles per iteration, warps, stages, `prefetch`, `nh`, `maxnreg`,
     `rs`). `split_k` programs per column block share the K-tiles and meet in the self-zeroing workspace. `pdl`:
@@ -376,12 +795,16 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     assert x.shape == (1, K), x.shape
     assert act in (None, 'silu_and_mul'), act
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
-    if nh not in (None, 1, 2): raise ValueError(f"nh={nh}: 1 or 2 column tiles per program")
+    if nh not in (None, 1, 2):
+        raise ValueError(f'nh={nh}: 1 or 2 column tiles per program')
     x = x.contiguous()
     tiles = Kp // TILE_K
     T = configs_for('w4a16_gemv', x.device)
-    cfg = (T['small_group_shapes'].get((N, K, bits), T['small_group']) if G < 64 else
-           T['shapes'].get((N, K, bits), T['default']))
+    cfg = (
+        T['small_group_shapes'].get((N, K, bits), T['small_group'])
+        if G < 64
+        else T['shapes'].get((N, K, bits), T['default'])
+    )
     default = bn is None and tpi is None
     bn = bn or (16 if _INTERPRET else cfg['bn'])
     tpi = tpi or (2 if _INTERPRET else cfg['tpi'])
@@ -390,24 +813,54 @@ def w4a16_gemv(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, b
     prefetch = cfg['pf'] if prefetch is None else prefetch
     nh = nh or cfg.get('nh', 1)
     maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
-    if nh == 2 and bn % 2: raise ValueError(f"nh=2 needs an even block N, got bn={bn}")
+    if nh == 2 and bn % 2:
+        raise ValueError(f'nh=2 needs an even block N, got bn={bn}')
     tpi = min(tpi, 4 if nh == 1 else 2)
-    while tiles % tpi: tpi //= 2
+    while tiles % tpi:
+        tpi //= 2
     progs = triton.cdiv(N, bn)
     if split_k is None:
         split_k = split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, tpi, x.device)
     elif tiles % split_k or (tiles // split_k) % tpi:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}")
-    if act and (N % 2 or (bn // nh) % 2): raise ValueError(f"act needs an even N and block N, got {N}, {bn}")
+        raise ValueError(f'split_k={split_k} must divide the {tiles} K-tiles into multiples of tpi={tpi}')
+    if act and (N % 2 or (bn // nh) % 2):
+        raise ValueError(f'act needs an even N and block N, got {N}, {bn}')
     out = torch.empty(1, N // 2 if act else N, dtype=out_dtype or x.dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, N, progs)
-    if pdl is None and G < 64: pdl = False   # groups < 64 (q4_k, q4_0, q8_0 repacks) launch without PDL
+    if pdl is None and G < 64:
+        pdl = False  # groups < 64 (q4_k, q4_0, q8_0 repacks) launch without PDL
     rs_ok = bits == 4 and G >= 64 and nh == 2 and tpi == 1
-    if rs and not rs_ok: raise ValueError("rs=True needs 4 bits, groups >= 64, nh=2 and tpi=1")
-    if rs is None: rs = rs_ok and (cfg.get('rs', True) if default else True)
-    _gemv_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, N, K, tiles // split_k, F32_ONE,
-                                   BITS=bits, G=G, BN=bn, TPI=tpi, EVEN_K=K == Kp, EVEN_N=N % bn == 0,
-                                   SPLIT=split_k, PF=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
-                                   **pdl_kw(x.device, pdl), ACT=bool(act), NH=nh, RS=bool(rs),
-                                   SYM=bool(sym) and bits == 4 and G >= 64, **({'maxnreg': maxnreg} if maxnreg else {}))
+    if rs and not rs_ok:
+        raise ValueError('rs=True needs 4 bits, groups >= 64, nh=2 and tpi=1')
+    if rs is None:
+        rs = rs_ok and (cfg.get('rs', True) if default else True)
+    _gemv_kernel[(progs, split_k)](
+        x,
+        qweight,
+        scales,
+        offsets,
+        out,
+        ws,
+        cnt,
+        N,
+        K,
+        tiles // split_k,
+        F32_ONE,
+        BITS=bits,
+        G=G,
+        BN=bn,
+        TPI=tpi,
+        EVEN_K=K == Kp,
+        EVEN_N=N % bn == 0,
+        SPLIT=split_k,
+        PF=bool(prefetch),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_kw(x.device, pdl),
+        ACT=bool(act),
+        NH=nh,
+        RS=bool(rs),
+        SYM=bool(sym) and bits == 4 and G >= 64,
+        **({'maxnreg': maxnreg} if maxnreg else {}),
+    )
     return out

@@ -15,6 +15,7 @@ For a weight `W [N, K]` with integer levels `q[n, k]` in `0 .. 2**BITS - 1` (BIT
 Plain PyTorch (no Triton), so that the quantization code (`cvllm_lab.quant.w4a16`, which packs and repacks into
 this layout) can use it on any machine.
 """
+
 import torch
 
 __all__ = ['TILE_K', 'padded_k', 'check_layout', 'dequantize_packed_ref']
@@ -29,19 +30,21 @@ def padded_k(K: int) -> int:
 
 def check_layout(qweight, scales, offsets, bits, group, N, K):
     "Validate packed buffers; returns `(Kp, G)` (G = the stored group, Kp for per-channel)."
-    if bits not in (4, 8): raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits not in (4, 8):
+        raise ValueError(f'bits must be 4 or 8, got {bits}')
     C = 4 * bits
     Kp = -(-K // TILE_K) * TILE_K
     G = Kp if group in (-1, None) else group
     if not ((G % C == 0 and TILE_K % G == 0) or G % TILE_K == 0):
-        raise ValueError(f"group {group} must be a multiple of {C} dividing {TILE_K}, a multiple of {TILE_K}, or -1")
+        raise ValueError(f'group {group} must be a multiple of {C} dividing {TILE_K}, a multiple of {TILE_K}, or -1')
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != (Kp * bits // 32, N):
-        raise ValueError(f"qweight must be int32 [{Kp * bits // 32}, {N}], got {qweight.dtype} {tuple(qweight.shape)}")
+        raise ValueError(f'qweight must be int32 [{Kp * bits // 32}, {N}], got {qweight.dtype} {tuple(qweight.shape)}')
     ng = -(-Kp // G)
     for name, v in (('scales', scales), ('offsets', offsets)):
         if v.dtype != torch.float16 or tuple(v.shape) != (ng, N):
-            raise ValueError(f"{name} must be float16 [{ng}, {N}], got {v.dtype} {tuple(v.shape)}")
-    if qweight.numel() >= 2 ** 31: raise ValueError("weights over 2**31 words are not supported")
+            raise ValueError(f'{name} must be float16 [{ng}, {N}], got {v.dtype} {tuple(v.shape)}')
+    if qweight.numel() >= 2**31:
+        raise ValueError('weights over 2**31 words are not supported')
     return Kp, G
 
 
@@ -51,7 +54,7 @@ def dequantize_packed_ref(qweight, scales, offsets, bits, group, N, K, dtype=tor
     C, vpw = 4 * bits, 32 // bits
     sh = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
     q = (qweight.view(Kp // TILE_K, 1, C, N) >> sh.view(1, vpw, 1, 1)) & ((1 << bits) - 1)  # [T, j, c, N]
-    q = q.reshape(Kp, N).float()                                                            # k = t*128 + j*C + c
+    q = q.reshape(Kp, N).float()  # k = t*128 + j*C + c
     s = scales.float().repeat_interleave(G, 0)[:Kp]
     o = offsets.float().repeat_interleave(G, 0)[:Kp]
     return (s * q + o)[:K].T.contiguous().to(dtype)

@@ -28,14 +28,35 @@ from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, padded_k
 
 __all__ = ['w4a16_mm', 'w4a16_tc', 'tc_supported', 'w4a16_dequantize']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
 
 @triton.jit(do_not_specialize=['M'])
-def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
-               BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-               PERGROUP: tl.constexpr):
+def _mm_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    TPS,
+    ONE,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    PERGROUP: tl.constexpr,
+):
     """out[BM, BN] = x[BM, K] @ W[BN, K].T, one tl.dot per bit field (K = C each); program axes: N-block, K-split,
     M-block. PERGROUP: the dot takes the exact `f = 1 + q / 2**BITS` in x's dtype and the scales are applied to the
     [BM, BN] group sums (`S * dot + B * sum(x)`: 2 ops per weight less); else W is dequantized in fp32 and rounded."""
@@ -76,8 +97,11 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                 if EVEN_K:
                     xt = tl.load(xp + kb + (gi * JPG + jj) * C, mask=mmask[:, None], other=0.0)
                 else:
-                    xt = tl.load(xp + kb + (gi * JPG + jj) * C,
-                                 mask=mmask[:, None] & ((kb + (gi * JPG + jj) * C + rc)[None, :] < K), other=0.0)
+                    xt = tl.load(
+                        xp + kb + (gi * JPG + jj) * C,
+                        mask=mmask[:, None] & ((kb + (gi * JPG + jj) * C + rc)[None, :] < K),
+                        other=0.0,
+                    )
                 f = field_f(words, gi * JPG + jj, BITS, ONE)
                 if PERGROUP:
                     d = tl.dot(xt, f.to(xt.dtype), d, input_precision=PREC)
@@ -90,7 +114,9 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                 acc += tl.sum(xs, 1)[:, None] * o[None, :]
     mask = mmask[:, None] & nmask[None, :]
     optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    store_out(acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT)
+    store_out(
+        acc, optr, mask, ws_ptr + rm[:, None] * N + rn[None, :], cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT
+    )
 
 
 @triton.jit
@@ -108,30 +134,49 @@ def _tc_field(words, J: tl.constexpr, DT: tl.constexpr, ONE, ASM: tl.constexpr, 
             if DT == tl.bfloat16:
                 c1 = tl.full(words.shape, 0x43004300, tl.int32)
                 one = tl.full(words.shape, 0x3F803F80, tl.int32)
-                neg = tl.full(words.shape, -0x3CF73CF8, tl.int32)        # 0xC308C308: -136, -136 in bf16
-                FMA: tl.constexpr = "fma.rn.bf16x2"
+                neg = tl.full(words.shape, -0x3CF73CF8, tl.int32)  # 0xC308C308: -136, -136 in bf16
+                FMA: tl.constexpr = 'fma.rn.bf16x2'
             else:
                 c1 = tl.full(words.shape, 0x64006400, tl.int32)
                 one = tl.full(words.shape, 0x3C003C00, tl.int32)
-                neg = tl.full(words.shape, -0x1BF71BF8, tl.int32)        # 0xE408E408: -1032, -1032 in fp16
-                FMA: tl.constexpr = "fma.rn.f16x2"
-            SHR: tl.constexpr = "shr.b32 p, p, 4; " if J % 2 == 1 else ""
-            f = tl.inline_asm_elementwise("{ .reg .b32 p; prmt.b32 p, $1, $2, $3; " + SHR +
-                                          "lop3.b32 p, p, 0x000F000F, $5, 0xEA; " + FMA + " $0, p, $7, $9; }",
-                                          "=r,r,r,r,r,r,r,r,r,r,r", [words, sel, c1, one, neg], dtype=tl.int16,
-                                          is_pure=True, pack=2)
+                neg = tl.full(words.shape, -0x1BF71BF8, tl.int32)  # 0xE408E408: -1032, -1032 in fp16
+                FMA: tl.constexpr = 'fma.rn.f16x2'
+            SHR: tl.constexpr = 'shr.b32 p, p, 4; ' if J % 2 == 1 else ''
+            f = tl.inline_asm_elementwise(
+                '{ .reg .b32 p; prmt.b32 p, $1, $2, $3; '
+                + SHR
+                + 'lop3.b32 p, p, 0x000F000F, $5, 0xEA; '
+                + FMA
+                + ' $0, p, $7, $9; }',
+                '=r,r,r,r,r,r,r,r,r,r,r',
+                [words, sel, c1, one, neg],
+                dtype=tl.int16,
+                is_pure=True,
+                pack=2,
+            )
             return f.to(DT, bitcast=True)
         if DT == tl.bfloat16:
             c1 = tl.full(words.shape, 0x3F803F80, tl.int32)
         else:
             c1 = tl.full(words.shape, 0x3C003C00, tl.int32)
         if J % 2 == 0:
-            f = tl.inline_asm_elementwise("{ .reg .b32 p; prmt.b32 p, $1, $2, $3; lop3.b32 $0, p, 0x000F000F, $5, 0xEA; }",
-                                          "=r,r,r,r,r,r,r", [words, sel, c1], dtype=tl.int16, is_pure=True, pack=2)
+            f = tl.inline_asm_elementwise(
+                '{ .reg .b32 p; prmt.b32 p, $1, $2, $3; lop3.b32 $0, p, 0x000F000F, $5, 0xEA; }',
+                '=r,r,r,r,r,r,r',
+                [words, sel, c1],
+                dtype=tl.int16,
+                is_pure=True,
+                pack=2,
+            )
         else:
-            f = tl.inline_asm_elementwise("{ .reg .b32 p; prmt.b32 p, $1, $2, $3; shr.b32 p, p, 4; "
-                                          "lop3.b32 $0, p, 0x000F000F, $5, 0xEA; }",
-                                          "=r,r,r,r,r,r,r", [words, sel, c1], dtype=tl.int16, is_pure=True, pack=2)
+            f = tl.inline_asm_elementwise(
+                '{ .reg .b32 p; prmt.b32 p, $1, $2, $3; shr.b32 p, p, 4; lop3.b32 $0, p, 0x000F000F, $5, 0xEA; }',
+                '=r,r,r,r,r,r,r',
+                [words, sel, c1],
+                dtype=tl.int16,
+                is_pure=True,
+                pack=2,
+            )
         return f.to(DT, bitcast=True)
     else:
         f = field_f(words, J, 4, ONE)
@@ -147,14 +192,40 @@ def _store_silu_mul(y, out_ptr, stride_om, pid_n, rm, N, M, BN: tl.constexpr, BM
     gate, up = tl.split(tl.permute(tl.reshape(y, [BN // 2, 2, BM]), [0, 2, 1]))
     rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     mask = (rh < N // 2)[:, None] & (rm < M)[None, :]
-    tl.store(out_ptr + rm.to(tl.int64)[None, :] * stride_om + rh[:, None],
-             (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + rm.to(tl.int64)[None, :] * stride_om + rh[:, None],
+        (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit(do_not_specialize=['M'])
-def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om, TPS, ONE,
-               G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               SPLIT: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SYM: tl.constexpr, ACT: tl.constexpr):
+def _tc_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    TPS,
+    ONE,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM: tl.constexpr,
+    SYM: tl.constexpr,
+    ACT: tl.constexpr,
+):
     """Tensor-core W4A16 for 1 <= M <= BM (4-bit, groups >= 128): `out.T[BN, BM] = sum_j f_j[BN, 16] @ x_j.T[16, BM]`.
     The weights are the MMA's A operand: the `[BN, 16]` word tile (transposed view of the packed layout) goes to the
     dot-operand layout once per K-tile and each bit field is dequantized there to the exact `f = 1 + q / 16` in x's
@@ -169,10 +240,10 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     rm = pid_m * BM + tl.arange(0, BM)
     nmask = rn < N
     mmask = rm < M
-    wp = qw_ptr + rc[None, :] * N + rn[:, None]                                            # [BN, 16] words, tile 0
-    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rc[:, None]   # [16, BM]
+    wp = qw_ptr + rc[None, :] * N + rn[:, None]  # [BN, 16] words, tile 0
+    xp = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[None, :] * stride_xm + rc[:, None]  # [16, BM]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    FS: tl.constexpr = (128 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024) if ASM else 16   # f = 1 + q / FS
+    FS: tl.constexpr = (128 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024) if ASM else 16  # f = 1 + q / FS
     t0 = pid_k * TPS
     pdl_wait(PDL)
     pdl_launch(PDL)
@@ -221,8 +292,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE,
-                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
+def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
     "out[n, k] = W[n, k] (row-major [N, K]) for one K-tile (axis 0) and BN columns (axis 1)."
     C: tl.constexpr = 4 * BITS
     GW: tl.constexpr = G if G < 128 else 128
@@ -240,12 +310,30 @@ def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, ONE,
         for jj in tl.static_range(JPG):
             w = field_f(words, gi * JPG + jj, BITS, ONE) * s[None, :] + o[None, :]
             k = t * 128 + (gi * JPG + jj) * C + rc
-            tl.store(out_ptr + rn[None, :].to(tl.int64) * K + k[:, None], w.to(out_ptr.dtype.element_ty),
-                     mask=nmask[None, :] & (k < K)[:, None])
+            tl.store(
+                out_ptr + rn[None, :].to(tl.int64) * K + k[:, None],
+                w.to(out_ptr.dtype.element_ty),
+                mask=nmask[None, :] & (k < K)[:, None],
+            )
 
 
-def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             split_k=None, num_stages=None, target=None):
+def w4a16_mm(
+    x,
+    qweight,
+    scales,
+    offsets,
+    bits,
+    group,
+    N,
+    K,
+    out_dtype=None,
+    bm=None,
+    bn=None,
+    num_warps=None,
+    split_k=None,
+    num_stages=None,
+    target=None,
+):
     """`x` `[M, K]` @ W.T -> `[M, N]` with the fused dequantize + `tl.dot` kernel: one program per (N-block, K-split,
     M-block of up to 64 rows), so each weight tile is read once per 64 rows."""
     M = x.shape[0]
@@ -257,13 +345,37 @@ def w4a16_mm(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     small = bits == 4 and G < TILE_K
     T = configs_for('w4a16_mm', x.device)
     cfg = T['small_group'] if small else T['shapes'].get((N, K, bits, b), T['default'][b])
-    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
-                                                                         split_k, target, out_dtype)
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(
+        x, N, tiles, cfg, bm, bn, num_warps, num_stages, split_k, target, out_dtype
+    )
     prec = 'ieee' if x.dtype == torch.float32 else 'tf32'
     _mm_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
-        x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, F32_ONE,
-        BITS=bits, G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k, PREC=prec,
-        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)), num_warps=num_warps, num_stages=num_stages)
+        x,
+        qweight,
+        scales,
+        offsets,
+        out,
+        ws,
+        cnt,
+        M,
+        N,
+        K,
+        x.stride(0),
+        out.stride(0),
+        tiles // split_k,
+        F32_ONE,
+        BITS=bits,
+        G=G,
+        BM=bm,
+        BN=bn,
+        EVEN_K=K == Kp,
+        EVEN_N=N % bn == 0,
+        SPLIT=split_k,
+        PREC=prec,
+        PERGROUP=not (small or (bits == 8 and x.dtype == torch.bfloat16)),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out
 
 
@@ -274,8 +386,27 @@ def tc_supported(x, bits, group, K) -> bool:
     return bits == 4 and G % TILE_K == 0 and x.dtype in (torch.float16, torch.bfloat16)
 
 
-def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=None, bn=None, num_warps=None,
-             num_stages=None, split_k=None, target=None, pdl=None, asm=None, sym=False, act=None):
+def w4a16_tc(
+    x,
+    qweight,
+    scales,
+    offsets,
+    bits,
+    group,
+    N,
+    K,
+    out_dtype=None,
+    bm=None,
+    bn=None,
+    num_warps=None,
+    num_stages=None,
+    split_k=None,
+    target=None,
+    pdl=None,
+    asm=None,
+    sym=False,
+    act=None,
+):
     """`x` `[M, K]` (16-bit) @ W.T -> `[M, N]` with the tensor-core kernel `_tc_kernel` (4-bit, groups >= 128): one
     program per (N-block, K-split, block of `bm` rows; configs per row bucket). `asm`: the inline-PTX
     dequantization (default: on a GPU); `sym`: `offsets == -8 * scales` (the offsets are then not read).
@@ -285,23 +416,51 @@ def w4a16_tc(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, bm=
     assert x.ndim == 2 and x.shape[1] == K, x.shape
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     if not tc_supported(x, bits, group, K):
-        raise ValueError(f"_tc_kernel needs 4-bit weights, groups >= 128 and 16-bit x; got {bits}-bit, group {group}, {x.dtype}")
+        raise ValueError(
+            f'_tc_kernel needs 4-bit weights, groups >= 128 and 16-bit x; got {bits}-bit, group {group}, {x.dtype}'
+        )
     x = x.contiguous()
     tiles = Kp // TILE_K
     b = m_bucket(M)
     T = configs_for('w4a16_tc', x.device)
     cfg = T['shapes'].get((N, K, b), T['default'])
-    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(x, N, tiles, cfg, bm, bn, num_warps, num_stages,
-                                                                         split_k, target, out_dtype)
-    if cfg.get('sym') is False: sym = False          # a config may keep the general path for symmetric layers
+    bm, bn, num_warps, num_stages, split_k, out, ws, cnt = batched_plan(
+        x, N, tiles, cfg, bm, bn, num_warps, num_stages, split_k, target, out_dtype
+    )
+    if cfg.get('sym') is False:
+        sym = False  # a config may keep the general path for symmetric layers
     if act is not None:
-        if act != 'silu_and_mul' or N % 2 or bn % 2: raise ValueError(f"act={act!r}: 'silu_and_mul' over an even N")
+        if act != 'silu_and_mul' or N % 2 or bn % 2:
+            raise ValueError(f"act={act!r}: 'silu_and_mul' over an even N")
         out = torch.empty(M, N // 2, dtype=out_dtype or x.dtype, device=x.device)
     _tc_kernel[(triton.cdiv(N, bn), split_k, triton.cdiv(M, bm))](
-        x, qweight, scales, offsets, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), tiles // split_k, F32_ONE,
-        G=G, BM=bm, BN=bn, EVEN_K=K == Kp, EVEN_N=N % bn == 0, SPLIT=split_k,
-        ASM=(not _INTERPRET) if asm is None else bool(asm), SYM=bool(sym), ACT=act is not None, num_warps=num_warps,
-        num_stages=num_stages, **pdl_kw(x.device, pdl))
+        x,
+        qweight,
+        scales,
+        offsets,
+        out,
+        ws,
+        cnt,
+        M,
+        N,
+        K,
+        x.stride(0),
+        out.stride(0),
+        tiles // split_k,
+        F32_ONE,
+        G=G,
+        BM=bm,
+        BN=bn,
+        EVEN_K=K == Kp,
+        EVEN_N=N % bn == 0,
+        SPLIT=split_k,
+        ASM=(not _INTERPRET) if asm is None else bool(asm),
+        SYM=bool(sym),
+        ACT=act is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_kw(x.device, pdl),
+    )
     return out
 
 
@@ -310,6 +469,7 @@ def w4a16_dequantize(qweight, scales, offsets, bits, group, N, K, dtype=torch.fl
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     bn = bn or (16 if _INTERPRET else 64)
     out = torch.empty(N, K, dtype=dtype, device=qweight.device)
-    _dequant_kernel[(Kp // TILE_K, triton.cdiv(N, bn))](qweight, scales, offsets, out, N, K, F32_ONE, BITS=bits, G=G, BN=bn,
-                                                        num_warps=4)
+    _dequant_kernel[(Kp // TILE_K, triton.cdiv(N, bn))](
+        qweight, scales, offsets, out, N, K, F32_ONE, BITS=bits, G=G, BN=bn, num_warps=4
+    )
     return out

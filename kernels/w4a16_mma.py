@@ -59,7 +59,8 @@ from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pai
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
-from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET   # decided once (`interpret.py`)
+from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
+
 MMA_MAX_M = 8
 
 
@@ -70,8 +71,12 @@ def _tile_words(wp, T, N, nmask, EVEN_N: tl.constexpr):
     if EVEN_N:
         return tl.load(p), tl.load(p + N), tl.load(p + 2 * N), tl.load(p + 3 * N)
     else:
-        return (tl.load(p, mask=nmask, other=0), tl.load(p + N, mask=nmask, other=0),
-                tl.load(p + 2 * N, mask=nmask, other=0), tl.load(p + 3 * N, mask=nmask, other=0))
+        return (
+            tl.load(p, mask=nmask, other=0),
+            tl.load(p + N, mask=nmask, other=0),
+            tl.load(p + 2 * N, mask=nmask, other=0),
+            tl.load(p + 3 * N, mask=nmask, other=0),
+        )
 
 
 @triton.jit
@@ -86,8 +91,22 @@ def _tile_scales(sp, op, T, N, col, nmask, G: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr, NH: tl.constexpr, SYM: tl.constexpr,
-                  EVEN_N: tl.constexpr):
+def _tile_weights(
+    wpA,
+    wpB,
+    sp,
+    op,
+    T,
+    N,
+    colA,
+    colB,
+    nmA,
+    nmB,
+    G: tl.constexpr,
+    NH: tl.constexpr,
+    SYM: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
     "K-tile T's words, scales and offsets of the thread's word tensors A and B (NH = 1: A's again, unused)."
     a0, a1, a2, a3 = _tile_words(wpA, T, N, nmA, EVEN_N)
     scA, ofA = _tile_scales(sp, op, T, N, colA, nmA, G, SYM)
@@ -99,14 +118,24 @@ def _tile_weights(wpA, wpB, sp, op, T, N, colA, colB, nmA, nmB, G: tl.constexpr,
 
 
 @triton.jit
-def _x_run(xp, gp, k, K, s, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl.constexpr, NORM_X: tl.constexpr,
-           F16: tl.constexpr):
+def _x_run(
+    xp,
+    gp,
+    k,
+    K,
+    s,
+    EVEN_K: tl.constexpr,
+    ACT_X: tl.constexpr,
+    RMS_X: tl.constexpr,
+    NORM_X: tl.constexpr,
+    F16: tl.constexpr,
+):
     """x[k] for an [R, 4] run of K indices `k`, and (NORM_X) the run's squares. ACT_X: x is `silu(s gate) * s up` of
     fp32 gate/up sums at `2k`, `2k + 1` (interleaved pairs; RMS_X: `s` [R, 4] is the rows' 1/rms), computed here and
     rounded to the MMA's 16-bit type, as an activation kernel would. NORM_X: x is an fp32 residual row and the input
     `g[k] * x[k]` (`gp`: an RMSNorm's weight), rounded the same way; its 1/rms is left to the sums' consumer."""
     if ACT_X:
-        p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]   # [R, 4, 2]: 32 contiguous bytes
+        p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]  # [R, 4, 2]: 32 contiguous bytes
         if EVEN_K:
             gate, up = tl.split(tl.load(p))
         else:
@@ -138,8 +167,20 @@ def _x_run(xp, gp, k, K, s, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl
 
 
 @triton.jit
-def _x_runs(xp, gp, xk, T, K, s, sq, EVEN_K: tl.constexpr, ACT_X: tl.constexpr, RMS_X: tl.constexpr,
-            NORM_X: tl.constexpr, F16: tl.constexpr):
+def _x_runs(
+    xp,
+    gp,
+    xk,
+    T,
+    K,
+    s,
+    sq,
+    EVEN_K: tl.constexpr,
+    ACT_X: tl.constexpr,
+    RMS_X: tl.constexpr,
+    NORM_X: tl.constexpr,
+    F16: tl.constexpr,
+):
     """x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (16-bit x: one 8-byte load each);
     `xk` = 4t + (0 .. 3). NORM_X: `sq` plus the runs' squares (the residual's sum of squares, per lane)."""
     k = T * 128 + xk
@@ -163,8 +204,9 @@ def _ssq_add(sq, r, g, M, ssq_ptr, stride_ssq):
     for m in tl.static_range(8):
         if m < M:
             tot = tl.sum(tl.sum(tl.where((r < 32) & (g == m), sq, 0.0), 1), 0)
-            tl.atomic_add(ssq_ptr + m * stride_ssq + r * 0, tl.zeros_like(r).to(tl.float32) + tot, mask=r == 0,
-                          sem='relaxed')
+            tl.atomic_add(
+                ssq_ptr + m * stride_ssq + r * 0, tl.zeros_like(r).to(tl.float32) + tot, mask=r == 0, sem='relaxed'
+            )
 
 
 @triton.jit
@@ -191,19 +233,50 @@ def _row_step(wA, wB, xa, xb, dA0, dA1, dB0, dB1, sx, F16: tl.constexpr, NH: tl.
 
 
 @triton.jit
-def _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5, x6, x7,
-               tA0, tA1, tB0, tB1, F16: tl.constexpr, NH: tl.constexpr, SYM: tl.constexpr):
+def _tile_math(
+    a0,
+    a1,
+    a2,
+    a3,
+    b0,
+    b1,
+    b2,
+    b3,
+    scA,
+    ofA,
+    scB,
+    ofB,
+    x0,
+    x1,
+    x2,
+    x3,
+    x4,
+    x5,
+    x6,
+    x7,
+    tA0,
+    tA1,
+    tB0,
+    tB1,
+    F16: tl.constexpr,
+    NH: tl.constexpr,
+    SYM: tl.constexpr,
+):
     "One K-tile: its 4 word rows through the MMAs, then its scales on the totals."
     z = tl.zeros_like(tA0)
     dA0, dA1, dB0, dB1, sx = z, z, z, z, z
-    dA0, dA1, dB0, dB1, sx = _row_step(a0, b0, _b_regs(x0, x4, x1, x5, 0), _b_regs(x2, x6, x3, x7, 0),
-                                       dA0, dA1, dB0, dB1, sx, F16, NH)
-    dA0, dA1, dB0, dB1, sx = _row_step(a1, b1, _b_regs(x0, x4, x1, x5, 1), _b_regs(x2, x6, x3, x7, 1),
-                                       dA0, dA1, dB0, dB1, sx, F16, NH)
-    dA0, dA1, dB0, dB1, sx = _row_step(a2, b2, _b_regs(x0, x4, x1, x5, 2), _b_regs(x2, x6, x3, x7, 2),
-                                       dA0, dA1, dB0, dB1, sx, F16, NH)
-    dA0, dA1, dB0, dB1, sx = _row_step(a3, b3, _b_regs(x0, x4, x1, x5, 3), _b_regs(x2, x6, x3, x7, 3),
-                                       dA0, dA1, dB0, dB1, sx, F16, NH)
+    dA0, dA1, dB0, dB1, sx = _row_step(
+        a0, b0, _b_regs(x0, x4, x1, x5, 0), _b_regs(x2, x6, x3, x7, 0), dA0, dA1, dB0, dB1, sx, F16, NH
+    )
+    dA0, dA1, dB0, dB1, sx = _row_step(
+        a1, b1, _b_regs(x0, x4, x1, x5, 1), _b_regs(x2, x6, x3, x7, 1), dA0, dA1, dB0, dB1, sx, F16, NH
+    )
+    dA0, dA1, dB0, dB1, sx = _row_step(
+        a2, b2, _b_regs(x0, x4, x1, x5, 2), _b_regs(x2, x6, x3, x7, 2), dA0, dA1, dB0, dB1, sx, F16, NH
+    )
+    dA0, dA1, dB0, dB1, sx = _row_step(
+        a3, b3, _b_regs(x0, x4, x1, x5, 3), _b_regs(x2, x6, x3, x7, 3), dA0, dA1, dB0, dB1, sx, F16, NH
+    )
     tA0, tA1 = _epilogue(dA0, dA1, sx, scA, ofA, tA0, tA1, F16, SYM)
     if NH == 2:
         tB0, tB1 = _epilogue(dB0, dB1, sx, scB, ofB, tB0, tB1, F16, SYM)
@@ -229,10 +302,16 @@ def _mma_put(tot, fcol, b, out_ptr, ws_ptr, M, N, ACT: tl.constexpr, SPLIT: tl.c
             bb = tl.reshape(b, [b.shape[0]])
             oc = tl.reshape(fcol, [b.shape[0]]) // 2
             ok = oc < N // 2
-            tl.store(out_ptr + bb * (N // 2) + oc, (g0 * tl.sigmoid(g0) * u0).to(out_ptr.dtype.element_ty),
-                     mask=ok & (bb < M))
-            tl.store(out_ptr + (bb + 1) * (N // 2) + oc, (g1 * tl.sigmoid(g1) * u1).to(out_ptr.dtype.element_ty),
-                     mask=ok & (bb + 1 < M))
+            tl.store(
+                out_ptr + bb * (N // 2) + oc,
+                (g0 * tl.sigmoid(g0) * u0).to(out_ptr.dtype.element_ty),
+                mask=ok & (bb < M),
+            )
+            tl.store(
+                out_ptr + (bb + 1) * (N // 2) + oc,
+                (g1 * tl.sigmoid(g1) * u1).to(out_ptr.dtype.element_ty),
+                mask=ok & (bb + 1 < M),
+            )
         else:
             tl.store(out_ptr + row * N + col, tot.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -252,11 +331,42 @@ def _mma_take(tot, fcol, b, ws_ptr, M, N):
 
 
 @triton.jit
-def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, g_ptr, ssq_ptr, M, N, K, stride_xm, TPS,
-                ZN, stride_ssq, inv_n, eps, G: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, SYM: tl.constexpr,
-                F16: tl.constexpr, ACC: tl.constexpr, ACT_X: tl.constexpr, ZERO: tl.constexpr, NORM_X: tl.constexpr,
-                RMS_X: tl.constexpr):
+def _mma_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    z_ptr,
+    g_ptr,
+    ssq_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    TPS,
+    ZN,
+    stride_ssq,
+    inv_n,
+    eps,
+    G: tl.constexpr,
+    NW: tl.constexpr,
+    NH: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    ACT: tl.constexpr,
+    SYM: tl.constexpr,
+    F16: tl.constexpr,
+    ACC: tl.constexpr,
+    ACT_X: tl.constexpr,
+    ZERO: tl.constexpr,
+    NORM_X: tl.constexpr,
+    RMS_X: tl.constexpr,
+):
     """out[m, n] = sum_k x[m, k] W[n, k] for m < M <= 8. Program axis 0 owns NH * NW * 32 columns (NH word tensors
     of 4 columns per thread, 32 columns per warp), axis 1 the TPS K-tiles of one split (`split_k`'s workspace joins
     the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). Per K-tile: the
@@ -272,43 +382,72 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, g_
     g = lane // 4
     tq = lane % 4
     pid_n = tl.program_id(0)
-    fb = pid_n * (NH * R) + (r // 32) * 32 + 4 * g          # [R, 1]: first of the thread's 4 columns (tensor A)
+    fb = pid_n * (NH * R) + (r // 32) * 32 + 4 * g  # [R, 1]: first of the thread's 4 columns (tensor A)
     colA = fb + e
     colB = colA + R
     nmA = colA < N
     nmB = colB < N
-    wpA = qw_ptr + (4 * tq) * N + colA                      # word row 4t of K-tile 0
+    wpA = qw_ptr + (4 * tq) * N + colA  # word row 4t of K-tile 0
     wpB = wpA + R
-    b = tl.minimum(g, M - 1)                                # x row of this lane group (B column g)
+    b = tl.minimum(g, M - 1)  # x row of this lane group (B column g)
     xp = x_ptr + b.to(tl.int64) * stride_xm
     xk = 4 * tq + e
     t0 = tl.program_id(1) * TPS
     last = t0 + TPS - 1
-    a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(wpA, wpB, s_ptr, o_ptr, t0, N, colA, colB,
-                                                                       nmA, nmB, G, NH, SYM, EVEN_N)
+    a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(
+        wpA, wpB, s_ptr, o_ptr, t0, N, colA, colB, nmA, nmB, G, NH, SYM, EVEN_N
+    )
     pdl_wait(PDL)
     pdl_launch(PDL)
     if ZERO:
         _zero_part(z_ptr, ZN, 4 * R)
     s = 1.0
     if RMS_X:
-        s = tl.rsqrt(tl.load(ssq_ptr + (b + 0 * e) * stride_ssq) * inv_n + eps)   # [R, 4]: this lane group's row
+        s = tl.rsqrt(tl.load(ssq_ptr + (b + 0 * e) * stride_ssq) * inv_n + eps)  # [R, 4]: this lane group's row
     z = tl.zeros([R, 4], dtype=tl.float32)
     tA0, tA1, tB0, tB1, sq = z, z, z, z, z
     for T in range(t0, t0 + TPS):
-        Tn = tl.minimum(T + 1, last)                        # the last tile re-reads itself (L2 hits)
-        c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB,
-                                                                           nmA, nmB, G, NH, SYM, EVEN_N)
+        Tn = tl.minimum(T + 1, last)  # the last tile re-reads itself (L2 hits)
+        c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(
+            wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB, nmA, nmB, G, NH, SYM, EVEN_N
+        )
         x0, x1, x2, x3, x4, x5, x6, x7, sq = _x_runs(xp, g_ptr, xk, T, K, s, sq, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-        tA0, tA1, tB0, tB1 = _tile_math(a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB, x0, x1, x2, x3, x4, x5,
-                                        x6, x7, tA0, tA1, tB0, tB1, F16, NH, SYM)
+        tA0, tA1, tB0, tB1 = _tile_math(
+            a0,
+            a1,
+            a2,
+            a3,
+            b0,
+            b1,
+            b2,
+            b3,
+            scA,
+            ofA,
+            scB,
+            ofB,
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            x6,
+            x7,
+            tA0,
+            tA1,
+            tB0,
+            tB1,
+            F16,
+            NH,
+            SYM,
+        )
         a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
         scA, ofA, scB, ofB = scC, ofC, scD, ofD
     if NORM_X:
         if pid_n == 0:
             _ssq_add(sq, r, g, M, ssq_ptr, stride_ssq)
-    bt = 2 * tq                                             # x rows of a thread's D elements: 2t, 2t + 1
-    if ACC:                       # atomic adds (split > 1, not last) into the caller's fp32 sums: no last program
+    bt = 2 * tq  # x rows of a thread's D elements: 2t, 2t + 1
+    if ACC:  # atomic adds (split > 1, not last) into the caller's fp32 sums: no last program
         _mma_put(tA0, fb, bt, out_ptr, out_ptr, M, N, False, 2, False)
         _mma_put(tA1, fb + 2, bt, out_ptr, out_ptr, M, N, False, 2, False)
         if NH == 2:
@@ -326,16 +465,15 @@ def _mma_kernel(x_ptr, qw_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, z_ptr, g_
         if NH == 2:
             _mma_put(tB0, fb + R, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, False)
             _mma_put(tB1, fb + R + 2, bt, out_ptr, ws_ptr, M, N, ACT, SPLIT, False)
-        tl.debug_barrier()                                  # all of this program's adds before its release below
+        tl.debug_barrier()  # all of this program's adds before its release below
         if tl.atomic_add(cnt_ptr + pid_n, 1, sem='acq_rel') == SPLIT - 1:
             _mma_put(_mma_take(tA0, fb, bt, ws_ptr, M, N), fb, bt, out_ptr, ws_ptr, M, N, ACT, 1, True)
-            _mma_put(_mma_take(tA1, fb + 2, bt, ws_ptr, M, N), fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, 1,
-                     True)
+            _mma_put(_mma_take(tA1, fb + 2, bt, ws_ptr, M, N), fb + 2, bt, out_ptr, ws_ptr, M, N, ACT, 1, True)
             if NH == 2:
-                _mma_put(_mma_take(tB0, fb + R, bt, ws_ptr, M, N), fb + R, bt, out_ptr, ws_ptr, M, N, ACT,
-                         1, True)
-                _mma_put(_mma_take(tB1, fb + R + 2, bt, ws_ptr, M, N), fb + R + 2, bt, out_ptr, ws_ptr, M, N,
-                         ACT, 1, True)
+                _mma_put(_mma_take(tB0, fb + R, bt, ws_ptr, M, N), fb + R, bt, out_ptr, ws_ptr, M, N, ACT, 1, True)
+                _mma_put(
+                    _mma_take(tB1, fb + R + 2, bt, ws_ptr, M, N), fb + R + 2, bt, out_ptr, ws_ptr, M, N, ACT, 1, True
+                )
             tl.store(cnt_ptr + pid_n, 0)
 
 
@@ -344,16 +482,39 @@ def mma_supported(x, bits, group, N, K, dtype=None) -> bool:
     given as fp32 gate/up sums) on an sm_80+ GPU, 4-bit weights in scale groups that are a multiple of 128 (or per
     channel), N a multiple of 4 (16-byte word loads)."""
     dtype = dtype or x.dtype
-    if _INTERPRET or x.device.type != 'cuda' or dtype not in (torch.bfloat16, torch.float16): return False
-    if bits != 4 or N % 4 or not 1 <= x.shape[0] <= MMA_MAX_M: return False
+    if _INTERPRET or x.device.type != 'cuda' or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if bits != 4 or N % 4 or not 1 <= x.shape[0] <= MMA_MAX_M:
+        return False
     Kp = -(-K // TILE_K) * TILE_K
     G = Kp if group in (-1, None) else group
     return G % TILE_K == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
-def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, num_warps=None, nh=None, split_k=None,
-              maxnreg=None, pdl=None, act=None, sym=False, acc=None, x_act=None, dtype=None, zero=None, norm=None,
-              x_rms=None):
+def w4a16_mma(
+    x,
+    qweight,
+    scales,
+    offsets,
+    bits,
+    group,
+    N,
+    K,
+    out_dtype=None,
+    num_warps=None,
+    nh=None,
+    split_k=None,
+    maxnreg=None,
+    pdl=None,
+    act=None,
+    sym=False,
+    acc=None,
+    x_act=None,
+    dtype=None,
+    zero=None,
+    norm=None,
+    x_rms=None,
+):
     """`x` `[M, K]` (M <= 8) @ W.T -> `[M, N]` with `_mma_kernel`. Left at None, `num_warps` (warps per program),
     `nh` (16-byte word tensors per thread: 1 or 2), `split_k` (programs per column block, or `target` programs per
     SM) and `maxnreg` (a register cap per thread) come from the tuned config (`configs/w4a16_mma/`).
@@ -371,19 +532,22 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     M = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == (2 * K if x_act else K) and 1 <= M <= MMA_MAX_M, x.shape
     assert act in (None, 'silu_and_mul') and x_act in (None, 'silu_and_mul'), (act, x_act)
-    if x_rms is not None and not x_act: raise ValueError("x_rms scales x_act's gate/up sums: give x_act too")
-    if norm is not None and x_act: raise ValueError("norm and x_act are two kinds of x: give one")
+    if x_rms is not None and not x_act:
+        raise ValueError("x_rms scales x_act's gate/up sums: give x_act too")
+    if norm is not None and x_act:
+        raise ValueError('norm and x_act are two kinds of x: give one')
     ssq = norm[1] if norm is not None else x_rms[0] if x_rms is not None else None
     if ssq is not None and (ssq.dtype != torch.float32 or ssq.shape != (M,)):
-        raise ValueError(f"ssq must be fp32 [{M}], got {ssq.dtype} {tuple(ssq.shape)}")
+        raise ValueError(f'ssq must be fp32 [{M}], got {ssq.dtype} {tuple(ssq.shape)}')
     Kp, G = check_layout(qweight, scales, offsets, bits, group, N, K)
     if bits != 4 or G % TILE_K or N % 4:
-        raise ValueError(f"w4a16_mma needs 4-bit weights, groups a multiple of {TILE_K} and N % 4 == 0")
+        raise ValueError(f'w4a16_mma needs 4-bit weights, groups a multiple of {TILE_K} and N % 4 == 0')
     if (x_act or norm is not None) and (x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"x_act and norm need fp32 x and a 16-bit dtype; got {x.dtype}, dtype={dtype}")
-    if norm is not None and norm[0].shape != (K,): raise ValueError(f"norm weight must be [{K}]")
+        raise ValueError(f'x_act and norm need fp32 x and a 16-bit dtype; got {x.dtype}, dtype={dtype}')
+    if norm is not None and norm[0].shape != (K,):
+        raise ValueError(f'norm weight must be [{K}]')
     if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
-        raise ValueError("zero must be a contiguous fp32 tensor")
+        raise ValueError('zero must be a contiguous fp32 tensor')
     dtype = dtype if x_act or norm is not None else x.dtype
     x = x.contiguous()
     tiles = Kp // TILE_K
@@ -393,29 +557,59 @@ def w4a16_mma(x, qweight, scales, offsets, bits, group, N, K, out_dtype=None, nu
     num_warps = num_warps or cfg['num_warps']
     nh = nh or cfg['nh']
     maxnreg = maxnreg or (cfg.get('maxnreg') if default else None)
-    if nh not in (1, 2): raise ValueError(f"nh={nh}: 1 or 2 word tensors per thread")
+    if nh not in (1, 2):
+        raise ValueError(f'nh={nh}: 1 or 2 word tensors per thread')
     bn = nh * num_warps * 32
     progs = triton.cdiv(N, bn)
     if split_k is None:
         split_k = split_for(cfg if default else {'target': cfg.get('target', 4)}, tiles, progs, 1, x.device)
     elif tiles % split_k:
-        raise ValueError(f"split_k={split_k} must divide the {tiles} K-tiles")
+        raise ValueError(f'split_k={split_k} must divide the {tiles} K-tiles')
     if acc is not None:
         if act or acc.dtype != torch.float32 or acc.shape != (M, N) or not acc.is_contiguous():
-            raise ValueError(f"acc must be a contiguous fp32 [{M}, {N}] tensor, without act")
+            raise ValueError(f'acc must be a contiguous fp32 [{M}, {N}] tensor, without act')
         out = acc
     else:
         out = torch.empty(M, N // 2 if act else N, dtype=out_dtype or dtype, device=x.device)
     ws, cnt = split_k_workspace(x.device, M * N, progs)
     n, eps = (x_rms[1], x_rms[2]) if x_rms is not None else (1, 0.0)
-    _mma_kernel[(progs, split_k)](x, qweight, scales, offsets, out, ws, cnt, ws if zero is None else zero,
-                                  x if norm is None else norm[0].contiguous(), ws if ssq is None else ssq, M, N, K,
-                                  x.stride(0), tiles // split_k, 0 if zero is None else zero.numel(),
-                                  0 if ssq is None else ssq.stride(0), 1.0 / n, eps,
-                                  G=G, NW=num_warps, NH=nh, EVEN_N=N % bn == 0, EVEN_K=K == Kp,
-                                  SPLIT=split_k, ACT=bool(act), SYM=bool(sym), F16=dtype == torch.float16,
-                                  ACC=acc is not None, ACT_X=bool(x_act), ZERO=zero is not None,
-                                  NORM_X=norm is not None, RMS_X=x_rms is not None,
-                                  num_warps=num_warps, num_stages=1, **pdl_kw(x.device, pdl),
-                                  **({'maxnreg': maxnreg} if maxnreg else {}))
+    _mma_kernel[(progs, split_k)](
+        x,
+        qweight,
+        scales,
+        offsets,
+        out,
+        ws,
+        cnt,
+        ws if zero is None else zero,
+        x if norm is None else norm[0].contiguous(),
+        ws if ssq is None else ssq,
+        M,
+        N,
+        K,
+        x.stride(0),
+        tiles // split_k,
+        0 if zero is None else zero.numel(),
+        0 if ssq is None else ssq.stride(0),
+        1.0 / n,
+        eps,
+        G=G,
+        NW=num_warps,
+        NH=nh,
+        EVEN_N=N % bn == 0,
+        EVEN_K=K == Kp,
+        SPLIT=split_k,
+        ACT=bool(act),
+        SYM=bool(sym),
+        F16=dtype == torch.float16,
+        ACC=acc is not None,
+        ACT_X=bool(x_act),
+        ZERO=zero is not None,
+        NORM_X=norm is not None,
+        RMS_X=x_rms is not None,
+        num_warps=num_warps,
+        num_stages=1,
+        **pdl_kw(x.device, pdl),
+        **({'maxnreg': maxnreg} if maxnreg else {}),
+    )
     return out

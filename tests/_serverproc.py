@@ -1,6 +1,13 @@
 "Start `python -m cvllm_lab.entrypoints.serve` in a subprocess on a free local port (used by the server and browser tests)."
+
 from __future__ import annotations
-import os, signal, socket, subprocess, sys, tempfile, time
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 import httpx
 
 
@@ -12,12 +19,25 @@ def free_port() -> int:
 
 class ServerProcess:
     "A cvllm-serve subprocess; `url` once `/health` answers. Use as a context manager (always killed)."
+
     def __init__(self, *args: str, timeout: float = 180):
         self.port = free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         self.log = tempfile.NamedTemporaryFile('w+', suffix='.log', prefix='cvllm-serve-')
-        cmd = [sys.executable, '-m', 'cvllm_lab.entrypoints.serve', '--host', '127.0.0.1', '--port', str(self.port),
-               '--threads', '1', '--uvicorn-log-level', 'warning', *args]
+        cmd = [
+            sys.executable,
+            '-m',
+            'cvllm_lab.entrypoints.serve',
+            '--host',
+            '127.0.0.1',
+            '--port',
+            str(self.port),
+            '--threads',
+            '1',
+            '--uvicorn-log-level',
+            'warning',
+            *args,
+        ]
         env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + timeout
@@ -25,32 +45,42 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f'cvllm-serve exited with {self.proc.returncode}:\n{self.output()}')
             try:
-                if httpx.get(self.url + '/health', timeout=2).status_code == 200: return
-            except httpx.HTTPError: pass
+                if httpx.get(self.url + '/health', timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f'cvllm-serve did not come up in {timeout} s:\n{self.output()}')
 
     def output(self) -> str:
-        self.log.flush(); self.log.seek(0)
+        self.log.flush()
+        self.log.seek(0)
         return self.log.read()[-5000:]
 
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-            try: self.proc.wait(15)
+            try:
+                self.proc.wait(15)
             except subprocess.TimeoutExpired:
-                self.proc.kill(); self.proc.wait(5)
+                self.proc.kill()
+                self.proc.wait(5)
         self.log.close()
 
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.stop()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 def metric(url: str, name: str) -> float:
     "One sample of a `/metrics` series (summed over labels)."
     text = httpx.get(url + '/metrics', timeout=10).text
-    vals = [float(l.rsplit(' ', 1)[1]) for l in text.splitlines()
-            if l.startswith(name + '{') or l.startswith(name + ' ')]
-    if not vals: raise KeyError(name)
+    vals = [
+        float(l.rsplit(' ', 1)[1]) for l in text.splitlines() if l.startswith(name + '{') or l.startswith(name + ' ')
+    ]
+    if not vals:
+        raise KeyError(name)
     return sum(vals)

@@ -6,16 +6,19 @@ function is defined, so it must be set before any kernel module is imported: her
 Markers: `cuda` tests need a CUDA GPU (select them with `-m cuda`) and are skipped without one; `interp` tests run
 the Triton kernels under the interpreter (the CPU path) and are skipped where it is off, i.e. on a GPU machine.
 """
+
 import os
 
 import pytest
 
 try:
     import torch
+
     _cuda = torch.cuda.is_available()
 except ImportError:
     _cuda = False
-if not _cuda: os.environ.setdefault('TRITON_INTERPRET', '1')
+if not _cuda:
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 
 def pytest_configure(config):

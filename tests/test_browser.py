@@ -1,19 +1,38 @@
 """The `--ui-server` chat page and the docs site in headless Chromium (Debian's package, driven by Playwright).
 No screenshots are written."""
+
 from __future__ import annotations
-import functools, http.server, json, sys, threading, time
+import functools
+import http.server
+import json
+import sys
+import threading
+import time
 from pathlib import Path
-import httpx, pytest
+import httpx
+import pytest
 
 CHROMIUM = Path('/usr/bin/chromium')
 if not CHROMIUM.exists():
-    pytest.skip('Debian chromium is not installed (apt-get install -y chromium chromium-driver)', allow_module_level=True)
-sync_api = pytest.importorskip('playwright.sync_api', reason='the playwright Python package is not installed (pip install playwright)')
-from _serverproc import ServerProcess, free_port, metric
+    pytest.skip(
+        'Debian chromium is not installed (apt-get install -y chromium chromium-driver)', allow_module_level=True
+    )
+sync_api = pytest.importorskip(
+    'playwright.sync_api', reason='the playwright Python package is not installed (pip install playwright)'
+)
+from _serverproc import ServerProcess, free_port, metric  # noqa: E402 (after the skips)
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update',
-        '--disable-sync', '--no-first-run', '--disable-quic']
+ARGS = [
+    '--headless',
+    '--no-sandbox',
+    '--disable-gpu',
+    '--disable-background-networking',
+    '--disable-component-update',
+    '--disable-sync',
+    '--no-first-run',
+    '--disable-quic',
+]
 
 
 @pytest.fixture(scope='module')
@@ -40,7 +59,9 @@ def page(browser):
 
 
 def settings(page, **kw):
-    for k, v in kw.items(): page.fill(f'#{k}', str(v)); page.dispatch_event(f'#{k}', 'change')
+    for k, v in kw.items():
+        page.fill(f'#{k}', str(v))
+        page.dispatch_event(f'#{k}', 'change')
 
 
 def test_chat_page_streams_an_answer(server, page):
@@ -52,15 +73,22 @@ def test_chat_page_streams_an_answer(server, page):
     page.fill('#prompt', 'Write a short poem about the sea.')
     page.click('#send')
     # part of the answer is on the page while the request is still streaming
-    page.wait_for_function("document.body.dataset.state === 'streaming' && "
-                           "document.querySelector('.msg.assistant .body').textContent.trim().length > 0")
+    page.wait_for_function(
+        "document.body.dataset.state === 'streaming' && "
+        "document.querySelector('.msg.assistant .body').textContent.trim().length > 0"
+    )
     assert page.is_enabled('#stop') and not page.is_enabled('#send')
     page.wait_for_function("document.body.dataset.state === 'idle'")
     assert 'finish: ' in page.text_content('.msg.assistant .meta')
     history = json.loads(page.evaluate("localStorage.getItem('cvllm.history')"))
     assert [m['role'] for m in history] == ['user', 'assistant']
-    want = httpx.post(server.url + '/v1/chat/completions', timeout=120, json=dict(
-        messages=[{'role': 'user', 'content': 'Write a short poem about the sea.'}], temperature=0, max_tokens=24)).json()
+    want = httpx.post(
+        server.url + '/v1/chat/completions',
+        timeout=120,
+        json=dict(
+            messages=[{'role': 'user', 'content': 'Write a short poem about the sea.'}], temperature=0, max_tokens=24
+        ),
+    ).json()
     assert history[1]['content'] == want['choices'][0]['message']['content']
     assert page.text_content('.msg.assistant .body').split()[0] in history[1]['content']
     # a second turn goes with the history; the conversation survives a reload; New chat clears it
@@ -69,7 +97,7 @@ def test_chat_page_streams_an_answer(server, page):
     page.wait_for_function("document.querySelectorAll('.msg').length === 4 && document.body.dataset.state === 'idle'")
     page.reload()
     page.wait_for_function("document.querySelectorAll('.msg').length === 4")
-    assert page.input_value('#max_tokens') == '24'                 # settings are kept too
+    assert page.input_value('#max_tokens') == '24'  # settings are kept too
     page.click('#new-chat')
     assert page.query_selector_all('.msg') == []
 
@@ -86,7 +114,8 @@ def test_stop_button_aborts(server, page):
     page.wait_for_function("document.body.dataset.state === 'idle'")
     assert page.text_content('#status') == 'Stopped.'
     deadline = time.time() + 10
-    while time.time() < deadline and metric(server.url, 'cvllm:request_aborted_total') < aborted + 1: time.sleep(0.2)
+    while time.time() < deadline and metric(server.url, 'cvllm:request_aborted_total') < aborted + 1:
+        time.sleep(0.2)
     assert metric(server.url, 'cvllm:request_aborted_total') == aborted + 1
     assert metric(server.url, 'cvllm:num_requests_running') == 0
 
@@ -96,12 +125,18 @@ def test_markdown_renderer(server, page):
     md = lambda s: page.evaluate('s => window.cvllmMarkdown(s)', s)
     assert md('# Title\n\n**bold**, *it* and `a<b`\n\n- one\n- two\n\n1. first\n\n```py\nx = 1 < 2\n```') == (
         '<h1>Title</h1><p><strong>bold</strong>, <em>it</em> and <code>a&lt;b</code></p>'
-        '<ul><li>one</li><li>two</li></ul><ol><li>first</li></ol><pre><code class="language-py">x = 1 &lt; 2</code></pre>')
+        '<ul><li>one</li><li>two</li></ul><ol><li>first</li></ol><pre><code class="language-py">x = 1 &lt; 2</code></pre>'
+    )
     assert md('<script>alert(1)</script> <img src=x onerror=alert(1)>') == (
-        '<p>&lt;script&gt;alert(1)&lt;/script&gt; &lt;img src=x onerror=alert(1)&gt;</p>')
+        '<p>&lt;script&gt;alert(1)&lt;/script&gt; &lt;img src=x onerror=alert(1)&gt;</p>'
+    )
     assert md('[link](https://example.com) [bad](javascript:alert(1)) snake_case_name') == (
-        '<p><a href="https://example.com" target="_blank" rel="noopener noreferrer">link</a> [bad](javascript:alert(1)) snake_case_name</p>')
-    assert md('| a | b |\n|---|---|\n| 1 | 2 |') == '<table><tr><th>a</th><th>b</th></tr><tr><td>1</td><td>2</td></tr></table>'
+        '<p><a href="https://example.com" target="_blank" rel="noopener noreferrer">link</a> [bad](javascript:alert(1)) snake_case_name</p>'
+    )
+    assert (
+        md('| a | b |\n|---|---|\n| 1 | 2 |')
+        == '<table><tr><th>a</th><th>b</th></tr><tr><td>1</td><td>2</td></tr></table>'
+    )
     assert md('line one\nline two\n\n> quoted') == '<p>line one<br>line two</p><blockquote><p>quoted</p></blockquote>'
 
 
@@ -109,11 +144,17 @@ def test_markdown_renderer(server, page):
 def docs_site(tmp_path_factory):
     sys.path.insert(0, str(ROOT / 'tools'))
     import build_docs
+
     tmp = tmp_path_factory.mktemp('docs')
     build_docs.build(build_dir=tmp / 'build', site_dir=tmp / 'site', only=['00_config', '77_api_server'])
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *a): pass
-    httpd = http.server.ThreadingHTTPServer(('127.0.0.1', free_port()), functools.partial(Quiet, directory=str(tmp / 'site')))
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(
+        ('127.0.0.1', free_port()), functools.partial(Quiet, directory=str(tmp / 'site'))
+    )
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f'http://127.0.0.1:{httpd.server_address[1]}'
     httpd.shutdown()

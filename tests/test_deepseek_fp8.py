@@ -14,7 +14,12 @@ from test_models_deepseek import tiny_hf
 
 
 def run(d, kv_cache_dtype, prompts, backend='torch', **kw):
-    kw = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16, max_model_len=64, num_gpu_blocks_override=64) | kw
+    kw = (
+        dict(
+            block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16, max_model_len=64, num_gpu_blocks_override=64
+        )
+        | kw
+    )
     llm = LLM(str(d), dtype='float32', progress=False, kv_cache_dtype=kv_cache_dtype, attention_backend=backend, **kw)
     sp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=-1, logprobs=2, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -26,9 +31,11 @@ def parts_at_near_ties(got, ref, margin):
     "Greedy tokens equal up to the first difference, where the reference's two best tokens were within `margin` nats."
     for a, b in zip(got, ref):
         i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if i is None: continue
+        if i is None:
+            continue
         top2 = sorted((lp.logprob for lp in b.logprobs[i].values()), reverse=True)[:2]
-        if top2[0] - top2[1] > margin: return False
+        if top2[0] - top2[1] > margin:
+            return False
     return True
 
 
@@ -50,7 +57,7 @@ def test_fp8_latent_cache_through_engine(v3):
     attn = runner.model.attention_layers()
     assert all(a.kv_cache.dtype == FP8_DTYPE and a.kv_scale.shape == a.kv_cache.shape[:2] for a in attn)
     assert all(a.kv_scale.dtype == torch.float32 for a in attn)
-    assert runner.bytes_per_block == 4 * len(attn) * (64 + 16 + 4)     # (L + R) e4m3 bytes + a 4-byte scale per row
+    assert runner.bytes_per_block == 4 * len(attn) * (64 + 16 + 4)  # (L + R) e4m3 bytes + a 4-byte scale per row
     diff = torch.cat(got) - torch.cat(ref)
     rms, worst = diff.pow(2).mean().sqrt().item(), diff.abs().max().item()
     print(f'fp8 vs fp32 cache: log-prob RMS {rms:.4f}, worst {worst:.4f}')
@@ -77,8 +84,14 @@ def test_fp8_latent_cache_on_gpu(v3):
     hf, d = tiny_hf(v3, seed=5)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (6, 19, 13, 300)]
-    kw = dict(device='cuda', block_size=16, prefill_chunk_size=32, max_num_batched_tokens=64, max_model_len=512,
-              num_gpu_blocks_override=128)
+    kw = dict(
+        device='cuda',
+        block_size=16,
+        prefill_chunk_size=32,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        num_gpu_blocks_override=128,
+    )
     _, ref, ref_toks = run(d, 'auto', prompts, 'triton', **kw)
     llm, got, toks = run(d, 'fp8', prompts, 'triton', **kw)
     assert llm.engine.runner.graphs, 'decode ran without CUDA graphs'

@@ -1,27 +1,48 @@
 "The docs site: nbdev directives honoured (hidden cells gone, directive lines stripped), README as home, a page per module."
+
 from __future__ import annotations
-import json, re, shutil, subprocess, sys
+import json
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 import pytest
 
-pytest.importorskip('mkdocs'); pytest.importorskip('mkdocs_jupyter'); pytest.importorskip('material')
+pytest.importorskip('mkdocs')
+pytest.importorskip('mkdocs_jupyter')
+pytest.importorskip('material')
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'tools'))
-import build_docs
+import build_docs  # noqa: E402 (from tools/, on the path above)
 
 
 def nb(*cells):
-    return {'cells': [{'cell_type': t, 'metadata': {}, 'source': s, **({'outputs': [], 'execution_count': None} if t == 'code' else {})}
-                      for t, s in cells], 'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
+    return {
+        'cells': [
+            {
+                'cell_type': t,
+                'metadata': {},
+                'source': s,
+                **({'outputs': [], 'execution_count': None} if t == 'code' else {}),
+            }
+            for t, s in cells
+        ],
+        'metadata': {},
+        'nbformat': 4,
+        'nbformat_minor': 5,
+    }
 
 
-DEMO = nb(('markdown', '# Demo module\n> Summary line of the demo.'),
-          ('code', '#| default_exp entrypoints.openai.demo'),
-          ('code', '#| hide\nSECRET_SETUP_VALUE = 42'),
-          ('code', '#|hide\nANOTHER_HIDDEN_THING = 1'),
-          ('code', '#| export\ndef visible_api_function(x):\n    "Return x."\n    return x'),
-          ('markdown', 'Some prose that explains the design.'),
-          ('code', '#| eval: false\nvisible_api_function(3)'))
+DEMO = nb(
+    ('markdown', '# Demo module\n> Summary line of the demo.'),
+    ('code', '#| default_exp entrypoints.openai.demo'),
+    ('code', '#| hide\nSECRET_SETUP_VALUE = 42'),
+    ('code', '#|hide\nANOTHER_HIDDEN_THING = 1'),
+    ('code', '#| export\ndef visible_api_function(x):\n    "Return x."\n    return x'),
+    ('markdown', 'Some prose that explains the design.'),
+    ('code', '#| eval: false\nvisible_api_function(3)'),
+)
 
 
 def test_clean_notebook():
@@ -30,21 +51,31 @@ def test_clean_notebook():
     text = json.dumps(cleaned)
     assert 'SECRET_SETUP_VALUE' not in text and 'ANOTHER_HIDDEN_THING' not in text and '#|' not in text
     assert [c['source'] for c in cleaned['cells'] if c['cell_type'] == 'code'] == [
-        'def visible_api_function(x):\n    "Return x."\n    return x', 'visible_api_function(3)']
+        'def visible_api_function(x):\n    "Return x."\n    return x',
+        'visible_api_function(3)',
+    ]
 
 
 def test_build_site(tmp_path):
-    nbs = tmp_path / 'nbs'; nbs.mkdir()
+    nbs = tmp_path / 'nbs'
+    nbs.mkdir()
     (nbs / '90_demo.ipynb').write_text(json.dumps(DEMO))
     shutil.copy(ROOT / 'nbs' / '77_api_server.ipynb', nbs)
     (nbs / '95_notes.ipynb').write_text(json.dumps(nb(('markdown', '# Loose notes'), ('code', '1 + 1'))))
-    readme = tmp_path / 'README.md'; readme.write_text('# cvllm_lab\n\nThe README is the HOME_PAGE_MARKER.\n')
+    readme = tmp_path / 'README.md'
+    readme.write_text('# cvllm_lab\n\nThe README is the HOME_PAGE_MARKER.\n')
     site = tmp_path / 'site'
     yml = build_docs.build(nbs, readme, tmp_path / 'build', site)
     nav = json.loads(yml.read_text())['nav']
     assert nav[0] == {'Home': 'index.md'}
-    assert nav[1]['API'] == [{'cvllm_lab.entrypoints.openai': [{'api_server — OpenAI-compatible API server': '77_api_server.ipynb'},
-                                                    {'demo — Demo module': '90_demo.ipynb'}]}]
+    assert nav[1]['API'] == [
+        {
+            'cvllm_lab.entrypoints.openai': [
+                {'api_server — OpenAI-compatible API server': '77_api_server.ipynb'},
+                {'demo — Demo module': '90_demo.ipynb'},
+            ]
+        }
+    ]
     assert nav[2] == {'Notebooks': [{'Loose notes': '95_notes.ipynb'}]}
     home = (site / 'index.html').read_text()
     assert 'HOME_PAGE_MARKER' in home and '90_demo.html' in home and '77_api_server.html' in home
@@ -54,21 +85,29 @@ def test_build_site(tmp_path):
     assert not re.search(r'#\s*\|\s*(export|default_exp|hide|eval)', demo)
     api = (site / '77_api_server.html').read_text()
     assert 'build_app' in api and 'class OpenAIServing' in api
-    assert 'def check_error' not in api                      # defined in a `#| hide` cell of that notebook
+    assert 'def check_error' not in api  # defined in a `#| hide` cell of that notebook
     assert not re.search(r'#\s*\|\s*(export|default_exp|hide)', api)
 
 
 def test_make_docs(tmp_path):
     "The whole site, as `make docs` builds it: a page per notebook."
     site = tmp_path / 'site'
-    subprocess.run(['make', '-s', 'docs', f'SITE_DIR={site}', f'PYTHON={sys.executable}'], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        ['make', '-s', 'docs', f'SITE_DIR={site}', f'PYTHON={sys.executable}'],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     pages = {p.stem for p in site.glob('*.html')}
     assert {p.stem for p in (ROOT / 'nbs').glob('*.ipynb')} <= pages and 'index' in pages
     assert 'def check_error' not in (site / '77_api_server.html').read_text()
     # every module docstring's `Docs:` link names a page the build produced (its markdown twin)
-    links = {m.group(1) for f in (ROOT / 'cvllm_lab').rglob('*.py')
-             if (m := re.search(r'Docs: https?://[^\s"]+/([^/\s"]+\.html\.md)', f.read_text()))}
+    links = {
+        m.group(1)
+        for f in (ROOT / 'cvllm_lab').rglob('*.py')
+        if (m := re.search(r'Docs: https?://[^\s"]+/([^/\s"]+\.html\.md)', f.read_text()))
+    }
     assert len(links) > 40 and not [l for l in links if not (site / l).exists()]
     reg = (site / 'registry.html.md').read_text()
     assert reg.startswith('# Model registry') and '```python' in reg and '#|' not in reg

@@ -17,6 +17,7 @@ The static-scale and scale-bound variants of the activation quantization are che
 bit for bit. `pytest -q tests/test_fp8_checkpoints.py` (about three minutes on 2 cores); on a GPU (`-m cuda`), the
 static-scale and scale-bound schemes at real sizes on every backend.
 """
+
 import json
 
 import pytest
@@ -32,22 +33,30 @@ from cvllm_lab.quant.fp8 import FP8Linear, quantize_fp8_block, quantize_fp8_chan
 
 # ------------------------------------------------------------------------------- activation schemes (kernels)
 
+
 @pytest.mark.interp
 def test_act_quant_static_and_bound():
     "Per token with a static scale (clipping at +-448) and with a bound on the dynamic scales: equal to the reference."
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 300, generator=g) * 3
-    x[2, 7] = 40.0                                                  # an outlier: clipped by the static scale / the bound
+    x[2, 7] = 40.0  # an outlier: clipped by the static scale / the bound
     x[4] = 0
-    for kw in (dict(scale=torch.tensor([0.02])), dict(scale=torch.tensor(0.005)), dict(scale_ub=5.0), dict(scale_ub=1e4)):
+    for kw in (
+        dict(scale=torch.tensor([0.02])),
+        dict(scale=torch.tensor(0.005)),
+        dict(scale_ub=5.0),
+        dict(scale_ub=1e4),
+    ):
         q, s = act_quant_fp8(x, None, bk=256, **kw)
         qr, sr = act_quant_fp8_ref(x, None, **kw)
         assert torch.equal(s, sr) and torch.equal(q.float(), qr.float()), kw
     _, s = act_quant_fp8(x, None, scale_ub=5.0)
-    assert s.max() == 5.0 / 448 and s[4] == act_quant_fp8_ref(x, None)[1][4]      # bounded; a zero row stays finite
+    assert s.max() == 5.0 / 448 and s[4] == act_quant_fp8_ref(x, None)[1][4]  # bounded; a zero row stays finite
     assert torch.equal(act_quant_fp8(x, None, scale=torch.tensor(0.02))[1], torch.full((6,), 0.02))
-    with pytest.raises(ValueError, match='per token'): act_quant_fp8(x, 128, scale=torch.tensor(0.02))
-    with pytest.raises(ValueError, match='one float32'): act_quant_fp8(x, None, scale=torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match='per token'):
+        act_quant_fp8(x, 128, scale=torch.tensor(0.02))
+    with pytest.raises(ValueError, match='one float32'):
+        act_quant_fp8(x, None, scale=torch.tensor([0.1, 0.2]))
 
 
 @pytest.mark.interp
@@ -64,25 +73,49 @@ def test_fp8_gemm_static_and_bound(N, K):
                 for split in sorted({1, -(-K // 128)}):
                     y = fp8_gemm(x, w, s, N, K, swap=swap, split_k=split, **kw)
                     assert rel_err(y, ref) < 1e-5, (M, kw, swap, split)
-            assert rel_err(fp8_matmul(x, w, s, N, K, **kw), ref) < 1e-5                    # the dispatcher
+            assert rel_err(fp8_matmul(x, w, s, N, K, **kw), ref) < 1e-5  # the dispatcher
     wb, sb = quantize_fp8_block(torch.randn(N, K) * 0.05)
-    with pytest.raises(ValueError, match='1 x 128'): fp8_gemm(x, wb, sb, N, K, input_scale=torch.tensor(0.01))
+    with pytest.raises(ValueError, match='1 x 128'):
+        fp8_gemm(x, wb, sb, N, K, input_scale=torch.tensor(0.01))
 
 
 # ------------------------------------------------------------------------------- checkpoints through the engine
 
 H, I, V = 256, 512, 512
-CT = lambda w, a: {'quant_method': 'compressed-tensors', 'format': 'float-quantized', 'ignore': ['lm_head'],
-                   'config_groups': {'group_0': {'targets': ['Linear'],
-                       'weights': {'num_bits': 8, 'type': 'float', 'symmetric': True, 'dynamic': False, **w},
-                       'input_activations': {'num_bits': 8, 'type': 'float', 'symmetric': True, **a}}}}
-LAYOUTS = {   # name: (quantization_config, scale of each weight: block | tensor | channel, with input_scale)
-    'block': ({'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': [128, 128]}, 'block', False),
+CT = lambda w, a: {
+    'quant_method': 'compressed-tensors',
+    'format': 'float-quantized',
+    'ignore': ['lm_head'],
+    'config_groups': {
+        'group_0': {
+            'targets': ['Linear'],
+            'weights': {'num_bits': 8, 'type': 'float', 'symmetric': True, 'dynamic': False, **w},
+            'input_activations': {'num_bits': 8, 'type': 'float', 'symmetric': True, **a},
+        }
+    },
+}
+LAYOUTS = {  # name: (quantization_config, scale of each weight: block | tensor | channel, with input_scale)
+    'block': (
+        {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': [128, 128]},
+        'block',
+        False,
+    ),
     'tensor': ({'quant_method': 'fp8', 'activation_scheme': 'dynamic'}, 'tensor', False),
     'tensor_static': ({'quant_method': 'fp8', 'activation_scheme': 'static'}, 'tensor', True),
-    'fbgemm': ({'quant_method': 'fbgemm_fp8', 'activation_scale_ub': 2.5, 'modules_to_not_convert': ['lm_head']}, 'channel', False),
+    'fbgemm': (
+        {'quant_method': 'fbgemm_fp8', 'activation_scale_ub': 2.5, 'modules_to_not_convert': ['lm_head']},
+        'channel',
+        False,
+    ),
     'ct_channel': (CT({'strategy': 'channel'}, {'strategy': 'token', 'dynamic': True}), 'channel', False),
-    'ct_block': (CT({'strategy': 'block', 'block_structure': [128, 128]}, {'strategy': 'group', 'group_size': 128, 'dynamic': True}), 'block', False),
+    'ct_block': (
+        CT(
+            {'strategy': 'block', 'block_structure': [128, 128]},
+            {'strategy': 'group', 'group_size': 128, 'dynamic': True},
+        ),
+        'block',
+        False,
+    ),
 }
 
 
@@ -90,17 +123,29 @@ LAYOUTS = {   # name: (quantization_config, scale of each weight: block | tensor
 def tiny(tmp_path_factory):
     "A random transformers Llama saved to disk, its fp32 state dict, and each decoder linear's largest input |x|."
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, architectures=['LlamaForCausalLM'])
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        architectures=['LlamaForCausalLM'],
+    )
     hf = LlamaForCausalLM(cfg).eval()
     d = tmp_path_factory.mktemp('tiny')
     hf.save_pretrained(d)
     amax = {}
     for n, mod in hf.named_modules():
         if isinstance(mod, torch.nn.Linear) and '.layers.' in n:
-            mod.register_forward_hook(lambda m, a, o, n=n: amax.__setitem__(n, max(amax.get(n, 0.0), a[0].abs().max().item())))
-    with torch.no_grad(): hf(torch.randint(0, V, (3, 24), generator=torch.Generator().manual_seed(5)))
+            mod.register_forward_hook(
+                lambda m, a, o, n=n: amax.__setitem__(n, max(amax.get(n, 0.0), a[0].abs().max().item()))
+            )
+    with torch.no_grad():
+        hf(torch.randint(0, V, (3, 24), generator=torch.Generator().manual_seed(5)))
     return d, cfg, {k: v.float() for k, v in hf.state_dict().items()}, amax
 
 
@@ -113,7 +158,7 @@ def _write(tiny, layout, dst):
         if '.layers.' not in k or not k.endswith('_proj.weight'):
             out[k] = deq[k] = v
             continue
-        mod = k[:-len('.weight')]
+        mod = k[: -len('.weight')]
         if scale == 'block':
             q, s = quantize_fp8_block(v)
             deq[k] = dequantize_fp8_block(q, s)
@@ -123,7 +168,8 @@ def _write(tiny, layout, dst):
             deq[k] = q.float() * s[:, None]
             out[mod + '.weight_scale'] = s[0].reshape(()) if scale == 'tensor' else s[:, None]
         out[k] = q
-        if static: out[mod + '.input_scale'] = torch.tensor(amax[mod] / 448)
+        if static:
+            out[mod + '.input_scale'] = torch.tensor(amax[mod] / 448)
     save_file(out, str(dst / 'model.safetensors'))
     cj = json.loads((src / 'config.json').read_text())
     cj['quantization_config'] = qc
@@ -134,12 +180,17 @@ def _write(tiny, layout, dst):
 def _load(path):
     from cvllm_lab.config import EngineConfig
     from cvllm_lab.weights.loader import load_hf_config, load_model, resolve_model_source
-    return load_model(EngineConfig(model=str(path), device='cpu').finalize(256), load_hf_config(resolve_model_source(path)),
-                      progress=False)
+
+    return load_model(
+        EngineConfig(model=str(path), device='cpu').finalize(256),
+        load_hf_config(resolve_model_source(path)),
+        progress=False,
+    )
 
 
 def _logits(model, lens=(7, 20, 33)):
     from cvllm_lab.utils.context import bind_kv_cache, prefill_context, set_forward_context
+
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, V, (n,), generator=g) for n in lens]
     ctx, nb = prefill_context(list(lens))
@@ -151,7 +202,8 @@ def _logits(model, lens=(7, 20, 33)):
 def _reference_forward(self, x):
     "What the kernels compute, in PyTorch: x quantized as `fp8_matmul` picks (GEMV rows: not at all), fp32 matmul."
     x2, N, K = x.reshape(-1, self.input_size), self.output_size, self.input_size
-    if x2.shape[0] == 1: y = x2 @ self.dequantize().T
+    if x2.shape[0] == 1:
+        y = x2 @ self.dequantize().T
     else:
         ag = gemm_config(N, K, x2.shape[0], 'block' if self.block else 'channel', x.device).get('act_group', 128)
         y = fp8_gemm_ref(x2, self.weight, self.scale, N, K, ag, self.input_scale, self.input_scale_ub)
@@ -165,6 +217,7 @@ def _reference_forward(self, x):
 @pytest.mark.parametrize('layout', list(LAYOUTS))
 def test_fp8_checkpoint(tiny, layout, tmp_path, monkeypatch):
     from cvllm_lab.models.llama import LlamaForCausalLM
+
     _, cfg, sd, amax = tiny
     deq = _write(tiny, layout, tmp_path)
     model = _load(tmp_path)
@@ -173,23 +226,29 @@ def test_fp8_checkpoint(tiny, layout, tmp_path, monkeypatch):
     assert (qkv.input_scale is not None) == LAYOUTS[layout][2]
     assert qkv.input_scale_ub == (2.5 if layout == 'fbgemm' else None)
     deq_model, float_model = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
-    deq_model.load_weights(deq.items()); float_model.load_weights(sd.items())
+    deq_model.load_weights(deq.items())
+    float_model.load_weights(sd.items())
     want_deq, want_float = _logits(deq_model), _logits(float_model)
-    assert rel_err(_logits(model), want_deq) < 1e-5                 # CPU path: the dequantized weights, x in fp32
+    assert rel_err(_logits(model), want_deq) < 1e-5  # CPU path: the dequantized weights, x in fp32
 
     errs = []
-    def checked(self, x):                                           # the kernels, under the interpreter, each call
-        y = FP8Linear.forward_kernels(self, x)                      # checked against their reference on its input
+
+    def checked(self, x):  # the kernels, under the interpreter, each call
+        y = FP8Linear.forward_kernels(self, x)  # checked against their reference on its input
         errs.append(rel_err(y, _reference_forward(self, x)))
         return y
+
     monkeypatch.setattr(FP8Linear, 'forward', checked)
     got = _logits(model)
-    assert len(errs) == 8 and max(errs) < 1e-5, (layout, errs)      # 2 layers x (qkv, o, gate_up, down)
+    assert len(errs) == 8 and max(errs) < 1e-5, (layout, errs)  # 2 layers x (qkv, o, gate_up, down)
     e_deq, e_float = rel_err(got, want_deq), rel_err(got, want_float)
-    assert 1e-3 < e_deq < (0.12 if layout == 'fbgemm' else 0.07), (layout, e_deq)   # x rounded to e4m3 (fbgemm: and clipped)
-    assert e_float < (0.14 if layout == 'fbgemm' else 0.1), (layout, e_float)         # plus the weights' rounding
+    assert 1e-3 < e_deq < (0.12 if layout == 'fbgemm' else 0.07), (
+        layout,
+        e_deq,
+    )  # x rounded to e4m3 (fbgemm: and clipped)
+    assert e_float < (0.14 if layout == 'fbgemm' else 0.1), (layout, e_float)  # plus the weights' rounding
 
-    monkeypatch.setattr(FP8Linear, 'forward', FP8Linear.forward_kernels)      # one row: the W8A16 GEMV, x not quantized
+    monkeypatch.setattr(FP8Linear, 'forward', FP8Linear.forward_kernels)  # one row: the W8A16 GEMV, x not quantized
     assert rel_err(_logits(model, (1,)), _logits(deq_model, (1,))) < 1e-5
 
 
@@ -198,14 +257,18 @@ def test_fp8_checkpoint_refusals(tiny, tmp_path):
     "Unsupported variants fail at load naming the field or tensor."
     _write(tiny, 'tensor', tmp_path)
     cj = json.loads((tmp_path / 'config.json').read_text())
-    for qc, field in (({'quant_method': 'fp8', 'fmt': 'e5m2'}, 'fmt'),
-                      (CT({'strategy': 'channel'}, {'strategy': 'token', 'dynamic': False}), 'input_activations'),
-                      ({'quant_method': 'fp8', 'activation_scheme': 'static'}, 'input_scale')):  # static: no input_scale in the files
+    for qc, field in (
+        ({'quant_method': 'fp8', 'fmt': 'e5m2'}, 'fmt'),
+        (CT({'strategy': 'channel'}, {'strategy': 'token', 'dynamic': False}), 'input_activations'),
+        ({'quant_method': 'fp8', 'activation_scheme': 'static'}, 'input_scale'),
+    ):  # static: no input_scale in the files
         (tmp_path / 'config.json').write_text(json.dumps({**cj, 'quantization_config': qc}))
-        with pytest.raises((NotImplementedError, ValueError), match=field): _load(tmp_path)
+        with pytest.raises((NotImplementedError, ValueError), match=field):
+            _load(tmp_path)
 
 
 # ------------------------------------------------------------------------------- DeepSeek-V3's own layout, experts too
+
 
 @pytest.mark.interp
 def test_deepseek_v3_block_fp8(tmp_path, monkeypatch):
@@ -219,46 +282,88 @@ def test_deepseek_v3_block_fp8(tmp_path, monkeypatch):
     from cvllm_lab.kernels.fused_moe import fused_moe
     from cvllm_lab.models.deepseek_v2 import DeepseekV3ForCausalLM
     from cvllm_lab.quant.apply import Fp8CheckpointMoEMethod
-    cfg = DeepseekV3Config(vocab_size=V, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
-                           v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                           n_group=2, topk_group=1, q_lora_rank=48, routed_scaling_factor=2.5, max_position_embeddings=256,
-                           bos_token_id=None, eos_token_id=None, pad_token_id=None, architectures=['DeepseekV3ForCausalLM'])
+
+    cfg = DeepseekV3Config(
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=48,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        architectures=['DeepseekV3ForCausalLM'],
+    )
     torch.manual_seed(0)
     hf = HFDeepseekV3(cfg).eval()
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if '.gate.' in n: p.normal_(0, 0.3)
+            if '.gate.' in n:
+                p.normal_(0, 0.3)
     hf.save_pretrained(tmp_path / 'float')
     sd = load_file(str(tmp_path / 'float' / 'model.safetensors'))
     out, deq = {}, {}
     for k, v in sd.items():
         if '.layers.' in k and k.endswith('_proj.weight') or k.endswith('kv_a_proj_with_mqa.weight'):
             q, s = quantize_fp8_block(v)
-            out[k], out[k[:-len('.weight')] + '.weight_scale_inv'], deq[k] = q, s, dequantize_fp8_block(q, s)
-        else: out[k] = deq[k] = v
+            out[k], out[k[: -len('.weight')] + '.weight_scale_inv'], deq[k] = q, s, dequantize_fp8_block(q, s)
+        else:
+            out[k] = deq[k] = v
     d = tmp_path / 'fp8'
     d.mkdir()
     save_file(out, str(d / 'model.safetensors'))
-    cfg.quantization_config = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': [128, 128]}
+    cfg.quantization_config = {
+        'quant_method': 'fp8',
+        'fmt': 'e4m3',
+        'activation_scheme': 'dynamic',
+        'weight_block_size': [128, 128],
+    }
     cfg.save_pretrained(d)
     model = _load(d)
     l1 = model.model.layers[1]
     assert isinstance(l1.self_attn.kv_b_proj, FP8Linear) and isinstance(l1.mlp.shared_experts.down_proj, FP8Linear)
-    assert isinstance(l1.mlp.experts.quant_method, Fp8CheckpointMoEMethod) and l1.mlp.experts.w2_weight_scale_inv.shape == (8, 1, 1)
+    assert isinstance(
+        l1.mlp.experts.quant_method, Fp8CheckpointMoEMethod
+    ) and l1.mlp.experts.w2_weight_scale_inv.shape == (8, 1, 1)
     assert model.model.layers[0].mlp.gate_up_proj.output_sizes == [256, 256]
     ref, flt = DeepseekV3ForCausalLM(cfg), DeepseekV3ForCausalLM(cfg)
-    ref.load_weights(deq.items()); flt.load_weights(sd.items())
+    ref.load_weights(deq.items())
+    flt.load_weights(sd.items())
     want = _logits(ref)
     assert rel_err(_logits(model), want) < 1e-5
     errs = []
+
     def checked(self, x):
         y = FP8Linear.forward_kernels(self, x)
         errs.append(rel_err(y, _reference_forward(self, x)))
         return y
+
     def kernel_experts(self, layer, x, tw, ids):
-        return fused_moe(x, layer.w13_weight, layer.w2_weight, tw, ids, w13_scale=layer.w13_weight_scale_inv,
-                         w2_scale=layer.w2_weight_scale_inv)
+        return fused_moe(
+            x,
+            layer.w13_weight,
+            layer.w2_weight,
+            tw,
+            ids,
+            w13_scale=layer.w13_weight_scale_inv,
+            w2_scale=layer.w2_weight_scale_inv,
+        )
+
     monkeypatch.setattr(FP8Linear, 'forward', checked)
     monkeypatch.setattr(Fp8CheckpointMoEMethod, 'apply', kernel_experts)
     got = _logits(model)
@@ -274,6 +379,7 @@ def test_fp8_checkpoint_schemes_cuda():
     """Real sizes on the GPU, bf16 x: channel weights with a static input scale and with a scale bound, through the
     dispatcher, the Triton W8A8 kernel and torch._scaled_mm, against the reference; `FP8Linear` of a static checkpoint."""
     from cvllm_lab.kernels.fp8_gemm import fp8_scaled_mm
+
     for N, K in ((6144, 4096), (4096, 14336)):
         w, s = quantize_fp8_channel(torch.randn(N, K, device='cuda') * 0.02)
         for M in (16, 64, 300):
@@ -281,7 +387,11 @@ def test_fp8_checkpoint_schemes_cuda():
             for kw in (dict(input_scale=(x.abs().max().float() / 448 * 0.9).reshape(1)), dict(scale_ub=3.0)):
                 ref = fp8_gemm_ref(x, w, s, N, K, **kw)
                 assert rel_err(ref, x.float() @ (w.float() * s[:, None]).T) < 0.1
-                for y in (fp8_matmul(x, w, s, N, K, **kw), fp8_gemm(x, w, s, N, K, **kw), fp8_scaled_mm(x, w, s, N, K, **kw)):
+                for y in (
+                    fp8_matmul(x, w, s, N, K, **kw),
+                    fp8_gemm(x, w, s, N, K, **kw),
+                    fp8_scaled_mm(x, w, s, N, K, **kw),
+                ):
                     assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1e-2, (N, K, M, kw, rel_err(y, ref))
         m = FP8Linear.from_fp8(w, s[:1].reshape(()), input_scale=torch.tensor(4.0 / 448, device='cuda'))
         x = torch.randn(64, K, device='cuda', dtype=torch.bfloat16)

@@ -3,9 +3,12 @@ processor and the one output processor over the same engine core (issue 40's beh
 
 The server runs as a real `cvllm-serve` process (its engine core in a process of its own, grammars pickled across);
 the offline engine in this process. Each case sends one request both ways and compares what a client reads."""
+
 from __future__ import annotations
 import json
-import httpx, pytest, torch
+import httpx
+import pytest
+import torch
 from _serverproc import ServerProcess
 
 from cvllm_lab import LLM, SamplingParams
@@ -15,9 +18,16 @@ from cvllm_lab.entrypoints.openai.tool_parsers import get_tool_parser
 
 MAX_LEN = 512
 PROMPT = 'The capital of France is'
-TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city',
-                                           'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}},
-                                                          'required': ['city']}}}]
+TOOLS = [
+    {
+        'type': 'function',
+        'function': {
+            'name': 'get_weather',
+            'description': 'The weather in a city',
+            'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']},
+        },
+    }
+]
 
 
 @pytest.fixture(scope='module')
@@ -48,7 +58,9 @@ def test_stop_strings_and_n(server, llm):
     assert (c['text'], c['finish_reason'], c['stop_reason']) == (o.outputs[0].text, 'stop', o.outputs[0].stop_reason)
     sp = SamplingParams(temperature=0.9, top_p=0.95, n=2, seed=11, max_tokens=16)
     (o,) = llm.generate('Once upon a time', sp, use_tqdm=False)
-    r = post(server, '/v1/completions', prompt='Once upon a time', temperature=0.9, top_p=0.95, n=2, seed=11, max_tokens=16)
+    r = post(
+        server, '/v1/completions', prompt='Once upon a time', temperature=0.9, top_p=0.95, n=2, seed=11, max_tokens=16
+    )
     assert [c['text'] for c in r['choices']] == [s.text for s in o.outputs]
     assert o.outputs[0].text != o.outputs[1].text
 
@@ -79,8 +91,9 @@ def test_chat_with_tools(server, llm):
     content, calls = get_tool_parser('hermes', TOOLS).extract(o.outputs[0].text)
     m = r['choices'][0]['message']
     assert (m['content'] or '') == (content or '')
-    assert [(c['function']['name'], json.loads(c['function']['arguments'])) for c in m.get('tool_calls') or []] == \
-           [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert [(c['function']['name'], json.loads(c['function']['arguments'])) for c in m.get('tool_calls') or []] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls
+    ]
     assert r['usage']['prompt_tokens'] == len(o.prompt_token_ids)
 
 
@@ -88,8 +101,16 @@ def test_structured_output(server, llm):
     "A JSON-object grammar: the server's (built in the API process, pickled to the core) and the offline one agree."
     tok = llm.get_tokenizer()
     proc = make_logits_processor(tok, {'type': 'json_object'}, eos_token_ids=sorted(llm.engine.eos_token_ids))
-    (o,) = llm.generate('Reply in JSON:', SamplingParams(temperature=0, max_tokens=24, logits_processors=[proc]), use_tqdm=False)
-    r = post(server, '/v1/completions', prompt='Reply in JSON:', temperature=0, max_tokens=24,
-             response_format={'type': 'json_object'})
+    (o,) = llm.generate(
+        'Reply in JSON:', SamplingParams(temperature=0, max_tokens=24, logits_processors=[proc]), use_tqdm=False
+    )
+    r = post(
+        server,
+        '/v1/completions',
+        prompt='Reply in JSON:',
+        temperature=0,
+        max_tokens=24,
+        response_format={'type': 'json_object'},
+    )
     assert r['choices'][0]['text'] == o.outputs[0].text
     assert o.outputs[0].text.lstrip().startswith('{'), o.outputs[0].text

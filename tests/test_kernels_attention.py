@@ -14,14 +14,18 @@ import torch
 
 from cvllm_lab.kernels import paged_attention as pa
 from cvllm_lab.kernels.kv_cache import SCALE_MIN
+
 paged_attention, paged_attention_ref = pa.paged_attention, pa.paged_attention_ref
 reshape_and_cache, reshape_and_cache_ref = pa.reshape_and_cache, pa.reshape_and_cache_ref
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 def make_batch(q_lens, ctx_lens, H, Hkv, D, block_size, dtype, device=DEV, extra_blocks=3):
@@ -35,7 +39,7 @@ def make_batch(q_lens, ctx_lens, H, Hkv, D, block_size, dtype, device=DEV, extra
     bt = torch.randint(0, num_blocks, (len(q_lens), width), dtype=torch.int32)
     used = 0
     for b, n in enumerate(nblk):
-        bt[b, :n] = perm[used:used + n].int()
+        bt[b, :n] = perm[used : used + n].int()
         used += n
     k_cache = torch.randn(num_blocks, block_size, Hkv, D, device=device).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, Hkv, D, device=device).to(dtype)
@@ -61,7 +65,8 @@ def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, win
             kh = k.repeat_interleave(H // Hkv, 1)
             vh = v.repeat_interleave(H // Hkv, 1)
             sc = torch.einsum('hd,nhd->hn', q[i].double(), kh) * scale
-            if softcap: sc = softcap * torch.tanh(sc / softcap)
+            if softcap:
+                sc = softcap * torch.tanh(sc / softcap)
             w = torch.softmax(sc, -1)
             out[i] = torch.einsum('hn,nhd->hd', w, vh)
     return out
@@ -73,6 +78,7 @@ def assert_close(out, ref, dtype):
 
 # ------------------------------------------------------------------------------------------------ reshape_and_cache
 
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_reshape_and_cache(dtype):
     torch.manual_seed(0)
@@ -82,7 +88,7 @@ def test_reshape_and_cache(dtype):
     slots = torch.randperm(nb * bs, device=DEV)[:T]
     slots[[3, 11]] = -1  # padded tokens
     kv = torch.randn(T, 2 * Hkv + 3, D, device=DEV).to(dtype)  # key/value: strided views of a bigger tensor
-    key, value = kv[:, :Hkv], kv[:, Hkv + 3:]
+    key, value = kv[:, :Hkv], kv[:, Hkv + 3 :]
     reshape_and_cache(key, value, k_cache, v_cache, slots)
     reshape_and_cache_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
@@ -91,11 +97,12 @@ def test_reshape_and_cache(dtype):
     k32, v32 = torch.randn(2, T, Hkv, D, device=DEV)
     reshape_and_cache(k32, v32, k_cache, v_cache, slots)
     reshape_and_cache_ref(k32, v32, k_ref, v_ref, slots)
-    torch.testing.assert_close(k_cache.float(), k_ref.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 0, atol=0)
-    torch.testing.assert_close(v_cache.float(), v_ref.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 0, atol=0)
+    torch.testing.assert_close(k_cache.float(), k_ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 0, atol=0)
+    torch.testing.assert_close(v_cache.float(), v_ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------ rotary_and_cache
+
 
 @pytest.mark.parametrize('is_neox,rot_dim', [(True, 64), (False, 64), (True, 32), (False, 48)])
 @pytest.mark.parametrize('kv', ['auto', 'fp8'])
@@ -104,7 +111,7 @@ def test_rotary_and_cache(is_neox, rot_dim, kv):
     torch.manual_seed(rot_dim + is_neox)
     nb, bs, H, Hkv, D, T, dtype = 6, 16, 4, 2, 64, 20, torch.float32
     qkv = torch.randn(T, H + 2 * Hkv, D, device=DEV, dtype=dtype)
-    q, key, value = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]      # strided views, as the model's split gives
+    q, key, value = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]  # strided views, as the model's split gives
     pos = torch.randint(0, 500, (T,), device=DEV)
     inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
     f = torch.arange(512, device=DEV).float()[:, None] * inv
@@ -115,22 +122,27 @@ def test_rotary_and_cache(is_neox, rot_dim, kv):
     caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=cdt) for _ in range(4)]
     scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)] if kv == 'fp8' else [None] * 4
     key0 = key.clone()
-    k_outs = [torch.full((T, Hkv, D), 7.0, device=DEV, dtype=dtype) for _ in range(2)]   # the rotated keys, if asked for
-    qr = pa.rotary_and_cache_ref(q.clone(), key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3],
-                                 k_out=k_outs[1])
-    got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1],
-                              k_out=k_outs[0])
-    assert got.data_ptr() == q.data_ptr() and torch.equal(key, key0)     # q in place, k untouched
+    k_outs = [torch.full((T, Hkv, D), 7.0, device=DEV, dtype=dtype) for _ in range(2)]  # the rotated keys, if asked for
+    qr = pa.rotary_and_cache_ref(
+        q.clone(), key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3], k_out=k_outs[1]
+    )
+    got = pa.rotary_and_cache(
+        q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1], k_out=k_outs[0]
+    )
+    assert got.data_ptr() == q.data_ptr() and torch.equal(key, key0)  # q in place, k untouched
     torch.testing.assert_close(q, qr, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_outs[0], k_outs[1], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(k_outs[0][..., :rot_dim], key[..., :rot_dim])   # rotated, slot or not
+    assert not torch.allclose(k_outs[0][..., :rot_dim], key[..., :rot_dim])  # rotated, slot or not
     if kv == 'fp8':
-        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): assert fp8_ulps(a, b).max() <= 1
-        for a, b in ((scales[0], scales[2]), (scales[1], scales[3])): torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert fp8_ulps(a, b).max() <= 1
+        for a, b in ((scales[0], scales[2]), (scales[1], scales[3])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
     else:
-        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     keep = slots >= 0
-    if kv == 'auto':   # the rotated key really is in the cache (not the raw one), the tail dims unrotated
+    if kv == 'auto':  # the rotated key really is in the cache (not the raw one), the tail dims unrotated
         rows = caches[0].view(-1, Hkv, D)[slots[keep]]
         assert not torch.allclose(rows[..., :rot_dim], key[keep][..., :rot_dim])
         torch.testing.assert_close(rows[..., rot_dim:], key[keep][..., rot_dim:])
@@ -146,7 +158,7 @@ def test_rotary_and_cache_fp32_sums(is_neox, rot_dim, kv, rms):
     torch.manual_seed(rot_dim)
     nb, bs, H, Hkv, D, T = 4, 16, 4, 2, 64, 3
     qkv = torch.randn(T, H + 2 * Hkv, D, device=DEV)
-    q, key, value = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    q, key, value = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
     pos = torch.randint(0, 500, (T,), device=DEV)
     inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
     f = torch.arange(512, device=DEV).float()[:, None] * inv
@@ -156,35 +168,41 @@ def test_rotary_and_cache_fp32_sums(is_neox, rot_dim, kv, rms):
     caches = [torch.zeros(nb, bs, Hkv, D, device=DEV, dtype=cdt) for _ in range(4)]
     scales = [torch.zeros(nb, bs, Hkv, device=DEV) for _ in range(4)] if kv == 'fp8' else [None] * 4
     q0 = q.clone()
-    ssq = (torch.rand(T, 2, device=DEV) * 5000)[:, 1] if rms else None      # strided, as the stream's sums give
+    ssq = (torch.rand(T, 2, device=DEV) * 5000)[:, 1] if rms else None  # strided, as the stream's sums give
     r = (ssq, 1000, 1e-5) if rms else None
     s = torch.rsqrt(ssq / 1000 + 1e-5)[:, None, None] if rms else 1.0
     qos = [torch.full((T, H, D), 7.0, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
-    pa.rotary_and_cache_ref(q, key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3],
-                            q_out=qos[1], rms=r)
-    got = pa.rotary_and_cache(q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1],
-                              q_out=qos[0], rms=r)
-    assert got is qos[0] and torch.equal(q, q0)                           # q read, not written
-    torch.testing.assert_close(qos[0].float(), qos[1].float(), rtol=2 ** -7, atol=1e-6)
+    pa.rotary_and_cache_ref(
+        q, key, value, pos, cs, D, is_neox, caches[2], caches[3], slots, scales[2], scales[3], q_out=qos[1], rms=r
+    )
+    got = pa.rotary_and_cache(
+        q, key, value, pos, cs, D, is_neox, caches[0], caches[1], slots, scales[0], scales[1], q_out=qos[0], rms=r
+    )
+    assert got is qos[0] and torch.equal(q, q0)  # q read, not written
+    torch.testing.assert_close(qos[0].float(), qos[1].float(), rtol=2**-7, atol=1e-6)
     assert not torch.allclose(qos[0][..., :rot_dim].float(), (q * s)[..., :rot_dim].bfloat16().float(), atol=1e-2)
-    torch.testing.assert_close(qos[0][..., rot_dim:].float(), (q * s)[..., rot_dim:].bfloat16().float(), rtol=2 ** -7,
-                               atol=0)
+    torch.testing.assert_close(
+        qos[0][..., rot_dim:].float(), (q * s)[..., rot_dim:].bfloat16().float(), rtol=2**-7, atol=0
+    )
     if kv == 'fp8':
-        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])): assert fp8_ulps(a, b).max() <= 1
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert fp8_ulps(a, b).max() <= 1
     else:
         for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ reference itself
+
 
 @pytest.mark.parametrize('window,softcap', [(None, None), (7, None), (None, 2.0), (7, 2.0)])
 def test_reference_matches_naive_loop(window, softcap, monkeypatch):
     torch.manual_seed(1)
     monkeypatch.setattr(pa, 'REF_SCORE_BUDGET', 4 * 30)  # tiny query chunks: exercise the chunked path too
     # decode, prefill from scratch, chunked prefill over a cached prefix, a 1-token-context decode
-    args = make_batch([1, 9, 5, 1, 3], [20, 0, 13, 0, 30], H=4, Hkv=2, D=16, block_size=4,
-                      dtype=torch.float32, device='cpu')
+    args = make_batch(
+        [1, 9, 5, 1, 3], [20, 0, 13, 0, 30], H=4, Hkv=2, D=16, block_size=4, dtype=torch.float32, device='cpu'
+    )
     ref = paged_attention_ref(*args, scale=0.25, sliding_window=window, softcap=softcap)
     naive = naive_attention(*args, scale=0.25, window=window, softcap=softcap)
     assert (ref.double() - naive).abs().max() < 1e-5
@@ -194,14 +212,15 @@ def test_reference_matches_naive_loop(window, softcap, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ paged_attention
 
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize('H,Hkv,D,bs', [(4, 1, 64, 16), (6, 2, 128, 32), (2, 2, 32, 16)])
 def test_mixed_batch(dtype, H, Hkv, D, bs):
     "Prefill, chunked prefill over a cached prefix and decode tokens in one varlen batch."
     torch.manual_seed(2)
     args = make_batch([37, 1, 20, 1, 70], [0, 45, 33, 3, 17], H, Hkv, D, bs, dtype)
-    out = paged_attention(*args, scale=D ** -0.5)
-    assert_close(out, paged_attention_ref(*args, scale=D ** -0.5), dtype)
+    out = paged_attention(*args, scale=D**-0.5)
+    assert_close(out, paged_attention_ref(*args, scale=D**-0.5), dtype)
 
 
 @pytest.mark.parametrize('window', [5, 40])
@@ -238,8 +257,8 @@ def test_pick_decode_config_buckets_and_tables():
     T = {'default': c(64), 'decode': {(128, 1): c(32), (128, 16): c(128), (64, 1): c(16)}, 'short': {(128, 1): c(256)}}
     pick = pa.pick_decode_config
     assert pick(T, 1, 4096, 128) == c(32) and pick(T, 15, 4096, 128) == c(32) and pick(T, 64, 4096, 128) == c(128)
-    assert pick(T, 1, pa.MIN_KEYS_PER_SPLIT, 128) == c(256)      # the short-context graphs' bound
-    assert pick(T, 16, 200, 128) == c(128)                        # decode's bucket 16 is nearer than short's 1
+    assert pick(T, 1, pa.MIN_KEYS_PER_SPLIT, 128) == c(256)  # the short-context graphs' bound
+    assert pick(T, 16, 200, 128) == c(128)  # decode's bucket 16 is nearer than short's 1
     assert pick(T, 1, 4096, 256) == c(64) and pick(T, 8, 4096, 64) == c(16)
     assert pick({'default': c(64), 'decode': {}, 'short': {}}, 8, 100, 128) == c(64)
     default = pa.configs_for('paged_attention', torch.device('cpu'))
@@ -332,8 +351,10 @@ def test_reshape_and_cache_fp8(dtype):
     reshape_and_cache_ref(key, value, caches[2], caches[3], slots, scales[2], scales[3])
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
         ulps = fp8_ulps(got, want)
-        if pa._INTERPRET: assert ulps.max() == 0  # the same IEEE fp32 arithmetic: bit-exact
-        else: assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-3  # same arithmetic on a GPU; 1 step allowed
+        if pa._INTERPRET:
+            assert ulps.max() == 0  # the same IEEE fp32 arithmetic: bit-exact
+        else:
+            assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-3  # same arithmetic on a GPU; 1 step allowed
     for got, want in ((scales[0], scales[2]), (scales[1], scales[3])):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     keep = slots >= 0
@@ -345,7 +366,7 @@ def test_reshape_and_cache_fp8(dtype):
         assert rows.abs().amax(-1)[x.abs().amax(-1) > 0].eq(448).all()  # each row's max lands on e4m3's max
         # nearest e4m3 value: half a step, 2^-4 relative (normals) or 2^-10 * scale (subnormals below 2^-6)
         err = (rows * s[..., None] - x).abs()
-        assert (err <= torch.maximum(x.abs() * 2 ** -4, s[..., None] * 2 ** -10) * (1 + 1e-6)).all()
+        assert (err <= torch.maximum(x.abs() * 2**-4, s[..., None] * 2**-10) * (1 + 1e-6)).all()
     assert not any(torch.isnan(c.float()).any() for c in caches)
 
 
@@ -367,9 +388,9 @@ def test_fp8_mixed_batch(dtype, H, Hkv, D, bs):
     torch.manual_seed(22)
     exact = make_batch([37, 1, 20, 1, 70], [0, 45, 33, 3, 17], H, Hkv, D, bs, dtype)
     args, ks, vs = fp8_args(exact)
-    out = paged_attention(*args, scale=D ** -0.5, k_scale=ks, v_scale=vs)
-    assert_close(out, paged_attention_ref(*args, scale=D ** -0.5, k_scale=ks, v_scale=vs), dtype)
-    assert_fp8_loose(out, paged_attention_ref(*exact, scale=D ** -0.5))
+    out = paged_attention(*args, scale=D**-0.5, k_scale=ks, v_scale=vs)
+    assert_close(out, paged_attention_ref(*args, scale=D**-0.5, k_scale=ks, v_scale=vs), dtype)
+    assert_fp8_loose(out, paged_attention_ref(*exact, scale=D**-0.5))
 
 
 @pytest.mark.parametrize('splits', [1, 3])
@@ -395,18 +416,22 @@ def test_fp8_write_then_attend():
     L = 30
     q, k, v = torch.randn(L, H, D, device=DEV), torch.randn(L, Hkv, D, device=DEV), torch.randn(L, Hkv, D, device=DEV)
     for s, e in ((0, 19), (19, 29), (29, 30)):  # two prefill chunks, then one decode token
-        slots = (table[0, torch.arange(s, e, device=DEV) // bs].long() * bs + torch.arange(s, e, device=DEV) % bs)
+        slots = table[0, torch.arange(s, e, device=DEV) // bs].long() * bs + torch.arange(s, e, device=DEV) % bs
         reshape_and_cache(k[s:e], v[s:e], k8, v8, slots, ks, vs)
         reshape_and_cache_ref(k[s:e], v[s:e], kx, vx, slots)
-        meta = (torch.tensor([0, e - s], dtype=torch.int32, device=DEV), torch.tensor([e], dtype=torch.int32, device=DEV),
-                table)
-        out = paged_attention(q[s:e], k8, v8, *meta, scale=D ** -0.5, k_scale=ks, v_scale=vs)
-        want = paged_attention_ref(q[s:e], k8, v8, *meta, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+        meta = (
+            torch.tensor([0, e - s], dtype=torch.int32, device=DEV),
+            torch.tensor([e], dtype=torch.int32, device=DEV),
+            table,
+        )
+        out = paged_attention(q[s:e], k8, v8, *meta, scale=D**-0.5, k_scale=ks, v_scale=vs)
+        want = paged_attention_ref(q[s:e], k8, v8, *meta, scale=D**-0.5, k_scale=ks, v_scale=vs)
         assert_close(out, want, torch.float32)
-        assert_fp8_loose(out, paged_attention_ref(q[s:e], kx, vx, *meta, scale=D ** -0.5))
+        assert_fp8_loose(out, paged_attention_ref(q[s:e], kx, vx, *meta, scale=D**-0.5))
 
 
 # ------------------------------------------------------------------------------------------------ CUDA, real sizes
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -416,12 +441,12 @@ def test_cuda_decode_real_sizes(dtype, bs):
     B = 64
     ctx = torch.randint(1, 8192, (B,)).tolist()
     args = make_batch([1] * B, ctx, 32, 8, 128, bs, dtype)
-    out = paged_attention(*args, scale=128 ** -0.5, max_seq_len=8192)
-    assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), dtype)
+    out = paged_attention(*args, scale=128**-0.5, max_seq_len=8192)
+    assert_close(out, paged_attention_ref(*args, scale=128**-0.5), dtype)
     # few long sequences: many KV splits
     args = make_batch([1, 1], [8000, 3000], 32, 8, 128, bs, dtype)
-    out = paged_attention(*args, scale=128 ** -0.5, max_seq_len=8192)
-    assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), dtype)
+    out = paged_attention(*args, scale=128**-0.5, max_seq_len=8192)
+    assert_close(out, paged_attention_ref(*args, scale=128**-0.5), dtype)
 
 
 @pytest.mark.cuda
@@ -430,10 +455,10 @@ def test_cuda_prefill_real_sizes(dtype, D):
     "Long prefill, chunked prefill behind a long cached prefix, and decodes, in one batch."
     torch.manual_seed(11)
     args = make_batch([4096, 1, 512, 1, 2000, 1], [0, 7000, 6000, 100, 0, 1], 32, 8, D, 16, dtype)
-    out = paged_attention(*args, scale=D ** -0.5)
-    assert_close(out, paged_attention_ref(*args, scale=D ** -0.5), dtype)
-    out = paged_attention(*args, scale=D ** -0.5, sliding_window=1024)
-    assert_close(out, paged_attention_ref(*args, scale=D ** -0.5, sliding_window=1024), dtype)
+    out = paged_attention(*args, scale=D**-0.5)
+    assert_close(out, paged_attention_ref(*args, scale=D**-0.5), dtype)
+    out = paged_attention(*args, scale=D**-0.5, sliding_window=1024)
+    assert_close(out, paged_attention_ref(*args, scale=D**-0.5, sliding_window=1024), dtype)
 
 
 @pytest.mark.cuda
@@ -443,8 +468,8 @@ def test_cuda_softcap_gemma2_sizes(window):
     torch.manual_seed(12)
     args = make_batch([3000, 1, 700, 1], [0, 6000, 5000, 9], 8, 4, 256, 16, torch.bfloat16)
     args[0] = (args[0].float() * 8).bfloat16()
-    out = paged_attention(*args, scale=256 ** -0.5, sliding_window=window, softcap=50.0)
-    assert_close(out, paged_attention_ref(*args, scale=256 ** -0.5, sliding_window=window, softcap=50.0), torch.bfloat16)
+    out = paged_attention(*args, scale=256**-0.5, sliding_window=window, softcap=50.0)
+    assert_close(out, paged_attention_ref(*args, scale=256**-0.5, sliding_window=window, softcap=50.0), torch.bfloat16)
 
 
 @pytest.mark.cuda
@@ -453,7 +478,7 @@ def test_cuda_graph_decode_replay():
     torch.manual_seed(12)
     B, H, Hkv, D, bs, max_len = 8, 32, 8, 128, 16, 4096
     q, kc, vc, qsl, sl, bt = make_batch([1] * B, [max_len - 1] * B, H, Hkv, D, bs, torch.bfloat16)
-    run = lambda: paged_attention(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, max_query_len=1, max_seq_len=max_len)
+    run = lambda: paged_attention(q, kc, vc, qsl, sl, bt, scale=D**-0.5, max_query_len=1, max_seq_len=max_len)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -467,7 +492,7 @@ def test_cuda_graph_decode_replay():
         q.copy_(torch.randn_like(q))
         g.replay()
         torch.cuda.synchronize()
-        assert_close(out, paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5), torch.bfloat16)
+        assert_close(out, paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D**-0.5), torch.bfloat16)
 
 
 @pytest.mark.cuda
@@ -475,13 +500,16 @@ def test_cuda_graph_decode_replay():
 def test_cuda_fp8_real_sizes(dtype):
     "FP8 cache at the 8B shape: decode of 64 sequences up to 8k, two long ones (many splits), a mixed prefill batch."
     torch.manual_seed(13)
-    for q_lens, ctx in (([1] * 64, torch.randint(1, 8192, (64,)).tolist()), ([1, 1], [8000, 3000]),
-                        ([4096, 1, 512, 1, 2000, 1], [0, 7000, 6000, 100, 0, 1])):
+    for q_lens, ctx in (
+        ([1] * 64, torch.randint(1, 8192, (64,)).tolist()),
+        ([1, 1], [8000, 3000]),
+        ([4096, 1, 512, 1, 2000, 1], [0, 7000, 6000, 100, 0, 1]),
+    ):
         exact = make_batch(q_lens, ctx, 32, 8, 128, 16, dtype)
         args, ks, vs = fp8_args(exact)
-        out = paged_attention(*args, scale=128 ** -0.5, k_scale=ks, v_scale=vs)
-        assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5, k_scale=ks, v_scale=vs), dtype)
-        assert_fp8_loose(out, paged_attention_ref(*exact, scale=128 ** -0.5))
+        out = paged_attention(*args, scale=128**-0.5, k_scale=ks, v_scale=vs)
+        assert_close(out, paged_attention_ref(*args, scale=128**-0.5, k_scale=ks, v_scale=vs), dtype)
+        assert_fp8_loose(out, paged_attention_ref(*exact, scale=128**-0.5))
 
 
 @pytest.mark.cuda
@@ -491,8 +519,9 @@ def test_cuda_graph_fp8_decode_replay():
     B, H, Hkv, D, bs, max_len = 8, 32, 8, 128, 16, 4096
     args, ks, vs = fp8_args(make_batch([1] * B, [max_len - 1] * B, H, Hkv, D, bs, torch.bfloat16))
     q, kc, vc, qsl, sl, bt = args
-    run = lambda: paged_attention(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, max_query_len=1, max_seq_len=max_len,
-                                  k_scale=ks, v_scale=vs)
+    run = lambda: paged_attention(
+        q, kc, vc, qsl, sl, bt, scale=D**-0.5, max_query_len=1, max_seq_len=max_len, k_scale=ks, v_scale=vs
+    )
     run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -503,7 +532,7 @@ def test_cuda_graph_fp8_decode_replay():
         ks.mul_(torch.rand_like(ks) + 0.5)  # new scales in place: the graph reads them, never a host copy
         g.replay()
         torch.cuda.synchronize()
-        want = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+        want = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale=D**-0.5, k_scale=ks, v_scale=vs)
         assert_close(out, want, torch.bfloat16)
 
 
@@ -521,26 +550,35 @@ def test_cuda_step_sizes_do_not_recompile():
     torch.manual_seed(14)
     kern = pa._paged_attention_kernel
     # mixed path: sequence counts and table widths of each residue class
-    for i, (q_lens, ctx) in enumerate((([300, 1, 1], [0, 40, 7]), ([17] * 16, [15] * 16), ([33], [1]),
-                                       ([5, 90] * 8, [150] * 16))):
+    for i, (q_lens, ctx) in enumerate(
+        (([300, 1, 1], [0, 40, 7]), ([17] * 16, [15] * 16), ([33], [1]), ([5, 90] * 8, [150] * 16))
+    ):
         args = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16)
-        if i == 0: paged_attention(*args, scale=128 ** -0.5); n = compiled_variants(kern)
-        assert_close(paged_attention(*args, scale=128 ** -0.5), paged_attention_ref(*args, scale=128 ** -0.5),
-                     torch.bfloat16)
+        if i == 0:
+            paged_attention(*args, scale=128**-0.5)
+            n = compiled_variants(kern)
+        assert_close(
+            paged_attention(*args, scale=128**-0.5), paged_attention_ref(*args, scale=128**-0.5), torch.bfloat16
+        )
         assert compiled_variants(kern) == n, (q_lens[:3], args[-1].shape)
     # the split-KV decode path: 1 to 17 sequences, 3 to 32 splits, one-token queries, then queries of 2 to 8 tokens
     # (a short last prefill chunk): one binary each for one-token and short queries, one merge binary for all
     merge, seen, sizes = pa._merge_splits_kernel, None, ((3, 3), (16, 16), (1, 32), (17, 5))
     # one-token queries take the tuned config of their batch bucket (`decode_config`; the runner's graph captures
     # compile each one); longer ones the single `default`
-    tuned = {tuple(pa.decode_config(B, 1500, 128, torch.device('cuda'))[k] for k in ('tile_n', 'num_warps', 'num_stages'))
-             for B, _ in sizes}
+    tuned = {
+        tuple(pa.decode_config(B, 1500, 128, torch.device('cuda'))[k] for k in ('tile_n', 'num_warps', 'num_stages'))
+        for B, _ in sizes
+    }
     for q_len in (1, 3, 2, 8):
         before = compiled_variants(kern)
         for B, splits in sizes:
             args = make_batch([q_len] * B, [1500] * B, 32, 8, 128, 16, torch.bfloat16)
-            out = paged_attention(*args, scale=128 ** -0.5, num_kv_splits=splits)
-            assert_close(out, paged_attention_ref(*args, scale=128 ** -0.5), torch.bfloat16)
-            if seen is None: seen = compiled_variants(merge)
+            out = paged_attention(*args, scale=128**-0.5, num_kv_splits=splits)
+            assert_close(out, paged_attention_ref(*args, scale=128**-0.5), torch.bfloat16)
+            if seen is None:
+                seen = compiled_variants(merge)
             assert compiled_variants(merge) == seen, (q_len, B, splits)
-        assert compiled_variants(kern) - before <= {1: len(tuned), 3: 1}.get(q_len, 0), q_len   # 2 and 8 reuse 3's binary
+        assert compiled_variants(kern) - before <= {1: len(tuned), 3: 1}.get(q_len, 0), (
+            q_len
+        )  # 2 and 8 reuse 3's binary

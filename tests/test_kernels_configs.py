@@ -1,4 +1,5 @@
 """The tuned launch configurations (`cvllm_lab.kernels.tuned`, `kernels/configs/<kernel>/<device>.json`)."""
+
 import json
 
 import torch
@@ -11,14 +12,14 @@ def test_every_kernel_has_a_default_and_parses():
     assert {'w4a16_gemv', 'w4a16_mm', 'w4a16_tc', 'w4a16_mma', 'fp8_gemv', 'fp8_mm', 'gguf_gemv'} <= set(kernels)
     for k in kernels:
         for f in (tuned.CONFIG_DIR / k).glob('*.json'):
-            json.loads(f.read_text())                        # every file is valid JSON
+            json.loads(f.read_text())  # every file is valid JSON
         assert 'default' in tuned.load_configs(k)
 
 
 def test_keys_and_device_fallback():
     t = tuned.load_configs('w4a16_gemv')
-    assert t['shapes'][(6144, 4096, 4)]['nh'] == 2           # "N,K,bits" -> an int tuple
-    assert set(tuned.load_configs('w4a16_mm')['default']) == {16, 32, 64, 128}   # row buckets -> ints
+    assert t['shapes'][(6144, 4096, 4)]['nh'] == 2  # "N,K,bits" -> an int tuple
+    assert set(tuned.load_configs('w4a16_mm')['default']) == {16, 32, 64, 128}  # row buckets -> ints
     assert tuned.device_key(' NVIDIA H100 80GB HBM3 ') == 'NVIDIA_H100_80GB_HBM3'
     assert tuned.load_configs('w4a16_gemv', 'NO_SUCH_GPU') == t  # a device without a file: default.json
     assert tuned.configs_for('w4a16_gemv', torch.device('cpu')) == t
@@ -44,6 +45,7 @@ def test_device_file_replaces_the_tables_it_names(tmp_path, monkeypatch):
 def test_dump_configs_is_the_inverse_of_load():
     "Tuners write their tables with `dump_configs`: the shipped files are in exactly that format."
     for d in tuned.CONFIG_DIR.iterdir():
-        if not d.is_dir(): continue
+        if not d.is_dir():
+            continue
         for f in d.glob('*.json'):
             assert tuned.dump_configs(tuned._parse(json.loads(f.read_text()))) == f.read_text(), f

@@ -13,8 +13,11 @@ from cvllm_lab.kernels import activation, norm, rotary
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 # one or two ulps of the output dtype (the interpreter truncates to bf16, and the fused norm rounds twice)
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2 ** -10, atol=1e-3),
-       torch.bfloat16: dict(rtol=2 ** -6, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2**-10, atol=1e-3),
+    torch.bfloat16: dict(rtol=2**-6, atol=1e-2),
+}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -24,6 +27,7 @@ def close(a, b, dtype):
 
 # ------------------------------------------------------------------------------------------------ RMSNorm
 
+
 def test_rms_norm_ref_matches_torch():
     torch.manual_seed(0)
     x, w = torch.randn(5, 48), torch.randn(48)
@@ -31,7 +35,9 @@ def test_rms_norm_ref_matches_torch():
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('shape', [(7, 96), (2, 3, 64), (1, 4096), (37, 128), (3, 5, 2, 64)])   # short rows: several per program
+@pytest.mark.parametrize(
+    'shape', [(7, 96), (2, 3, 64), (1, 4096), (37, 128), (3, 5, 2, 64)]
+)  # short rows: several per program
 def test_rms_norm(dtype, shape):
     torch.manual_seed(1)
     x = (torch.randn(shape, device=DEV) * 3).to(dtype)
@@ -74,13 +80,14 @@ def test_rms_norm_heads_of_fused_qkv(T):
     "QK-norm: `[T, heads, head_dim]` heads sliced out of a fused qkv row (token stride != heads * head_dim), read in place."
     torch.manual_seed(4)
     qkv = torch.randn(T, 12 * 32, device=DEV)
-    q = qkv[:, :8 * 32].view(T, 8, 32)
-    assert T == 1 or q.stride(0) != 8 * 32   # (a size-1 dim's stride is normalized)
+    q = qkv[:, : 8 * 32].view(T, 8, 32)
+    assert T == 1 or q.stride(0) != 8 * 32  # (a size-1 dim's stride is normalized)
     w = torch.randn(32, device=DEV)
     close(norm.rms_norm(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ rotary
+
 
 def cos_sin_cache(max_pos, rot_dim, base=10000.0, device=DEV):
     "Plain RoPE cache `[max_pos, rot_dim]`: cos then sin of pos * base^(-2i/rot_dim)."
@@ -93,12 +100,12 @@ def rope_independent(x, positions, cache, head_dim, is_neox):
     "Rotate `[T, H, D]` in fp64: HF `rotate_half` for neox, complex multiplication of (2i, 2i+1) for GPT-J."
     rot = cache.shape[-1]
     cs = cache[positions].double()
-    cos, sin = cs[:, None, :rot // 2], cs[:, None, rot // 2:]
+    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2 :]
     x = x.double()
     xr, xp = x[..., :rot], x[..., rot:]
     if is_neox:
         c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        half = torch.cat([-xr[..., rot // 2:], xr[..., :rot // 2]], -1)
+        half = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], -1)
         y = xr * c + half * s
     else:
         z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], rot // 2, 2).contiguous())
@@ -147,8 +154,8 @@ def test_rotary_views_of_fused_qkv():
     cache = cos_sin_cache(64, D)
     qr, kr = rotary.apply_rotary_ref(q, k, pos, cache, D)
     rotary.apply_rotary(q, k, pos, cache, D)
-    close(qkv[:, :H * D], qr, torch.float32)
-    close(qkv[:, H * D:(H + Hkv) * D], kr, torch.float32)
+    close(qkv[:, : H * D], qr, torch.float32)
+    close(qkv[:, H * D : (H + Hkv) * D], kr, torch.float32)
     assert torch.equal(v, v_before)
     q2 = torch.randn(T, H * D, device=DEV)  # k may be None
     q2r, _ = rotary.apply_rotary_ref(q2, None, pos, cache, D)
@@ -157,6 +164,7 @@ def test_rotary_views_of_fused_qkv():
 
 # ------------------------------------------------------------------------------------------------ silu_and_mul
 
+
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('shape', [(5, 2 * 200), (2, 3, 2 * 64), (3, 2 * 1500)])
 def test_silu_and_mul(dtype, shape):
@@ -164,16 +172,19 @@ def test_silu_and_mul(dtype, shape):
     x = (torch.randn(shape, device=DEV) * 3).to(dtype)
     ref = activation.silu_and_mul_ref(x)
     n = shape[-1] // 2
-    torch.testing.assert_close(ref.float(), (torch.nn.functional.silu(x[..., :n].float()) * x[..., n:].float()).to(dtype).float())
+    torch.testing.assert_close(
+        ref.float(), (torch.nn.functional.silu(x[..., :n].float()) * x[..., n:].float()).to(dtype).float()
+    )
     out = activation.silu_and_mul(x)
     assert out.shape == (*shape[:-1], n)
     close(out, ref, dtype)
-    xi = torch.stack([x[..., :n], x[..., n:]], -1).flatten(-2)          # gate_i, up_i at 2i, 2i + 1
+    xi = torch.stack([x[..., :n], x[..., n:]], -1).flatten(-2)  # gate_i, up_i at 2i, 2i + 1
     torch.testing.assert_close(activation.silu_and_mul_ref(xi, interleaved=True), ref)
     close(activation.silu_and_mul(xi, interleaved=True), ref, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA, real sizes
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])

@@ -27,7 +27,7 @@ def _fp8(N, K, seed, layout='block', device='cpu'):
     "Random weights (std 0.05) quantized to FP8: (`weight`, its scale) in the `layout`."
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * 0.05
-    w[: N // 3] *= 4                                               # rows (and blocks) of different ranges
+    w[: N // 3] *= 4  # rows (and blocks) of different ranges
     w, s = quantize_fp8_block(w) if layout == 'block' else quantize_fp8_channel(w)
     return w.to(device), s.to(device)
 
@@ -41,23 +41,26 @@ def _e4m3_steps(a, b):
 
 # ------------------------------------------------------------------------------------------- CPU (interpreter)
 
+
 @pytest.mark.interp
 def test_act_quant_cpu():
     g = torch.Generator().manual_seed(0)
     for M, K in ((5, 300), (3, 1024), (1, 128)):
         x = torch.randn(M, K, generator=g) * 3
-        x[0] = 0                                                    # an all-zero row: finite scale, zeros
-        if K > 8: x[-1, :5] = torch.tensor([1e-6, -3e-5, 448., 0.5, 2 ** -8])   # subnormals, the maximum
+        x[0] = 0  # an all-zero row: finite scale, zeros
+        if K > 8:
+            x[-1, :5] = torch.tensor([1e-6, -3e-5, 448.0, 0.5, 2**-8])  # subnormals, the maximum
         for group in (None, 128):
             q, s = act_quant_fp8(x, group, bk=256)
             qr, sr = act_quant_fp8_ref(x, group)
             assert q.dtype == torch.float8_e4m3fn and s.shape == sr.shape and torch.equal(s, sr), (M, K, group)
-            assert torch.equal(q.float(), qr.float()), (M, K, group)                  # (-0 and +0 alike)
+            assert torch.equal(q.float(), qr.float()), (M, K, group)  # (-0 and +0 alike)
             d = q.float() * (s[:, None] if group is None else s.repeat_interleave(128, 1)[:, :K])
-            assert ((d - x).abs() <= x.abs() / 16 + 2 ** -9 * s.max()).all()   # within half an e4m3 step
+            assert ((d - x).abs() <= x.abs() / 16 + 2**-9 * s.max()).all()  # within half an e4m3 step
         q, s = act_quant_fp8(x, 128, scales_t=True)
         assert s.stride(0) == 1 and torch.equal(s, act_quant_fp8_ref(x, 128)[1])
-    with pytest.raises(ValueError): act_quant_fp8(x, 64)
+    with pytest.raises(ValueError):
+        act_quant_fp8(x, 64)
 
 
 CASES = [('block', 40, 300), ('block', 64, 256), ('channel', 40, 300), ('channel', 136, 384)]
@@ -70,22 +73,24 @@ def test_fp8_gemm_cpu(layout, N, K):
     w, s = _fp8(N, K, N + K, layout)
     assert scale_layout(s, N, K) == layout
     steps = -(-K // 128)
-    for M in (1, 40):                                               # 40: three blocks of 16 rows
+    for M in (1, 40):  # 40: three blocks of 16 rows
         x = torch.randn(M, K)
         exact = fp8_matmul_ref(x, w, s, N, K)
-        for ag in ((128, None) if layout == 'channel' else (128,)):
+        for ag in (128, None) if layout == 'channel' else (128,):
             ref = fp8_gemm_ref(x, w, s, N, K, ag)
-            assert _rel(ref, exact) < 0.1                           # e4m3 activations: a few % on random data
-            for fused in ((True, False) if ag else (False,)):
+            assert _rel(ref, exact) < 0.1  # e4m3 activations: a few % on random data
+            for fused in (True, False) if ag else (False,):
                 for swap in (False, True):
-                    for split in sorted({1, steps}):                 # split-K through the workspace
+                    for split in sorted({1, steps}):  # split-K through the workspace
                         y = fp8_gemm(x, w, s, N, K, act_group=ag, fused=fused, swap=swap, split_k=split)
                         assert y.shape == (M, N) and _rel(y, ref) < 1e-5, (M, ag, fused, swap, split, _rel(y, ref))
     x = torch.randn(5, K)
-    assert _rel(fp8_gemm(x, w, s, N, K, bn=16, bm=16), fp8_gemm_ref(x, w, s, N, K)) < 1e-5   # 16-column tiles
+    assert _rel(fp8_gemm(x, w, s, N, K, bn=16, bm=16), fp8_gemm_ref(x, w, s, N, K)) < 1e-5  # 16-column tiles
     if layout == 'block':
-        with pytest.raises(ValueError, match='1 x 128'): fp8_gemm(x, w, s, N, K, act_group=None, fused=False)
-        with pytest.raises(ValueError, match='divide 128'): fp8_gemm(x, w, s, N, K, bn=48)
+        with pytest.raises(ValueError, match='1 x 128'):
+            fp8_gemm(x, w, s, N, K, act_group=None, fused=False)
+        with pytest.raises(ValueError, match='divide 128'):
+            fp8_gemm(x, w, s, N, K, bn=48)
     assert _ws_clean()
 
 
@@ -98,22 +103,23 @@ def test_fp8_matmul_dispatch_cpu(layout):
     x = torch.randn(1, K)
     assert _rel(fp8_matmul(x, w, s, N, K), fp8_matmul_ref(x, w, s, N, K)) < 1e-5
     for tpi, split in ((1, 3), (1, 1)):
-        for pdl in (False, True):                                   # PDL: the first iteration's weights before the wait
+        for pdl in (False, True):  # PDL: the first iteration's weights before the wait
             assert _rel(fp8_gemv(x, w, s, N, K, tpi=tpi, split_k=split, pdl=pdl), fp8_matmul_ref(x, w, s, N, K)) < 1e-5
-    for shape in ((2, 7), (140,)):                                  # decode batch, prefill
+    for shape in ((2, 7), (140,)):  # decode batch, prefill
         x = torch.randn(*shape, K)
         y = fp8_matmul(x, w, s, N, K)
         cfg = gemm_config(N, K, x.shape[:-1].numel(), layout, x.device)
         ref = fp8_gemm_ref(x.reshape(-1, K), w, s, N, K, cfg.get('act_group', 128)).reshape(*shape, N)
         assert y.shape == (*shape, N) and _rel(y, ref) < 1e-5, shape
     assert fp8_matmul(torch.randn(0, K), w, s, N, K).shape == (0, N)
-    if layout == 'block':                                           # W8A16 batched kernel, x kept in 16/32 bits
+    if layout == 'block':  # W8A16 batched kernel, x kept in 16/32 bits
         for M in (5, 17):
             x = torch.randn(M, K)
             assert _rel(fp8_matmul(x, w, s, N, K, backend='w8a16'), fp8_matmul_ref(x, w, s, N, K)) < 1e-5
             xh = x.half()
             assert _rel(fp8_mm(xh, w, s, N, K, split_k=3, bn=16), fp8_matmul_ref(x, w, s, N, K)) < 2e-3
-    with pytest.raises(ValueError, match='scale'): fp8_matmul(x, w, s[:-1], N, K)
+    with pytest.raises(ValueError, match='scale'):
+        fp8_matmul(x, w, s[:-1], N, K)
     assert _ws_clean()
 
 
@@ -123,7 +129,11 @@ def test_fp8_gemm_configs():
     assert [gemm_bucket(m) for m in (2, 16, 17, 64, 65, 200, 257, 8192)] == [16, 16, 32, 64, 128, 256, 512, 512]
     for layout in ('block', 'channel'):
         for M in (2, 20, 50, 100, 200, 5000):
-            assert gemm_config(4096, 4096, M, layout, torch.device('cpu'))['backend'] in ('triton', 'scaled_mm', 'w8a16')
+            assert gemm_config(4096, 4096, M, layout, torch.device('cpu'))['backend'] in (
+                'triton',
+                'scaled_mm',
+                'w8a16',
+            )
 
 
 # ------------------------------------------------------------------------------------------- CUDA
@@ -159,15 +169,22 @@ def test_fp8_gemm_cuda(layout, N, K):
         assert y.dtype == torch.bfloat16 and _rel(y, exact) < 8e-2, (M, _rel(y, exact))
         cfg = gemm_config(N, K, M, layout, x.device)
         ref = fp8_gemm_ref(x, w, s, N, K, cfg.get('act_group', 128))
-        assert _rel(y, ref) < 1e-2, (M, cfg, _rel(y, ref))           # bf16 output, rare one-step quantization ties
+        assert _rel(y, ref) < 1e-2, (M, cfg, _rel(y, ref))  # bf16 output, rare one-step quantization ties
         if M in (16, 64, 300):
             ref = fp8_gemm_ref(x, w, s, N, K)
-            for fused, swap, bm, bn, split in ((True, True, 16, 64, 1), (True, True, 64, 128, 2), (False, False, 64, 128, 1),
-                                               (False, True, 32, 64, 4), (False, False, 128, 128, 1), (True, False, 64, 256, 1)):
-                if steps % split or (layout == 'block' and bn > 128 and N % 256): continue
+            for fused, swap, bm, bn, split in (
+                (True, True, 16, 64, 1),
+                (True, True, 64, 128, 2),
+                (False, False, 64, 128, 1),
+                (False, True, 32, 64, 4),
+                (False, False, 128, 128, 1),
+                (True, False, 64, 256, 1),
+            ):
+                if steps % split or (layout == 'block' and bn > 128 and N % 256):
+                    continue
                 y = fp8_gemm(x, w, s, N, K, fused=fused, swap=swap, bm=bm, bn=bn, split_k=split)
                 assert _rel(y, ref) < 1e-2, (M, fused, swap, bm, bn, split, _rel(y, ref))
-            if layout == 'channel':                                  # per-token activations, K-steps of 64 and 128
+            if layout == 'channel':  # per-token activations, K-steps of 64 and 128
                 ref = fp8_gemm_ref(x, w, s, N, K, None)
                 for bk in (64, 128):
                     y = fp8_gemm(x, w, s, N, K, act_group=None, fused=False, bk=bk, bm=64, bn=128)
@@ -186,8 +203,9 @@ def test_fp8_scaled_mm_cuda(layout):
         try:
             y = fp8_scaled_mm(x, w, s, N, K)
         except (RuntimeError, NotImplementedError, ValueError) as e:
-            if layout == 'channel': raise
-            pytest.skip(f"no blockwise torch._scaled_mm here: {str(e)[:300]}")
+            if layout == 'channel':
+                raise
+            pytest.skip(f'no blockwise torch._scaled_mm here: {str(e)[:300]}')
         ref = fp8_gemm_ref(x, w, s, N, K, None if layout == 'channel' else 128)
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (M, _rel(y, ref))
 
@@ -208,7 +226,8 @@ def test_fp8_w8a16_cuda(N, K):
         if layout == 'block':
             x = torch.randn(16, K, device='cuda', dtype=torch.bfloat16)
             for sk in (2, 4):
-                if kb % sk == 0: assert _rel(fp8_mm(x, w, s, N, K, split_k=sk), x.float() @ wd.T) < 1e-2, (N, K, sk)
+                if kb % sk == 0:
+                    assert _rel(fp8_mm(x, w, s, N, K, split_k=sk), x.float() @ wd.T) < 1e-2, (N, K, sk)
     assert _ws_clean()
 
 
@@ -216,12 +235,17 @@ def test_fp8_w8a16_cuda(N, K):
 def test_fp8_linear_cuda():
     "FP8Linear in both layouts (and from a per-tensor scale) on CUDA against its CPU path, decode and prefill rows."
     from cvllm_lab.layers.basic import Linear
+
     lin = Linear(1024, [512, 256, 256], bias=True)
-    torch.nn.init.normal_(lin.weight, std=0.02); torch.nn.init.normal_(lin.bias)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    torch.nn.init.normal_(lin.bias)
     x = torch.randn(300, 1024)
-    for m in (FP8Linear.from_linear(lin), FP8Linear.from_linear(lin, block=False),
-              FP8Linear.from_fp8(*quantize_fp8_channel(lin.weight.detach(), per_tensor=True), lin.bias)):
-        ref = m(x)                                                   # CPU: dequantize + F.linear
+    for m in (
+        FP8Linear.from_linear(lin),
+        FP8Linear.from_linear(lin, block=False),
+        FP8Linear.from_fp8(*quantize_fp8_channel(lin.weight.detach(), per_tensor=True), lin.bias),
+    ):
+        ref = m(x)  # CPU: dequantize + F.linear
         mc = m.cuda()
         for M in (1, 16, 300):
             y = mc(x[:M].cuda().bfloat16()).float().cpu()

@@ -8,9 +8,15 @@ import pytest
 import torch
 from helpers import rel_err as _rel
 
-from cvllm_lab.kernels.gguf_matmul import (KERNEL_TYPES, gguf_dequantize, gguf_gemv, gguf_matmul, gguf_matmul_ref,
-                                           gguf_mm)
-from cvllm_lab.kernels.gguf_layout import dequantize, parse_qtype
+from cvllm_lab.kernels.gguf_matmul import (
+    KERNEL_TYPES,
+    gguf_dequantize,
+    gguf_gemv,
+    gguf_matmul,
+    gguf_matmul_ref,
+    gguf_mm,
+)
+from cvllm_lab.kernels.gguf_layout import dequantize
 from cvllm_lab.quant.gguf import GGUFLinear, quantize, random_blocks
 
 IDS = [t.name.lower() for t in KERNEL_TYPES]
@@ -19,11 +25,13 @@ IDS = [t.name.lower() for t in KERNEL_TYPES]
 def _weights(t, N, K, seed, device='cpu'):
     "Fresh quantized weights: our quantizer on gaussian weights (odd seeds) or random block bytes (even seeds)."
     g = torch.Generator().manual_seed(seed)
-    if seed % 2: return quantize(torch.randn(N, K, generator=g).to(device) * 0.05, t)
+    if seed % 2:
+        return quantize(torch.randn(N, K, generator=g).to(device) * 0.05, t)
     return random_blocks(t, N, K, generator=g).to(device)
 
 
 # ------------------------------------------------------------------------------------------- CPU (interpreter)
+
 
 @pytest.mark.interp
 @pytest.mark.parametrize('t', KERNEL_TYPES, ids=IDS)
@@ -65,8 +73,10 @@ def test_prefill_path_and_errors_cpu():
     x = torch.randn(2, 33, K)  # M=66 > 64: dequantize kernel + matmul; leading dims kept
     y = gguf_matmul(x, q, t, N, K)
     assert y.shape == (2, 33, N) and _rel(y, gguf_matmul_ref(x, q, t, N, K)) < 1e-5
-    with pytest.raises(ValueError): gguf_matmul(torch.randn(1, K), q[:, :-1], t, N, K)  # wrong bytes per row
-    with pytest.raises(ValueError): gguf_matmul(torch.randn(1, K), q, 'iq2_xxs', N, K)
+    with pytest.raises(ValueError):
+        gguf_matmul(torch.randn(1, K), q[:, :-1], t, N, K)  # wrong bytes per row
+    with pytest.raises(ValueError):
+        gguf_matmul(torch.randn(1, K), q, 'iq2_xxs', N, K)
 
 
 # ------------------------------------------------------------------------------------------- CUDA
@@ -87,7 +97,7 @@ def test_kernels_cuda(t):
         assert torch.allclose(wk, w, rtol=1e-6, atol=1e-6 * w.abs().max().item()), (t.name, (wk - w).abs().max())
         for M in (1, 3, 16, 100):
             x = torch.randn(M, K, device='cuda', dtype=torch.bfloat16)
-            ref = (x.float() @ w.T)
+            ref = x.float() @ w.T
             y = gguf_matmul(x, q, t, N, K)
             assert y.dtype == torch.bfloat16 and y.shape == (M, N)
             err = _rel(y, ref)
@@ -99,6 +109,7 @@ def test_kernels_cuda(t):
 @pytest.mark.cuda
 def test_gguf_linear_cuda():
     import copy
+
     lin = torch.nn.Linear(4096, 1024, bias=True)
     for t in ('q4k', 'q6k', 'q8_0'):
         m = GGUFLinear.from_float(lin.weight, t, bias=lin.bias)
@@ -107,4 +118,4 @@ def test_gguf_linear_cuda():
         mc = copy.deepcopy(m).cuda()
         for xs in (x[:, :1], x):  # decode (M=3, GEMV) and a small batch (M=21, tl.dot)
             y = mc(xs.cuda().bfloat16())
-            assert y.dtype == torch.bfloat16 and _rel(y.float().cpu(), ref[:, :xs.shape[1]]) < 2e-2
+            assert y.dtype == torch.bfloat16 and _rel(y.float().cpu(), ref[:, : xs.shape[1]]) < 2e-2

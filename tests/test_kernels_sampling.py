@@ -6,6 +6,7 @@ filtered softmax), for determinism (same seed and offset, same token, whatever t
 greedy and top_k=1. CPU runs the kernels under TRITON_INTERPRET=1 with few draws; `-m cuda` uses a 128k
 vocabulary and many more draws.
 """
+
 import math
 
 import pytest
@@ -20,8 +21,12 @@ I32, I64 = torch.int32, torch.int64
 def params(rows, device=DEV):
     "Per-row tensors from `(temperature, top_k, top_p, min_p)` tuples."
     t, k, p, m = zip(*rows)
-    return (torch.tensor(t, device=device), torch.tensor(k, dtype=I32, device=device),
-            torch.tensor(p, device=device), torch.tensor(m, device=device))
+    return (
+        torch.tensor(t, device=device),
+        torch.tensor(k, dtype=I32, device=device),
+        torch.tensor(p, device=device),
+        torch.tensor(m, device=device),
+    )
 
 
 def kernel_mask(logits, temp, top_k, top_p, min_p):
@@ -49,13 +54,15 @@ def assert_draws_match(tokens, probs):
 
 # ------------------------------------------------------------------------------------------------ penalties
 
+
 def penalties_loop(logits, prompt_mask, counts, rep, freq, pres):
     "The penalty rule token by token."
     out = logits.clone()
     for b in range(out.shape[0]):
         for j in range(out.shape[1]):
             x, c = out[b, j].item(), int(counts[b, j])
-            if prompt_mask[b, j] or c > 0: x = x / rep[b].item() if x > 0 else x * rep[b].item()
+            if prompt_mask[b, j] or c > 0:
+                x = x / rep[b].item() if x > 0 else x * rep[b].item()
             out[b, j] = x - freq[b].item() * c - pres[b].item() * (c > 0)
     return out
 
@@ -78,20 +85,29 @@ def test_apply_penalties():
     out = logits.clone()
     assert S.apply_penalties(out, *rest) is out
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    neutral = S.apply_penalties(logits.clone(), rest[0], rest[1], torch.ones(4, device=DEV),
-                                torch.zeros(4, device=DEV), torch.zeros(4, device=DEV))
+    neutral = S.apply_penalties(
+        logits.clone(),
+        rest[0],
+        rest[1],
+        torch.ones(4, device=DEV),
+        torch.zeros(4, device=DEV),
+        torch.zeros(4, device=DEV),
+    )
     assert torch.equal(neutral, logits)
 
 
 # ------------------------------------------------------------------------------------------------ filters
 
+
 def mask_loop(logits, t, k, p, min_p):
     "One row's kept set, straight from the definitions (sort, cumulative mass)."
     V = logits.numel()
-    if t < S.GREEDY_EPS: return logits == logits.max()
+    if t < S.GREEDY_EPS:
+        return logits == logits.max()
     l = logits.double() / t
     keep = torch.ones(V, dtype=torch.bool)
-    if 0 < k < V: keep &= l >= l.sort(descending=True).values[k - 1]
+    if 0 < k < V:
+        keep &= l >= l.sort(descending=True).values[k - 1]
     if p < 1:
         w = torch.where(keep, torch.exp(l - l.max()), 0.0)
         keep &= torch.tensor([w[l > l[j]].sum() < max(p, 1e-9) * w.sum() for j in range(V)])
@@ -101,17 +117,19 @@ def mask_loop(logits, t, k, p, min_p):
     return keep
 
 
-ROWS = [(1.0, 0, 1.0, 0.0),  # nothing filtered
-        (0.0, 0, 1.0, 0.0),  # greedy
-        (0.7, 5, 1.0, 0.0),  # top-k
-        (1.0, 1, 1.0, 0.0),  # top-1
-        (1.3, 0, 0.9, 0.0),  # top-p
-        (0.5, 0, 0.3, 0.0),
-        (1.0, 0, 1.0, 0.05),  # min-p
-        (0.9, 40, 0.8, 0.02),  # all three
-        (2.0, 10, 0.5, 0.0),
-        (1.0, 3, 0.0, 0.0),  # top-p 0: the top token
-        (1.0, 1000, 1.0, 0.0)]  # k >= V: off
+ROWS = [
+    (1.0, 0, 1.0, 0.0),  # nothing filtered
+    (0.0, 0, 1.0, 0.0),  # greedy
+    (0.7, 5, 1.0, 0.0),  # top-k
+    (1.0, 1, 1.0, 0.0),  # top-1
+    (1.3, 0, 0.9, 0.0),  # top-p
+    (0.5, 0, 0.3, 0.0),
+    (1.0, 0, 1.0, 0.05),  # min-p
+    (0.9, 40, 0.8, 0.02),  # all three
+    (2.0, 10, 0.5, 0.0),
+    (1.0, 3, 0.0, 0.0),  # top-p 0: the top token
+    (1.0, 1000, 1.0, 0.0),
+]  # k >= V: off
 
 
 def test_reference_mask_matches_loop():
@@ -140,6 +158,7 @@ def test_kernel_mask_with_ties():
 
 # ------------------------------------------------------------------------------------------------ draws
 
+
 def test_greedy_and_top1_exact():
     torch.manual_seed(3)
     B, V = 8, 500
@@ -156,18 +175,24 @@ def test_draw_depends_only_on_seed_and_offset():
     V = 64
     logits = torch.randn(6, V, device=DEV)
     args = params([(1.0, 0, 1.0, 0.0), (0.8, 20, 0.9, 0.0)] * 3)
-    seeds = torch.tensor([7, 7, 123, 123, 2 ** 40 + 5, 99], device=DEV)
-    offsets = torch.tensor([0, 5, 3, 3, 2 ** 35 + 1, 1], device=DEV)
+    seeds = torch.tensor([7, 7, 123, 123, 2**40 + 5, 99], device=DEV)
+    offsets = torch.tensor([0, 5, 3, 3, 2**35 + 1, 1], device=DEV)
     tok = S.sample(logits, *args, seeds, offsets)
     perm = torch.tensor([3, 5, 0, 4, 1, 2], device=DEV)
     tok_perm = S.sample(logits[perm], *[a[perm] for a in args], seeds[perm], offsets[perm])
     assert torch.equal(tok_perm, tok[perm])
     for b in (0, 4):  # alone in a batch of one
-        assert S.sample(logits[b:b + 1], *[a[b:b + 1] for a in args], seeds[b:b + 1], offsets[b:b + 1]) == tok[b]
+        assert (
+            S.sample(logits[b : b + 1], *[a[b : b + 1] for a in args], seeds[b : b + 1], offsets[b : b + 1]) == tok[b]
+        )
     # new offsets give new draws: the same row over 30 offsets is not constant
     n = 30
-    draws = S.sample(logits[:1].expand(n, V).contiguous(), *[a[:1].expand(n) for a in args], seeds[:1].expand(n),
-                     torch.arange(n, device=DEV))
+    draws = S.sample(
+        logits[:1].expand(n, V).contiguous(),
+        *[a[:1].expand(n) for a in args],
+        seeds[:1].expand(n),
+        torch.arange(n, device=DEV),
+    )
     assert draws.unique().numel() > 5
 
 
@@ -179,8 +204,12 @@ def test_draw_frequencies_temperature():
     torch.manual_seed(5)
     logits = torch.tensor([0.5, -1.0, 1.5, 0.0, 1.0, -0.5], device=DEV)
     T, n = 1.4, N_DRAWS
-    tok = S.sample(logits.expand(n, -1).contiguous(), *params([(T, 0, 1.0, 0.0)] * n), torch.full((n,), 42, device=DEV),
-                   torch.arange(n, device=DEV))
+    tok = S.sample(
+        logits.expand(n, -1).contiguous(),
+        *params([(T, 0, 1.0, 0.0)] * n),
+        torch.full((n,), 42, device=DEV),
+        torch.arange(n, device=DEV),
+    )
     assert_draws_match(tok, torch.softmax(logits / T, -1))
 
 
@@ -193,8 +222,12 @@ def test_draw_frequencies_filtered():
     keep = S.sampling_mask_ref(logits[None], *params([row]))[0]
     assert 2 < keep.sum() < 5  # the filters do bite
     probs = torch.softmax(torch.where(keep, logits / row[0], -torch.inf), -1)
-    tok = S.sample(logits.expand(n, -1).contiguous(), *params([row] * n), torch.full((n,), 3, device=DEV),
-                   torch.arange(n, device=DEV) + 1000)
+    tok = S.sample(
+        logits.expand(n, -1).contiguous(),
+        *params([row] * n),
+        torch.full((n,), 3, device=DEV),
+        torch.arange(n, device=DEV) + 1000,
+    )
     assert_draws_match(tok, probs)
     # the reference sampler's own draws follow the same law
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -213,6 +246,7 @@ def test_compute_logprobs():
 
 
 # ------------------------------------------------------------------------------------------------ CUDA, real sizes
+
 
 @pytest.mark.cuda
 def test_cuda_real_vocab():
@@ -240,9 +274,12 @@ def test_argmax_one_launch():
     V = 128256 if DEV == 'cuda' else 9000
     for B in (1, 3, 31):
         x = torch.randn(B, V, device=DEV)
-        x[0, 11] = x[0, V - 5] = x.max() + 1                        # a tie across chunks: the first
+        x[0, 11] = x[0, V - 5] = x.max() + 1  # a tie across chunks: the first
         for t in (x, x.bfloat16(), x.half()):
             assert torch.equal(S.argmax(t), t.argmax(-1))
-        assert torch.equal(S.argmax(x, block=1024), x.argmax(-1))    # more chunks; the workspace resets itself
-    x = torch.full((2, V), -3.0, device=DEV); x[0, 6000] = -0.0; x[0, V - 1] = 0.0; x[1, 2] = 1.0
+        assert torch.equal(S.argmax(x, block=1024), x.argmax(-1))  # more chunks; the workspace resets itself
+    x = torch.full((2, V), -3.0, device=DEV)
+    x[0, 6000] = -0.0
+    x[0, V - 1] = 0.0
+    x[1, 2] = 1.0
     assert S.argmax(x).tolist() == [6000, 2]

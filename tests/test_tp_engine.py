@@ -8,6 +8,7 @@ within 1e-4 (fp32). Then the same at tensor parallel 2 as two torchrun "nodes" o
 (`torchrun --nnodes 2 --nproc-per-node 1`): rank 0 runs the engine, rank 1 serves its steps; and `cvllm-serve
 --tensor-parallel-size 2` (its engine-core process starting the two workers) answers with the same text.
 """
+
 import json
 import os
 import subprocess
@@ -30,15 +31,29 @@ def make_model(root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
     from cvllm_lab.config import default_model_path
     from cvllm_lab.tokenizer import load_tokenizer
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-                      attention_bias=True, initializer_range=0.1, architectures=['LlamaForCausalLM'])
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        attention_bias=True,
+        initializer_range=0.1,
+        architectures=['LlamaForCausalLM'],
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
-        for n, p in hf.named_parameters():           # greedy tokens that differ from step to step and prompt to prompt
-            if n.endswith('bias'): p.normal_(0, 0.05)
-            elif 'norm' in n: p.normal_(1, 0.2)
+        for n, p in hf.named_parameters():  # greedy tokens that differ from step to step and prompt to prompt
+            if n.endswith('bias'):
+                p.normal_(0, 0.05)
+            elif 'norm' in n:
+                p.normal_(1, 0.2)
     hf.save_pretrained(root)
     gg = default_model_path()
     load_tokenizer(gg.parent, gg.name).save_pretrained(root)
@@ -53,18 +68,28 @@ def prompts() -> list[list[int]]:
 def run(model: str, tp: int, **kw) -> dict:
     "Greedy tokens and full prompt log-probs of every prompt, one `generate` call (batched)."
     from cvllm_lab import LLM, SamplingParams
+
     llm = LLM(model, progress=False, tensor_parallel_size=tp, **{**ENGINE, **kw})
     try:
-        outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=-1,
-                                                      ignore_eos=True), use_tqdm=False)
-    finally: llm.engine.shutdown()
-    return dict(tokens=[o.outputs[0].token_ids for o in outs], texts=[o.outputs[0].text for o in outs],
-                prompt_logprobs=[[[d[t].logprob for t in range(VOCAB)] for d in o.prompt_logprobs[1:]] for o in outs])
+        outs = llm.generate(
+            prompts(),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=-1, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.engine.shutdown()
+    return dict(
+        tokens=[o.outputs[0].token_ids for o in outs],
+        texts=[o.outputs[0].text for o in outs],
+        prompt_logprobs=[[[d[t].logprob for t in range(VOCAB)] for d in o.prompt_logprobs[1:]] for o in outs],
+    )
 
 
 def check_same(got: dict, ref: dict, atol: float = 1e-4):
     assert got['tokens'] == ref['tokens']
-    assert all(len(t) == MAX_TOKENS for t in got['tokens']) and len({x for t in got['tokens'] for x in t}) > 4   # not one token
+    assert (
+        all(len(t) == MAX_TOKENS for t in got['tokens']) and len({x for t in got['tokens'] for x in t}) > 4
+    )  # not one token
     for g, r in zip(got['prompt_logprobs'], ref['prompt_logprobs']):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(r), atol=atol, rtol=0)
 
@@ -87,7 +112,8 @@ def test_tp2_matches_tp1_through_the_engine(model_and_ref):
 @pytest.mark.cuda
 def test_tp2_on_two_gpus_matches_tp1(model_and_ref):
     "Two GPU workers over NCCL (CUDA graphs captured per rank, Triton kernels) against one GPU, fp32."
-    if torch.cuda.device_count() < 2: pytest.skip('needs 2 GPUs')
+    if torch.cuda.device_count() < 2:
+        pytest.skip('needs 2 GPUs')
     model, _ = model_and_ref
     gpu = dict(device='cuda', dtype='float32')
     check_same(run(model, 2, **gpu), run(model, 1, **gpu, async_scheduling=False), atol=1e-3)
@@ -104,10 +130,34 @@ def test_two_nodes_with_torchrun_match_tp1(model_and_ref, tmp_path):
     model, ref = model_and_ref
     port, out = ps.free_port(), tmp_path / 'tp2.json'
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    procs = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--nproc-per-node', '1',
-                               '--node-rank', str(r), '--master-addr', '127.0.0.1', '--master-port', str(port),
-                               __file__, '--torchrun', model, str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                '-m',
+                'torch.distributed.run',
+                '--nnodes',
+                '2',
+                '--nproc-per-node',
+                '1',
+                '--node-rank',
+                str(r),
+                '--master-addr',
+                '127.0.0.1',
+                '--master-port',
+                str(port),
+                __file__,
+                '--torchrun',
+                model,
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     check_same(json.loads(out.read_text()), ref)
@@ -116,23 +166,47 @@ def test_two_nodes_with_torchrun_match_tp1(model_and_ref, tmp_path):
 def test_serve_tp2_answers_as_tp1(model_and_ref):
     "The OpenAI server at -tp 2: the engine-core process spawns the workers; greedy completions equal TP 1's, then all exit."
     import httpx
+
     sys.path.insert(0, os.path.dirname(__file__))
     from _serverproc import ServerProcess
+
     model, ref = model_and_ref
-    with ServerProcess('--model', model, '-tp', '2', '--device', 'cpu', '--block-size', '4', '--mem', '4',
-                       '--max-model-len', '256', '--prefill-chunk-size', '8', '--max-num-batched-tokens', '16') as s:
+    with ServerProcess(
+        '--model',
+        model,
+        '-tp',
+        '2',
+        '--device',
+        'cpu',
+        '--block-size',
+        '4',
+        '--mem',
+        '4',
+        '--max-model-len',
+        '256',
+        '--prefill-chunk-size',
+        '8',
+        '--max-num-batched-tokens',
+        '16',
+    ) as s:
         for p, want in zip(prompts(), ref['texts']):
-            r = httpx.post(s.url + '/v1/completions', json=dict(model=Path(model).name, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                                                   ignore_eos=True), timeout=60)
+            r = httpx.post(
+                s.url + '/v1/completions',
+                json=dict(model=Path(model).name, prompt=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
             assert r.json()['choices'][0]['text'] == want
         pgid = s.proc.pid
-    deadline = time.monotonic() + 30                               # the engine core and both workers exit too
+    deadline = time.monotonic() + 30  # the engine core and both workers exit too
     while time.monotonic() < deadline:
-        try: os.killpg(pgid, 0)
-        except ProcessLookupError: break
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
         time.sleep(0.5)
-    else: pytest.fail(f'processes of the server group {pgid} still alive 30 s after it stopped')
+    else:
+        pytest.fail(f'processes of the server group {pgid} still alive 30 s after it stopped')
 
 
 if __name__ == '__main__' and '--torchrun' in sys.argv:

@@ -8,6 +8,7 @@ whole. Rank 0's logits of a flat prefill batch must match `transformers` within 
 tensor_parallel_size=2)` gives TP 1's greedy tokens and prompt log-probs within 1e-4 through the paged, chunked,
 batched path (prefill decompression, absorbed decode, mixed steps).
 """
+
 import os
 import sys
 
@@ -18,13 +19,14 @@ import torch.multiprocessing as mp
 from cvllm_lab.utils import parallel_state as ps
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_models_deepseek import tiny_hf   # noqa: E402
+from test_models_deepseek import tiny_hf  # noqa: E402
 
 
 def _rank(rank, world, port, q):
     from cvllm_lab.models.llama import check_tensor_parallel
     from cvllm_lab.models.registry import get_model_class
     from cvllm_lab.utils.context import bind_kv_cache, prefill_context, set_forward_context
+
     torch.set_num_threads(1)
     ps.init_distributed(ps.DistInit(rank, world, rank, '127.0.0.1', port), timeout_s=120)
     try:
@@ -46,13 +48,20 @@ def _rank(rank, world, port, q):
                     ref = torch.cat([hf(p[None]).logits[0] for p in prompts])
                     res[v3] = (logits - ref).abs().max().item()
             a = ours.model.layers[0].self_attn
-            res[f'{v3}.shapes'] = (a.num_heads, tuple(a.kv_b_proj.weight.shape), tuple(a.o_proj.weight.shape),
-                                   tuple(ours.attention_layers()[1].kv_cache.shape[1:]),
-                                   tuple(ours.model.layers[1].mlp.experts.w13_weight.shape))
-        if rank == 0: q.put(('ok', res))
+            res[f'{v3}.shapes'] = (
+                a.num_heads,
+                tuple(a.kv_b_proj.weight.shape),
+                tuple(a.o_proj.weight.shape),
+                tuple(ours.attention_layers()[1].kv_cache.shape[1:]),
+                tuple(ours.model.layers[1].mlp.experts.w13_weight.shape),
+            )
+        if rank == 0:
+            q.put(('ok', res))
     except BaseException as e:
-        q.put(('error', f'rank {rank}: {type(e).__name__}: {e}')); raise
-    finally: ps.destroy_distributed()
+        q.put(('error', f'rank {rank}: {type(e).__name__}: {e}'))
+        raise
+    finally:
+        ps.destroy_distributed()
 
 
 def test_deepseek_at_tp2_matches_hf():
@@ -60,7 +69,8 @@ def test_deepseek_at_tp2_matches_hf():
     mp.spawn(_rank, args=(2, ps.free_port(), q), nprocs=2, join=True)
     kind, res = q.get()
     assert kind == 'ok', res
-    for v3 in (False, True): assert res[v3] < 1e-4, (v3, res[v3])
+    for v3 in (False, True):
+        assert res[v3] < 1e-4, (v3, res[v3])
     # 4 heads over 2 ranks: 2 heads' kv_b rows (P + V = 64 each) and o_proj columns (V = 32 each); the latent row whole
     # (L + R = 80 per token, as at TP 1); each expert's gate/up rows halved (2 x 64 / 2)
     assert res['False.shapes'] == res['True.shapes'] == (2, (2 * 64, 64), (128, 2 * 32), (16, 80), (16, 64, 128))
@@ -69,5 +79,6 @@ def test_deepseek_at_tp2_matches_hf():
 @pytest.mark.parametrize('v3', [False, True])
 def test_deepseek_tp2_matches_tp1_through_the_engine(v3):
     from test_tp_engine import check_same, run
+
     _, d = tiny_hf(v3, seed=2)
     check_same(run(str(d), 2), run(str(d), 1))

@@ -12,8 +12,15 @@ shows the outputs stored in them (nbdev-clean keeps them empty, so it shows code
 written as plain markdown at the address nbdev puts in its module's docstring (`Docs: .../<name>.html.md`, the
 number prefix dropped), for readers and tools that want the chapter as text.
 """
+
 from __future__ import annotations
-import argparse, json, os, re, shutil, subprocess, sys
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +33,8 @@ def directives(src: str) -> dict[str, str]:
     out = {}
     for line in src.splitlines():
         m = DIRECTIVE.match(line)
-        if m: out[m.group(1)] = m.group(2).strip(' :')
+        if m:
+            out[m.group(1)] = m.group(2).strip(' :')
     return out
 
 
@@ -36,15 +44,19 @@ def clean_notebook(nb: dict) -> tuple[dict, str | None, str]:
     for c in nb['cells']:
         src = ''.join(c.get('source', ''))
         d = directives(src) if c['cell_type'] == 'code' else {}
-        if 'default_exp' in d: module = d['default_exp'].split()[0]
-        if 'hide' in d or 'include' in d and d['include'].lower() == 'false': continue
+        if 'default_exp' in d:
+            module = d['default_exp'].split()[0]
+        if 'hide' in d or 'include' in d and d['include'].lower() == 'false':
+            continue
         if c['cell_type'] == 'code':
             src = '\n'.join(l for l in src.splitlines() if not DIRECTIVE.match(l)).strip('\n')
-            if not src.strip(): continue
+            if not src.strip():
+                continue
             c = {**c, 'source': src}
         elif c['cell_type'] == 'markdown' and title is None:
             m = re.search(r'^#\s+(.+)$', src, re.M)
-            if m: title = m.group(1).strip()
+            if m:
+                title = m.group(1).strip()
         cells.append(c)
     return {**nb, 'cells': cells}, module, title
 
@@ -54,35 +66,67 @@ def notebook_markdown(nb: dict) -> str:
     parts = []
     for c in nb['cells']:
         src = ''.join(c.get('source', '')).strip('\n')
-        if src: parts.append(src if c['cell_type'] == 'markdown' else f'```python\n{src}\n```')
+        if src:
+            parts.append(src if c['cell_type'] == 'markdown' else f'```python\n{src}\n```')
     return '\n\n'.join(parts) + '\n'
 
 
 def md_name(nb_file: str) -> str:
     "The file nbdev's docstring link names for a notebook: `32_registry.ipynb` -> `registry.html.md`."
     from nbdev.config import nbpath2html
+
     return f'{nbpath2html(Path(nb_file)).as_posix()}.md'
 
 
 def mkdocs_yml(site_name: str, nav: list, site_dir: Path) -> str:
     cfg = {
-        'site_name': site_name, 'site_dir': str(site_dir), 'docs_dir': 'docs', 'use_directory_urls': False,
-        'theme': {'name': 'material', 'font': False,                 # no Google fonts: the site works offline
-                  'features': ['navigation.sections', 'navigation.expand', 'navigation.top', 'search.highlight', 'content.code.copy'],
-                  'palette': [{'scheme': 'default', 'toggle': {'icon': 'material/brightness-7', 'name': 'Dark mode'}},
-                              {'scheme': 'slate', 'toggle': {'icon': 'material/brightness-4', 'name': 'Light mode'}}]},
-        'plugins': ['search', {'mkdocs-jupyter': {'execute': False, 'include_source': False, 'ignore_h1_titles': False,
-                                                  'include_requirejs': False}}],
+        'site_name': site_name,
+        'site_dir': str(site_dir),
+        'docs_dir': 'docs',
+        'use_directory_urls': False,
+        'theme': {
+            'name': 'material',
+            'font': False,  # no Google fonts: the site works offline
+            'features': [
+                'navigation.sections',
+                'navigation.expand',
+                'navigation.top',
+                'search.highlight',
+                'content.code.copy',
+            ],
+            'palette': [
+                {'scheme': 'default', 'toggle': {'icon': 'material/brightness-7', 'name': 'Dark mode'}},
+                {'scheme': 'slate', 'toggle': {'icon': 'material/brightness-4', 'name': 'Light mode'}},
+            ],
+        },
+        'plugins': [
+            'search',
+            {
+                'mkdocs-jupyter': {
+                    'execute': False,
+                    'include_source': False,
+                    'ignore_h1_titles': False,
+                    'include_requirejs': False,
+                }
+            },
+        ],
         'markdown_extensions': ['tables', 'admonition', 'pymdownx.superfences', 'pymdownx.highlight', 'toc'],
         'nav': nav,
     }
-    return json.dumps(cfg, indent=1)   # JSON is valid YAML
+    return json.dumps(cfg, indent=1)  # JSON is valid YAML
 
 
-def build(nbs: Path = ROOT / 'nbs', readme: Path = ROOT / 'README.md', build_dir: Path = ROOT / 'build' / 'docs',
-          site_dir: Path = ROOT / 'site', only: list[str] | None = None, run: bool = True) -> Path:
+def build(
+    nbs: Path = ROOT / 'nbs',
+    readme: Path = ROOT / 'README.md',
+    build_dir: Path = ROOT / 'build' / 'docs',
+    site_dir: Path = ROOT / 'site',
+    only: list[str] | None = None,
+    run: bool = True,
+) -> Path:
     "Prepare the docs sources and mkdocs.yml in `build_dir`, then build the site into `site_dir`; returns mkdocs.yml."
-    if build_dir.exists(): shutil.rmtree(build_dir)
+    if build_dir.exists():
+        shutil.rmtree(build_dir)
     docs = build_dir / 'docs'
     docs.mkdir(parents=True)
     home = readme.read_text() if readme.exists() else '# cvllm_lab\n'
@@ -90,21 +134,30 @@ def build(nbs: Path = ROOT / 'nbs', readme: Path = ROOT / 'README.md', build_dir
     packages: dict[str, list] = {}
     notebooks, markdown = [], {}
     for f in sorted(nbs.glob('*.ipynb')):
-        if only and not any(o in f.name for o in only): continue
+        if only and not any(o in f.name for o in only):
+            continue
         nb, module, title = clean_notebook(json.loads(f.read_text()))
         (docs / f.name).write_text(json.dumps(nb, indent=1))
         markdown[md_name(f.name)] = notebook_markdown(nb)
         if module:
             pkg, _, name = module.rpartition('.')
             packages.setdefault(pkg or 'cvllm_lab', []).append({f'{module.split(".")[-1]} — {title or name}': f.name})
-        else: notebooks.append({title or f.stem: f.name})
-    nav = [{'Home': 'index.md'}, {'API': [{k if k == 'cvllm_lab' else f'cvllm_lab.{k}': v} for k, v in packages.items()]}]
-    if notebooks: nav.append({'Notebooks': notebooks})
+        else:
+            notebooks.append({title or f.stem: f.name})
+    nav = [
+        {'Home': 'index.md'},
+        {'API': [{k if k == 'cvllm_lab' else f'cvllm_lab.{k}': v} for k, v in packages.items()]},
+    ]
+    if notebooks:
+        nav.append({'Notebooks': notebooks})
     yml = build_dir / 'mkdocs.yml'
     yml.write_text(mkdocs_yml('cvllm_lab', nav, site_dir.resolve()))
     if run:
-        subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '-f', str(yml)], check=True, cwd=build_dir, env=_ENV)
-        for name, text in markdown.items(): (site_dir / name).write_text(text)
+        subprocess.run(
+            [sys.executable, '-m', 'mkdocs', 'build', '--quiet', '-f', str(yml)], check=True, cwd=build_dir, env=_ENV
+        )
+        for name, text in markdown.items():
+            (site_dir / name).write_text(text)
     return yml
 
 
@@ -121,7 +174,11 @@ def main(argv=None):
     yml = build(a.nbs, a.readme, a.build_dir, a.site_dir, a.only)
     print(f'docs built into {a.site_dir}')
     if a.serve:
-        subprocess.run([sys.executable, '-m', 'mkdocs', 'serve', '-f', str(yml), '-a', f'127.0.0.1:{a.port}'], cwd=a.build_dir, env=_ENV)
+        subprocess.run(
+            [sys.executable, '-m', 'mkdocs', 'serve', '-f', str(yml), '-a', f'127.0.0.1:{a.port}'],
+            cwd=a.build_dir,
+            env=_ENV,
+        )
 
 
 if __name__ == '__main__':

@@ -8,13 +8,20 @@
    each change measured lives in `results/NOTES.md`). Candidates are 7-40 character hex words with a digit and a
    letter (not `0x` literals, not nbdev's `# %%` cell markers); those git knows as commits are reported.
 4. No module reaches into another module's private names (`obj._name`; `check_private.py`, with its allowlist).
+5. `ruff format --check` and `ruff check` pass (settings in `pyproject.toml`: the notebooks are formatted, the
+   generated library is linted).
 """
+
 from __future__ import annotations
-import json, re, subprocess, sys
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_imports, check_private
+import check_imports
+import check_private
 
 ROOT = check_imports.ROOT
 MAX_LINES = 520
@@ -29,10 +36,16 @@ def _hashes(text: str) -> list[str]:
 
 def commits(words: set[str]) -> set[str]:
     "The words that name a commit of this repository."
-    if not words: return set()
+    if not words:
+        return set()
     ws = sorted(words)
-    out = subprocess.run(['git', 'cat-file', '--batch-check'], input=''.join(f'{w}^{{commit}}\n' for w in ws),
-                         capture_output=True, text=True, cwd=ROOT).stdout.splitlines()
+    out = subprocess.run(
+        ['git', 'cat-file', '--batch-check'],
+        input=''.join(f'{w}^{{commit}}\n' for w in ws),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    ).stdout.splitlines()
     return {w for w, line in zip(ws, out) if not line.endswith('missing') and 'ambiguous' not in line}
 
 
@@ -50,22 +63,42 @@ def sizes() -> list[str]:
     return out
 
 
+def ruff() -> list[str]:
+    "`ruff format --check` and `ruff check` on the repository: their complaints, one per line."
+    out = []
+    for args in (['format', '--check'], ['check', '--output-format', 'concise']):
+        r = subprocess.run([sys.executable, '-m', 'ruff', *args, '.'], capture_output=True, text=True, cwd=ROOT)
+        if r.returncode:
+            out += [f'ruff {args[0]}: {l}' for l in r.stdout.splitlines() if l.strip()]
+    return out
+
+
 def diaries() -> list[str]:
     out = []
-    files = [f for d in ('cvllm_lab', 'kernels', 'benchmarks') for f in sorted((ROOT / d).rglob('*.py'))
-             if f.name != '_modidx.py']
+    files = [
+        f
+        for d in ('cvllm_lab', 'kernels', 'benchmarks')
+        for f in sorted((ROOT / d).rglob('*.py'))
+        if f.name != '_modidx.py'
+    ]
     for f in files + sorted((ROOT / 'nbs').glob('*.ipynb')):
         text = notebook_sources(f) if f.suffix == '.ipynb' else f.read_text()
         if found := commits(set(_hashes(text))):
-            out.append(f'{f.relative_to(ROOT)}: commit hashes {", ".join(sorted(found)[:5])} '
-                       '(measurement history goes to results/NOTES.md)')
+            out.append(
+                f'{f.relative_to(ROOT)}: commit hashes {", ".join(sorted(found)[:5])} '
+                '(measurement history goes to results/NOTES.md)'
+            )
     return out
 
 
 if __name__ == '__main__':
     assert _hashes('at 5af620f and 0x3F800000, deadbeef, 1234567, a58b782c-ffff\n# %% x.ipynb #be5991c4') == ['5af620f']
-    problems = check_imports.check() + sizes() + diaries() + check_private.check(verbose=False)
-    for p in problems: print(p)
-    if problems: sys.exit(1)
-    print(f'house: {len(check_imports.modules())} modules on their floors, no loops, no file over {MAX_LINES} '
-          'lines, no commit hashes in sources, no reach-ins to private names outside the allowlist')
+    problems = check_imports.check() + sizes() + diaries() + check_private.check(verbose=False) + ruff()
+    for p in problems:
+        print(p)
+    if problems:
+        sys.exit(1)
+    print(
+        f'house: {len(check_imports.modules())} modules on their floors, no loops, no file over {MAX_LINES} '
+        'lines, no commit hashes in sources, no reach-ins to private names outside the allowlist, ruff clean'
+    )

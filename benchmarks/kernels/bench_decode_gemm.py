@@ -4,6 +4,7 @@ weight copies that do not fit in L2, and the weight bytes read per second.
 
     python -m benchmarks.kernels.bench_decode_gemm [--ms 16,32,64,128] [--reps 20] [--dry]
 """
+
 from benchmarks.kernels import common as C
 
 import torch
@@ -19,11 +20,14 @@ def main():
     for M in ms:
         total = {}
         for lib in ('cublas', 'cublaslt'):
-            if not C.DRY: torch.backends.cuda.preferred_blas_library(lib)
+            if not C.DRY:
+                torch.backends.cuda.preferred_blas_library(lib)
             for name, (N, K) in SHAPES.items():
                 nbytes = N * K * 2
-                mk = lambda i, N=N, K=K, M=M: (torch.randn(M, K, device=C.DEVICE, dtype=torch.bfloat16),
-                                               torch.empty(N, K, device=C.DEVICE, dtype=torch.bfloat16).uniform_(-1e-3, 1e-3))
+                mk = lambda i, N=N, K=K, M=M: (
+                    torch.randn(M, K, device=C.DEVICE, dtype=torch.bfloat16),
+                    torch.empty(N, K, device=C.DEVICE, dtype=torch.bfloat16).uniform_(-1e-3, 1e-3),
+                )
                 us = C.time_fn(mk, F.linear, nbytes, reps)
                 total[lib] = total.get(lib, 0) + us
                 print(f'{M:>4} {name:>8} {lib:>9} {us:8.1f} {nbytes / us / 1e6:6.2f}', flush=True)

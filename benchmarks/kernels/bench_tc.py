@@ -13,7 +13,8 @@ DIR/tc_sweep.json; the best config per (shape, row bucket) is printed in the JSO
 device's file there (on the H200, the reference device, `default.json` too). `--dry`: one small shape and M = 16
 under the Triton interpreter (a check of the script).
 """
-from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+
+from benchmarks.kernels import common as C  # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import copy
 import itertools
@@ -39,13 +40,17 @@ SHAPES = dict(list(C.L3_8B.items())[1:2]) if C.DRY else C.L3_8B
 def configs(N, K, M):
     "Launch configs to sweep (the `w4a16_tc` keyword arguments), split-K resolved per target."
     tiles = K // 128
-    shapes = [(16, 64, 4), (16, 128, 4), (16, 256, 4), (16, 128, 8), (16, 256, 8), (16, 128, 2)] if M <= 16 else \
-             [(bm, bn, nw) for bm in (32, 64) for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8))]
+    shapes = (
+        [(16, 64, 4), (16, 128, 4), (16, 256, 4), (16, 128, 8), (16, 256, 8), (16, 128, 2)]
+        if M <= 16
+        else [(bm, bn, nw) for bm in (32, 64) for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8))]
+    )
     out = []
     for (bm, bn, nw), ns, tg in itertools.product([s for s in shapes if s[1] in BNS], NSS, TGS):
         sk = pick_split(tiles, -(-int(tg * C.num_sms()) // (-(-N // bn) * -(-M // bm))))
         cfg = dict(bm=bm, bn=bn, num_stages=ns, split_k=sk, num_warps=nw)
-        if cfg not in out: out.append(cfg)
+        if cfg not in out:
+            out.append(cfg)
     return out[:2] if C.DRY else out
 
 
@@ -55,8 +60,10 @@ def warm(jobs):
         N, K = SHAPES[name]
         p = C.packed_w4a16(N, K)
         x = torch.randn(M, K, device=C.DEVICE, dtype=C.XDT)
-        try: KW.w4a16_tc(x, *p, N, K, sym=True, **cfg)
-        except Exception as e: print('compile fail', name, M, cfg, repr(e)[:200], flush=True)
+        try:
+            KW.w4a16_tc(x, *p, N, K, sym=True, **cfg)
+        except Exception as e:
+            print('compile fail', name, M, cfg, repr(e)[:200], flush=True)
     return 0
 
 
@@ -85,40 +92,61 @@ def main():
     torch.manual_seed(0)
     check()
     jobs = [(n, M, c) for n in SHAPES for M in MS for c in configs(*SHAPES[n], M)]
-    if not C.DRY: C.precompile(warm, jobs, 12, timeout=budget)
+    if not C.DRY:
+        C.precompile(warm, jobs, 12, timeout=budget)
     T = tuned.configs_for('w4a16_tc', C.DEVICE)
     tables = copy.deepcopy(T)
     rows, t0 = [], time.time()
     for M in MS:
         for name, (N, K) in SHAPES.items():
             if time.time() - t0 > budget:
-                print('budget spent: stopping before', name, M, flush=True); break
+                print('budget spent: stopping before', name, M, flush=True)
+                break
             p = C.packed_w4a16(N, K)
             nb = sum(t.numel() * t.element_size() for t in p[:3])
-            def args(i): return (torch.randn(M, K, device=C.DEVICE, dtype=C.XDT),) + tuple(t.clone() for t in p[:3])
+
+            def args(i):
+                return (torch.randn(M, K, device=C.DEVICE, dtype=C.XDT),) + tuple(t.clone() for t in p[:3])
+
             base = C.time_fn(args, lambda x, q, s, o: KW.w4a16_matmul(x, q, s, o, 4, 128, N, K, sym=True), nb)
             rows.append(dict(shape=name, M=M, kernel='current', cfg='default', us=base))
             best = None
             for cfg in configs(N, K, M):
-                try: us = C.time_fn(args, lambda x, q, s, o: KW.w4a16_tc(x, q, s, o, 4, 128, N, K, sym=True, **cfg), nb)
-                except Exception as e: print('fail', name, M, cfg, repr(e)[:200]); continue
+                try:
+                    us = C.time_fn(args, lambda x, q, s, o: KW.w4a16_tc(x, q, s, o, 4, 128, N, K, sym=True, **cfg), nb)
+                except Exception as e:
+                    print('fail', name, M, cfg, repr(e)[:200])
+                    continue
                 rows.append(dict(shape=name, M=M, kernel='tc', cfg=json.dumps(cfg), us=us))
-                if best is None or us < best[0]: best = (us, cfg)
-            if best is None: continue
-            entry = dict(bm=best[1]['bm'], bn=best[1]['bn'], num_warps=best[1]['num_warps'],
-                         num_stages=best[1]['num_stages'], split=best[1]['split_k'])
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best is None:
+                continue
+            entry = dict(
+                bm=best[1]['bm'],
+                bn=best[1]['bn'],
+                num_warps=best[1]['num_warps'],
+                num_stages=best[1]['num_stages'],
+                split=best[1]['split_k'],
+            )
             key = (N, K, m_bucket(M))
-            print(f'{name:8s} M={M:3d} current {base:7.1f} us  tc best {best[0]:7.1f} us '
-                  f'({nb / best[0] / 1e6 / 4200:.0%} of 4.2 TB/s)  "{N},{K},{m_bucket(M)}": {json.dumps(entry)}', flush=True)
-            if best[0] < 0.99 * base: tables['shapes'][key] = entry
-    with open(os.path.join(out_dir, 'tc_sweep.json'), 'w') as f: json.dump(rows, f)
+            print(
+                f'{name:8s} M={M:3d} current {base:7.1f} us  tc best {best[0]:7.1f} us '
+                f'({nb / best[0] / 1e6 / 4200:.0%} of 4.2 TB/s)  "{N},{K},{m_bucket(M)}": {json.dumps(entry)}',
+                flush=True,
+            )
+            if best[0] < 0.99 * base:
+                tables['shapes'][key] = entry
+    with open(os.path.join(out_dir, 'tc_sweep.json'), 'w') as f:
+        json.dump(rows, f)
     for M in MS:
         done = [s for s in SHAPES if any(r['M'] == M and r['shape'] == s and r['kernel'] == 'tc' for r in rows)]
         cur = sum(r['us'] for r in rows if r['M'] == M and r['kernel'] == 'current' and r['shape'] in done)
         tc = sum(min(r['us'] for r in rows if r['M'] == M and r['kernel'] == 'tc' and r['shape'] == s) for s in done)
         print(f'layer M={M} ({len(done)} of {len(SHAPES)} matmuls): current {cur:.1f} us, tc best {tc:.1f} us')
     if '--write' in sys.argv:
-        if C.DRY: sys.exit('--write is for GPU runs (a dry run would overwrite default.json)')
+        if C.DRY:
+            sys.exit('--write is for GPU runs (a dry run would overwrite default.json)')
         dev = tuned.device_key(C.device_name())
         for f in [dev] + (['default'] if dev == 'NVIDIA_H200' else []):
             path = tuned.CONFIG_DIR / 'w4a16_tc' / f'{f}.json'

@@ -12,7 +12,8 @@ DIR/w4a16_mma.csv; the best config per shape at M = 1 is printed in the format o
 `--write` writes the device's file there (on the H200, the reference device, `default.json` too). `--ms` must start
 with 1: the other row counts time the best config of M = 1.
 """
-from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+
+from benchmarks.kernels import common as C  # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import csv
 import itertools
@@ -36,8 +37,12 @@ def check():
     rows = []
     g = torch.Generator(device='cuda').manual_seed(0)
     cases = [(name, N, K, 128, sym, torch.bfloat16) for name, (N, K) in C.L3_8B.items() for sym in (True, False)]
-    cases += [('o_channel', 4096, 4096, -1, False, torch.bfloat16), ('o_fp16', 4096, 4096, 128, True, torch.float16),
-              ('odd_n', 4100, 4096, 128, False, torch.bfloat16), ('odd_k', 1024, 1000, 128, True, torch.bfloat16)]
+    cases += [
+        ('o_channel', 4096, 4096, -1, False, torch.bfloat16),
+        ('o_fp16', 4096, 4096, 128, True, torch.float16),
+        ('odd_n', 4100, 4096, 128, False, torch.bfloat16),
+        ('odd_k', 1024, 1000, 128, True, torch.bfloat16),
+    ]
     for name, N, K, group, sym, dt in cases:
         p = C.packed_w4a16(N, K, group, sym)[:3]
         w = KW.dequantize_packed_ref(*p, 4, group, N, K)
@@ -67,7 +72,8 @@ def configs(N, K):
     for nw, nh, reg, tg in itertools.product((4, 8), (1, 2), (None, 128), (4, 8)):
         sk = pick_split(tiles, -(-int(tg * C.num_sms()) // -(-N // (nh * nw * 32))))
         c = dict(num_warps=nw, nh=nh, split_k=sk, **({'maxnreg': reg} if reg else {}))
-        if c not in out: out.append(c)
+        if c not in out:
+            out.append(c)
     return out
 
 
@@ -83,37 +89,77 @@ def main():
         for M in MS:
             mk = lambda i: (torch.randn(M, K, device='cuda', dtype=C.XDT),) + tuple(t.clone() for t in p)
             if M == 1:
-                base = C.time_fn(mk, lambda x_, q, s, o: KW.w4a16_gemv(x_, q, s, o, 4, 128, N, K, act=act, sym=True), nb)
+                base = C.time_fn(
+                    mk, lambda x_, q, s, o: KW.w4a16_gemv(x_, q, s, o, 4, 128, N, K, act=act, sym=True), nb
+                )
                 kind = 'gemv'
             else:
                 base = C.time_fn(mk, lambda x_, q, s, o: KW.w4a16_tc(x_, q, s, o, 4, 128, N, K, sym=True), nb)
                 kind = 'tc'
-            rows.append(dict(gpu=C.device_name(), shape=name, N=N, K=K, M=M, kernel=kind, cfg='tuned', us=round(base, 2),
-                             gbps=round(nb / base / 1e3, 1)))
+            rows.append(
+                dict(
+                    gpu=C.device_name(),
+                    shape=name,
+                    N=N,
+                    K=K,
+                    M=M,
+                    kernel=kind,
+                    cfg='tuned',
+                    us=round(base, 2),
+                    gbps=round(nb / base / 1e3, 1),
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
-            for cfg in (configs(N, K) if M == 1 else [best[(N, K, 1)][1]]):
+            for cfg in configs(N, K) if M == 1 else [best[(N, K, 1)][1]]:
                 try:
-                    us = C.time_fn(mk, lambda x_, q, s, o: w4a16_mma(x_, q, s, o, 4, 128, N, K, sym=True,
-                                                                      act=act if M == 1 else None, **cfg), nb)
+                    us = C.time_fn(
+                        mk,
+                        lambda x_, q, s, o: w4a16_mma(
+                            x_, q, s, o, 4, 128, N, K, sym=True, act=act if M == 1 else None, **cfg
+                        ),
+                        nb,
+                    )
                 except Exception as e:
-                    print('failed', name, M, cfg, repr(e)[:300], flush=True); continue
-                rows.append(dict(gpu=C.device_name(), shape=name, N=N, K=K, M=M, kernel='mma', cfg=json.dumps(cfg),
-                                 us=round(us, 2), gbps=round(nb / us / 1e3, 1)))
+                    print('failed', name, M, cfg, repr(e)[:300], flush=True)
+                    continue
+                rows.append(
+                    dict(
+                        gpu=C.device_name(),
+                        shape=name,
+                        N=N,
+                        K=K,
+                        M=M,
+                        kernel='mma',
+                        cfg=json.dumps(cfg),
+                        us=round(us, 2),
+                        gbps=round(nb / us / 1e3, 1),
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
                 k = (N, K, M)
-                if k not in best or us < best[k][0]: best[k] = (us, cfg)
-            print(f'{name} M={M}: {kind} {base:.2f} us, mma best {best[(N, K, M)][0]:.2f} us {best[(N, K, M)][1]}',
-                  flush=True)
+                if k not in best or us < best[k][0]:
+                    best[k] = (us, cfg)
+            print(
+                f'{name} M={M}: {kind} {base:.2f} us, mma best {best[(N, K, M)][0]:.2f} us {best[(N, K, M)][1]}',
+                flush=True,
+            )
     with open(os.path.join(out_dir, 'w4a16_mma.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
     tables = {'default': dict(tuned.configs_for('w4a16_mma', C.DEVICE)['default']), 'shapes': {}}
     for (N, K, M), (us, cfg) in best.items():
-        if M == 1: tables['shapes'][(N, K)] = dict(num_warps=cfg['num_warps'], nh=cfg['nh'], split=cfg['split_k'],
-                                                   **{k: cfg[k] for k in ('maxnreg',) if k in cfg})
+        if M == 1:
+            tables['shapes'][(N, K)] = dict(
+                num_warps=cfg['num_warps'],
+                nh=cfg['nh'],
+                split=cfg['split_k'],
+                **{k: cfg[k] for k in ('maxnreg',) if k in cfg},
+            )
     print(tuned.dump_configs(tables), flush=True)
     if '--write' in sys.argv:
         dev = tuned.device_key(C.device_name())
-        for name in [dev] + (['default'] if dev == 'NVIDIA_H200' else []):   # the H200 is the reference device
+        for name in [dev] + (['default'] if dev == 'NVIDIA_H200' else []):  # the H200 is the reference device
             path = tuned.CONFIG_DIR / 'w4a16_mma' / f'{name}.json'
             path.write_text(tuned.dump_configs(tables))
             print('wrote', path, flush=True)

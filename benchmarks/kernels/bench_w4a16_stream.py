@@ -17,7 +17,8 @@ a check of the stream's two new paths against the fp32 reference. Rows go to DIR
 split-K read-back, so its best split could differ from that of `configs/w4a16_mma/`'s `shapes` table, which the
 stream launches with), then the four in a row with the best configs against the committed ones.
 """
-from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+
+from benchmarks.kernels import common as C  # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import csv
 import os
@@ -29,9 +30,9 @@ from cvllm_lab.kernels import w4a16_mma as KM
 from cvllm_lab.kernels.activation import silu_and_mul_ref
 from cvllm_lab.kernels.w4a16_layout import dequantize_packed_ref
 
-SHAPES = {**C.L3_8B, 'gate_up': (2 * C.L3_8B['down'][1], C.L3_8B['gate_up'][1])}   # (the dry run's shapes differ)
+SHAPES = {**C.L3_8B, 'gate_up': (2 * C.L3_8B['down'][1], C.L3_8B['gate_up'][1])}  # (the dry run's shapes differ)
 NQ, NI = SHAPES['qkv'][0], SHAPES['gate_up'][0]
-SPLITS = range(1, 65)   # split-K candidates: those that divide the K-tiles
+SPLITS = range(1, 65)  # split-K candidates: those that divide the K-tiles
 
 
 def make_layer(i):
@@ -65,9 +66,13 @@ def check():
     N, K = SHAPES['down']
     p = C.packed_w4a16(N, K)[:3]
     w = dequantize_packed_ref(*p, 4, 128, N, K)
-    gu, z, acc = torch.randn(1, 2 * K, device=C.DEVICE), torch.randn(NQ + NI, device=C.DEVICE), torch.randn(1, N, device=C.DEVICE)
+    gu, z, acc = (
+        torch.randn(1, 2 * K, device=C.DEVICE),
+        torch.randn(NQ + NI, device=C.DEVICE),
+        torch.randn(1, N, device=C.DEVICE),
+    )
     want = acc + silu_and_mul_ref(gu, interleaved=True).bfloat16().float() @ w.T
-    tol = 1e-2 if C.DRY else 2e-4   # the interpreter rounds x to bf16 toward zero
+    tol = 1e-2 if C.DRY else 2e-4  # the interpreter rounds x to bf16 toward zero
     KM.w4a16_mma(gu, *p, 4, 128, N, K, sym=True, acc=acc, x_act='silu_and_mul', dtype=torch.bfloat16, zero=z)
     err = C.rel_err(acc, want)
     assert err < tol and z.abs().max() == 0, err
@@ -85,9 +90,15 @@ def configs(name):
     "Launch configs to time for one matmul: warps x word tensors per thread x the splits that divide its K-tiles."
     N, K = SHAPES[name]
     tiles = K // 128
-    if C.DRY: return [dict(num_warps=1, nh=1, split_k=s) for s in (1, 2)]
-    return [dict(num_warps=nw, nh=nh, split_k=sk) for nw in (4, 8) for nh in (1, 2) for sk in SPLITS
-            if tiles % sk == 0 and C.num_sms() <= -(-N // (nh * nw * 32)) * sk <= 16 * C.num_sms()]
+    if C.DRY:
+        return [dict(num_warps=1, nh=1, split_k=s) for s in (1, 2)]
+    return [
+        dict(num_warps=nw, nh=nh, split_k=sk)
+        for nw in (4, 8)
+        for nh in (1, 2)
+        for sk in SPLITS
+        if tiles % sk == 0 and C.num_sms() <= -(-N // (nh * nw * 32)) * sk <= 16 * C.num_sms()
+    ]
 
 
 def tune(rows, x, sums):
@@ -102,10 +113,18 @@ def tune(rows, x, sums):
             try:
                 us = C.time_fn(args, lambda p: stream_call(name, p, xin, acc, sums, **cfg), nb)
             except Exception as e:
-                print('failed', name, cfg, repr(e)[:200], flush=True); continue
-            rows.append(dict(what=name, config=f'nw={cfg["num_warps"]} nh={cfg["nh"]} split={cfg["split_k"]}',
-                             path='stream', us=us))
-            if name not in best or us < best[name][0]: best[name] = (us, cfg)
+                print('failed', name, cfg, repr(e)[:200], flush=True)
+                continue
+            rows.append(
+                dict(
+                    what=name,
+                    config=f'nw={cfg["num_warps"]} nh={cfg["nh"]} split={cfg["split_k"]}',
+                    path='stream',
+                    us=us,
+                )
+            )
+            if name not in best or us < best[name][0]:
+                best[name] = (us, cfg)
         print(f'  {name:8s} best {best[name][0]:6.2f} us {best[name][1]}', flush=True)
     return {name: cfg for name, (us, cfg) in best.items()}
 
@@ -121,32 +140,45 @@ def main():
     sums = torch.zeros(1, NQ + NI, device=C.DEVICE)
     t_b = C.time_fn(make_layer, lambda L: before(L, x, xd, res), 4 * nb)
     t_s = C.time_fn(make_layer, lambda L: stream(L, x, sums, res), 4 * nb)
-    rows += [dict(what='layer', config='tuned', path='before', us=t_b),
-             dict(what='layer', config='tuned', path='stream', us=t_s)]
+    rows += [
+        dict(what='layer', config='tuned', path='before', us=t_b),
+        dict(what='layer', config='tuned', path='stream', us=t_s),
+    ]
     print(f'four matmuls: before {t_b:.2f} us, stream {t_s:.2f} us ({t_b / t_s:.3f}x)', flush=True)
     for name, (N, K) in SHAPES.items():
         args = lambda i, N=N, K=K: (C.packed_w4a16(N, K)[:3],)
         mm = lambda p, xx, N=N, K=K, **kw: KM.w4a16_mma(xx, *p, 4, 128, N, K, sym=True, **kw)
         xin = torch.randn(1, 2 * K, device=C.DEVICE) if name == 'down' else x
         acc = torch.zeros(1, N, device=C.DEVICE)
-        t0 = C.time_fn(args, lambda p: mm(p, xd if name == 'down' else x,
-                                          **({'act': 'silu_and_mul'} if name == 'gate_up' else {})), nb)
+        t0 = C.time_fn(
+            args,
+            lambda p: mm(p, xd if name == 'down' else x, **({'act': 'silu_and_mul'} if name == 'gate_up' else {})),
+            nb,
+        )
         t1 = C.time_fn(args, lambda p: stream_call(name, p, xin, acc, sums), nb)
-        rows += [dict(what=name, config='tuned', path='out', us=t0), dict(what=name, config='tuned', path='stream', us=t1)]
+        rows += [
+            dict(what=name, config='tuned', path='out', us=t0),
+            dict(what=name, config='tuned', path='stream', us=t1),
+        ]
         print(f'  {name:8s} writes its output {t0:6.2f} us, stream {t1:6.2f} us', flush=True)
     if '--tune' in sys.argv:
         best = tune(rows, x, sums)
         t_t = C.time_fn(make_layer, lambda L: stream(L, x, sums, res, best), 4 * nb)
         t_s = C.time_fn(make_layer, lambda L: stream(L, x, sums, res), 4 * nb)
-        rows += [dict(what='layer', config='stream tuned', path='stream', us=t_t),
-                 dict(what='layer', config='tuned', path='stream', us=t_s)]
-        print(f'four matmuls on the stream: committed configs {t_s:.2f} us, stream-tuned {t_t:.2f} us '
-              f'({t_s / t_t:.3f}x)', flush=True)
+        rows += [
+            dict(what='layer', config='stream tuned', path='stream', us=t_t),
+            dict(what='layer', config='tuned', path='stream', us=t_s),
+        ]
+        print(
+            f'four matmuls on the stream: committed configs {t_s:.2f} us, stream-tuned {t_t:.2f} us ({t_s / t_t:.3f}x)',
+            flush=True,
+        )
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, 'w4a16_stream.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, ['device', 'what', 'config', 'path', 'us'])
         w.writeheader()
-        for r in rows: w.writerow(dict(device=C.device_name(), **r))
+        for r in rows:
+            w.writerow(dict(device=C.device_name(), **r))
 
 
 if __name__ == '__main__':

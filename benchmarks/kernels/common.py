@@ -8,6 +8,7 @@ Timing (`graph_time`, `time_fn`): the calls are captured in one CUDA graph, so l
 they rotate over enough copies of the weights (>= 256 MB in all) that every call reads its weight from HBM, not
 from L2. Reported: the median over `reps` replays of the time per call.
 """
+
 import concurrent.futures as cf
 import math
 import multiprocessing as mp
@@ -19,15 +20,16 @@ import time
 import torch
 
 DRY = '--dry' in sys.argv
-if DRY: os.environ['TRITON_INTERPRET'] = '1'
+if DRY:
+    os.environ['TRITON_INTERPRET'] = '1'
 
-PEAK = 4.2e12    # H200 measured copy bandwidth (bytes/s): `pct_peak` columns are against it
+PEAK = 4.2e12  # H200 measured copy bandwidth (bytes/s): `pct_peak` columns are against it
 L3_8B = {'qkv': (6144, 4096), 'o': (4096, 4096), 'gate_up': (28672, 4096), 'down': (4096, 14336)}
 LM_HEAD = (128256, 4096)
-XDT = torch.bfloat16   # activations; the interpreter's tl.dot has no bf16, so the dry run uses fp16
+XDT = torch.bfloat16  # activations; the interpreter's tl.dot has no bf16, so the dry run uses fp16
 if DRY:
     XDT = torch.float16
-    L3_8B = {k: (n // 32, max(256, k_ // 32 // 256 * 256)) for k, (n, k_) in L3_8B.items()}   # k-quants: K % 256 == 0
+    L3_8B = {k: (n // 32, max(256, k_ // 32 // 256 * 256)) for k, (n, k_) in L3_8B.items()}  # k-quants: K % 256 == 0
     LM_HEAD = (LM_HEAD[0] // 64, LM_HEAD[1] // 32)
 DEVICE = torch.device('cpu' if DRY else 'cuda')
 
@@ -53,6 +55,7 @@ def rel_err(y, ref) -> float:
 def packed_w4a16(N, K, group=128, sym=True, bits=4, device=None):
     "Random weights `[N, K]` (std 0.02) quantized to the W4A16 layout: `(qweight, scales, offsets, bits, group)`."
     from cvllm_lab.quant.w4a16 import W4A16Linear
+
     m = W4A16Linear.from_float(torch.randn(N, K, device=device or DEVICE) * 0.02, group, bits, sym=sym)
     return (m.qweight, m.scales, m.offsets, bits, m.group)
 
@@ -62,6 +65,7 @@ def gemv_case(name, N, K, group=128, sym=True, device=None):
     `XDT` and its fp32 reference output, the packed bytes, an argument maker for `time_fn` (fresh x, weight copies)
     and the activation fused into gate_up."""
     from cvllm_lab.kernels.w4a16 import dequantize_packed_ref
+
     device = device or DEVICE
     p = packed_w4a16(N, K, group, sym, device=device)[:3]
     x = torch.randn(1, K, device=device, dtype=XDT)
@@ -79,22 +83,29 @@ def copies_for(nbytes) -> int:
 def graph_time(fn, n_inner, reps=10):
     """Median seconds per call of `fn(i)`, i in range(n_inner), over `reps` replays of one CUDA graph holding all
     `n_inner` calls (after a warm-up outside the graph and three untimed replays)."""
-    for i in range(min(2, n_inner)): fn(i)   # compile / warm up
+    for i in range(min(2, n_inner)):
+        fn(i)  # compile / warm up
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(n_inner): fn(i)
+        for i in range(n_inner):
+            fn(i)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        for i in range(n_inner): fn(i)
-    for _ in range(3): g.replay()
+        for i in range(n_inner):
+            fn(i)
+    for _ in range(3):
+        g.replay()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
         ts.append(e0.elapsed_time(e1) / 1e3 / n_inner)
     return statistics.median(ts)
 
@@ -103,7 +114,10 @@ def time_fn(make_args, fn, nbytes, reps=10):
     """Median microseconds per call of `fn(*make_args(i))` over `copies_for(nbytes)` argument sets (fresh weight
     copies) in a CUDA graph. Dry run: one eager call, timed on the CPU (a check, not a measurement)."""
     if DRY:
-        a = make_args(0); t = time.time(); fn(*a); return (time.time() - t) * 1e6
+        a = make_args(0)
+        t = time.time()
+        fn(*a)
+        return (time.time() - t) * 1e6
     argsets = [make_args(i) for i in range(copies_for(nbytes))]
     return graph_time(lambda i: fn(*argsets[i]), len(argsets), reps) * 1e6
 
@@ -113,7 +127,10 @@ def event_time_us(f, reps):
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); f(); b.record(); torch.cuda.synchronize()
+        a.record()
+        f()
+        b.record()
+        torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)
 
@@ -126,10 +143,14 @@ def precompile(worker, jobs, workers, timeout=None):
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context('spawn')) as ex:
         futs = [ex.submit(worker, c) for c in chunks if c]
         done, pending = cf.wait(futs, timeout=timeout)
-        for f in pending: f.cancel()
+        for f in pending:
+            f.cancel()
         out = [f.result() for f in done]
-    print(f'precompiled {len(jobs)} configs with {workers} workers in {time.time() - t:.0f} s'
-          + (f' ({len(pending)} chunks unfinished)' if pending else ''), flush=True)
+    print(
+        f'precompiled {len(jobs)} configs with {workers} workers in {time.time() - t:.0f} s'
+        + (f' ({len(pending)} chunks unfinished)' if pending else ''),
+        flush=True,
+    )
     return out
 
 
@@ -138,12 +159,17 @@ def time_checked(run, n_inner, ref, what, tol=2e-2):
     None when `run(0)` is off `ref` by more than `tol` (relative) or fails (out of resources and the like)."""
     try:
         err = rel_err(run(0), ref)
-        if err > tol: print(f'wrong: {what} rel err {err:.3g}'); return None
+        if err > tol:
+            print(f'wrong: {what} rel err {err:.3g}')
+            return None
         if DRY:
-            t = time.time(); run(0); return (time.time() - t) * 1e6
+            t = time.time()
+            run(0)
+            return (time.time() - t) * 1e6
         return graph_time(run, n_inner) * 1e6
     except Exception as e:
-        print(f'failed: {what}: {type(e).__name__}: {str(e)[:120]}'); return None
+        print(f'failed: {what}: {type(e).__name__}: {str(e)[:120]}')
+        return None
 
 
 def write_tuning(out_dir, kernel, dev, rows, tables, write):
@@ -151,11 +177,16 @@ def write_tuning(out_dir, kernel, dev, rows, tables, write):
     (`tuned.dump_configs`) and, with `write`, into `kernels/configs/<kernel>/<dev>.json`."""
     import csv
     from cvllm_lab.kernels import tuned
+
     with open(os.path.join(out_dir, f'tune_{kernel}.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
     text = tuned.dump_configs(tables)
-    with open(os.path.join(out_dir, f'{dev}.json'), 'w') as f: f.write(text)
-    if write and not DRY: (tuned.CONFIG_DIR / kernel / f'{dev}.json').write_text(text)
+    with open(os.path.join(out_dir, f'{dev}.json'), 'w') as f:
+        f.write(text)
+    if write and not DRY:
+        (tuned.CONFIG_DIR / kernel / f'{dev}.json').write_text(text)
 
 
 def tune_two_stage(cur, tiles, policies, measure, deadline):
@@ -165,11 +196,13 @@ def tune_two_stage(cur, tiles, policies, measure, deadline):
     `(best, best_us, current_us)`."""
     us_cur = measure(cur, 'current')
     best, best_us = cur, us_cur if us_cur is not None else float('inf')
-    for stage, cands in (('tile', tiles), ('splits', policies)):   # the policies start from the best tile
+    for stage, cands in (('tile', tiles), ('splits', policies)):  # the policies start from the best tile
         base = cur if stage == 'tile' else best
         for c in cands:
-            if time.time() > deadline: break
+            if time.time() > deadline:
+                break
             cfg = {**base, **c}
             us = measure(cfg, stage)
-            if us is not None and us < best_us: best, best_us = cfg, us
+            if us is not None and us < best_us:
+                best, best_us = cfg, us
     return best, best_us, us_cur

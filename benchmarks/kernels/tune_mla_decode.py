@@ -19,7 +19,8 @@ copies of the cache (`common.graph_time`), so a call reads its rows from HBM whe
 config and of the best, and the best's bandwidth over the latent rows read. `--dry`: a small latent, buckets 1
 and 4, two candidates of each kind, on the CPU under the Triton interpreter (a check of the script).
 """
-from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+
+from benchmarks.kernels import common as C  # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import itertools
 import math
@@ -36,9 +37,19 @@ KERNEL = 'mla_decode'
 H, L, R, PAGE = (16, 64, 16, 16) if C.DRY else (16, 512, 64, 16)
 DT = torch.float16 if C.DRY else torch.bfloat16
 # bucket -> (context per sequence, the max_seq_len bound of its graph)
-CTX = {1: (96, 256), 2: (1024, 4096), 4: (1024, 4096), 8: (1024, 4096), 16: (2112, 4096), 32: (1024, 4096),
-       64: (1088, 4096), 128: (768, 4096), 256: (576, 4096)}
-if C.DRY: CTX = {1: (40, 64), 4: (24, 64)}
+CTX = {
+    1: (96, 256),
+    2: (1024, 4096),
+    4: (1024, 4096),
+    8: (1024, 4096),
+    16: (2112, 4096),
+    32: (1024, 4096),
+    64: (1088, 4096),
+    128: (768, 4096),
+    256: (576, 4096),
+}
+if C.DRY:
+    CTX = {1: (40, 64), 4: (24, 64)}
 ORDER = [b for b in (64, 256, 1, 16, 128, 32, 8, 4, 2) if b in CTX]
 
 
@@ -51,7 +62,7 @@ def case(B, ctx, copies):
     caches = [torch.randn(B * nblk + 1, PAGE, L + R, device=C.DEVICE, dtype=DT, generator=g) for _ in range(copies)]
     bt = torch.randperm(B * nblk, device=C.DEVICE, generator=g).view(B, nblk).to(torch.int32)
     sl = torch.full((B,), ctx, dtype=torch.int32, device=C.DEVICE)
-    return qn, qp, caches, sl, bt, md.mla_decode_ref(qn, qp, caches[0], sl, bt, L ** -0.5)
+    return qn, qp, caches, sl, bt, md.mla_decode_ref(qn, qp, caches[0], sl, bt, L**-0.5)
 
 
 def splits_of(cfg, B, bound):
@@ -60,20 +71,27 @@ def splits_of(cfg, B, bound):
 
 def time_cfg(cfg, B, bound, qn, qp, caches, sl, bt, ref):
     "Microseconds per call of `cfg` (None when it fails or is wrong)."
-    return C.time_checked(lambda i: md.mla_decode(qn, qp, caches[i], sl, bt, L ** -0.5, max_seq_len=bound, config=cfg),
-                          len(caches), ref, cfg)
+    return C.time_checked(
+        lambda i: md.mla_decode(qn, qp, caches[i], sl, bt, L**-0.5, max_seq_len=bound, config=cfg),
+        len(caches),
+        ref,
+        cfg,
+    )
 
 
 def tiles():
-    if C.DRY: return [dict(tile_n=16, num_warps=4, num_stages=1), dict(tile_n=32, num_warps=4, num_stages=1)]
+    if C.DRY:
+        return [dict(tile_n=16, num_warps=4, num_stages=1), dict(tile_n=32, num_warps=4, num_stages=1)]
     out = []
     for tn, w, s in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
-        if tn * (L + R) * 2 * s <= 160 * 1024: out.append(dict(tile_n=tn, num_warps=w, num_stages=s))
+        if tn * (L + R) * 2 * s <= 160 * 1024:
+            out.append(dict(tile_n=tn, num_warps=w, num_stages=s))
     return out
 
 
 def policies():
-    if C.DRY: return [dict(min_keys=16, waves=4), dict(min_keys=256, waves=4)]
+    if C.DRY:
+        return [dict(min_keys=16, waves=4), dict(min_keys=256, waves=4)]
     return [dict(min_keys=k, waves=w) for k in (32, 64, 128, 256, 512) for w in (1, 2, 4, 8)]
 
 
@@ -88,7 +106,9 @@ def main():
     rows, t0 = [], time.time()
     print(f'{C.device_name()}: H={H} L={L} R={R} {DT}, budget {budget:.0f} s', flush=True)
     for B in buckets:
-        if time.time() - t0 > budget: print(f'budget spent: bucket {B} and later keep their config'); break
+        if time.time() - t0 > budget:
+            print(f'budget spent: bucket {B} and later keep their config')
+            break
         ctx, bound = CTX[B]
         nbytes = B * ctx * (L + R) * 2
         copies = 2 if C.DRY else max(2, min(32, math.ceil(256e6 / nbytes)))
@@ -97,18 +117,25 @@ def main():
         timed = {}
 
         def measure(cfg, stage):
-            n = splits_of(cfg, B, bound)   # the grid; min_keys also sets the busy splits of a short sequence
+            n = splits_of(cfg, B, bound)  # the grid; min_keys also sets the busy splits of a short sequence
             key = (cfg['tile_n'], cfg['num_warps'], cfg['num_stages'], n, 1 if n == 1 else cfg['min_keys'])
-            if key not in timed: timed[key] = time_cfg(cfg, B, bound, qn, qp, caches, sl, bt, ref)
-            rows.append(dict(device=C.device_name(), bucket=B, ctx=ctx, bound=bound, stage=stage, splits=n,
-                             **cfg, us=timed[key]))
+            if key not in timed:
+                timed[key] = time_cfg(cfg, B, bound, qn, qp, caches, sl, bt, ref)
+            rows.append(
+                dict(
+                    device=C.device_name(), bucket=B, ctx=ctx, bound=bound, stage=stage, splits=n, **cfg, us=timed[key]
+                )
+            )
             return timed[key]
 
         best, best_us, us_cur = C.tune_two_stage(cur, tiles(), policies(), measure, t0 + 1.2 * budget)
         table[B] = best
         gbs = nbytes / (best_us * 1e-6) / 1e9 if best_us < float('inf') else float('nan')
-        print(f'B={B} ctx={ctx} bound={bound}: current {us_cur or float("nan"):.1f} us -> best {best_us:.1f} us '
-              f'({splits_of(best, B, bound)} splits, {gbs:.0f} GB/s of latent rows) {best}', flush=True)
+        print(
+            f'B={B} ctx={ctx} bound={bound}: current {us_cur or float("nan"):.1f} us -> best {best_us:.1f} us '
+            f'({splits_of(best, B, bound)} splits, {gbs:.0f} GB/s of latent rows) {best}',
+            flush=True,
+        )
         C.write_tuning(out_dir, KERNEL, dev, rows, {'default': dict(sorted(table.items()))}, '--write' in sys.argv)
     print(f'done in {time.time() - t0:.0f} s')
 

@@ -21,7 +21,8 @@ also writes it into `kernels/configs/paged_attention/`. Printed per bucket: micr
 of the best, and the best's K + V read rate. `--dry`: a small cache, two buckets, two candidates of each kind, on
 the CPU under the Triton interpreter (a check of the script).
 """
-from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+
+from benchmarks.kernels import common as C  # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import itertools
 import math
@@ -38,11 +39,28 @@ KERNEL = 'paged_attention'
 H, HKV, D, PAGE = (8, 2, 32, 16) if C.DRY else (32, 8, 128, 16)
 DT = torch.float16 if C.DRY else torch.bfloat16
 # (table, bucket) -> (context per sequence, the max_seq_len bound of its graph)
-CASES = {('short', 1): (96, 256), ('decode', 1): (2112, 8192), ('decode', 8): (1152, 8192),
-         ('decode', 16): (2112, 8192), ('decode', 32): (1152, 8192), ('decode', 64): (1152, 8192),
-         ('decode', 128): (768, 8192), ('decode', 256): (576, 8192)}
-if C.DRY: CASES = {('short', 1): (40, 64), ('decode', 4): (300, 1024)}
-ORDER = ['decode,64', 'short,1', 'decode,16', 'decode,32', 'decode,128', 'decode,1', 'decode,8', 'decode,256']   # most used first
+CASES = {
+    ('short', 1): (96, 256),
+    ('decode', 1): (2112, 8192),
+    ('decode', 8): (1152, 8192),
+    ('decode', 16): (2112, 8192),
+    ('decode', 32): (1152, 8192),
+    ('decode', 64): (1152, 8192),
+    ('decode', 128): (768, 8192),
+    ('decode', 256): (576, 8192),
+}
+if C.DRY:
+    CASES = {('short', 1): (40, 64), ('decode', 4): (300, 1024)}
+ORDER = [
+    'decode,64',
+    'short,1',
+    'decode,16',
+    'decode,32',
+    'decode,128',
+    'decode,1',
+    'decode,8',
+    'decode,256',
+]  # most used first
 
 
 def case(B, ctx, copies):
@@ -50,12 +68,14 @@ def case(B, ctx, copies):
     nblk = -(-ctx // PAGE)
     g = torch.Generator(device=C.DEVICE).manual_seed(B)
     q = torch.randn(B, H, D, device=C.DEVICE, dtype=DT, generator=g)
-    kvs = [tuple(torch.randn(B * nblk, PAGE, HKV, D, device=C.DEVICE, dtype=DT, generator=g) for _ in range(2))
-           for _ in range(copies)]
+    kvs = [
+        tuple(torch.randn(B * nblk, PAGE, HKV, D, device=C.DEVICE, dtype=DT, generator=g) for _ in range(2))
+        for _ in range(copies)
+    ]
     bt = torch.randperm(B * nblk, device=C.DEVICE, generator=g).view(B, nblk).to(torch.int32)
     qsl = torch.arange(B + 1, device=C.DEVICE, dtype=torch.int32)
     sl = torch.full((B,), ctx, dtype=torch.int32, device=C.DEVICE)
-    ref = pa.paged_attention_ref(q, *kvs[0], qsl, sl, bt, D ** -0.5)
+    ref = pa.paged_attention_ref(q, *kvs[0], qsl, sl, bt, D**-0.5)
     return q, kvs, qsl, sl, bt, ref
 
 
@@ -66,18 +86,29 @@ def splits_of(cfg, B, bound):
 def time_cfg(cfg, bound, q, kvs, qsl, sl, bt, ref):
     "Microseconds per call of `cfg` (None when it fails or is wrong)."
     out = torch.empty_like(q)
-    return C.time_checked(lambda i: pa.paged_attention(q, *kvs[i], qsl, sl, bt, D ** -0.5, max_query_len=1,
-                                                       max_seq_len=bound, out=out, config=cfg), len(kvs), ref, cfg)
+    return C.time_checked(
+        lambda i: pa.paged_attention(
+            q, *kvs[i], qsl, sl, bt, D**-0.5, max_query_len=1, max_seq_len=bound, out=out, config=cfg
+        ),
+        len(kvs),
+        ref,
+        cfg,
+    )
 
 
 def tiles():
-    if C.DRY: return [dict(tile_n=16, num_warps=4, num_stages=1), dict(tile_n=32, num_warps=4, num_stages=1)]
-    return [dict(tile_n=tn, num_warps=w, num_stages=s) for tn, w, s in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))
-            if tn * D * 2 * 2 * s <= 160 * 1024]   # K and V tiles per stage in shared memory
+    if C.DRY:
+        return [dict(tile_n=16, num_warps=4, num_stages=1), dict(tile_n=32, num_warps=4, num_stages=1)]
+    return [
+        dict(tile_n=tn, num_warps=w, num_stages=s)
+        for tn, w, s in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))
+        if tn * D * 2 * 2 * s <= 160 * 1024
+    ]  # K and V tiles per stage in shared memory
 
 
 def policies():
-    if C.DRY: return [dict(min_keys=16, waves=4), dict(min_keys=256, waves=4)]
+    if C.DRY:
+        return [dict(min_keys=16, waves=4), dict(min_keys=256, waves=4)]
     return [dict(min_keys=k, waves=w) for k in (64, 128, 256, 512) for w in (1, 2, 4, 8)]
 
 
@@ -93,29 +124,52 @@ def main():
     rows, t0 = [], time.time()
     print(f'{C.device_name()}: H={H} Hkv={HKV} D={D} {DT}, budget {budget:.0f} s', flush=True)
     for name, B in todo:
-        if time.time() - t0 > budget: print(f'budget spent: {name} {B} and later keep their config'); break
+        if time.time() - t0 > budget:
+            print(f'budget spent: {name} {B} and later keep their config')
+            break
         ctx, bound = CASES[name, B]
         nbytes = 2 * B * ctx * HKV * D * 2
         copies = 2 if C.DRY else max(2, min(1024, math.ceil(256e6 / nbytes)))
         q, kvs, qsl, sl, bt, ref = case(B, ctx, copies)
-        cur = dict(pa.decode_config(B, bound, D, C.DEVICE))   # what the launcher takes now
+        cur = dict(pa.decode_config(B, bound, D, C.DEVICE))  # what the launcher takes now
         timed = {}
 
         def measure(cfg, stage):
             n = splits_of(cfg, B, bound)
             key = (cfg['tile_n'], cfg['num_warps'], cfg['num_stages'], n)
-            if key not in timed: timed[key] = time_cfg(cfg, bound, q, kvs, qsl, sl, bt, ref)
-            rows.append(dict(device=C.device_name(), table=name, bucket=B, ctx=ctx, bound=bound, stage=stage,
-                             splits=n, **cfg, us=timed[key]))
+            if key not in timed:
+                timed[key] = time_cfg(cfg, bound, q, kvs, qsl, sl, bt, ref)
+            rows.append(
+                dict(
+                    device=C.device_name(),
+                    table=name,
+                    bucket=B,
+                    ctx=ctx,
+                    bound=bound,
+                    stage=stage,
+                    splits=n,
+                    **cfg,
+                    us=timed[key],
+                )
+            )
             return timed[key]
 
         best, best_us, us_cur = C.tune_two_stage(cur, tiles(), policies(), measure, t0 + 1.2 * budget)
         out_tables[name][D, B] = best
         gbs = nbytes / (best_us * 1e-6) / 1e9 if best_us < float('inf') else float('nan')
-        print(f'{name} B={B} ctx={ctx} bound={bound}: current {us_cur or float("nan"):.1f} us -> best {best_us:.1f} us '
-              f'({splits_of(best, B, bound)} splits, {gbs:.0f} GB/s of K + V) {best}', flush=True)
-        C.write_tuning(out_dir, KERNEL, dev, rows, {k: dict(sorted(v.items())) for k, v in out_tables.items()},
-                       '--write' in sys.argv)
+        print(
+            f'{name} B={B} ctx={ctx} bound={bound}: current {us_cur or float("nan"):.1f} us -> best {best_us:.1f} us '
+            f'({splits_of(best, B, bound)} splits, {gbs:.0f} GB/s of K + V) {best}',
+            flush=True,
+        )
+        C.write_tuning(
+            out_dir,
+            KERNEL,
+            dev,
+            rows,
+            {k: dict(sorted(v.items())) for k, v in out_tables.items()},
+            '--write' in sys.argv,
+        )
     print(f'done in {time.time() - t0:.0f} s')
 
 

@@ -21,7 +21,8 @@ parallel worker processes. Written to `--out` (default `.`): `tune_w4a16_gemv_<m
 into `kernels/configs/w4a16_gemv/` directly). `--dry` runs one small shape and a few candidates on the CPU under the
 Triton interpreter (a check of the script, not a measurement).
 """
-from benchmarks.kernels import common as C   # first: `--dry` sets TRITON_INTERPRET before the kernels load
+
+from benchmarks.kernels import common as C  # first: `--dry` sets TRITON_INTERPRET before the kernels load
 
 import copy
 import csv
@@ -39,17 +40,22 @@ from cvllm_lab.kernels.w4a16 import w4a16_gemv
 
 KERNEL = 'w4a16_gemv'
 MODES = ('grid', 'nh', 'maxnreg', 'slot', 'sym')
-FORMATS = {128: ('shapes', True), 32: ('small_group_shapes', False)}   # group -> (table, symmetric weights)
+FORMATS = {128: ('shapes', True), 32: ('small_group_shapes', False)}  # group -> (table, symmetric weights)
 # register caps per shape (`maxnreg`); other shapes take CAPS_OTHER
-CAPS = {'qkv': (None, 144, 152, 160, 168, 176, 192), 'o': (None, 56, 60, 64, 68, 72, 80),
-        'gate_up': (None, 80, 88, 96, 104, 112, 128), 'down': (None, 80, 88, 96, 104, 112)}
+CAPS = {
+    'qkv': (None, 144, 152, 160, 168, 176, 192),
+    'o': (None, 56, 60, 64, 68, 72, 80),
+    'gate_up': (None, 80, 88, 96, 104, 112, 128),
+    'down': (None, 80, 88, 96, 104, 112),
+}
 CAPS_OTHER = (None, 64, 72, 80, 96, 128)
 
 
 def _tpi(tpi, nh, tiles):
     "K-tiles per iteration as the launcher clamps them."
     tpi = min(tpi, 4 if nh == 1 else 2)
-    while tiles % tpi: tpi //= 2
+    while tiles % tpi:
+        tpi //= 2
     return tpi
 
 
@@ -63,36 +69,46 @@ def candidates(mode, name, N, K, group, cur):
     out = []
     if mode in ('grid', 'nh'):
         for bn, tpi, nh, pf, target in itertools.product((64, 128), (1, 2, 4), (1, 2), (False, True), (4, 7, 10)):
-            if (mode == 'nh' and nh == 1) or (nh == 2 and tpi > 2): continue
+            if (mode == 'nh' and nh == 1) or (nh == 2 and tpi > 2):
+                continue
             t = _tpi(tpi, nh, tiles)
-            out.append(dict(bn=bn, tpi=t, num_warps=4, num_stages=1, split=_split(tiles, -(-N // bn), t, target),
-                            pf=pf, nh=nh))
+            out.append(
+                dict(bn=bn, tpi=t, num_warps=4, num_stages=1, split=_split(tiles, -(-N // bn), t, target), pf=pf, nh=nh)
+            )
     elif mode == 'maxnreg':
         for reg in CAPS.get(name, CAPS_OTHER):
             c = {k: v for k, v in cur.items() if k != 'maxnreg'}
             out.append(dict(c, maxnreg=reg) if reg else c)
     elif mode in ('slot', 'sym'):
-        if group < 64: return []
+        if group < 64:
+            return []
         splits = [None] if mode == 'slot' else [None] + sorted({_split(tiles, -(-N // 128), 1, tg) for tg in (4, 7)})
         for rs, tpi, reg, split in itertools.product((False, True), (1, 2), (None, 72, 80, 88, 96), splits):
-            if rs and tpi != 1: continue
+            if rs and tpi != 1:
+                continue
             c = {k: v for k, v in cur.items() if k not in ('maxnreg', 'rs')}
             c.update(bn=128, nh=2, tpi=tpi)
-            if split: c['split'] = split
-            if tpi == 1 and not rs: c['rs'] = False   # row halves are on by default where they apply
-            if reg: c['maxnreg'] = reg
+            if split:
+                c['split'] = split
+            if tpi == 1 and not rs:
+                c['rs'] = False  # row halves are on by default where they apply
+            if reg:
+                c['maxnreg'] = reg
             out.append(c)
     uniq = []
     for c in out:
-        if c not in uniq and c != cur: uniq.append(c)
+        if c not in uniq and c != cur:
+            uniq.append(c)
     return uniq
 
 
 def _install(table, key, cfg):
     "Make `cfg` the config that `w4a16_gemv` reads for `key` (None: remove the entry)."
     T = tuned.configs_for(KERNEL, C.DEVICE)
-    if cfg is None: T[table].pop(key, None)
-    else: T[table][key] = cfg
+    if cfg is None:
+        T[table].pop(key, None)
+    else:
+        T[table][key] = cfg
 
 
 def _run(x, p, group, N, K, act, sym, out_dtype=None):
@@ -117,7 +133,8 @@ def _compile_worker(jobs):
 
 def main():
     mode = C.arg('--mode', None)
-    if mode not in MODES: sys.exit(f'--mode must be one of {MODES}')
+    if mode not in MODES:
+        sys.exit(f'--mode must be one of {MODES}')
     out_dir = C.arg('--out', '.')
     os.makedirs(out_dir, exist_ok=True)
     names = C.arg('--shapes', 'o' if C.DRY else ','.join(C.L3_8B)).split(',')
@@ -128,15 +145,17 @@ def main():
     torch.manual_seed(0)
     T = tuned.configs_for(KERNEL, C.DEVICE)
     before = copy.deepcopy(T)
-    plan = []   # (group, name, N, K, current config, candidates)
+    plan = []  # (group, name, N, K, current config, candidates)
     for group in groups:
         table, sym = FORMATS[group]
         for name in names:
             N, K = C.L3_8B[name]
             cur = T[table].get((N, K, 4), T['default' if group >= 64 else 'small_group'])
-            if mode == 'sym' and not sym: continue
+            if mode == 'sym' and not sym:
+                continue
             cands = candidates(mode, name, N, K, group, cur)[:limit]
-            if cands: plan.append((group, name, N, K, cur, cands))
+            if cands:
+                plan.append((group, name, N, K, cur, cands))
     jobs = [(g, n, N, K, c) for g, n, N, K, cur, cs in plan for c in [cur] + cs]
     if not C.DRY:
         C.precompile(_compile_worker, jobs, int(C.arg('--workers', min(12, (os.cpu_count() or 2) - 1))))
@@ -150,27 +169,49 @@ def main():
             try:
                 err = C.rel_err(_run(x, p, group, N, K, None, use_sym, torch.float32), r)
                 if not err < 1e-3:
-                    print('WRONG', name, group, cfg, err, flush=True); continue
+                    print('WRONG', name, group, cfg, err, flush=True)
+                    continue
                 us = C.time_fn(args, lambda x_, q, s, o: _run(x_, (q, s, o), group, N, K, act, use_sym), nb)
             except Exception as e:
-                print('failed', name, group, cfg, repr(e)[:300], flush=True); continue
-            rows.append(dict(gpu=C.device_name(), mode=mode, group=group, shape=name, N=N, K=K, kind=kind,
-                             sym=use_sym, cfg=json.dumps(cfg), us=round(us, 2), rel_err=f'{err:.2e}'))
+                print('failed', name, group, cfg, repr(e)[:300], flush=True)
+                continue
+            rows.append(
+                dict(
+                    gpu=C.device_name(),
+                    mode=mode,
+                    group=group,
+                    shape=name,
+                    N=N,
+                    K=K,
+                    kind=kind,
+                    sym=use_sym,
+                    cfg=json.dumps(cfg),
+                    us=round(us, 2),
+                    rel_err=f'{err:.2e}',
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
             k = (table, (N, K, 4))
-            if kind == 'current': best[k] = dict(us=us, cfg=cur, cur_us=us)
-            elif k in best and us < best[k]['us']: best[k].update(us=us, cfg=cfg)
+            if kind == 'current':
+                best[k] = dict(us=us, cfg=cur, cur_us=us)
+            elif k in best and us < best[k]['us']:
+                best[k].update(us=us, cfg=cfg)
         _install(table, (N, K, 4), before[table].get((N, K, 4)))
     if rows:
         with open(os.path.join(out_dir, f'tune_{KERNEL}_{mode}.csv'), 'w', newline='') as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     tables = copy.deepcopy(before)
     for (table, key), b in best.items():
-        print(f"{table} {key}: current {b['cur_us']:.2f} us, best {b['us']:.2f} us {json.dumps(b['cfg'])}", flush=True)
-        if b['us'] < b['cur_us']: tables[table][key] = b['cfg']
-    if '--write' in sys.argv and C.DRY: sys.exit('--write is for GPU runs (a dry run would overwrite default.json)')
+        print(f'{table} {key}: current {b["cur_us"]:.2f} us, best {b["us"]:.2f} us {json.dumps(b["cfg"])}', flush=True)
+        if b['us'] < b['cur_us']:
+            tables[table][key] = b['cfg']
+    if '--write' in sys.argv and C.DRY:
+        sys.exit('--write is for GPU runs (a dry run would overwrite default.json)')
     path = os.path.join(tuned.CONFIG_DIR / KERNEL if '--write' in sys.argv else out_dir, f'{dev_key}.json')
-    with open(path, 'w') as f: f.write(tuned.dump_configs(tables))
+    with open(path, 'w') as f:
+        f.write(tuned.dump_configs(tables))
     print('wrote', path, flush=True)
     if mode == 'sym' and rows:
         print('note: `sym` winners assume symmetric layers (GPTQ sym, RTN); the table serves asymmetric ones too')

@@ -16,20 +16,44 @@ from .sweep import run_sweep
 from .plot import plot_sweep
 
 import cvllm_lab
-CONF_DIR = Path(cvllm_lab.__file__).resolve().parents[1] / 'conf'   # the repo's conf/
+
+CONF_DIR = Path(cvllm_lab.__file__).resolve().parents[1] / 'conf'  # the repo's conf/
+
 
 @hydra.main(config_path=str(CONF_DIR), config_name='config', version_base=None)
 def main(cfg: DictConfig):
     "Run the configured point or sweep and print the rows."
     c = OmegaConf.to_container(cfg, resolve=True)
     df = run_sweep(c, CONF_DIR, Path(c['out']))
-    cols = [k for k in ('shape', 'quant', 'batch_size', 'prompt_len', 'output_len', 'prefill_tok_s', 'decode_tok_s',
-                        'decode_steady_tok_s', 'ms_per_step', 'bw_fraction', 'roofline_tok_s', 'error') if k in df]
+    cols = [
+        k
+        for k in (
+            'shape',
+            'quant',
+            'batch_size',
+            'prompt_len',
+            'output_len',
+            'prefill_tok_s',
+            'decode_tok_s',
+            'decode_steady_tok_s',
+            'ms_per_step',
+            'bw_fraction',
+            'roofline_tok_s',
+            'error',
+        )
+        if k in df
+    ]
     print(df[cols].to_string(index=False))
     if c.get('plot', True) and c.get('sweep') and len(df) and (df.error.fillna('') == '').any():
-        out = Path(c['out'])   # all rows of this sweep in the CSV (it is appended to), plotted beside it
+        out = Path(c['out'])  # all rows of this sweep in the CSV (it is appended to), plotted beside it
         rows = pd.read_csv(out)
-        print('plot:', plot_sweep(rows[rows.sweep == df.sweep.iloc[0]], CONF_DIR.parent / 'results' / 'reference', out.with_suffix('.png')))
+        print(
+            'plot:',
+            plot_sweep(
+                rows[rows.sweep == df.sweep.iloc[0]], CONF_DIR.parent / 'results' / 'reference', out.with_suffix('.png')
+            ),
+        )
 
 # %% ../../nbs/62_bench_main.ipynb #a775b83e
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

@@ -6,7 +6,13 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/loadgen.html.md"""
 
 # %% ../../nbs/64_loadgen.ipynb #74680544
 from __future__ import annotations
-import argparse, asyncio, concurrent.futures, json, os, random, time
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import random
+import time
 from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
@@ -17,19 +23,24 @@ from tqdm import tqdm
 __all__ = ['make_prompt', 'RequestResult', 'stream_request', 'summarize', 'request_bodies', 'run_load_async', 'run_load', 'main']
 
 # %% ../../nbs/64_loadgen.ipynb #9e7959a0
-_WORDS = ("the of and to in is was for on that with as by at from his it an were are which be this has also or "
-          "had its first new their after one two who they her she he have not been more time only other year "
-          "people city world state work life day water school").split()
+_WORDS = (
+    'the of and to in is was for on that with as by at from his it an were are which be this has also or '
+    'had its first new their after one two who they her she he have not been more time only other year '
+    'people city world state work life day water school'
+).split()
+
 
 def make_prompt(n_words: int, rng: random.Random) -> str:
     "A prompt of `n_words` random common words (about as many tokens)."
-    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+    return ' '.join(rng.choice(_WORDS) for _ in range(n_words))
+
 
 @dataclass
 class RequestResult:
     "What one streamed request measured (seconds)."
+
     ok: bool = False
-    start: float | None = None     # perf_counter() when it was sent
+    start: float | None = None  # perf_counter() when it was sent
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     e2e: float | None = None
@@ -37,25 +48,32 @@ class RequestResult:
     prompt_tokens: int | None = None
     error: str | None = None
 
-_JSON = {"Content-Type": "application/json"}
+
+_JSON = {'Content-Type': 'application/json'}
+
 
 def _chunk_text(chunk: dict) -> str:
     "The generated text an SSE chunk carries (chat delta content/reasoning/tool arguments, or completion text)."
     out = []
-    for ch in chunk.get("choices") or []:
-        if "text" in ch: out.append(ch["text"] or "")
-        d = ch.get("delta") or {}
-        out += [d.get("content") or "", d.get("reasoning_content") or d.get("reasoning") or ""]
-        out += [(tc.get("function") or {}).get("arguments") or "" for tc in d.get("tool_calls") or []]
-    return "".join(out)
+    for ch in chunk.get('choices') or []:
+        if 'text' in ch:
+            out.append(ch['text'] or '')
+        d = ch.get('delta') or {}
+        out += [d.get('content') or '', d.get('reasoning_content') or d.get('reasoning') or '']
+        out += [(tc.get('function') or {}).get('arguments') or '' for tc in d.get('tool_calls') or []]
+    return ''.join(out)
+
 
 async def _lines(resp: aiohttp.ClientResponse):
     "The body's lines as they arrive (no length limit: an event with many log-probs can be long)."
-    buf = b""
+    buf = b''
     async for piece in resp.content.iter_any():
-        *lines, buf = (buf + piece).split(b"\n")
-        for line in lines: yield line
-    if buf: yield buf
+        *lines, buf = (buf + piece).split(b'\n')
+        for line in lines:
+            yield line
+    if buf:
+        yield buf
+
 
 async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
     "Send one streaming request (its JSON `body`, encoded before the run) and time its events."
@@ -64,36 +82,44 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes) 
     try:
         async with session.post(url, data=body, headers=_JSON) as resp:
             if resp.status != 200:
-                r.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:300]}"
+                r.error = f'HTTP {resp.status}: {(await resp.read()).decode(errors="replace")[:300]}'
                 return r
             async for line in _lines(resp):
-                if not line.startswith(b"data:"): continue
+                if not line.startswith(b'data:'):
+                    continue
                 data = line[5:].strip()
-                if data == b"[DONE]": break
+                if data == b'[DONE]':
+                    break
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    r.error = json.dumps(chunk["error"])[:300]; return r
-                usage = chunk.get("usage") or usage
+                if 'error' in chunk:
+                    r.error = json.dumps(chunk['error'])[:300]
+                    return r
+                usage = chunk.get('usage') or usage
                 if _chunk_text(chunk):
                     now = time.perf_counter()
-                    if r.ttft is None: r.ttft = now - t0
-                    else: r.itls.append(now - last)
+                    if r.ttft is None:
+                        r.ttft = now - t0
+                    else:
+                        r.itls.append(now - last)
                     last, n_text = now, n_text + 1
         r.e2e = time.perf_counter() - t0
     except Exception as e:  # a failed request is reported, not raised
-        r.error = f"{type(e).__name__}: {e}"; return r
-    r.output_tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") is not None else n_text
-    r.prompt_tokens = usage.get("prompt_tokens") if usage else None
+        r.error = f'{type(e).__name__}: {e}'
+        return r
+    r.output_tokens = usage['completion_tokens'] if usage and usage.get('completion_tokens') is not None else n_text
+    r.prompt_tokens = usage.get('prompt_tokens') if usage else None
     r.ok = r.ttft is not None or r.output_tokens == 0
-    if not r.ok: r.error = "stream carried no text"
+    if not r.ok:
+        r.error = 'stream carried no text'
     return r
-
 
 # %% ../../nbs/64_loadgen.ipynb #dc4994e5
 def _stats(name: str, xs, scale: float = 1e3) -> dict:
     xs = np.asarray(xs, dtype=float) * scale
-    if not xs.size: return {f"{name}_{k}": float("nan") for k in ("mean", "p50", "p90", "p99")}
-    return {f"{name}_mean": xs.mean(), **{f"{name}_p{q}": np.percentile(xs, q) for q in (50, 90, 99)}}
+    if not xs.size:
+        return {f'{name}_{k}': float('nan') for k in ('mean', 'p50', 'p90', 'p99')}
+    return {f'{name}_mean': xs.mean(), **{f'{name}_p{q}': np.percentile(xs, q) for q in (50, 90, 99)}}
+
 
 def summarize(results: list[RequestResult], duration: float, **info) -> dict:
     "Throughput and latency percentiles (ms) of a run's results; `info` (e.g. concurrency) is prepended."
@@ -101,100 +127,167 @@ def summarize(results: list[RequestResult], duration: float, **info) -> dict:
     out_tok = sum(r.output_tokens for r in ok)
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     errors = [r.error for r in results if not r.ok]
-    rep = dict(**info, num_requests=len(results), completed=len(ok), failed=len(errors), duration_s=duration,
-               request_throughput=len(ok) / duration, output_throughput=out_tok / duration,
-               total_output_tokens=out_tok, total_prompt_tokens=sum(prompt) if prompt else None)
-    rep |= _stats("ttft_ms", [r.ttft for r in ok if r.ttft is not None])
-    rep |= _stats("itl_ms", [x for r in ok for x in r.itls])
-    rep |= _stats("tpot_ms", [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1])
-    rep |= _stats("e2e_ms", [r.e2e for r in ok])
-    rep["first_error"] = errors[0] if errors else None
+    rep = dict(
+        **info,
+        num_requests=len(results),
+        completed=len(ok),
+        failed=len(errors),
+        duration_s=duration,
+        request_throughput=len(ok) / duration,
+        output_throughput=out_tok / duration,
+        total_output_tokens=out_tok,
+        total_prompt_tokens=sum(prompt) if prompt else None,
+    )
+    rep |= _stats('ttft_ms', [r.ttft for r in ok if r.ttft is not None])
+    rep |= _stats('itl_ms', [x for r in ok for x in r.itls])
+    rep |= _stats(
+        'tpot_ms', [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
+    )
+    rep |= _stats('e2e_ms', [r.e2e for r in ok])
+    rep['first_error'] = errors[0] if errors else None
     return rep
 
-def request_bodies(model: str, endpoint: str = "chat", num_requests: int = 64, prompt_tokens: int = 128,
-                   max_tokens: int = 128, temperature: float = 0.0, ignore_eos: bool = True,
-                   include_usage: bool = True, seed: int = 0, extra_body: dict | None = None,
-                   dataset: str = "words", vocab_size: int = 32000) -> list[dict]:
+
+def request_bodies(
+    model: str,
+    endpoint: str = 'chat',
+    num_requests: int = 64,
+    prompt_tokens: int = 128,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    include_usage: bool = True,
+    seed: int = 0,
+    extra_body: dict | None = None,
+    dataset: str = 'words',
+    vocab_size: int = 32000,
+) -> list[dict]:
     """The JSON bodies of a run's requests. `dataset='words'`: prompts of random common words (about
     `prompt_tokens` tokens); `'random'`: exactly `prompt_tokens` random token ids below `vocab_size` (completions only;
     vLLM's `--dataset-name random`, without its decode/re-encode round trip)."""
-    if dataset not in ("words", "random"): raise ValueError(f"unknown dataset {dataset!r}; use words or random")
-    if dataset == "random" and endpoint == "chat": raise ValueError("dataset 'random' sends token ids: use endpoint 'completions'")
+    if dataset not in ('words', 'random'):
+        raise ValueError(f'unknown dataset {dataset!r}; use words or random')
+    if dataset == 'random' and endpoint == 'chat':
+        raise ValueError("dataset 'random' sends token ids: use endpoint 'completions'")
     rng, out = random.Random(seed), []
     for _ in range(num_requests):
-        prompt = make_prompt(prompt_tokens, rng) if dataset == "words" else [rng.randrange(100, vocab_size) for _ in range(prompt_tokens)]
-        b = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
-        b |= {"messages": [{"role": "user", "content": prompt}]} if endpoint == "chat" else {"prompt": prompt}
-        if include_usage: b["stream_options"] = {"include_usage": True}
-        if ignore_eos: b["ignore_eos"] = True
+        prompt = (
+            make_prompt(prompt_tokens, rng)
+            if dataset == 'words'
+            else [rng.randrange(100, vocab_size) for _ in range(prompt_tokens)]
+        )
+        b = {'model': model, 'max_tokens': max_tokens, 'temperature': temperature, 'stream': True}
+        b |= {'messages': [{'role': 'user', 'content': prompt}]} if endpoint == 'chat' else {'prompt': prompt}
+        if include_usage:
+            b['stream_options'] = {'include_usage': True}
+        if ignore_eos:
+            b['ignore_eos'] = True
         out.append(b | (extra_body or {}))
     return out
 
-async def run_load_async(base_url: str, model: str | None = None, endpoint: str = "chat", concurrency: int = 16,
-                         num_requests: int = 64, api_key: str | None = None, timeout: float = 600.0,
-                         progress: bool = True, keep_requests: bool = False, **body_kw) -> dict:
+
+async def run_load_async(
+    base_url: str,
+    model: str | None = None,
+    endpoint: str = 'chat',
+    concurrency: int = 16,
+    num_requests: int = 64,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    progress: bool = True,
+    keep_requests: bool = False,
+    **body_kw,
+) -> dict:
     """Run `num_requests` streamed requests, `concurrency` at a time, and summarize them; `keep_requests` adds each
     request's send time (from the run's start), TTFT and end-to-end seconds under `requests`."""
-    base_url = base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base_url = base_url.rstrip('/')
+    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
     conn = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=conn, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    async with aiohttp.ClientSession(
+        connector=conn, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as session:
         if model is None:
-            async with session.get(f"{base_url}/models") as resp: model = (await resp.json())["data"][0]["id"]
+            async with session.get(f'{base_url}/models') as resp:
+                model = (await resp.json())['data'][0]['id']
         bodies = [json.dumps(b).encode() for b in request_bodies(model, endpoint, num_requests, **body_kw)]
-        url = f"{base_url}/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+        url = f'{base_url}/{"chat/completions" if endpoint == "chat" else "completions"}'
         results, todo = [None] * len(bodies), iter(range(len(bodies)))
-        bar = tqdm(total=len(bodies), disable=not progress, desc=f"{endpoint} x{concurrency}")
+        bar = tqdm(total=len(bodies), disable=not progress, desc=f'{endpoint} x{concurrency}')
+
         async def worker():
             for i in todo:
                 results[i] = await stream_request(session, url, bodies[i])
                 bar.update(1)
+
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - t0
         bar.close()
     rep = summarize(results, duration, model=model, endpoint=endpoint, concurrency=concurrency)
     if keep_requests:
-        rep['requests'] = [dict(start=r.start - t0 if r.start else None, ttft=r.ttft, e2e=r.e2e, ok=r.ok) for r in results]
+        rep['requests'] = [
+            dict(start=r.start - t0 if r.start else None, ttft=r.ttft, e2e=r.e2e, ok=r.ok) for r in results
+        ]
     return rep
+
 
 def run_load(*args, **kwargs) -> dict:
     "`run_load_async` from synchronous code (in a worker thread when an event loop is already running, e.g. Jupyter)."
-    try: asyncio.get_running_loop()
-    except RuntimeError: return asyncio.run(run_load_async(*args, **kwargs))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_load_async(*args, **kwargs))
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         return ex.submit(asyncio.run, run_load_async(*args, **kwargs)).result()
 
 # %% ../../nbs/64_loadgen.ipynb #88b4938a
 def main(argv: list[str] | None = None) -> dict:
     "Command-line entry point: run a load test and print its report."
-    ap = argparse.ArgumentParser(prog="python -m cvllm_lab.bench.loadgen", description=__doc__)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default=None, help="model name (default: the first of GET /models)")
-    ap.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--dataset", choices=("words", "random"), default="words",
-                    help="words: random common words; random: exact-length random token ids (completions)")
-    ap.add_argument("--vocab-size", type=int, default=32000, help="random dataset: token ids are drawn below this")
-    ap.add_argument("--prompt-tokens", "--input-len", type=int, default=128)
-    ap.add_argument("--max-tokens", "--output-len", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--include-usage", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
-    ap.add_argument("--no-progress", action="store_true")
+    ap = argparse.ArgumentParser(prog='python -m cvllm_lab.bench.loadgen', description=__doc__)
+    ap.add_argument('--base-url', default='http://127.0.0.1:8000/v1')
+    ap.add_argument('--model', default=None, help='model name (default: the first of GET /models)')
+    ap.add_argument('--endpoint', choices=('chat', 'completions'), default='chat')
+    ap.add_argument('--concurrency', type=int, default=16)
+    ap.add_argument('--num-requests', type=int, default=64)
+    ap.add_argument(
+        '--dataset',
+        choices=('words', 'random'),
+        default='words',
+        help='words: random common words; random: exact-length random token ids (completions)',
+    )
+    ap.add_argument('--vocab-size', type=int, default=32000, help='random dataset: token ids are drawn below this')
+    ap.add_argument('--prompt-tokens', '--input-len', type=int, default=128)
+    ap.add_argument('--max-tokens', '--output-len', type=int, default=128)
+    ap.add_argument('--temperature', type=float, default=0.0)
+    ap.add_argument('--ignore-eos', action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument('--include-usage', action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument('--api-key', default=os.environ.get('OPENAI_API_KEY'))
+    ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--timeout', type=float, default=600.0)
+    ap.add_argument('--json', action='store_true', help='print the report as one JSON line')
+    ap.add_argument('--no-progress', action='store_true')
     a = ap.parse_args(argv)
-    rep = run_load(a.base_url, a.model, a.endpoint, a.concurrency, a.num_requests, api_key=a.api_key,
-                   timeout=a.timeout, progress=not a.no_progress, prompt_tokens=a.prompt_tokens,
-                   max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
-                   include_usage=a.include_usage, seed=a.seed,
-                   dataset=a.dataset, vocab_size=a.vocab_size)
+    rep = run_load(
+        a.base_url,
+        a.model,
+        a.endpoint,
+        a.concurrency,
+        a.num_requests,
+        api_key=a.api_key,
+        timeout=a.timeout,
+        progress=not a.no_progress,
+        prompt_tokens=a.prompt_tokens,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        ignore_eos=a.ignore_eos,
+        include_usage=a.include_usage,
+        seed=a.seed,
+        dataset=a.dataset,
+        vocab_size=a.vocab_size,
+    )
     print(json.dumps(rep, default=float) if a.json else pd.DataFrame([rep]).T.to_string(header=False))
     return rep
 
 # %% ../../nbs/64_loadgen.ipynb #8ebc96f8
-if __name__ == "__main__": main()
+if __name__ == '__main__':
+    main()

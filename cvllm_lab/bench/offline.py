@@ -6,7 +6,11 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/bench_offline.html.md"""
 
 # %% ../../nbs/60_bench_offline.ipynb #b0fa6799
 from __future__ import annotations
-import os, platform, statistics, subprocess, time
+import os
+import platform
+import statistics
+import subprocess
+import time
 import torch
 from ..sampling_params import SamplingParams
 
@@ -16,24 +20,34 @@ __all__ = ['device_name', 'git_commit', 'steady_decode', 'bench_offline', 'bench
 # %% ../../nbs/60_bench_offline.ipynb #afb80d65
 def device_name(device: str) -> str:
     "The GPU's name, or the CPU model and core count."
-    if str(device).startswith('cuda'): return torch.cuda.get_device_name(torch.device(device))
+    if str(device).startswith('cuda'):
+        return torch.cuda.get_device_name(torch.device(device))
     cpu = platform.processor() or platform.machine()
     try:
         for line in open('/proc/cpuinfo'):
-            if line.startswith('model name'): cpu = line.split(':', 1)[1].strip(); break
-    except OSError: pass
-    return f"CPU {cpu} x{os.cpu_count()}"
+            if line.startswith('model name'):
+                cpu = line.split(':', 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f'CPU {cpu} x{os.cpu_count()}'
+
 
 def git_commit() -> str:
     "`CVLLM_LAB_COMMIT` if set (a copy without `.git`), else the package's checkout: short hash (`+dirty` with changes), or 'unknown'."
-    if os.environ.get('CVLLM_LAB_COMMIT'): return os.environ['CVLLM_LAB_COMMIT']
+    if os.environ.get('CVLLM_LAB_COMMIT'):
+        return os.environ['CVLLM_LAB_COMMIT']
     import cvllm_lab
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(cvllm_lab.__file__)))   # the checkout, not the cwd
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(cvllm_lab.__file__)))  # the checkout, not the cwd
     try:
-        git = lambda *a: subprocess.run(['git', '-C', repo, *a], capture_output=True, text=True, check=True).stdout.strip()
+        git = lambda *a: subprocess.run(
+            ['git', '-C', repo, *a], capture_output=True, text=True, check=True
+        ).stdout.strip()
         h, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', '--untracked-files=no')
         return h + ('+dirty' if dirty else '')
-    except Exception: return 'unknown'
+    except Exception:
+        return 'unknown'
 
 # %% ../../nbs/60_bench_offline.ipynb #47fec4d4
 def steady_decode(llm, B: int, P: int, O: int, g: torch.Generator, max_steps: int = 64) -> tuple[float, int]:
@@ -41,76 +55,122 @@ def steady_decode(llm, B: int, P: int, O: int, g: torch.Generator, max_steps: in
     NaN seconds, when `O` leaves fewer than 4 such steps)."""
     eng, vocab = llm.engine, llm.engine.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
-    ids = [eng.add_request(None, {'prompt_token_ids': torch.randint(10, vocab, (P,), generator=g).tolist()}, sp)
-           for _ in range(B)]
-    core = eng.core                       # the core stepped directly: no outputs built, as a busy loop runs it
+    ids = [
+        eng.add_request(None, {'prompt_token_ids': torch.randint(10, vocab, (P,), generator=g).tolist()}, sp)
+        for _ in range(B)
+    ]
+    core = eng.core  # the core stepped directly: no outputs built, as a busy loop runs it
     reqs = [r for i in ids for r in core.parents[i]]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     try:
-        while any(r.first_token_time is None for r in reqs): core.step()
-        k = min(max_steps, O - max(r.num_output_tokens for r in reqs) - 2)   # 2: a step launched ahead, and margin
-        if k < 4: return float('nan'), 0
-        sync(); t = time.perf_counter()
-        for _ in range(k): core.step()
-        sync(); dt = time.perf_counter() - t
-        assert not any(r.is_finished for r in reqs), "a sequence finished inside the timed steps"
+        while any(r.first_token_time is None for r in reqs):
+            core.step()
+        k = min(max_steps, O - max(r.num_output_tokens for r in reqs) - 2)  # 2: a step launched ahead, and margin
+        if k < 4:
+            return float('nan'), 0
+        sync()
+        t = time.perf_counter()
+        for _ in range(k):
+            core.step()
+        sync()
+        dt = time.perf_counter() - t
+        assert not any(r.is_finished for r in reqs), 'a sequence finished inside the timed steps'
         return dt / k, k
     finally:
         eng.abort_request(ids)
-        while core.has_unfinished_requests(): core.step()
+        while core.has_unfinished_requests():
+            core.step()
 
 # %% ../../nbs/60_bench_offline.ipynb #0c47223d
 def _timed_generate(llm, B: int, P: int, O: int, g: torch.Generator) -> float:
     vocab = llm.engine.vocab_size
     prompts = [{'prompt_token_ids': torch.randint(10, vocab, (P,), generator=g).tolist()} for _ in range(B)]
     sp = SamplingParams(temperature=0, max_tokens=O, ignore_eos=True, detokenize=False)
-    if torch.cuda.is_available(): torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    if torch.cuda.is_available(): torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     assert all(len(o.outputs[0].token_ids) == O for o in outs)
     return time.perf_counter() - t
+
 
 def bench_offline(llm, batch_size: int, prompt_len: int, output_len: int, runs: int = 3, seed: int = 0) -> dict:
     "Median prefill/decode throughput over `runs` measured runs after one warm-up."
     g = torch.Generator().manual_seed(seed)
     B, P, O = batch_size, prompt_len, output_len
-    _timed_generate(llm, B, P, min(O, 8), g)                       # warm-up
+    _timed_generate(llm, B, P, min(O, 8), g)  # warm-up
     t1s, tOs = [], []
     for _ in range(runs):
-        t1s.append(_timed_generate(llm, B, P, 1, g)); tOs.append(_timed_generate(llm, B, P, O, g))
+        t1s.append(_timed_generate(llm, B, P, 1, g))
+        tOs.append(_timed_generate(llm, B, P, O, g))
     t1, tO = statistics.median(t1s), statistics.median(tOs)
     dec = [(b - a) for a, b in zip(t1s, tOs)]
     decode_time = statistics.median(dec)
     steady = statistics.median(steady_decode(llm, B, P, O, g)[0] for _ in range(runs))
     cfg = llm.engine.cfg
-    return dict(device_name=device_name(cfg.device), commit=git_commit(), model=llm.engine.src.name,
-                dtype=str(cfg.torch_dtype).replace('torch.', ''), attention_backend=cfg.attention_backend,
-                batch_size=B, prompt_len=P, output_len=O, runs=runs,
-                prefill_tok_s=B * P / t1, decode_tok_s=B * (O - 1) / decode_time,
-                ttft_ms=1000 * t1, ms_per_step=1000 * decode_time / (O - 1), e2e_s=tO,
-                decode_steady_tok_s=B / steady, steady_ms_per_step=1000 * steady)
+    return dict(
+        device_name=device_name(cfg.device),
+        commit=git_commit(),
+        model=llm.engine.src.name,
+        dtype=str(cfg.torch_dtype).replace('torch.', ''),
+        attention_backend=cfg.attention_backend,
+        batch_size=B,
+        prompt_len=P,
+        output_len=O,
+        runs=runs,
+        prefill_tok_s=B * P / t1,
+        decode_tok_s=B * (O - 1) / decode_time,
+        ttft_ms=1000 * t1,
+        ms_per_step=1000 * decode_time / (O - 1),
+        e2e_s=tO,
+        decode_steady_tok_s=B / steady,
+        steady_ms_per_step=1000 * steady,
+    )
 
 # %% ../../nbs/60_bench_offline.ipynb #124d242a
-def bench_llamacpp(path, batch_size: int, prompt_len: int, output_len: int, threads: int, runs: int = 3, seed: int = 0) -> dict:
+def bench_llamacpp(
+    path, batch_size: int, prompt_len: int, output_len: int, threads: int, runs: int = 3, seed: int = 0
+) -> dict:
     "llama.cpp's prefill and batch-1 decode tok/s on the GGUF at `path` with `threads` threads (needs `llama_cpp`)."
     import numpy as np
     from llama_cpp import Llama
-    if batch_size != 1: raise ValueError("llama-cpp-python runs one sequence: batch_size must be 1")
+
+    if batch_size != 1:
+        raise ValueError('llama-cpp-python runs one sequence: batch_size must be 1')
     P, O = prompt_len, output_len
-    n = -(-(P + O + 8) // 512) * 512     # its logits buffer holds n_batch rows: a whole run fits in one
+    n = -(-(P + O + 8) // 512) * 512  # its logits buffer holds n_batch rows: a whole run fits in one
     llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n, n_batch=n, verbose=False)
     rng = np.random.default_rng(seed)
+
     def run(o):
         llm.reset()
-        t0 = time.perf_counter(); llm.eval(rng.integers(10, llm.n_vocab(), P).tolist()); t1 = time.perf_counter()
-        for _ in range(o - 1): llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        t0 = time.perf_counter()
+        llm.eval(rng.integers(10, llm.n_vocab(), P).tolist())
+        t1 = time.perf_counter()
+        for _ in range(o - 1):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         return t1 - t0, time.perf_counter() - t1
-    run(min(O, 8))                                                      # warm-up
+
+    run(min(O, 8))  # warm-up
     pre, dec = zip(*(run(O) for _ in range(runs)))
     tp, td = statistics.median(pre), statistics.median(dec)
     import llama_cpp
-    return dict(device_name=device_name('cpu'), commit=git_commit(), model=os.path.basename(str(path)),
-                dtype=f'llama.cpp {llama_cpp.__version__}', attention_backend='llama.cpp', batch_size=1, prompt_len=P,
-                output_len=O, runs=runs, prefill_tok_s=P / tp, decode_tok_s=(O - 1) / td if O > 1 else float('nan'),
-                ttft_ms=1000 * tp, ms_per_step=1000 * td / max(O - 1, 1), e2e_s=tp + td)
+
+    return dict(
+        device_name=device_name('cpu'),
+        commit=git_commit(),
+        model=os.path.basename(str(path)),
+        dtype=f'llama.cpp {llama_cpp.__version__}',
+        attention_backend='llama.cpp',
+        batch_size=1,
+        prompt_len=P,
+        output_len=O,
+        runs=runs,
+        prefill_tok_s=P / tp,
+        decode_tok_s=(O - 1) / td if O > 1 else float('nan'),
+        ttft_ms=1000 * tp,
+        ms_per_step=1000 * td / max(O - 1, 1),
+        e2e_s=tp + td,
+    )

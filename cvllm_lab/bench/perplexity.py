@@ -31,20 +31,26 @@ def perplexity(model, ids: torch.Tensor, window: int = 512, logits=None) -> floa
         h = model(torch.cat(chunks).to(dev), torch.cat([torch.arange(n) for n in lens]).to(dev))
     nll, n, s = 0.0, 0, 0
     for c, l in zip(chunks, lens):  # logits one window at a time: [window, vocab] at most
-        lp = torch.log_softmax(logits(h[s:s + l - 1]).float(), -1)
+        lp = torch.log_softmax(logits(h[s : s + l - 1]).float(), -1)
         nll -= lp.gather(1, c[1:, None].to(dev)).sum().item()
         n, s = n + l - 1, s + l
     return math.exp(nll / n)
+
 
 def decoder_bits_per_weight(model) -> float:
     "Bits per weight of the decoder's linear layers (quantized buffers incl. scales, or float weights)."
     bits = n = 0
     for name, m in model.model.layers.named_modules():
         if isinstance(m, QuantLinear) and not any(isinstance(p, QuantLinear) for p in m.children()):
-            bits += 8 * m.weight_bytes(); n += m.input_size * m.output_size
-        elif isinstance(m, Linear) and not isinstance(m, QuantLinear) and hasattr(m, 'weight'):   # incl. the parallel linears
-            bits += 8 * m.weight.numel() * m.weight.element_size(); n += m.weight.numel()
+            bits += 8 * m.weight_bytes()
+            n += m.input_size * m.output_size
+        elif (
+            isinstance(m, Linear) and not isinstance(m, QuantLinear) and hasattr(m, 'weight')
+        ):  # incl. the parallel linears
+            bits += 8 * m.weight.numel() * m.weight.element_size()
+            n += m.weight.numel()
     return bits / n
+
 
 def layer_types(model) -> str:
     "The quantized types used in the decoder, with counts (e.g. `Q4_K x30, Q5_0 x90`)."
@@ -55,11 +61,13 @@ def layer_types(model) -> str:
     return ', '.join(f'{k} x{v}' for k, v in sorted(c.items()))
 
 # %% ../../nbs/65_perplexity.ipynb #79c4529a
-import argparse, os, subprocess, time
+import argparse
+import subprocess
+import time
 from pathlib import Path
 from ..quant.fp8 import set_fp8_numerics
 
-FORMATS = {   # name: (format, quantization, dtype, FP8 numerics, execution)
+FORMATS = {  # name: (format, quantization, dtype, FP8 numerics, execution)
     'fp32': ('fp32', None, 'float32', None, 'baseline: float weights, fp32'),
     'bf16': ('bf16', None, 'bfloat16', None, 'weights and activations bf16'),
     'fp8-w8a16': ('fp8', 'fp8', 'float32', 'w8a16', 'W8A16 as batch 1 runs it: e4m3 128x128 weights, fp32 activations'),
@@ -70,34 +78,59 @@ FORMATS = {   # name: (format, quantization, dtype, FP8 numerics, execution)
     'w4a16-bf16': ('w4a16', 'w4a16', 'bfloat16', None, 'W4A16 reference, bf16 activations'),
 }
 
+
 def scored_tokens(n: int, window: int = 512) -> int:
     "How many tokens `perplexity` scores in `n` tokens cut into windows (all but the first of each window)."
     return sum(min(window, n - s) - 1 for s in range(0, n, window) if n - s > 1)
 
-def measure(model, ids: torch.Tensor, quantization=None, dtype: str = 'float32', numerics=None, window: int = 512,
-            device: str = 'cpu') -> float:
+
+def measure(
+    model,
+    ids: torch.Tensor,
+    quantization=None,
+    dtype: str = 'float32',
+    numerics=None,
+    window: int = 512,
+    device: str = 'cpu',
+) -> float:
     """Perplexity of `ids` for `LLM(model, quantization=, dtype=, device=)`, its FP8 layers set to `numerics`
     (`set_fp8_numerics`; CPU only); the CPU fast path off."""
     from cvllm_lab.entrypoints.llm import LLM
-    if numerics == 'w8a16' and not str(device).startswith('cpu'):   # the kernels run there: a flat prefill is W8A8
+
+    if numerics == 'w8a16' and not str(device).startswith('cpu'):  # the kernels run there: a flat prefill is W8A8
         raise ValueError("numerics='w8a16' is a CPU mode: on the GPU the kernels run, and a prefill quantizes x")
-    llm = LLM(model=str(model), quantization=quantization, dtype=dtype, device=device, skip_tokenizer_init=True,
-              progress=False, max_model_len=window, block_size=16, num_gpu_blocks_override=-(-window // 16),
-              cpu_fast_path=False)
+    llm = LLM(
+        model=str(model),
+        quantization=quantization,
+        dtype=dtype,
+        device=device,
+        skip_tokenizer_init=True,
+        progress=False,
+        max_model_len=window,
+        block_size=16,
+        num_gpu_blocks_override=-(-window // 16),
+        cpu_fast_path=False,
+    )
     runner = llm.engine.runner
     if set_fp8_numerics(runner.model, numerics) == 0 and numerics is not None:
-        raise ValueError(f"numerics={numerics!r} but the model has no FP8 layer (quantization={quantization!r})")
+        raise ValueError(f'numerics={numerics!r} but the model has no FP8 layer (quantization={quantization!r})')
     return perplexity(runner.model, ids, window, logits=runner.compute_logits)
 
 # %% ../../nbs/65_perplexity.ipynb #17e8e948
 def _commit() -> str:
-    try: return subprocess.run(['git', 'describe', '--always', '--dirty'], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError): return ''
+    try:
+        return subprocess.run(
+            ['git', 'describe', '--always', '--dirty'], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ''
+
 
 def main(argv=None):
     from cvllm_lab.config import default_model_path
     from cvllm_lab.tokenizer import load_tokenizer
     from cvllm_lab.weights.loader import resolve_model_source
+
     ap = argparse.ArgumentParser(prog='python -m cvllm_lab.bench.perplexity', description=__doc__)
     ap.add_argument('--model', default=None, help='a model folder or GGUF (default: the embedded SmolLM2 GGUF)')
     ap.add_argument('--text', default='data/ppl_text.txt')
@@ -112,21 +145,46 @@ def main(argv=None):
     model = a.model or str(default_model_path())
     src = resolve_model_source(model)
     ids = torch.tensor(load_tokenizer(src.root, src.gguf_file).encode(Path(a.text).read_text()))
-    runs = ([(a.quantization or 'float', a.quantization, a.dtype, a.fp8_numerics, f'{a.dtype}, fp8 numerics {a.fp8_numerics}')]
-            if a.quantization or a.fp8_numerics else [FORMATS[f] for f in a.formats])
+    runs = (
+        [
+            (
+                a.quantization or 'float',
+                a.quantization,
+                a.dtype,
+                a.fp8_numerics,
+                f'{a.dtype}, fp8 numerics {a.fp8_numerics}',
+            )
+        ]
+        if a.quantization or a.fp8_numerics
+        else [FORMATS[f] for f in a.formats]
+    )
     rows, base, commit = [], None, _commit()
     for fmt, q, dtype, num, what in runs:
         t0 = time.time()
         p = measure(model, ids, q, dtype, num, a.window, a.device)
-        if fmt == 'fp32': base = p
-        rows.append(dict(format=fmt, execution=what, dtype=dtype, perplexity=round(p, 3),
-                         delta_pct=round(100 * (p / base - 1), 2) if base else float('nan'),
-                         tokens=scored_tokens(len(ids), a.window), device=a.device, commit=commit))
-        print(f"{fmt:6} {dtype:9} {p:8.3f} {rows[-1]['delta_pct']:+7.2f}%  {time.time() - t0:5.1f} s  {what}", flush=True)
+        if fmt == 'fp32':
+            base = p
+        rows.append(
+            dict(
+                format=fmt,
+                execution=what,
+                dtype=dtype,
+                perplexity=round(p, 3),
+                delta_pct=round(100 * (p / base - 1), 2) if base else float('nan'),
+                tokens=scored_tokens(len(ids), a.window),
+                device=a.device,
+                commit=commit,
+            )
+        )
+        print(
+            f'{fmt:6} {dtype:9} {p:8.3f} {rows[-1]["delta_pct"]:+7.2f}%  {time.time() - t0:5.1f} s  {what}', flush=True
+        )
     if a.out:
         import pandas as pd
+
         pd.DataFrame(rows).to_csv(a.out, index=False)
     return rows
 
 # %% ../../nbs/65_perplexity.ipynb #45016dd3
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

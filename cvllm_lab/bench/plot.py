@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 import pandas as pd
 import matplotlib
+
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
@@ -20,38 +21,47 @@ __all__ = ['MIN_DECODE_TOKENS', 'gpu_kind', 'load_reference', 'decode_points', '
 # %% ../../nbs/63_bench_plot.ipynb #e6b7176e
 _CANDLE_MODEL = {'Llama-3-8B': 'LLaMA', 'Mistral-7B': 'Mistral', 'Qwen3-8B': 'Qwen2/Qwen3 dense'}
 
+
 def gpu_kind(device_name: str) -> str:
     "'H200', 'H100', ... from a device name like 'NVIDIA H200'."
     for k in ('H200', 'H100', 'A100', 'L40S', 'A10'):
-        if k in str(device_name): return k
+        if k in str(device_name):
+            return k
     return str(device_name)
+
 
 def load_reference(ref_dir: Path, gpu: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     "vLLM's measured rows for this GPU kind, and candle-vllm's documented rows (Hopper table for H100/H200)."
     f = ref_dir / f'vllm_measured_{gpu.lower()}.csv'
     vllm = pd.read_csv(f) if f.exists() else pd.DataFrame(columns=['shape', 'precision', 'batch', 'decode_tok_s'])
-    if 'notes' in vllm:   # a point re-measured beside our own sweep replaces the older figure (ratios from one run)
+    if 'notes' in vllm:  # a point re-measured beside our own sweep replaces the older figure (ratios from one run)
         key = [k for k in ('shape', 'precision', 'batch', 'prompt_tokens', 'output_tokens') if k in vllm]
         newer = vllm.notes.fillna('').str.contains('re-measured')
         vllm = vllm.assign(_n=newer).sort_values('_n').drop_duplicates(key, keep='last').drop(columns='_n').sort_index()
     candle = pd.read_csv(ref_dir / 'candle_vllm_documented.csv')
-    candle = candle[~candle.source.str.contains('before 20')]   # a table candle-vllm replaced: plot its newer one
+    candle = candle[~candle.source.str.contains('before 20')]  # a table candle-vllm replaced: plot its newer one
     table = 'Hopper' if gpu in ('H100', 'H200') else gpu
     return vllm, candle[candle.gpu == table]
 
-MIN_DECODE_TOKENS = 8   # a point generating fewer tokens measures its prefill: its decode figure is one or two steps
+
+MIN_DECODE_TOKENS = 8  # a point generating fewer tokens measures its prefill: its decode figure is one or two steps
+
 
 def decode_points(results: pd.DataFrame, quant: str = 'none') -> pd.DataFrame:
     "The rows of `quant` that ran and decoded at least `MIN_DECODE_TOKENS` tokens per request."
     ok = (results.error.fillna('') == '') & (results.quant == quant)
-    if 'output_len' in results: ok &= results.output_len.fillna(MIN_DECODE_TOKENS) >= MIN_DECODE_TOKENS
+    if 'output_len' in results:
+        ok &= results.output_len.fillna(MIN_DECODE_TOKENS) >= MIN_DECODE_TOKENS
     return results[ok]
+
 
 def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'none') -> Path:
     "One panel per model shape: decode tok/s vs batch size, ours vs vLLM vs candle-vllm vs roofline."
     res = decode_points(results, quant)
-    precision = 'bf16' if quant == 'none' else quant     # the reference tables' name for the weight format
-    ran = str(res.dtype.iloc[0]) if quant == 'none' and len(res) and 'dtype' in res else precision   # the title says what ran
+    precision = 'bf16' if quant == 'none' else quant  # the reference tables' name for the weight format
+    ran = (
+        str(res.dtype.iloc[0]) if quant == 'none' and len(res) and 'dtype' in res else precision
+    )  # the title says what ran
     gpu = gpu_kind(res.device_name.iloc[0]) if len(res) else '?'
     vllm, candle = load_reference(ref_dir, gpu)
     shapes = list(dict.fromkeys(res['shape']))
@@ -60,24 +70,44 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
         sub = res[res['shape'] == shape]
         steady = 'decode_steady_tok_s' in sub and sub.decode_steady_tok_s.notna().any()
         ours = sub.groupby('batch_size', as_index=False).agg(
-            decode_tok_s=('decode_tok_s', 'max'), roofline_tok_s=('roofline_tok_s', 'max'),
-            **({'steady': ('decode_steady_tok_s', 'max')} if steady else {}))
+            decode_tok_s=('decode_tok_s', 'max'),
+            roofline_tok_s=('roofline_tok_s', 'max'),
+            **({'steady': ('decode_steady_tok_s', 'max')} if steady else {}),
+        )
         ax.plot(ours.batch_size, ours.decode_tok_s, 'o-', label='cvllm_lab (measured)')
-        if steady: ax.plot(ours.batch_size, ours.steady, 'o:', mfc='none', label='cvllm_lab, all prompts prefilled')
+        if steady:
+            ax.plot(ours.batch_size, ours.steady, 'o:', mfc='none', label='cvllm_lab, all prompts prefilled')
         ax.plot(ours.batch_size, ours.roofline_tok_s, 'k--', lw=1, label='bandwidth roofline')
-        v = vllm[(vllm['shape'] == shape) & (vllm.precision == precision)].groupby('batch', as_index=False).decode_tok_s.max()
-        if len(v): ax.plot(v.batch, v.decode_tok_s, 's-', label=f'vLLM 0.26 ({gpu}, measured)')
+        v = (
+            vllm[(vllm['shape'] == shape) & (vllm.precision == precision)]
+            .groupby('batch', as_index=False)
+            .decode_tok_s.max()
+        )
+        if len(v):
+            ax.plot(v.batch, v.decode_tok_s, 's-', label=f'vLLM 0.26 ({gpu}, measured)')
         c = candle[(candle.model == _CANDLE_MODEL.get(shape, shape)) & (candle.precision == precision)]
-        if len(c): ax.plot(c.batch, c.tok_s, 'D', ms=8, label='candle-vllm (documented, Hopper)')
-        ax.set_xscale('log', base=2); ax.set_yscale('log')
-        ax.set_xlabel('batch size'); ax.set_ylabel('decode tok/s'); ax.set_title(f'{shape} {ran} on {gpu}')
-        ax.grid(True, which='both', alpha=.3); ax.legend(fontsize=8)
-    fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
+        if len(c):
+            ax.plot(c.batch, c.tok_s, 'D', ms=8, label='candle-vllm (documented, Hopper)')
+        ax.set_xscale('log', base=2)
+        ax.set_yscale('log')
+        ax.set_xlabel('batch size')
+        ax.set_ylabel('decode tok/s')
+        ax.set_title(f'{shape} {ran} on {gpu}')
+        ax.grid(True, which='both', alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
 
 # %% ../../nbs/63_bench_plot.ipynb #b1a40908
-_REF_PRECISION = {'fp8': 'fp8-w8a8-dynamic'}   # vLLM's table name for the FP8 rows
-_CANDLE_PRECISION = {'w4a16': 'marlin', 'marlin': 'marlin'}   # candle-vllm's name for the 4-bit format (old rows: marlin)
+_REF_PRECISION = {'fp8': 'fp8-w8a8-dynamic'}  # vLLM's table name for the FP8 rows
+_CANDLE_PRECISION = {
+    'w4a16': 'marlin',
+    'marlin': 'marlin',
+}  # candle-vllm's name for the 4-bit format (old rows: marlin)
+
 
 def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = 'Llama-3-8B') -> Path:
     "Decode tok/s vs batch size for every weight format of `shape`, with rooflines and the reference figures."
@@ -89,28 +119,50 @@ def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = '
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for i, (q, g) in enumerate(res.groupby('quant', sort=False)):
         col = f'C{i}'
-        g = g.groupby('batch_size', as_index=False).agg(decode_tok_s=('decode_tok_s', 'max'), roofline_tok_s=('roofline_tok_s', 'max'))
+        g = g.groupby('batch_size', as_index=False).agg(
+            decode_tok_s=('decode_tok_s', 'max'), roofline_tok_s=('roofline_tok_s', 'max')
+        )
         name = 'bf16' if q == 'none' else _CANDLE_PRECISION.get(q, q)
         ax.plot(g.batch_size, g.decode_tok_s, 'o-', color=col, label=f'cvllm_lab {name}')
         ax.plot(g.batch_size, g.roofline_tok_s, ':', color=col, lw=1)
         v = vllm[(vllm['shape'] == shape) & (vllm.precision == _REF_PRECISION.get(q, 'bf16' if q == 'none' else q))]
-        if 'prompt_len' in res: v = v[v.prompt_tokens.isin(res.prompt_len.unique())]   # same prompt lengths only
+        if 'prompt_len' in res:
+            v = v[v.prompt_tokens.isin(res.prompt_len.unique())]  # same prompt lengths only
         v = v.groupby('batch', as_index=False).decode_tok_s.max()
-        if len(v): ax.plot(v.batch, v.decode_tok_s, 's--', color=col, alpha=.6, label=f'vLLM 0.26 {name} ({gpu})')
+        if len(v):
+            ax.plot(v.batch, v.decode_tok_s, 's--', color=col, alpha=0.6, label=f'vLLM 0.26 {name} ({gpu})')
         c = candle[(candle.model == cm) & (candle.precision == name)]
-        if len(c): ax.plot(c.batch, c.tok_s, 'D', color=col, ms=9, label=f'candle-vllm {name} (Hopper, documented)')
+        if len(c):
+            ax.plot(c.batch, c.tok_s, 'D', color=col, ms=9, label=f'candle-vllm {name} (Hopper, documented)')
         o = allc[(allc.model == cm) & (allc.precision == name) & (allc.gpu != 'Hopper') & (allc.batch > 1)]
-        if len(o): ax.plot(o.batch, o.tok_s, 'D', mfc='none', color=col, ms=9,
-                           label=f"candle-vllm {name} ({', '.join(o.gpu.unique())}, documented)")
-    ax.set_xscale('log', base=2); ax.set_yscale('log')
-    ax.set_xlabel('batch size'); ax.set_ylabel('decode tok/s (dotted: bandwidth roofline)')
-    ax.set_title(f'{shape}: weight formats on {gpu}'); ax.grid(True, which='both', alpha=.3); ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
+        if len(o):
+            ax.plot(
+                o.batch,
+                o.tok_s,
+                'D',
+                mfc='none',
+                color=col,
+                ms=9,
+                label=f'candle-vllm {name} ({", ".join(o.gpu.unique())}, documented)',
+            )
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xlabel('batch size')
+    ax.set_ylabel('decode tok/s (dotted: bandwidth roofline)')
+    ax.set_title(f'{shape}: weight formats on {gpu}')
+    ax.grid(True, which='both', alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
+
 
 def last_run(results: pd.DataFrame) -> pd.DataFrame:
     "The rows of the last commit in an appended CSV: one run's figures."
     return results[results.commit == results.commit.iloc[-1]] if 'commit' in results else results
+
 
 def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
     """Bars per point (decode for each batch size, prefill for each prompt length): ours and llama.cpp's, naming the
@@ -122,24 +174,47 @@ def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
         us = g[g.quant != 'llama.cpp']
         if O >= 64:
             labels.append(f'decode, {B} seq{"s" if B > 1 else ""}\n{P} -> {O} tokens')
-            ours.append(us.decode_tok_s.max()); theirs.append(pick('llama.cpp', 'decode_tok_s'))
+            ours.append(us.decode_tok_s.max())
+            theirs.append(pick('llama.cpp', 'decode_tok_s'))
         else:
-            labels.append(f'prefill\n{P} tokens'); ours.append(us.prefill_tok_s.max()); theirs.append(pick('llama.cpp', 'prefill_tok_s'))
+            labels.append(f'prefill\n{P} tokens')
+            ours.append(us.prefill_tok_s.max())
+            theirs.append(pick('llama.cpp', 'prefill_tok_s'))
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(2.2 * len(labels) + 3, 4.5))
-    b1 = ax.bar([i - .2 for i in x], ours, .4, label='cvllm_lab (CPU fast path)')
-    b2 = ax.bar([i + .2 for i in x], theirs, .4, label='llama.cpp (llama-cpp-python, batch 1)')
-    for bars in (b1, b2): ax.bar_label(bars, fmt='%.0f', fontsize=8)
-    ax.set_xticks(list(x), labels, fontsize=8); ax.set_ylabel('tok/s (decode: all sequences together)')
-    thr = json.loads(res[res.quant == 'llama.cpp'].config.iloc[0]).get('threads') if (res.quant == 'llama.cpp').any() else None
-    ax.set_title(f"{res['shape'].iloc[0]} on {res.device_name.iloc[0]}" + (f', {thr} threads' if thr else '')
-                 + (f", commit {res.commit.iloc[0]}" if 'commit' in res else ''), fontsize=10)
-    ax.legend(fontsize=8); ax.grid(True, axis='y', alpha=.3)
-    fig.tight_layout(); out.parent.mkdir(parents=True, exist_ok=True); fig.savefig(out, dpi=120); plt.close(fig)
+    b1 = ax.bar([i - 0.2 for i in x], ours, 0.4, label='cvllm_lab (CPU fast path)')
+    b2 = ax.bar([i + 0.2 for i in x], theirs, 0.4, label='llama.cpp (llama-cpp-python, batch 1)')
+    for bars in (b1, b2):
+        ax.bar_label(bars, fmt='%.0f', fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel('tok/s (decode: all sequences together)')
+    thr = (
+        json.loads(res[res.quant == 'llama.cpp'].config.iloc[0]).get('threads')
+        if (res.quant == 'llama.cpp').any()
+        else None
+    )
+    ax.set_title(
+        f'{res["shape"].iloc[0]} on {res.device_name.iloc[0]}'
+        + (f', {thr} threads' if thr else '')
+        + (f', commit {res.commit.iloc[0]}' if 'commit' in res else ''),
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(True, axis='y', alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
+
 
 def plot_sweep(results: pd.DataFrame, ref_dir: Path, out: Path) -> Path:
     "The plot that fits a sweep: ours against llama.cpp, formats side by side when it has several, else `plot_decode`."
-    if (results.quant == 'llama.cpp').any(): return plot_vs_llamacpp(results, out)
+    if (results.quant == 'llama.cpp').any():
+        return plot_vs_llamacpp(results, out)
     q = results.quant.dropna().unique()
-    return plot_formats(results, ref_dir, out, results['shape'].iloc[0]) if len(q) > 1 else plot_decode(results, ref_dir, out, q[0] if len(q) else 'none')
+    return (
+        plot_formats(results, ref_dir, out, results['shape'].iloc[0])
+        if len(q) > 1
+        else plot_decode(results, ref_dir, out, q[0] if len(q) else 'none')
+    )

@@ -6,12 +6,17 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/bench_sweep.html.md"""
 
 # %% ../../nbs/61_bench_sweep.ipynb #f113e1cb
 from __future__ import annotations
-import importlib.util, itertools, json, os, time, traceback
+import importlib.util
+import itertools
+import json
+import os
+import time
+import traceback
 from pathlib import Path
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from .offline import bench_offline, bench_llamacpp, device_name, git_commit
+from .offline import bench_offline, bench_llamacpp, git_commit
 from ..layers.linear import VocabParallelEmbedding, ParallelLMHead
 from ..layers.fused_moe import FusedMoE
 
@@ -27,10 +32,14 @@ def measure_read_bandwidth(device: str, gib: float = 4.0, iters: int = 10) -> fl
     x = torch.ones(n, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     times = []
     for i in range(iters + 1):
-        if cuda: torch.cuda.synchronize()
-        t = time.perf_counter(); x.sum(dtype=torch.float32)
-        if cuda: torch.cuda.synchronize()
-        if i: times.append(time.perf_counter() - t)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t)
     bw = x.numel() * x.element_size() / sorted(times)[len(times) // 2]
     del x
     return bw
@@ -40,41 +49,70 @@ def model_dir(model_cfg: dict, cache: Path | None = None) -> Path:
     "The model: `path` (`default`: the embedded GGUF), else a folder holding just `hf_config`, for dummy weights."
     if model_cfg.get('path') == 'default':
         from cvllm_lab.config import default_model_path
+
         return default_model_path()
-    if model_cfg.get('path'): return Path(model_cfg['path'])
+    if model_cfg.get('path'):
+        return Path(model_cfg['path'])
     from transformers import AutoConfig
+
     hf = dict(model_cfg['hf_config'])
     d = (cache or Path.home() / '.cache' / 'cvllm_lab' / 'dummy_models') / model_cfg['name']
     d.mkdir(parents=True, exist_ok=True)
     AutoConfig.for_model(hf.pop('model_type'), **hf).save_pretrained(d)
     return d
 
+
 def expand_points(cfg: dict) -> list[dict]:
     "Benchmark points of a composed config: its `sweep` (points or grid), else the single top-level point."
-    base = dict(model=None, batch_size=cfg['batch_size'], prompt_len=cfg['prompt_len'], output_len=cfg['output_len'],
-                attention=None, quant=None)
+    base = dict(
+        model=None,
+        batch_size=cfg['batch_size'],
+        prompt_len=cfg['prompt_len'],
+        output_len=cfg['output_len'],
+        attention=None,
+        quant=None,
+    )
     sw = cfg.get('sweep')
-    if not sw: return [base]
-    if 'points' in sw: return [{**base, **p} for p in sw['points']]
-    g = sw['grid']   # quant and backend vary slowest: consecutive points share one loaded (and quantized) model
-    return [{**base, 'model': sw.get('model'), 'batch_size': b, 'prompt_len': pl[0], 'output_len': pl[1], 'attention': a, 'quant': q}
-            for q, a, b, pl in itertools.product(g.get('quant', [None]), g.get('attention', [None]), g['batch_size'], g['lengths'])]
+    if not sw:
+        return [base]
+    if 'points' in sw:
+        return [{**base, **p} for p in sw['points']]
+    g = sw['grid']  # quant and backend vary slowest: consecutive points share one loaded (and quantized) model
+    return [
+        {
+            **base,
+            'model': sw.get('model'),
+            'batch_size': b,
+            'prompt_len': pl[0],
+            'output_len': pl[1],
+            'attention': a,
+            'quant': q,
+        }
+        for q, a, b, pl in itertools.product(
+            g.get('quant', [None]), g.get('attention', [None]), g['batch_size'], g['lengths']
+        )
+    ]
 
 # %% ../../nbs/61_bench_sweep.ipynb #469f5674
 def _load_group_cfg(conf_dir: Path, group: str, name: str | None, default: dict) -> dict:
-    if name is None: return default
+    if name is None:
+        return default
     import yaml
+
     return yaml.safe_load((conf_dir / group / f'{name}.yaml').read_text())
+
 
 def expert_bytes(model) -> list[tuple[int, int, int]]:
     "Per MoE layer `(bytes of its expert tensors, num_experts, top_k)`: its parameters and buffers with one row per expert."
     out = []
     for m in model.modules():
-        if not isinstance(m, FusedMoE): continue   # its experts: bf16 parameters, or a quantized format's buffers
+        if not isinstance(m, FusedMoE):
+            continue  # its experts: bf16 parameters, or a quantized format's buffers
         E, k = m.num_experts, m.top_k
         ts = [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if t.dim() and t.shape[0] == E]
         out.append((sum(t.numel() * t.element_size() for t in ts), E, k))
     return out
+
 
 def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
     """Bytes read per decode step, and the tok/s that the measured bandwidth allows. An embedding table that is not
@@ -82,106 +120,181 @@ def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
     reads B of its rows. Of an MoE layer's experts a step reads those its B tokens route to: with `top_k` of `E`
     picked uniformly, the expected share `1 - (1 - top_k / E) ** B` (active parameters, not all of them)."""
     model = llm.engine.runner.model
-    ts = {t.data_ptr(): t for t in model.state_dict().values()}   # parameters + persistent buffers (quantized weights), tied ones once
+    ts = {
+        t.data_ptr(): t for t in model.state_dict().values()
+    }  # parameters + persistent buffers (quantized weights), tied ones once
     wbytes = sum(t.numel() * t.element_size() for t in ts.values())
-    head = getattr(llm.engine.runner, 'lm_head', None)   # the CPU fast path's own LM head: the table is only gathered
-    if head is not None: wbytes += head.weight_bytes()
-    gathered = 0 if getattr(model, 'tie_word_embeddings', False) and head is None else sum(
-        m.weight.numel() * m.weight.element_size() * (1 - B / m.num_embeddings)
-        for m in model.modules()
-        if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead))
-    idle = sum(b * (1 - k / E) ** B for b, E, k in expert_bytes(model))   # experts no token of the step routes to
+    head = getattr(llm.engine.runner, 'lm_head', None)  # the CPU fast path's own LM head: the table is only gathered
+    if head is not None:
+        wbytes += head.weight_bytes()
+    gathered = (
+        0
+        if getattr(model, 'tie_word_embeddings', False) and head is None
+        else sum(
+            m.weight.numel() * m.weight.element_size() * (1 - B / m.num_embeddings)
+            for m in model.modules()
+            if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead)
+        )
+    )
+    idle = sum(b * (1 - k / E) ** B for b, E, k in expert_bytes(model))  # experts no token of the step routes to
     kv_tok = llm.engine.runner.bytes_per_block / llm.engine.cfg.block_size
     step = wbytes - gathered - idle + B * (P + O / 2) * kv_tok
     return dict(weight_bytes=wbytes, bytes_per_step=step, read_bw_GBs=bw / 1e9, roofline_tok_s=B * bw / step)
 
+
 def append_row(out: Path | None, row: dict):
     "Append `row` to the CSV `out` in the columns of its header (rows with fewer fields leave theirs empty)."
-    if out is None: return
+    if out is None:
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame([row])
-    if out.exists(): df = df.reindex(columns=pd.read_csv(out, nrows=0).columns)
+    if out.exists():
+        df = df.reindex(columns=pd.read_csv(out, nrows=0).columns)
     df.to_csv(out, mode='a', header=not out.exists(), index=False)
+
 
 def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool = True) -> pd.DataFrame:
     "Run every point of `cfg` (a composed config as a plain dict); append rows to `out`; return them."
     from cvllm_lab import LLM
+
     pts = expand_points(cfg)
-    bw = measure_read_bandwidth(cfg['engine'].get('device') if cfg['engine'].get('device') not in (None, 'auto')
-                                else ('cuda' if torch.cuda.is_available() else 'cpu')) if cfg.get('measure_bandwidth', True) else float('nan')
+    bw = (
+        measure_read_bandwidth(
+            cfg['engine'].get('device')
+            if cfg['engine'].get('device') not in (None, 'auto')
+            else ('cuda' if torch.cuda.is_available() else 'cpu')
+        )
+        if cfg.get('measure_bandwidth', True)
+        else float('nan')
+    )
     rows, llm, key = [], None, None
     sweep_name = (cfg.get('sweep') or {}).get('name', 'single')
     for p in tqdm(pts, desc=f'sweep {sweep_name}', disable=not progress):
         mcfg = _load_group_cfg(conf_dir, 'model', p['model'], cfg['model'])
         qcfg = _load_group_cfg(conf_dir, 'quant', p['quant'], cfg['quant'])
         acfg = _load_group_cfg(conf_dir, 'attention', p['attention'], cfg['attention'])
-        row = dict(sweep=sweep_name, shape=mcfg['name'], quant=qcfg['name'], batch_size=p['batch_size'],
-                   prompt_len=p['prompt_len'], output_len=p['output_len'], error='')
+        row = dict(
+            sweep=sweep_name,
+            shape=mcfg['name'],
+            quant=qcfg['name'],
+            batch_size=p['batch_size'],
+            prompt_len=p['prompt_len'],
+            output_len=p['output_len'],
+            error='',
+        )
         try:
             k = (mcfg['name'], qcfg['name'], acfg['backend'])
-            if k != key: check_memory(mcfg, cfg['engine'])
+            if k != key:
+                check_memory(mcfg, cfg['engine'])
             if k != key:
                 llm = key = None
-                if torch.cuda.is_available(): torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 eng = {k2: v for k2, v in cfg['engine'].items() if v is not None}
                 dummy = not mcfg.get('path')
-                llm = LLM(str(model_dir(mcfg)), progress=progress, load_format='dummy' if dummy else 'auto', skip_tokenizer_init=dummy,
-                          quantization=qcfg.get('quantization'), attention_backend=acfg['backend'], **eng)
+                llm = LLM(
+                    str(model_dir(mcfg)),
+                    progress=progress,
+                    load_format='dummy' if dummy else 'auto',
+                    skip_tokenizer_init=dummy,
+                    quantization=qcfg.get('quantization'),
+                    attention_backend=acfg['backend'],
+                    **eng,
+                )
                 key = k
             r = bench_offline(llm, p['batch_size'], p['prompt_len'], p['output_len'], runs=cfg.get('runs', 3))
             rf = roofline(llm, bw, p['batch_size'], p['prompt_len'], p['output_len'])
             r.update(rf, bw_fraction=rf['bytes_per_step'] / (r['ms_per_step'] / 1000) / bw)
             row.update(r)
         except Exception as e:
-            row.update(error=f"{type(e).__name__}: {e}".splitlines()[0][:300], commit=git_commit())
-            if progress: traceback.print_exc()
+            row.update(error=f'{type(e).__name__}: {e}'.splitlines()[0][:300], commit=git_commit())
+            if progress:
+                traceback.print_exc()
         row['config'] = json.dumps(dict(point=p, engine=cfg['engine'], quant=qcfg, attention=acfg), default=str)
         rows.append(row)
         append_row(out, row)
-    if (cfg.get('sweep') or {}).get('llamacpp'): rows += llamacpp_rows(cfg, pts, conf_dir, out, sweep_name, progress)
+    if (cfg.get('sweep') or {}).get('llamacpp'):
+        rows += llamacpp_rows(cfg, pts, conf_dir, out, sweep_name, progress)
     return pd.DataFrame(rows)
 
 # %% ../../nbs/61_bench_sweep.ipynb #46a6fdb5
 def param_count(hf: dict) -> int:
     "Weights of a Llama-shaped model from its HF config dict (embeddings, attention, MLP; norms left out)."
     h, L, V, I = hf['hidden_size'], hf['num_hidden_layers'], hf['vocab_size'], hf['intermediate_size']
-    H = hf['num_attention_heads']; Hkv = hf.get('num_key_value_heads') or H; D = hf.get('head_dim') or h // H
+    H = hf['num_attention_heads']
+    Hkv = hf.get('num_key_value_heads') or H
+    D = hf.get('head_dim') or h // H
     return V * h * (1 if hf.get('tie_word_embeddings') else 2) + L * (h * D * (2 * H + 2 * Hkv) + 3 * h * I)
+
 
 def available_memory() -> int:
     "Bytes of memory available now (`MemAvailable`)."
     try:
         for line in open('/proc/meminfo'):
-            if line.startswith('MemAvailable:'): return int(line.split()[1]) * 1024
-    except OSError: pass
+            if line.startswith('MemAvailable:'):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
+
 
 def check_memory(mcfg: dict, engine: dict):
     "On CPU, refuse (MemoryError) a dummy-weight model whose weights would not fit in the memory available."
     dev = engine.get('device') or 'auto'
-    if (dev == 'auto' and torch.cuda.is_available()) or str(dev).startswith('cuda') or not mcfg.get('hf_config') or mcfg.get('path'): return
+    if (
+        (dev == 'auto' and torch.cuda.is_available())
+        or str(dev).startswith('cuda')
+        or not mcfg.get('hf_config')
+        or mcfg.get('path')
+    ):
+        return
     from cvllm_lab.config import resolve_dtype
+
     need = param_count(mcfg['hf_config']) * resolve_dtype(engine.get('dtype') or 'auto', 'cpu').itemsize
     have = available_memory()
-    if need > have: raise MemoryError(f"{mcfg['name']} on CPU needs ~{need / 2**30:.1f} GiB for its weights and "
-                                      f"{have / 2**30:.1f} GiB are available: run it on a GPU")
+    if need > have:
+        raise MemoryError(
+            f'{mcfg["name"]} on CPU needs ~{need / 2**30:.1f} GiB for its weights and '
+            f'{have / 2**30:.1f} GiB are available: run it on a GPU'
+        )
 
 # %% ../../nbs/61_bench_sweep.ipynb #3af766b7
-def llamacpp_rows(cfg: dict, pts: list[dict], conf_dir: Path, out: Path | None, sweep_name: str, progress: bool = True) -> list[dict]:
+def llamacpp_rows(
+    cfg: dict, pts: list[dict], conf_dir: Path, out: Path | None, sweep_name: str, progress: bool = True
+) -> list[dict]:
     "llama.cpp's rows for the batch-1 GGUF points of a sweep (appended to `out`)."
     rows = []
     for p in pts:
         mcfg = _load_group_cfg(conf_dir, 'model', p['model'], cfg['model'])
-        if p['batch_size'] != 1 or not str(model_dir(mcfg)).endswith('.gguf'): continue
-        row = dict(sweep=sweep_name, shape=mcfg['name'], quant='llama.cpp', batch_size=1, prompt_len=p['prompt_len'],
-                   output_len=p['output_len'], error='')
+        if p['batch_size'] != 1 or not str(model_dir(mcfg)).endswith('.gguf'):
+            continue
+        row = dict(
+            sweep=sweep_name,
+            shape=mcfg['name'],
+            quant='llama.cpp',
+            batch_size=1,
+            prompt_len=p['prompt_len'],
+            output_len=p['output_len'],
+            error='',
+        )
         if importlib.util.find_spec('llama_cpp') is None:
             row.update(error="llama_cpp not installed: pip install -e '.[llamacpp]'", commit=git_commit())
         else:
-            try: row.update(bench_llamacpp(model_dir(mcfg), 1, p['prompt_len'], p['output_len'], torch.get_num_threads(), cfg.get('runs', 3)))
+            try:
+                row.update(
+                    bench_llamacpp(
+                        model_dir(mcfg),
+                        1,
+                        p['prompt_len'],
+                        p['output_len'],
+                        torch.get_num_threads(),
+                        cfg.get('runs', 3),
+                    )
+                )
             except Exception as e:
-                row.update(error=f"{type(e).__name__}: {e}".splitlines()[0][:300], commit=git_commit())
-                if progress: traceback.print_exc()
+                row.update(error=f'{type(e).__name__}: {e}'.splitlines()[0][:300], commit=git_commit())
+                if progress:
+                    traceback.print_exc()
         row['config'] = json.dumps(dict(point=p, threads=torch.get_num_threads()), default=str)
         rows.append(row)
         append_row(out, row)

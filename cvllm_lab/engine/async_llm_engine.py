@@ -6,13 +6,24 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/async_engine.html.md"""
 
 # %% ../../nbs/74_async_engine.ipynb #8f66be63
 from __future__ import annotations
-import asyncio, itertools, logging, time, uuid
+import asyncio
+import itertools
+import logging
+import time
+import uuid
 from typing import AsyncIterator, Callable
 import msgspec
 from fastcore.basics import patch
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
-from .core import EngineCore, EngineCoreRequest, EngineCoreAbort, EngineCoreStop, EngineCoreCall, EngineCoreOutputs
+from cvllm_lab.engine.core import (
+    EngineCore,
+    EngineCoreRequest,
+    EngineCoreAbort,
+    EngineCoreStop,
+    EngineCoreCall,
+    EngineCoreOutputs,
+)
 from .core_client import CoreClient, InprocClient, MPClient, EngineError, EngineDeadError
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor, EngineObserver, RequestOutput
@@ -30,7 +41,7 @@ _ERRORS = {'ValueError': ValueError, 'EngineError': EngineError, 'QueueFullError
 def _error(kind: str, msg: str) -> Exception:
     "The exception for an error the core reported by class name."
     cls = _ERRORS.get(kind)
-    return cls(msg) if cls is not None else EngineError(f"{kind}: {msg}")
+    return cls(msg) if cls is not None else EngineError(f'{kind}: {msg}')
 
 # %% ../../nbs/74_async_engine.ipynb #8f91230a
 class RequestStream:
@@ -53,17 +64,21 @@ class RequestStream:
             raise item
         return item
 
-    def __aiter__(self): return self
+    def __aiter__(self):
+        return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.closed: raise StopAsyncIteration
+        if self.closed:
+            raise StopAsyncIteration
         out = await self.get()
-        if out.finished: self.closed = True
+        if out.finished:
+            self.closed = True
         return out
 
     def close(self):
         "Stop reading; aborts the request (freeing its KV blocks) unless it already finished."
-        if not self.closed and self.added and not self.done: self.aengine.abort(self.request_id)
+        if not self.closed and self.added and not self.done:
+            self.aengine.abort(self.request_id)
         self.closed = True
 
 # %% ../../nbs/74_async_engine.ipynb #a9fa1179
@@ -86,24 +101,36 @@ class AsyncLLM:
         self.stats, self.counters = dict(self.client.stats), dict(self.client.counters)
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, observer: EngineObserver | None = None, num_threads: int | None = None,
-                    progress: bool = False) -> AsyncLLM:
+    def from_config(
+        cls,
+        cfg: EngineConfig,
+        observer: EngineObserver | None = None,
+        num_threads: int | None = None,
+        progress: bool = False,
+    ) -> AsyncLLM:
         "Spawn the engine-core process for `cfg` (waits until it is ready; raises its error if it cannot start)."
         return cls(MPClient(cfg, num_threads=num_threads, progress=progress), observer)
 
     @property
-    def observer(self) -> EngineObserver: return self.output_processor.observer
+    def observer(self) -> EngineObserver:
+        return self.output_processor.observer
+
     @observer.setter
-    def observer(self, obs: EngineObserver): self.output_processor.observer = obs
+    def observer(self, obs: EngineObserver):
+        self.output_processor.observer = obs
 
     @property
-    def is_running(self) -> bool: return self._task is not None and not self._task.done()
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     @property
     def loop_stopped(self) -> bool:
         "The output task was started and has ended (the core is gone, or the loop failed): the server can't serve."
         return self._task is not None and self._task.done()
+
     @property
-    def num_in_flight(self) -> int: return len(self._streams)
+    def num_in_flight(self) -> int:
+        return len(self._streams)
 
 
 AsyncLLMEngine = AsyncLLM  # the older name
@@ -112,12 +139,15 @@ AsyncLLMEngine = AsyncLLM  # the older name
 @patch
 async def _loop(self: AsyncLLM):
     try:
-        while True: self._process(await self.client.get_output())
-    except asyncio.CancelledError: raise
+        while True:
+            self._process(await self.client.get_output())
+    except asyncio.CancelledError:
+        raise
     except BaseException as e:
-        if not isinstance(e, EngineDeadError): log.exception("The engine output loop failed")
+        if not isinstance(e, EngineDeadError):
+            log.exception('The engine output loop failed')
         self.dead = e
-        self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"The engine loop stopped: {e!r}"))
+        self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f'The engine loop stopped: {e!r}'))
 
 
 @patch
@@ -125,27 +155,36 @@ def _process(self: AsyncLLM, m: EngineCoreOutputs):
     self.stats, self.counters = m.stats, m.counters
     for rid in m.added:
         fut = self._adds.pop(rid, None)
-        if fut is not None and not fut.done(): fut.set_result(None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
     for rid, kind, msg in m.errors:
         err, fut = _error(kind, msg), self._adds.pop(rid, None)
         self.output_processor.abort(rid)
         if fut is not None:
             self._streams.pop(rid, None)
-            if not fut.done(): fut.set_exception(err)
-        elif (s := self._streams.pop(rid, None)) is not None: s.put(err)
+            if not fut.done():
+                fut.set_exception(err)
+        elif (s := self._streams.pop(rid, None)) is not None:
+            s.put(err)
     for cid, ok, val in m.results:
         fut = self._calls.pop(cid, None)
-        if fut is None or fut.done(): continue
+        if fut is None or fut.done():
+            continue
         val = self.client.unpack(val)
-        if ok: fut.set_result(val)
-        else: fut.set_exception(val)
-    if not m.outputs: return
+        if ok:
+            fut.set_result(val)
+        else:
+            fut.set_exception(val)
+    if not m.outputs:
+        return
     res = self.output_processor.process_outputs(m.outputs)
-    for rid, index in res.stops: self.client.send(EngineCoreStop(rid, index))
+    for rid, index in res.stops:
+        self.client.send(EngineCoreStop(rid, index))
     for out in res.request_outputs:
         s = self._streams[out.request_id]
         s.put(out)
-        if out.finished: del self._streams[out.request_id]
+        if out.finished:
+            del self._streams[out.request_id]
 
 # %% ../../nbs/74_async_engine.ipynb #fb86673a
 @patch
@@ -155,21 +194,27 @@ def start(self: AsyncLLM):
         self.client.start()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name='engine-outputs')
 
+
 @patch
 async def shutdown(self: AsyncLLM):
     "Stop the core and the output task; requests still waiting get `EngineDeadError`."
     if self._task is not None and not self._task.done():
         self._task.cancel()
-        try: await self._task
-        except asyncio.CancelledError: pass
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
     await asyncio.to_thread(self.client.shutdown)
-    self.dead = self.dead or EngineDeadError("The engine was shut down")
-    self._fail_all(EngineDeadError("The engine was shut down"))
+    self.dead = self.dead or EngineDeadError('The engine was shut down')
+    self._fail_all(EngineDeadError('The engine was shut down'))
+
 
 @patch
 def _check(self: AsyncLLM):
-    if self.dead is not None: raise EngineDeadError(f"The engine core has stopped: {self.dead}")
+    if self.dead is not None:
+        raise EngineDeadError(f'The engine core has stopped: {self.dead}')
     self.start()
+
 
 @patch
 async def call(self: AsyncLLM, fn: Callable[[EngineCore], object]):
@@ -180,65 +225,86 @@ async def call(self: AsyncLLM, fn: Callable[[EngineCore], object]):
     self.client.send(EngineCoreCall(cid, self.client.pack(fn)))
     return await fut
 
+
 @patch
 def _fail_all(self: AsyncLLM, err: BaseException):
     for fut in [*self._adds.values(), *self._calls.values()]:
-        if not fut.done(): fut.set_exception(err)
-    self._adds.clear(); self._calls.clear(); self.output_processor.states.clear()
-    for s in self._streams.values(): s.put(err)
+        if not fut.done():
+            fut.set_exception(err)
+    self._adds.clear()
+    self._calls.clear()
+    self.output_processor.states.clear()
+    for s in self._streams.values():
+        s.put(err)
     self._streams.clear()
 
 # %% ../../nbs/74_async_engine.ipynb #b19f8627
 @patch
-async def add_request(self: AsyncLLM, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                      priority: int = 0) -> RequestStream:
+async def add_request(
+    self: AsyncLLM, prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+) -> RequestStream:
     "Send a request to the core; its errors (`ValueError` for bad input) are raised here. Read the stream, then `close()` it."
     self._check()
     rid = request_id or uuid.uuid4().hex
-    if rid in self._streams: raise ValueError(f"Request id {rid!r} is already in use")
+    if rid in self._streams:
+        raise ValueError(f'Request id {rid!r} is already in use')
     return await self.add_core_request(*self.input_processor.process(rid, prompt, params, time.time(), priority))
 
 
 @patch
-async def add_core_request(self: AsyncLLM, req: EngineCoreRequest, prompt: str | None, params: SamplingParams) -> RequestStream:
+async def add_core_request(
+    self: AsyncLLM, req: EngineCoreRequest, prompt: str | None, params: SamplingParams
+) -> RequestStream:
     "Send a request the input processor made (the server processes first, then builds grammars); `params` carries the logits processors."
     self._check()
     rid = req.request_id
-    if rid in self._streams: raise ValueError(f"Request id {rid!r} is already in use")
+    if rid in self._streams:
+        raise ValueError(f'Request id {rid!r} is already in use')
     s = RequestStream(self, rid)
     s.arrival, text = req.arrival_time, prompt
-    if params.logits_processors: req = msgspec.structs.replace(req, logits_processors=self.client.pack(params.logits_processors))
+    if params.logits_processors:
+        req = msgspec.structs.replace(req, logits_processors=self.client.pack(params.logits_processors))
     fut = asyncio.get_running_loop().create_future()
-    try: self.client.send(req)
-    except (OverflowError, msgspec.EncodeError) as e: raise ValueError(f"A request field is out of range: {e}") from None
+    try:
+        self.client.send(req)
+    except (OverflowError, msgspec.EncodeError) as e:
+        raise ValueError(f'A request field is out of range: {e}') from None
     self._streams[rid], self._adds[rid] = s, fut
     self.output_processor.add_request(rid, text, req.prompt_token_ids, params, s.arrival)
-    try: await fut
+    try:
+        await fut
     except asyncio.CancelledError:
         self.abort(rid)
         raise
     except BaseException:
-        self._streams.pop(rid, None); self.output_processor.abort(rid)
+        self._streams.pop(rid, None)
+        self.output_processor.abort(rid)
         raise
     s.added = True
     return s
 
 
 @patch
-async def generate(self: AsyncLLM, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                   priority: int = 0) -> AsyncIterator[RequestOutput]:
+async def generate(
+    self: AsyncLLM, prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+) -> AsyncIterator[RequestOutput]:
     "Yield a request's (cumulative) `RequestOutput`s, one per step, until it finishes; abort it if the caller stops early."
     s = await self.add_request(prompt, params, request_id, priority)
     try:
-        async for out in s: yield out
-    finally: s.close()
+        async for out in s:
+            yield out
+    finally:
+        s.close()
 
 
 @patch
 def abort(self: AsyncLLM, request_id: str):
     "Stop a request: it gets no more outputs; the core frees its KV blocks before its next step and counts the abort."
-    self._streams.pop(request_id, None); self.output_processor.abort(request_id)
+    self._streams.pop(request_id, None)
+    self.output_processor.abort(request_id)
     fut = self._adds.pop(request_id, None)
-    if fut is not None and not fut.done(): fut.cancel()
-    if self.dead is None: self.client.send(EngineCoreAbort([request_id]))
+    if fut is not None and not fut.done():
+        fut.cancel()
+    if self.dead is None:
+        self.client.send(EngineCoreAbort([request_id]))
     self.observer.aborted()

@@ -16,12 +16,15 @@ from ..layers.sampler import Sampler
 __all__ = ['SMALL_STEP_TOKENS', 'AheadStep', 'AsyncScheduler']
 
 # %% ../../nbs/15_async_scheduler.ipynb #f6c53732
-SMALL_STEP_TOKENS = 256  # a mixed step with at most this many prompt tokens goes ahead (an arrival waits <= 1 such step)
+SMALL_STEP_TOKENS = (
+    256  # a mixed step with at most this many prompt tokens goes ahead (an arrival waits <= 1 such step)
+)
 
 
 @dataclass
 class AheadStep:
     "A step scheduled before the previous one's tokens are read, and how its inputs take those tokens."
+
     so: SchedulerOutput
     decode: bool  # the same requests decode again: step n's tokens are its input ids, row for row
     rows: list[int] | None  # decode: the rows of step n's tokens it keeps (None: all of them)
@@ -41,12 +44,15 @@ class AsyncScheduler(Scheduler):
         """Whether a mixed step n+1 (prompt tokens, and one decode row per request in `sampled`) may be fixed before
         step n's tokens are read: every request samples without host state, there are prompt tokens to run, and
         either the prompts fill the token budget (FCFS: an arrival could not join anyway) or they are few."""
-        if not self.mixed_ahead or self.policy != 'fcfs': return False  # priority: an arrival may preempt
+        if not self.mixed_ahead or self.policy != 'fcfs':
+            return False  # priority: an arrival may preempt
         reqs = self.running + list(self.waiting)
-        if not all(Sampler.host_free(r, ahead=1) and r.sampling_params.prompt_logprobs is None for r in reqs): return False
+        if not all(Sampler.host_free(r, ahead=1) and r.sampling_params.prompt_logprobs is None for r in reqs):
+            return False
         chunks = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
         more = any(r.num_computed_tokens < r.num_tokens for r in self.running) or (
-            bool(self.waiting) and len(self.running) < self.max_num_seqs)
+            bool(self.waiting) and len(self.running) < self.max_num_seqs
+        )
         prompts = chunks + sum(r.num_tokens for r in self.waiting)
         return more and (prompts <= self.small_step_tokens or prompts + len(sampled) >= self.max_num_batched_tokens)
 
@@ -56,38 +62,51 @@ def _schedule_without(self: AsyncScheduler, last: set[int]) -> SchedulerOutput:
     "The next step scheduled as if the requests in `last` (ids) were gone; they stay running until step n's update retires them."
     running = self.running
     self.running = [r for r in running if id(r) not in last]
-    try: return self.schedule()
+    try:
+        return self.schedule()
     finally:
         had = {id(r) for r in running}
         self.running = running + [r for r in self.running if id(r) not in had]  # and the newly admitted
 
 
 @patch
-def schedule_ahead(self: AsyncScheduler, so: SchedulerOutput, launched: list[Request], on_device: bool) -> AheadStep | None:
+def schedule_ahead(
+    self: AsyncScheduler, so: SchedulerOutput, launched: list[Request], on_device: bool
+) -> AheadStep | None:
     """Step n+1, scheduled now, if it is certain (None otherwise): `so` is step n, `launched` the requests it samples
     for, `on_device` whether its tokens stay on the device (False: sampled on the host, known only with its output)."""
     sampled = [r for r in launched if not r.is_finished]
-    if launched and not on_device: return None
-    last = {id(r) for r in sampled if r.num_output_tokens + 1 >= r.sampling_params.max_tokens
-            or r.num_tokens + 1 >= self.max_model_len}
+    if launched and not on_device:
+        return None
+    last = {
+        id(r)
+        for r in sampled
+        if r.num_output_tokens + 1 >= r.sampling_params.max_tokens or r.num_tokens + 1 >= self.max_model_len
+    }
     going = [r for r in sampled if id(r) not in last]
     decode = bool(going) and not self.waiting and sampled == self.running and launched == so.scheduled
-    if not decode and not self.mixed_step_certain(going): return None
+    if not decode and not self.mixed_step_certain(going):
+        return None
     bs, need = self.kv.block_size, 0
     for r in going:
-        if not Sampler.host_free(r, ahead=1): return None
+        if not Sampler.host_free(r, ahead=1):
+            return None
         need += r.num_tokens % bs == 0  # the token at position num_tokens opens a new block
     if not decode:  # at most: the budget's blocks, and a partial one per request it takes
         need += self.max_num_batched_tokens // bs + min(self.max_num_seqs, len(self.running) + len(self.waiting))
-    if need * self.kv.num_groups > self.kv.num_free_blocks: return None  # every KV cache group opens its blocks
-    for r in going: r.append_placeholder()
+    if need * self.kv.num_groups > self.kv.num_free_blocks:
+        return None  # every KV cache group opens its blocks
+    for r in going:
+        r.append_placeholder()
     nxt = self._schedule_without(last) if last else self.schedule()
     assert not nxt.preempted, nxt
     rows = None
     if decode:
         assert nxt.scheduled == going and nxt.total_num_scheduled_tokens == len(going), nxt
         kept = {id(r) for r in going}
-        if len(going) < len(launched): rows = [i for i, r in enumerate(launched) if id(r) in kept]
-    else: self.num_mixed_ahead += 1
+        if len(going) < len(launched):
+            rows = [i for i, r in enumerate(launched) if id(r) in kept]
+    else:
+        self.num_mixed_ahead += 1
     self.num_steps_ahead += 1
     return AheadStep(nxt, decode, rows, bool(going))

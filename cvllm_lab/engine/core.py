@@ -6,7 +6,11 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/engine_core.html.md"""
 
 # %% ../../nbs/53_engine_core.ipynb #206bdca4
 from __future__ import annotations
-import io, os, pickle, sys, time
+import io
+import os
+import pickle
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,71 +34,92 @@ __all__ = ['EngineCoreInput', 'EngineCoreRequest', 'EngineCoreAbort', 'EngineCor
 # %% ../../nbs/53_engine_core.ipynb #1a94f7bd
 class EngineCoreRequest(msgspec.Struct, tag='add', array_like=True, omit_defaults=True):
     "API -> core: add a request, already tokenized."
+
     request_id: str
     prompt_token_ids: list[int]
-    params: dict                     # SamplingParams' fields but its logits processors
-    logits_processors: Any = None    # across processes: the list pickled by `dumps`; in-process: the list itself
+    params: dict  # SamplingParams' fields but its logits processors
+    logits_processors: Any = None  # across processes: the list pickled by `dumps`; in-process: the list itself
     arrival_time: float = 0.0
     priority: int = 0
 
+
 class EngineCoreAbort(msgspec.Struct, tag='abort', array_like=True):
     "API -> core: the clients of these requests went away; free their blocks now."
+
     request_ids: list[str]
+
 
 class EngineCoreStop(msgspec.Struct, tag='stop', array_like=True):
     "API -> core: sample `index` of `request_id` met a stop string; finish it as 'stop'."
+
     request_id: str
     index: int
 
+
 class EngineCoreCall(msgspec.Struct, tag='call', array_like=True):
     "API -> core: run `fn(core)` between two steps; the result comes back under `call_id`."
+
     call_id: int
     fn: Any
+
 
 class EngineCoreShutdown(msgspec.Struct, tag='shutdown', array_like=True):
     "API -> core: leave the loop."
 
+
 EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreStop | EngineCoreCall | EngineCoreShutdown
+
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     "Core -> API: one sample's new tokens from one step."
+
     request_id: str
     index: int
     new_token_ids: list[int]
-    new_logprobs: list | None = None      # per new token: [[token id, logprob, rank], ...]
+    new_logprobs: list | None = None  # per new token: [[token id, logprob, rank], ...]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0            # sent with the sample's first tokens
-    prompt_logprobs: list | None = None   # sent once, with sample 0's first tokens: [None, [[id, logprob, rank], ...], ...]
+    num_cached_tokens: int = 0  # sent with the sample's first tokens
+    prompt_logprobs: list | None = (
+        None  # sent once, with sample 0's first tokens: [None, [[id, logprob, rank], ...], ...]
+    )
     num_preemptions: int = 0
+
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     "Core -> API: one message per step and per batch of inputs handled."
+
     outputs: list[EngineCoreOutput] = []
-    added: list[str] = []                       # requests accepted since the last message
-    errors: list[tuple[str, str, str]] = []     # (request id, error class name, message): refused, or failed in a step
-    results: list[tuple[int, bool, Any]] = []   # (call id, ok, value or exception)
-    stats: dict = {}                            # engine.stats() after this message's work
-    counters: dict = {}                         # the core's: aborted, step_errors
+    added: list[str] = []  # requests accepted since the last message
+    errors: list[tuple[str, str, str]] = []  # (request id, error class name, message): refused, or failed in a step
+    results: list[tuple[int, bool, Any]] = []  # (call id, ok, value or exception)
+    stats: dict = {}  # engine.stats() after this message's work
+    counters: dict = {}  # the core's: aborted, step_errors
 
 # %% ../../nbs/53_engine_core.ipynb #6b1c9a16
-_core_tokenizer = None    # set in the engine-core process: llguidance tokenizers are rebuilt from it
+_core_tokenizer = None  # set in the engine-core process: llguidance tokenizers are rebuilt from it
 _ll_tokenizers: dict = {}
+
 
 def _ll_tokenizer(eos: list[int]):
     "llguidance's view of the core's tokenizer with these EOS ids (built once per EOS set)."
     key = tuple(eos)
     if key not in _ll_tokenizers:
         import llguidance.hf
+
         _ll_tokenizers[key] = llguidance.hf.from_tokenizer(_core_tokenizer, eos_token=list(eos) or None)
     return _ll_tokenizers[key]
 
+
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
-        ll = sys.modules.get('llguidance')          # not imported: no llguidance objects to send
-        if ll is not None and isinstance(obj, ll.LLTokenizer): return _ll_tokenizer, (list(obj.eos_tokens),)
-        if hasattr(obj, 'll_tok') and hasattr(obj, 'grammar') and hasattr(obj, 'clone'): return type(obj), (obj.ll_tok, obj.grammar)
+        ll = sys.modules.get('llguidance')  # not imported: no llguidance objects to send
+        if ll is not None and isinstance(obj, ll.LLTokenizer):
+            return _ll_tokenizer, (list(obj.eos_tokens),)
+        if hasattr(obj, 'll_tok') and hasattr(obj, 'grammar') and hasattr(obj, 'clone'):
+            return type(obj), (obj.ll_tok, obj.grammar)
         return NotImplemented
+
 
 def set_core_tokenizer(tokenizer):
     "In the engine-core process: the tokenizer that llguidance tokenizers arriving pickled are rebuilt from."
@@ -113,6 +138,7 @@ def dumps(obj) -> bytes:
 @dataclass
 class EngineInfo:
     "What a front end knows of its engine core, made once by the core."
+
     cfg: EngineConfig  # finalized: max_model_len, token budget, device
     src: ModelSource
     hf_config: Any
@@ -129,22 +155,43 @@ class EngineCore:
         self.cfg = cfg = cfg.finalize(getattr(hf_config, 'max_position_embeddings', None))
         tok_root, tok_file = (cfg.tokenizer, None) if cfg.tokenizer else (src.root, src.gguf_file)
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(tok_root, tok_file)
-        eos = set() if self.tokenizer is None else eos_token_ids(self.tokenizer, hf_config, None if src.is_gguf else src.root)
+        eos = (
+            set()
+            if self.tokenizer is None
+            else eos_token_ids(self.tokenizer, hf_config, None if src.is_gguf else src.root)
+        )
         self.info = EngineInfo(cfg, src, hf_config, frozenset(eos), hf_config.vocab_size)
         torch.manual_seed(cfg.seed)
         # tensor parallel: an executor in the runner's place (workers hold the model's shards; rank 0 samples)
-        self.runner = (make_executor(cfg, hf_config, src, progress) if cfg.tensor_parallel_size > 1
-                       else ModelRunner(cfg, hf_config, src, progress))
+        self.runner = (
+            make_executor(cfg, hf_config, src, progress)
+            if cfg.tensor_parallel_size > 1
+            else ModelRunner(cfg, hf_config, src, progress)
+        )
         if self.runner.num_blocks * cfg.block_size < cfg.max_model_len:
-            raise ValueError(f"The KV cache holds {self.runner.num_blocks * cfg.block_size} tokens, fewer than "
-                             f"max_model_len={cfg.max_model_len}: give it more memory or lower max_model_len")
+            raise ValueError(
+                f'The KV cache holds {self.runner.num_blocks * cfg.block_size} tokens, fewer than '
+                f'max_model_len={cfg.max_model_len}: give it more memory or lower max_model_len'
+            )
         # one block table per KV cache group of the model (sliding-window layers); an executor (tensor parallel) has one
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                 getattr(self.runner, 'kv_cache_groups', None))
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            getattr(self.runner, 'kv_cache_groups', None),
+        )
         # steps are launched ahead only while cfg.async_scheduling holds (read every step)
-        self.scheduler = AsyncScheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
-                                        cfg.max_model_len, cfg.max_num_queued_requests, cfg.scheduling_policy,
-                                        mixed_ahead=cfg.mixed_ahead, small_step_tokens=cfg.small_step_tokens)
+        self.scheduler = AsyncScheduler(
+            self.kv,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.prefill_chunk_size,
+            cfg.max_model_len,
+            cfg.max_num_queued_requests,
+            cfg.scheduling_policy,
+            mixed_ahead=cfg.mixed_ahead,
+            small_step_tokens=cfg.small_step_tokens,
+        )
         self.parents: dict[str, list[Request]] = {}  # request id -> its samples (the scheduler's requests)
         self.sent: dict[str, list[int]] = {}  # request id -> per sample, the output tokens already sent
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)
@@ -153,42 +200,67 @@ class EngineCore:
         self.profiler = None  # (torch.profiler.profile, output folder) between start_profile and stop_profile
 
     @property
-    def eos_token_ids(self) -> frozenset: return self.info.eos_token_ids
-    @property
-    def vocab_size(self) -> int: return self.info.vocab_size
+    def eos_token_ids(self) -> frozenset:
+        return self.info.eos_token_ids
 
-    def has_unfinished_requests(self) -> bool: return bool(self.parents)
-    def get_num_unfinished_requests(self) -> int: return len(self.parents)
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
 
     def stats(self) -> dict:
         "Numbers for metrics: queue sizes, KV usage, prefix-cache hits, token counters."
-        return dict(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                    kv_cache_usage=self.kv.usage, prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
-                    num_preemptions=self.scheduler.num_preemptions, **self.counters)
+        return dict(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.queries,
+            prefix_cache_hits=self.kv.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            **self.counters,
+        )
 
     def shutdown(self):
         "Stop the tensor-parallel workers (nothing to do for an in-process runner)."
-        if hasattr(self.runner, 'shutdown'): self.runner.shutdown()
+        if hasattr(self.runner, 'shutdown'):
+            self.runner.shutdown()
 
 # %% ../../nbs/53_engine_core.ipynb #8ee09114
 @patch
 def add_request(self: EngineCore, req: EngineCoreRequest):
     "Queue a core request as its `n` samples (all or none)."
     rid, ids = req.request_id, req.prompt_token_ids
-    if rid in self.parents: raise ValueError(f"Request id {rid!r} is already in use")
-    if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # the device's guard: an id past the embedding is fatal there
-        raise ValueError(f"Token ids out of range [0, {self.vocab_size}): {[t for t in ids if not 0 <= t < self.vocab_size][:5]}")
+    if rid in self.parents:
+        raise ValueError(f'Request id {rid!r} is already in use')
+    if ids and (
+        min(ids) < 0 or max(ids) >= self.vocab_size
+    ):  # the device's guard: an id past the embedding is fatal there
+        raise ValueError(
+            f'Token ids out of range [0, {self.vocab_size}): {[t for t in ids if not 0 <= t < self.vocab_size][:5]}'
+        )
     params = SamplingParams(**req.params, logits_processors=req.logits_processors or None)
     max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
     children = []
     for i in range(params.n):
         procs = params.logits_processors  # stateful processors (grammars): one copy per sample
-        if procs and i > 0: procs = [q.clone() if hasattr(q, 'clone') else q for q in procs]
-        p = params.clone(n=1, max_tokens=max_tokens, logits_processors=procs,
-                         seed=None if params.seed is None else params.seed + i,
-                         prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+        if procs and i > 0:
+            procs = [q.clone() if hasattr(q, 'clone') else q for q in procs]
+        p = params.clone(
+            n=1,
+            max_tokens=max_tokens,
+            logits_processors=procs,
+            seed=None if params.seed is None else params.seed + i,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+        )
         cid = rid if params.n == 1 else f'{i}_{rid}'
-        r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, req.arrival_time or None, priority=req.priority)
+        r = Request(
+            cid, ids, p, self.eos_token_ids, self.cfg.block_size, req.arrival_time or None, priority=req.priority
+        )
         r.parent_id, r.index = rid, i
         children.append(r)
     self.scheduler.add_request(children)  # QueueFullError when the waiting queue is full
@@ -200,7 +272,8 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
 def abort_requests(self: EngineCore, request_ids):
     "Stop requests now and free their KV blocks."
     for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-        for r in self.parents.pop(rid, []): self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+        for r in self.parents.pop(rid, []):
+            self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
         self.sent.pop(rid, None)
     self._drop_stale_pending()
 
@@ -209,12 +282,14 @@ def abort_requests(self: EngineCore, request_ids):
 def finish_request(self: EngineCore, request_id: str, index: int = 0):
     "Finish sample `index` of a request as `'stop'` now (a stop string the front end found)."
     kids = self.parents.get(request_id)
-    if kids is None or index >= len(kids) or kids[index].is_finished: return
+    if kids is None or index >= len(kids) or kids[index].is_finished:
+        return
     r = kids[index]
     self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
     r.finished_time = time.time()
     self.counters['requests_finished'] += 1
-    if all(k.is_finished for k in kids): self._forget(request_id)
+    if all(k.is_finished for k in kids):
+        self._forget(request_id)
     self._drop_stale_pending()
 
 
@@ -227,7 +302,8 @@ def _forget(self: EngineCore, rid: str):
 @patch
 def _drop_stale_pending(self: EngineCore):
     "Forget a step launched ahead whose requests have all finished (its results would be dropped anyway)."
-    if self.pending is not None and all(r.is_finished for r in self.pending[0].scheduled): self.pending = None
+    if self.pending is not None and all(r.is_finished for r in self.pending[0].scheduled):
+        self.pending = None
 
 # %% ../../nbs/53_engine_core.ipynb #19a7c6ab
 def _lps(d: dict) -> list:
@@ -242,10 +318,12 @@ def step(self: EngineCore) -> list[EngineCoreOutput]:
         kids, sent = self.parents[rid], self.sent[rid]
         for r in kids:
             k, n = sent[r.index], r.num_output_tokens
-            if n == k: continue
+            if n == k:
+                continue
             sent[r.index] = n
             o = EngineCoreOutput(rid, r.index, r.output_token_ids[k:n])
-            if r.logprobs is not None: o.new_logprobs = [_lps(d) for d in r.logprobs[k:n]]
+            if r.logprobs is not None:
+                o.new_logprobs = [_lps(d) for d in r.logprobs[k:n]]
             if k == 0:
                 o.num_cached_tokens = max(r.num_cached_tokens, 0)
                 if r.prompt_logprobs is not None:
@@ -253,17 +331,20 @@ def step(self: EngineCore) -> list[EngineCoreOutput]:
             if r.is_finished:
                 o.finish_reason, o.stop_reason, o.num_preemptions = r.finish_reason, r.stop_reason, r.num_preemptions
             outs.append(o)
-        if all(r.is_finished for r in kids): self._forget(rid)
+        if all(r.is_finished for r in kids):
+            self._forget(rid)
     return outs
 
 
 @patch
 def _run_step(self: EngineCore) -> list[str]:
     "Schedule, run and sample one step (with async scheduling, launch the next one first); the ids of the requests that got tokens."
-    if self.pending is not None: (so, handle), self.pending = self.pending, None
+    if self.pending is not None:
+        (so, handle), self.pending = self.pending, None
     else:
         so = self.scheduler.schedule()
-        if so.is_empty: return []
+        if so.is_empty:
+            return []
         handle = self.runner.launch(so) if self.cfg.async_scheduling else None
     self.last_scheduled = so.scheduled
     try:
@@ -277,7 +358,8 @@ def _run_step(self: EngineCore) -> list[str]:
         raise
     for rid, lps in res.prompt_logprobs.items():
         r = self.scheduler.requests.get(rid)
-        if r is not None and not r.is_finished: r.prompt_logprobs += lps
+        if r is not None and not r.is_finished:
+            r.prompt_logprobs += lps
     touched, count = {}, self.counters
     for r in self.scheduler.update_from_output(so, res.sampled):
         lp = res.logprobs.get(r.request_id)
@@ -297,10 +379,12 @@ def _run_step(self: EngineCore) -> list[str]:
 def _launch_ahead(self: EngineCore, so, handle):
     "Launch step n+1 now, fed with step n's tokens on the device, when the scheduler finds it certain."
     ahead = self.scheduler.schedule_ahead(so, handle.reqs, handle.tokens is not None)
-    if ahead is None: return
+    if ahead is None:
+        return
     if ahead.decode:
         tokens = handle.tokens
-        if ahead.rows is not None: tokens = tokens[torch.tensor(ahead.rows, device=tokens.device)]
+        if ahead.rows is not None:
+            tokens = tokens[torch.tensor(ahead.rows, device=tokens.device)]
         self.pending = (ahead.so, self.runner.launch(ahead.so, prev_tokens=tokens))
     else:
         prev = dict(prev_tokens=handle.tokens, prev_reqs=handle.reqs) if ahead.feeds else {}
@@ -310,8 +394,10 @@ def _launch_ahead(self: EngineCore, so, handle):
 @patch
 def start_profile(self: EngineCore, out_dir: str, record_shapes: bool = False):
     "Start recording the core's steps with `torch.profiler` (`stop_profile` writes the trace into `out_dir`); with each op's input shapes if `record_shapes`."
-    if self.profiler is not None: raise RuntimeError("The engine is already being profiled: call stop_profile first")
+    if self.profiler is not None:
+        raise RuntimeError('The engine is already being profiled: call stop_profile first')
     from torch.profiler import ProfilerActivity, profile
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(self.cfg.device).startswith('cuda') else [])
     prof = profile(activities=acts, record_shapes=record_shapes)
     prof.start()
@@ -321,10 +407,11 @@ def start_profile(self: EngineCore, out_dir: str, record_shapes: bool = False):
 @patch
 def stop_profile(self: EngineCore) -> str:
     "Stop the profiler `start_profile` started and write its Chrome trace (gzipped JSON); returns the file's path."
-    if self.profiler is None: raise RuntimeError("The engine is not being profiled: call start_profile first")
+    if self.profiler is None:
+        raise RuntimeError('The engine is not being profiled: call start_profile first')
     (prof, out_dir), self.profiler = self.profiler, None
     prof.stop()
-    path = Path(out_dir) / f"engine_core.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}.pt.trace.json.gz"
+    path = Path(out_dir) / f'engine_core.{time.strftime("%Y%m%d-%H%M%S")}.{os.getpid()}.pt.trace.json.gz'
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     return str(path)

@@ -6,7 +6,15 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/core_client.html.md"""
 
 # %% ../../nbs/54_core_client.ipynb #a4726bdc
 from __future__ import annotations
-import asyncio, multiprocessing, multiprocessing.connection, pickle, queue, shutil, tempfile, threading, time
+import asyncio
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import queue
+import shutil
+import tempfile
+import threading
+import time
 import msgspec
 from fastcore.basics import patch
 from ..config import EngineConfig
@@ -22,34 +30,52 @@ __all__ = ['EngineError', 'EngineDeadError', 'front_end_tokenizer', 'CoreClient'
 class EngineError(RuntimeError):
     "A request failed inside the engine; other requests go on."
 
+
 class EngineDeadError(EngineError):
     "The engine core has stopped: no request can run any more."
 
+
 def front_end_tokenizer(cfg: EngineConfig):
     "The model's tokenizer as the core loads it (None with `skip_tokenizer_init`): the API process's own copy."
-    if cfg.skip_tokenizer_init: return None
-    if cfg.tokenizer: return load_tokenizer(cfg.tokenizer)
+    if cfg.skip_tokenizer_init:
+        return None
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
     src = resolve_model_source(cfg.model)  # the path only: the core resolves the model itself
     return load_tokenizer(src.root, src.gguf_file)
 
 # %% ../../nbs/54_core_client.ipynb #9a8da97a
 class CoreClient:
     "How the API process talks to an engine core."
+
     pickled: bool = False
-    info = None                  # the core's EngineInfo
-    tokenizer = None             # the front end's tokenizer
-    stats: dict = {}             # the engine's stats and the core's counters when it became ready
+    info = None  # the core's EngineInfo
+    tokenizer = None  # the front end's tokenizer
+    stats: dict = {}  # the engine's stats and the core's counters when it became ready
     counters: dict = {}
-    def start(self): pass
-    def send(self, msg): raise NotImplementedError
-    async def get_output(self) -> EngineCoreOutputs: raise NotImplementedError
-    def shutdown(self): pass
-    def pack(self, obj): return dumps(obj) if self.pickled else obj
-    def unpack(self, obj): return pickle.loads(obj) if self.pickled else obj
+
+    def start(self):
+        pass
+
+    def send(self, msg):
+        raise NotImplementedError
+
+    async def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError
+
+    def shutdown(self):
+        pass
+
+    def pack(self, obj):
+        return dumps(obj) if self.pickled else obj
+
+    def unpack(self, obj):
+        return pickle.loads(obj) if self.pickled else obj
 
 # %% ../../nbs/54_core_client.ipynb #201cb071
 class InprocClient(CoreClient):
     "The engine core's busy loop in a thread, around an `EngineCore` of this process."
+
     def __init__(self, core: EngineCore):
         self.loop, self.info, self.tokenizer = EngineCoreProc(core), core.info, core.tokenizer
         self.stats, self.counters = core.stats(), dict(self.loop.counters)
@@ -57,58 +83,82 @@ class InprocClient(CoreClient):
 
     def start(self):
         loop, self._out = asyncio.get_running_loop(), asyncio.Queue()
+
         def put(o):
-            try: loop.call_soon_threadsafe(self._out.put_nowait, o)
-            except RuntimeError: pass                        # the event loop is closed
+            try:
+                loop.call_soon_threadsafe(self._out.put_nowait, o)
+            except RuntimeError:
+                pass  # the event loop is closed
+
         def run():
-            try: self.loop.run_busy_loop(self._recv, put)
-            except BaseException as e: put(EngineDeadError(f"The engine core stopped: {e!r}"))
-            else: put(EngineDeadError("The engine core was shut down"))
+            try:
+                self.loop.run_busy_loop(self._recv, put)
+            except BaseException as e:
+                put(EngineDeadError(f'The engine core stopped: {e!r}'))
+            else:
+                put(EngineDeadError('The engine core was shut down'))
+
         self._thread = threading.Thread(target=run, name='engine-core', daemon=True)
         self._thread.start()
 
     def _recv(self, block: bool) -> list:
         msgs = [self._in.get()] if block else []
         while True:
-            try: msgs.append(self._in.get_nowait())
-            except queue.Empty: return msgs
+            try:
+                msgs.append(self._in.get_nowait())
+            except queue.Empty:
+                return msgs
 
-    def send(self, msg): self._in.put(msg)
+    def send(self, msg):
+        self._in.put(msg)
 
     async def get_output(self) -> EngineCoreOutputs:
         o = await self._out.get()
-        if isinstance(o, BaseException): raise o
+        if isinstance(o, BaseException):
+            raise o
         return o
 
     def shutdown(self):
         if self._thread is not None and self._thread.is_alive():
-            self.send(EngineCoreShutdown()); self._thread.join(30)
+            self.send(EngineCoreShutdown())
+            self._thread.join(30)
 
 # %% ../../nbs/54_core_client.ipynb #99ea7b00
 class MPClient(CoreClient):
     "The engine core in its own (spawned) process, over ZeroMQ with msgspec messages."
+
     pickled = True
-    def __init__(self, cfg: EngineConfig, num_threads: int | None = None, progress: bool = False, timeout: float = 3600):
+
+    def __init__(
+        self, cfg: EngineConfig, num_threads: int | None = None, progress: bool = False, timeout: float = 3600
+    ):
         import zmq
+
         self._dir = tempfile.mkdtemp(prefix='cvllm-core-')
         in_addr, self.out_addr = f'ipc://{self._dir}/in', f'ipc://{self._dir}/out'
         self._ctx, self._closing, self._aout = zmq.Context(), False, None
         self._in, self._out = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._in.setsockopt(zmq.SNDHWM, 0); self._out.setsockopt(zmq.RCVHWM, 0)
-        self._in.bind(in_addr); self._out.bind(self.out_addr)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        self._in.bind(in_addr)
+        self._out.bind(self.out_addr)
         tp = max(cfg.tensor_parallel_size, len(cfg.device_ids or ()))
-        self.proc = multiprocessing.get_context('spawn').Process(   # a daemonic process may not start the TP workers
-            target=run_engine_core, args=(cfg, in_addr, self.out_addr, num_threads, progress), name='EngineCore',
-            daemon=tp == 1)
+        self.proc = multiprocessing.get_context('spawn').Process(  # a daemonic process may not start the TP workers
+            target=run_engine_core,
+            args=(cfg, in_addr, self.out_addr, num_threads, progress),
+            name='EngineCore',
+            daemon=tp == 1,
+        )
         self.proc.start()
         try:
-            tok = front_end_tokenizer(cfg)                # while the core loads the weights
+            tok = front_end_tokenizer(cfg)  # while the core loads the weights
             ready = self._wait_ready(timeout)
         except BaseException:
-            self.shutdown(); raise
+            self.shutdown()
+            raise
         self.info, self.tokenizer = ready['info'], tok
         self.stats, self.counters = ready['stats'], ready['counters']
-        self.gc_frozen_objects = ready['gc_frozen_objects']   # the core's heap, frozen once it started (59_core_proc)
+        self.gc_frozen_objects = ready['gc_frozen_objects']  # the core's heap, frozen once it started (59_core_proc)
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreOutputs)
         threading.Thread(target=self._watch, name='engine-core-watch', daemon=True).start()
 
@@ -116,49 +166,68 @@ class MPClient(CoreClient):
         deadline = time.monotonic() + timeout
         while not self._out.poll(200):
             if not self.proc.is_alive():
-                raise RuntimeError(f"The engine core process exited (code {self.proc.exitcode}) before it was ready")
-            if time.monotonic() > deadline: raise TimeoutError(f"The engine core was not ready in {timeout} s")
+                raise RuntimeError(f'The engine core process exited (code {self.proc.exitcode}) before it was ready')
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'The engine core was not ready in {timeout} s')
         ready = pickle.loads(self._out.recv())
-        if 'error' in ready: raise ready['error']
+        if 'error' in ready:
+            raise ready['error']
         return ready
 
     def _watch(self):
         import zmq
+
         multiprocessing.connection.wait([self.proc.sentinel])
-        if self._closing: return
+        if self._closing:
+            return
         s = self._ctx.socket(zmq.PUSH)
-        s.connect(self.out_addr); s.send(b''); s.close(2000)
+        s.connect(self.out_addr)
+        s.send(b'')
+        s.close(2000)
 
 # %% ../../nbs/54_core_client.ipynb #55b8cf74
 @patch
 def start(self: MPClient):
     import zmq.asyncio
-    if self._aout is None: self._aout = zmq.asyncio.Socket.shadow(self._out.underlying)
+
+    if self._aout is None:
+        self._aout = zmq.asyncio.Socket.shadow(self._out.underlying)
+
 
 @patch
 def send(self: MPClient, msg):
     self._in.send(self._enc.encode(msg), copy=False)
+
 
 @patch
 async def get_output(self: MPClient) -> EngineCoreOutputs:
     frame = await self._aout.recv(copy=False)
     if not len(frame.buffer):
         self.proc.join(5)
-        raise EngineDeadError(f"The engine core process died (exit code {self.proc.exitcode}); its log is above")
+        raise EngineDeadError(f'The engine core process died (exit code {self.proc.exitcode}); its log is above')
     return self._dec.decode(frame.buffer)
+
 
 @patch
 def shutdown(self: MPClient):
     "Ask the core to leave, wait for it (terminate it if it does not), close the sockets."
-    if self._closing: return
+    if self._closing:
+        return
     self._closing = True
     if self.proc.is_alive():
-        try: self.send(EngineCoreShutdown())
-        except Exception: pass
+        try:
+            self.send(EngineCoreShutdown())
+        except Exception:
+            pass
         self.proc.join(15)
-        if self.proc.is_alive(): self.proc.terminate(); self.proc.join(5)
-        if self.proc.is_alive(): self.proc.kill(); self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
     for s in (self._aout, self._in, self._out):
-        if s is not None: s.close(0)
+        if s is not None:
+            s.close(0)
     self._ctx.term()
     shutil.rmtree(self._dir, ignore_errors=True)

@@ -6,15 +6,29 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/core_proc.html.md"""
 
 # %% ../../nbs/59_core_proc.ipynb #e5fc029e
 from __future__ import annotations
-import gc, os, pickle, signal, sys, traceback
+import gc
+import os
+import pickle
+import signal
+import sys
+import traceback
 from collections import deque
 from typing import Callable
 import msgspec
 from fastcore.basics import patch
 from ..config import EngineConfig
 from . import core as core_mod
-from .core import (EngineCore, EngineCoreRequest, EngineCoreAbort, EngineCoreStop, EngineCoreCall,
-                                   EngineCoreShutdown, EngineCoreInput, EngineCoreOutputs, dumps)
+from cvllm_lab.engine.core import (
+    EngineCore,
+    EngineCoreRequest,
+    EngineCoreAbort,
+    EngineCoreStop,
+    EngineCoreCall,
+    EngineCoreShutdown,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    dumps,
+)
 
 # %% auto #0
 __all__ = ['EngineCoreProc', 'freeze_gc_heap', 'run_engine_core']
@@ -33,8 +47,11 @@ class EngineCoreProc:
         self.suspected: dict[str, int] = {}  # request id -> failed steps it was in
         self.reply = EngineCoreOutputs()
 
-    def _load(self, x): return pickle.loads(x) if self.pickled and x is not None else x
-    def _dump(self, x): return dumps(x) if self.pickled else x
+    def _load(self, x):
+        return pickle.loads(x) if self.pickled and x is not None else x
+
+    def _dump(self, x):
+        return dumps(x) if self.pickled else x
 
     def flush(self) -> EngineCoreOutputs:
         "The message to send now: what collected since the last one, with the core's stats and the counters."
@@ -45,12 +62,18 @@ class EngineCoreProc:
 # %% ../../nbs/59_core_proc.ipynb #cb1c651f
 class _Guarded:
     "A request's logits processor whose exception is recorded for that request (the row passes unchanged)."
-    def __init__(self, proc_loop: EngineCoreProc, rid: str, proc): self.loop, self.rid, self.proc = proc_loop, rid, proc
-    def clone(self): return _Guarded(self.loop, self.rid, self.proc.clone() if hasattr(self.proc, 'clone') else self.proc)
+
+    def __init__(self, proc_loop: EngineCoreProc, rid: str, proc):
+        self.loop, self.rid, self.proc = proc_loop, rid, proc
+
+    def clone(self):
+        return _Guarded(self.loop, self.rid, self.proc.clone() if hasattr(self.proc, 'clone') else self.proc)
 
     def __call__(self, ids, row):
-        if self.rid in self.loop.proc_errors: return row
-        try: return self.proc(ids, row)
+        if self.rid in self.loop.proc_errors:
+            return row
+        try:
+            return self.proc(ids, row)
         except Exception as e:
             self.loop.proc_errors[self.rid] = e
             return row
@@ -59,11 +82,16 @@ class _Guarded:
 @patch
 def handle(self: EngineCoreProc, msg) -> bool:
     "Apply one input message; False means shut down."
-    if isinstance(msg, EngineCoreRequest): self.add(msg)
-    elif isinstance(msg, EngineCoreAbort): self.abort(msg.request_ids)
-    elif isinstance(msg, EngineCoreStop): self.stop(msg.request_id, msg.index)
-    elif isinstance(msg, EngineCoreCall): self.call(msg)
-    else: return False
+    if isinstance(msg, EngineCoreRequest):
+        self.add(msg)
+    elif isinstance(msg, EngineCoreAbort):
+        self.abort(msg.request_ids)
+    elif isinstance(msg, EngineCoreStop):
+        self.stop(msg.request_id, msg.index)
+    elif isinstance(msg, EngineCoreCall):
+        self.call(msg)
+    else:
+        return False
     return True
 
 
@@ -78,7 +106,8 @@ def add(self: EngineCoreProc, m: EngineCoreRequest):
         self.reply.errors.append((rid, type(e).__name__, str(e)))
         return
     self.reply.added.append(rid)
-    if self.held or self.probe: self._hold(rid)  # after a failed step, new requests take their turn too
+    if self.held or self.probe:
+        self._hold(rid)  # after a failed step, new requests take their turn too
 
 
 @patch
@@ -92,23 +121,30 @@ def abort(self: EngineCoreProc, rids: list[str]):
 @patch
 def stop(self: EngineCoreProc, rid: str, index: int):
     self.core.finish_request(rid, index)
-    if rid not in self.core.parents: self._drop(rid)
+    if rid not in self.core.parents:
+        self._drop(rid)
 
 
 @patch
 def _drop(self: EngineCoreProc, rid: str):
     "Forget a request that left the core."
-    self.suspected.pop(rid, None); self.proc_errors.pop(rid, None)
-    if rid in self.held: self.held.remove(rid)
-    if self.probe and self.probe[0] == rid: self.probe = None
+    self.suspected.pop(rid, None)
+    self.proc_errors.pop(rid, None)
+    if rid in self.held:
+        self.held.remove(rid)
+    if self.probe and self.probe[0] == rid:
+        self.probe = None
 
 
 @patch
 def call(self: EngineCoreProc, m: EngineCoreCall):
-    try: res = (m.call_id, True, self._dump(self._load(m.fn)(self.core)))
+    try:
+        res = (m.call_id, True, self._dump(self._load(m.fn)(self.core)))
     except Exception as e:
-        try: res = (m.call_id, False, self._dump(e))
-        except Exception: res = (m.call_id, False, self._dump(RuntimeError(repr(e))))
+        try:
+            res = (m.call_id, False, self._dump(e))
+        except Exception:
+            res = (m.call_id, False, self._dump(RuntimeError(repr(e))))
     self.reply.results.append(res)
 
 # %% ../../nbs/59_core_proc.ipynb #19ce28da
@@ -118,16 +154,20 @@ def step(self: EngineCoreProc) -> EngineCoreOutputs | None:
     core, out = self.core, self.reply
     self._readmit()
     core.last_scheduled = []
-    try: outs = core.step()
+    try:
+        outs = core.step()
     except Exception as e:
         self._step_failed(e)
         return self.flush()
     out.outputs = [o for o in outs if o.request_id not in self.proc_errors] if self.proc_errors else outs
-    for rid in list(self.parents_done(outs)): self._drop(rid)
+    for rid in list(self.parents_done(outs)):
+        self._drop(rid)
     for rid, e in list(self.proc_errors.items()):
-        out.errors.append((rid, 'EngineError', f"Request {rid} failed in a logits processor: {e!r}"))
-        core.abort_requests(rid); self._drop(rid)
-    if not (core.last_scheduled or out.outputs or out.errors or out.added or out.results): return None
+        out.errors.append((rid, 'EngineError', f'Request {rid} failed in a logits processor: {e!r}'))
+        core.abort_requests(rid)
+        self._drop(rid)
+    if not (core.last_scheduled or out.outputs or out.errors or out.added or out.results):
+        return None
     return self.flush()
 
 
@@ -140,7 +180,8 @@ def parents_done(self: EngineCoreProc, outs) -> set[str]:
 @patch
 def _hold(self: EngineCoreProc, rid: str):
     for r in self.core.parents[rid]:
-        if not r.is_finished: self.core.scheduler.reset_request(r)
+        if not r.is_finished:
+            self.core.scheduler.reset_request(r)
     self.held.append(rid)
 
 
@@ -151,13 +192,17 @@ def _readmit(self: EngineCoreProc):
     if self.probe is not None:
         rid, n0 = self.probe
         kids = core.parents.get(rid)
-        if kids is not None and sum(r.num_output_tokens for r in kids) <= n0: return
-        self.probe = None; self.cleared.add(rid)
+        if kids is not None and sum(r.num_output_tokens for r in kids) <= n0:
+            return
+        self.probe = None
+        self.cleared.add(rid)
     while self.held:
         rid = self.held.popleft()
-        if rid not in core.parents: continue
+        if rid not in core.parents:
+            continue
         for r in core.parents[rid]:
-            if not r.is_finished: core.scheduler.requeue(r)
+            if not r.is_finished:
+                core.scheduler.requeue(r)
         self.probe = (rid, sum(r.num_output_tokens for r in core.parents[rid]))
         return
     self.cleared.clear()
@@ -168,16 +213,21 @@ def _step_failed(self: EngineCoreProc, e: Exception):
     "Fail the request that made the step raise where it can be told; otherwise hold everything and re-admit one by one."
     core = self.core
     self.counters['step_errors'] += 1
-    print(f"engine core: a step failed: {e!r}", file=sys.stderr, flush=True)
+    print(f'engine core: a step failed: {e!r}', file=sys.stderr, flush=True)
     batch = list(dict.fromkeys(r.parent_id for r in core.last_scheduled if r.parent_id in core.parents))
-    for rid in batch: self.suspected[rid] = self.suspected.get(rid, 0) + 1
+    for rid in batch:
+        self.suspected[rid] = self.suspected.get(rid, 0) + 1
     probe = self.probe[0] if self.probe else None
-    if len(batch) == 1: culprits = batch
-    elif probe in batch and all(rid == probe or rid in self.cleared for rid in batch): culprits = [probe]
-    else: culprits = [rid for rid in batch if self.suspected[rid] >= 3]
+    if len(batch) == 1:
+        culprits = batch
+    elif probe in batch and all(rid == probe or rid in self.cleared for rid in batch):
+        culprits = [probe]
+    else:
+        culprits = [rid for rid in batch if self.suspected[rid] >= 3]
     for rid in culprits:
-        self.reply.errors.append((rid, 'EngineError', f"The engine step failed on this request: {e!r}"))
-        core.abort_requests(rid); self._drop(rid)
+        self.reply.errors.append((rid, 'EngineError', f'The engine step failed on this request: {e!r}'))
+        core.abort_requests(rid)
+        self._drop(rid)
     if culprits and all(rid in culprits or rid in self.cleared for rid in batch):
         for rid in batch:  # the requests that ran fine recompute what the failed step lost
             for r in core.parents.get(rid, []):
@@ -185,9 +235,11 @@ def _step_failed(self: EngineCoreProc, e: Exception):
                     core.scheduler.reset_request(r)
                     core.scheduler.requeue(r)
         return
-    self.probe = None; self.cleared.clear()
+    self.probe = None
+    self.cleared.clear()
     for rid in list(core.parents):
-        if rid not in self.held: self._hold(rid)
+        if rid not in self.held:
+            self._hold(rid)
 
 # %% ../../nbs/59_core_proc.ipynb #12dce7da
 @patch
@@ -197,54 +249,75 @@ def run_busy_loop(self: EngineCoreProc, recv: Callable[[bool], list], send: Call
     while True:
         msgs = recv(not core.has_unfinished_requests())
         for m in msgs:
-            if not self.handle(m): return
-        if msgs: send(self.flush())
+            if not self.handle(m):
+                return
+        if msgs:
+            send(self.flush())
         if core.has_unfinished_requests():
             out = self.step()
-            if out is not None: send(out)
+            if out is not None:
+                send(out)
 
 # %% ../../nbs/59_core_proc.ipynb #59a82b51
 def freeze_gc_heap() -> int:
     "Collect, then exempt every object alive now from later collections (`gc.freeze`); returns how many are frozen."
-    gc.collect(); gc.freeze()
+    gc.collect()
+    gc.freeze()
     return gc.get_freeze_count()
 
 # %% ../../nbs/59_core_proc.ipynb #15126cfd
-def run_engine_core(cfg: EngineConfig, in_addr: str, out_addr: str, num_threads: int | None = None, progress: bool = False):
+def run_engine_core(
+    cfg: EngineConfig, in_addr: str, out_addr: str, num_threads: int | None = None, progress: bool = False
+):
     "The engine-core process: build the core, say ready (or why not), run the busy loop until shut down."
-    import zmq, torch
+    import zmq
+    import torch
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inp.setsockopt(zmq.RCVHWM, 0); out.setsockopt(zmq.SNDHWM, 0)
-    inp.connect(in_addr); out.connect(out_addr)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    out.setsockopt(zmq.SNDHWM, 0)
+    inp.connect(in_addr)
+    out.connect(out_addr)
     try:
         try:
-            if num_threads: torch.set_num_threads(num_threads)
+            if num_threads:
+                torch.set_num_threads(num_threads)
             core = EngineCore(cfg, progress=progress)
         except Exception as e:
-            err = e if type(e).__module__ == 'builtins' else RuntimeError(f"{type(e).__name__}: {e}")
+            err = e if type(e).__module__ == 'builtins' else RuntimeError(f'{type(e).__name__}: {e}')
             out.send(pickle.dumps(dict(error=err)))
             return
         core_mod.set_core_tokenizer(core.tokenizer)
         loop = EngineCoreProc(core, pickled=True)
         frozen = freeze_gc_heap()
-        out.send(pickle.dumps(dict(info=core.info, stats=core.stats(), counters=dict(loop.counters), gc_frozen_objects=frozen)))
+        out.send(
+            pickle.dumps(
+                dict(info=core.info, stats=core.stats(), counters=dict(loop.counters), gc_frozen_objects=frozen)
+            )
+        )
         enc, dec, ppid = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInput), os.getppid()
 
         def recv(block: bool) -> list:
             if block:
                 while not inp.poll(1000):
-                    if os.getppid() != ppid: return [EngineCoreShutdown()]  # the API process is gone
+                    if os.getppid() != ppid:
+                        return [EngineCoreShutdown()]  # the API process is gone
             msgs = []
             while True:
-                try: msgs.append(dec.decode(inp.recv(zmq.NOBLOCK)))
-                except zmq.Again: return msgs
+                try:
+                    msgs.append(dec.decode(inp.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    return msgs
 
         loop.run_busy_loop(recv, lambda o: out.send(enc.encode(o), copy=False))
     except BaseException:
         traceback.print_exc()
         raise
     finally:
-        inp.close(0); out.close(2000); ctx.term()
-        if 'core' in locals(): core.shutdown()
+        inp.close(0)
+        out.close(2000)
+        ctx.term()
+        if 'core' in locals():
+            core.shutdown()

@@ -6,7 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/input_processor.html.md"""
 
 # %% ../../nbs/57_input_processor.ipynb #3865d8a8
 from __future__ import annotations
-import functools, json, time
+import functools
+import json
+import time
 from fastcore.basics import patch
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
@@ -27,23 +29,32 @@ class InputError(ValueError):
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
     if isinstance(prompt, dict):
-        if 'prompt_token_ids' in prompt: return prompt.get('prompt'), list(prompt['prompt_token_ids'])
+        if 'prompt_token_ids' in prompt:
+            return prompt.get('prompt'), list(prompt['prompt_token_ids'])
         prompt = prompt['prompt']
     if isinstance(prompt, str):
-        if tokenizer is None: raise InputError("Text prompts need a tokenizer (skip_tokenizer_init=True): give token ids", 'prompt')
+        if tokenizer is None:
+            raise InputError('Text prompts need a tokenizer (skip_tokenizer_init=True): give token ids', 'prompt')
         return prompt, tokenizer(prompt).input_ids
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt): return None, list(prompt)
-    raise InputError(f"A prompt must be text, a list of token ids, or a dict; got {type(prompt).__name__}", 'prompt')
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise InputError(f'A prompt must be text, a list of token ids, or a dict; got {type(prompt).__name__}', 'prompt')
 
 # %% ../../nbs/57_input_processor.ipynb #3631b31d
-_TOOLS_PROMPT = ("You can call functions. Their signatures (JSON schema) are:\n<tools>\n{tools}\n</tools>\n"
-                 'To call a function, reply with <tool_call>{{"name": <function name>, "arguments": <arguments object>}}'
-                 "</tool_call> and nothing else.")
+_TOOLS_PROMPT = (
+    'You can call functions. Their signatures (JSON schema) are:\n<tools>\n{tools}\n</tools>\n'
+    'To call a function, reply with <tool_call>{{"name": <function name>, "arguments": <arguments object>}}'
+    '</tool_call> and nothing else.'
+)
 
 
 def _tool_call_text(calls: list[dict]) -> str:
-    return "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                                 ensure_ascii=False) + "\n</tool_call>" for c in calls)
+    return '\n'.join(
+        '<tool_call>\n'
+        + json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)
+        + '\n</tool_call>'
+        for c in calls
+    )
 
 
 def adapt_messages(messages: list[dict], tools: list[dict] | None, template: str) -> list[dict]:
@@ -52,11 +63,13 @@ def adapt_messages(messages: list[dict], tools: list[dict] | None, template: str
     if 'tool_calls' not in template:
         for m in msgs:
             if m.get('tool_calls'):
-                m['content'] = "\n".join(x for x in (m.get('content'), _tool_call_text(m.pop('tool_calls'))) if x)
+                m['content'] = '\n'.join(x for x in (m.get('content'), _tool_call_text(m.pop('tool_calls'))) if x)
     if tools and 'tools' not in template:
-        text = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if msgs and msgs[0]['role'] in ('system', 'developer'): msgs[0]['content'] = f"{msgs[0]['content']}\n\n{text}"
-        else: msgs.insert(0, {'role': 'system', 'content': text})
+        text = _TOOLS_PROMPT.format(tools='\n'.join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if msgs and msgs[0]['role'] in ('system', 'developer'):
+            msgs[0]['content'] = f'{msgs[0]["content"]}\n\n{text}'
+        else:
+            msgs.insert(0, {'role': 'system', 'content': text})
     return msgs
 
 # %% ../../nbs/57_input_processor.ipynb #7405526e
@@ -75,7 +88,8 @@ class InputProcessor:
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
         "No token spells more characters than the vocabulary's longest, so a longer text can't fit the context (a vocab scan, once)."
-        if self.tokenizer is None: return None
+        if self.tokenizer is None:
+            return None
         toks = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         return self.max_model_len * max(max((len(t or '') for t in toks), default=0), 1)
 
@@ -83,15 +97,27 @@ class InputProcessor:
         "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> tuple[str, list[int]]:
         "The prompt text and token ids of a conversation, through the model's chat template."
-        if self.tokenizer is None: raise InputError("Chat needs a tokenizer (skip_tokenizer_init=True)", 'messages')
+        if self.tokenizer is None:
+            raise InputError('Chat needs a tokenizer (skip_tokenizer_init=True)', 'messages')
         msgs = adapt_messages(messages, tools, self.template)
         kw = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _NO_TEMPLATE_KWARGS}
-        if continue_final_message: kw['continue_final_message'] = True
-        try: text = apply_chat_template(self.tokenizer, msgs, add_generation_prompt=add_generation_prompt, tools=tools, **kw)
-        except Exception as e: raise InputError(f"Cannot apply the chat template: {e}", 'messages') from None
+        if continue_final_message:
+            kw['continue_final_message'] = True
+        try:
+            text = apply_chat_template(
+                self.tokenizer, msgs, add_generation_prompt=add_generation_prompt, tools=tools, **kw
+            )
+        except Exception as e:
+            raise InputError(f'Cannot apply the chat template: {e}', 'messages') from None
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
 # %% ../../nbs/57_input_processor.ipynb #b1edb13a
@@ -99,30 +125,42 @@ class InputProcessor:
 def validate(self: InputProcessor, ids: list[int], params: SamplingParams, priority: int = 0):
     "Refuse what the engine cannot run, with the field it is about and OpenAI's code where one exists."
     M, n = self.max_model_len, len(ids)
-    if not ids: raise InputError("The prompt is empty", 'prompt')
-    if n > M: raise InputError(f"The prompt has {n} tokens, more than max_model_len={M}", 'prompt', 'context_length_exceeded')
+    if not ids:
+        raise InputError('The prompt is empty', 'prompt')
+    if n > M:
+        raise InputError(f'The prompt has {n} tokens, more than max_model_len={M}', 'prompt', 'context_length_exceeded')
     if min(ids) < 0 or max(ids) >= self.vocab_size:  # C loops: a burst of long prompts is checked between two steps
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        raise InputError(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}", 'prompt')
-    try: params.validate_for_vocab(self.vocab_size)
-    except ValueError as e: raise InputError(str(e), str(e).split(' ', 1)[0]) from None
+        raise InputError(f'Token ids out of range [0, {self.vocab_size}): {bad[:5]}', 'prompt')
+    try:
+        params.validate_for_vocab(self.vocab_size)
+    except ValueError as e:
+        raise InputError(str(e), str(e).split(' ', 1)[0]) from None
     for k in ('logprobs', 'prompt_logprobs'):
         v = getattr(params, k)
         if v is not None and v > self.cfg.max_logprobs:
-            raise InputError(f"{k}={v} exceeds max_logprobs={self.cfg.max_logprobs}", k)
-    if self.tokenizer is None and params.stop: raise InputError("Stop strings need a tokenizer (skip_tokenizer_init=True)", 'stop')
+            raise InputError(f'{k}={v} exceeds max_logprobs={self.cfg.max_logprobs}', k)
+    if self.tokenizer is None and params.stop:
+        raise InputError('Stop strings need a tokenizer (skip_tokenizer_init=True)', 'stop')
     if priority and self.cfg.scheduling_policy != 'priority':
-        raise InputError("priority needs the priority scheduling policy (--scheduling-policy priority)", 'priority')
+        raise InputError('priority needs the priority scheduling policy (--scheduling-policy priority)', 'priority')
 
 
 @patch
-def process(self: InputProcessor, request_id: str, prompt, params: SamplingParams | None = None,
-             arrival_time: float | None = None, priority: int = 0) -> tuple[EngineCoreRequest, str | None, SamplingParams]:
+def process(
+    self: InputProcessor,
+    request_id: str,
+    prompt,
+    params: SamplingParams | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+) -> tuple[EngineCoreRequest, str | None, SamplingParams]:
     "Tokenize and validate a request: its core request, prompt text and sampling params (as the front end keeps them)."
     params = params or SamplingParams()
     text, ids = self.tokenize(prompt)
     self.validate(ids, params, priority)
-    if self.tokenizer is None and params.detokenize: params = params.clone(detokenize=False)  # no text side
+    if self.tokenizer is None and params.detokenize:
+        params = params.clone(detokenize=False)  # no text side
     fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != 'logits_processors'}
     req = EngineCoreRequest(request_id, ids, fields, params.logits_processors, arrival_time or time.time(), priority)
     return req, text, params
@@ -133,19 +171,32 @@ def check_chars(self: InputProcessor, n: int, what: str = 'prompt'):
     "Refuse a text of `n` characters that cannot fit the context whatever its tokens (before templating or tokenizing it)."
     if self.max_prompt_chars is not None and n > self.max_prompt_chars:
         M = self.max_model_len
-        raise InputError(f"The {what} has {n} characters, so more than {M} tokens: more than this model's maximum context "
-                         f"length of {M} tokens allows (at least one token must be generated)", what, 'context_length_exceeded')
+        raise InputError(
+            f"The {what} has {n} characters, so more than {M} tokens: more than this model's maximum context "
+            f'length of {M} tokens allows (at least one token must be generated)',
+            what,
+            'context_length_exceeded',
+        )
 
 
 @patch
-def room(self: InputProcessor, n_prompt: int, max_tokens: int | None = None, max_tokens_param: str = 'max_tokens') -> int:
+def room(
+    self: InputProcessor, n_prompt: int, max_tokens: int | None = None, max_tokens_param: str = 'max_tokens'
+) -> int:
     "The tokens a prompt of `n_prompt` tokens leaves to generate (at least one); a `max_tokens` past them is refused."
     M, room = self.max_model_len, self.max_model_len - n_prompt
     if room < 1:
-        raise InputError(f"The prompt has {n_prompt} tokens, which leaves no room to generate within this model's "
-                         f"maximum context length of {M} tokens", 'prompt', 'context_length_exceeded')
+        raise InputError(
+            f"The prompt has {n_prompt} tokens, which leaves no room to generate within this model's "
+            f'maximum context length of {M} tokens',
+            'prompt',
+            'context_length_exceeded',
+        )
     if max_tokens is not None and max_tokens > room:  # vLLM's check and message
-        raise InputError(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-                         f"length is {M} tokens and your request has {n_prompt} input tokens ({max_tokens} > {M} - {n_prompt}).",
-                         max_tokens_param, 'context_length_exceeded')
+        raise InputError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f'length is {M} tokens and your request has {n_prompt} input tokens ({max_tokens} > {M} - {n_prompt}).',
+            max_tokens_param,
+            'context_length_exceeded',
+        )
     return room

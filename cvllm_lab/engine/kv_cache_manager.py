@@ -17,18 +17,30 @@ __all__ = ['KVCacheBlock', 'KVCacheManager']
 # %% ../../nbs/10_kv_cache_manager.ipynb #223e6cc0
 class KVCacheBlock:
     "One block of token slots: its id, reference count and (when full and cached) its hash and KV cache group."
+
     __slots__ = ('block_id', 'ref_cnt', 'block_hash', 'group')
-    def __init__(self, block_id: int): self.block_id, self.ref_cnt, self.block_hash, self.group = block_id, 0, None, 0
-    def __repr__(self): return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt})"
+
+    def __init__(self, block_id: int):
+        self.block_id, self.ref_cnt, self.block_hash, self.group = block_id, 0, None, 0
+
+    def __repr__(self):
+        return f'KVCacheBlock({self.block_id}, ref={self.ref_cnt})'
 
 # %% ../../nbs/10_kv_cache_manager.ipynb #38d6ed2d
 class KVCacheManager:
     "Allocates KV blocks to requests, one block table per KV cache group; reuses cached prefix blocks when `enable_caching`."
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 kv_cache_groups: list[KVCacheGroupSpec] | None = None):
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+    ):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.specs = [g.kv_cache_spec for g in kv_cache_groups] if kv_cache_groups else [FullAttentionSpec()]
-        if not self.specs[0].grows: raise ValueError("The first KV cache group must be one whose table grows (attention)")
+        if not self.specs[0].grows:
+            raise ValueError('The first KV cache group must be one whose table grows (attention)')
         self.num_groups = len(self.specs)
         self.windowed = [g for g, s in enumerate(self.specs) if s.frees_blocks]  # give back blocks before their window
         self.states = [g for g, s in enumerate(self.specs) if not s.grows]  # one slot per request
@@ -36,21 +48,27 @@ class KVCacheManager:
         # a windowed group's table entries before its window point at the null block: never written, kept zero
         self.null_block = self.blocks[0] if self.windowed else None
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks if b is not self.null_block)
+            (b.block_id, b) for b in self.blocks if b is not self.null_block
+        )
         self.num_usable_blocks = len(self.free_queue)
         G = range(self.num_groups)
-        self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in G]       # per group: block hash -> block
+        self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in G]  # per group: block hash -> block
         self.req_blocks: list[dict[str, list[KVCacheBlock]]] = [{} for _ in G]
-        self.req_block_ids: list[dict[str, list[int]]] = [{} for _ in G]     # the same, as ids: the block tables
-        self.num_hashed: dict[str, int] = {}                 # how many of a request's blocks are registered
-        self.hits = self.queries = 0                         # prefix-cache token counters (for metrics)
+        self.req_block_ids: list[dict[str, list[int]]] = [{} for _ in G]  # the same, as ids: the block tables
+        self.num_hashed: dict[str, int] = {}  # how many of a request's blocks are registered
+        self.hits = self.queries = 0  # prefix-cache token counters (for metrics)
 
     @property
-    def sliding_windows(self) -> list[int | None]: return [getattr(s, 'sliding_window', None) for s in self.specs]
+    def sliding_windows(self) -> list[int | None]:
+        return [getattr(s, 'sliding_window', None) for s in self.specs]
+
     @property
-    def num_free_blocks(self) -> int: return len(self.free_queue)
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
     @property
-    def usage(self) -> float: return 1 - self.num_free_blocks / self.num_usable_blocks
+    def usage(self) -> float:
+        return 1 - self.num_free_blocks / self.num_usable_blocks
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         "The request's block ids in `group` (the live list: read it, don't change it)."
@@ -63,22 +81,26 @@ def get_computed_blocks(self: KVCacheManager, req: Request) -> tuple[list[list[K
     if not self.enable_caching or req.sampling_params.prompt_logprobs is not None or self.states:
         return [[] for _ in self.specs], 0
     # at least one token must be computed to produce logits, so a full hit drops its last block
-    hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+    hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
     n = len(hashes)
     full = [g for g, s in enumerate(self.specs) if not s.frees_blocks]
-    for i, h in enumerate(hashes):                     # full attention: every block of the prefix must be cached
-        if any(h not in self.cached[g] for g in full): n = i; break
-    while self.windowed:                               # a windowed group's hit at n may not be one at a shorter n
+    for i, h in enumerate(hashes):  # full attention: every block of the prefix must be cached
+        if any(h not in self.cached[g] for g in full):
+            n = i
+            break
+    while self.windowed:  # a windowed group's hit at n may not be one at a shorter n
         m = min(self._window_hit(g, hashes, n) for g in self.windowed)
-        if m == n: break
+        if m == n:
+            break
         n = m
     hit = []
-    for g, s in enumerate(self.specs):                 # a windowed group needs only its window's blocks
+    for g, s in enumerate(self.specs):  # a windowed group needs only its window's blocks
         k = s.window_start(n * self.block_size) // self.block_size if s.frees_blocks else 0
         hit.append([self.null_block] * k + [self.cached[g][h] for h in hashes[k:n]])
     self.queries += req.num_tokens
     self.hits += n * self.block_size
     return hit, n * self.block_size
+
 
 @patch
 def _window_hit(self: KVCacheManager, g: int, hashes: list[bytes], n: int) -> int:
@@ -87,77 +109,96 @@ def _window_hit(self: KVCacheManager, g: int, hashes: list[bytes], n: int) -> in
     spec, cached, bs = self.specs[g], self.cached[g], self.block_size
     misses = [i for i in range(n) if hashes[i] not in cached]
     j = len(misses) - 1
-    for m in range(n, -1, -1):                         # the largest m with no miss in [window_start(m) // bs, m)
-        while j >= 0 and misses[j] >= m: j -= 1
-        if j < 0 or misses[j] < spec.window_start(m * bs) // bs: return m
+    for m in range(n, -1, -1):  # the largest m with no miss in [window_start(m) // bs, m)
+        while j >= 0 and misses[j] >= m:
+            j -= 1
+        if j < 0 or misses[j] < spec.window_start(m * bs) // bs:
+            return m
     return 0
 
 # %% ../../nbs/10_kv_cache_manager.ipynb #cacd5c0c
 @patch
-def allocate_slots(self: KVCacheManager, req: Request, num_new_tokens: int,
-                   new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
+def allocate_slots(
+    self: KVCacheManager, req: Request, num_new_tokens: int, new_computed_blocks: list[list[KVCacheBlock]] | None = None
+) -> bool:
     "Give `req` blocks for `num_new_tokens` more tokens in every group; False (and no new blocks) if the pool is short."
     rid, bs = req.request_id, self.block_size
     hit = new_computed_blocks[0] if new_computed_blocks else ()
     num_computed = req.num_computed_tokens + len(hit) * bs
-    if self.null_block is not None: self._free_skipped_blocks(rid, num_computed)
+    if self.null_block is not None:
+        self._free_skipped_blocks(rid, num_computed)
     blocks = self.req_blocks[0].setdefault(rid, [])
-    need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hit)   # per growing group (equally long tables)
-    slots = [g for g in self.states if not self.req_blocks[g].get(rid)]    # state groups: a slot at the first allocation
-    if need <= 0 and not hit and not slots:    # fast path (most decode steps): the last block has room
-        if self.enable_caching: self._register_full_blocks(req, num_computed + num_new_tokens)
+    need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hit)  # per growing group (equally long tables)
+    slots = [g for g in self.states if not self.req_blocks[g].get(rid)]  # state groups: a slot at the first allocation
+    if need <= 0 and not hit and not slots:  # fast path (most decode steps): the last block has room
+        if self.enable_caching:
+            self._register_full_blocks(req, num_computed + num_new_tokens)
         return True
     hits = new_computed_blocks or [()] * self.num_groups
     needs = [max(need, 0) if s.grows else int(g in slots) for g, s in enumerate(self.specs)]
     # cached hits sitting in the free queue come back out of it
     reviving = sum(b.ref_cnt == 0 and b is not self.null_block for h in hits for b in h)
     if sum(needs) > self.num_free_blocks - reviving:
-        if not blocks: del self.req_blocks[0][rid]
+        if not blocks:
+            del self.req_blocks[0][rid]
         return False
     for g in range(self.num_groups):
         blocks = self.req_blocks[g].setdefault(rid, [])
         for b in hits[g]:
-            if b is self.null_block: continue
-            if b.ref_cnt == 0: del self.free_queue[b.block_id]
+            if b is self.null_block:
+                continue
+            if b.ref_cnt == 0:
+                del self.free_queue[b.block_id]
             b.ref_cnt += 1
         blocks.extend(hits[g])
-        for _ in range(needs[g]): blocks.append(self._take_free_block())
+        for _ in range(needs[g]):
+            blocks.append(self._take_free_block())
         ids = self.req_block_ids[g].setdefault(rid, [])
-        ids.extend(b.block_id for b in blocks[len(ids):])
-    if self.enable_caching: self._register_full_blocks(req, num_computed + num_new_tokens)
+        ids.extend(b.block_id for b in blocks[len(ids) :])
+    if self.enable_caching:
+        self._register_full_blocks(req, num_computed + num_new_tokens)
     return True
+
 
 @patch
 def _free_skipped_blocks(self: KVCacheManager, rid: str, num_computed: int):
     "Windowed groups: give back the blocks wholly before `window_start(num_computed)` (no query from here on sees them)."
     for g in self.windowed:
         blocks = self.req_blocks[g].get(rid)
-        if not blocks: continue
+        if not blocks:
+            continue
         ids = self.req_block_ids[g][rid]
         for i in range(min(self.specs[g].window_start(num_computed) // self.block_size, len(blocks)) - 1, -1, -1):
             b = blocks[i]
-            if b is self.null_block: break             # everything before it went earlier
+            if b is self.null_block:
+                break  # everything before it went earlier
             b.ref_cnt -= 1
-            if b.ref_cnt == 0: self.free_queue[b.block_id] = b   # keeps its hash: still a prefix-cache hit
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = b  # keeps its hash: still a prefix-cache hit
             blocks[i], ids[i] = self.null_block, self.null_block.block_id
+
 
 @patch
 def _take_free_block(self: KVCacheManager) -> KVCacheBlock:
     _, b = self.free_queue.popitem(last=False)
-    if b.block_hash is not None:                 # evict the cached content it held
-        if self.cached[b.group].get(b.block_hash) is b: del self.cached[b.group][b.block_hash]
+    if b.block_hash is not None:  # evict the cached content it held
+        if self.cached[b.group].get(b.block_hash) is b:
+            del self.cached[b.group][b.block_hash]
         b.block_hash = None
     b.ref_cnt = 1
     return b
+
 
 @patch
 def _register_full_blocks(self: KVCacheManager, req: Request, num_tokens: int):
     "Hash the request's blocks that are full once this step's tokens are written (in every group that grows)."
     start = self.num_hashed.get(req.request_id, 0)
     end = min(num_tokens // self.block_size, len(req.block_hashes))
-    if end <= start: return
+    if end <= start:
+        return
     for g in range(self.num_groups):
-        if not self.specs[g].grows: continue
+        if not self.specs[g].grows:
+            continue
         blocks, cached = self.req_blocks[g][req.request_id], self.cached[g]
         for i in range(start, end):
             b = blocks[i]
@@ -166,21 +207,28 @@ def _register_full_blocks(self: KVCacheManager, req: Request, num_tokens: int):
                 cached.setdefault(b.block_hash, b)
     self.num_hashed[req.request_id] = end
 
+
 @patch
 def free(self: KVCacheManager, req: Request):
     "Release all of the request's blocks (tail first, so its prefix stays cached longest)."
     for g in range(self.num_groups):
         self.req_block_ids[g].pop(req.request_id, None)
         for b in reversed(self.req_blocks[g].pop(req.request_id, [])):
-            if b is self.null_block: continue
+            if b is self.null_block:
+                continue
             b.ref_cnt -= 1
-            if b.ref_cnt == 0: self.free_queue[b.block_id] = b
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = b
     self.num_hashed.pop(req.request_id, None)
+
 
 @patch
 def reset_prefix_cache(self: KVCacheManager) -> bool:
     "Forget all cached content (only when no request holds blocks)."
-    if any(self.req_blocks): return False
-    for c in self.cached: c.clear()
-    for b in self.blocks: b.block_hash = None
+    if any(self.req_blocks):
+        return False
+    for c in self.cached:
+        c.clear()
+    for b in self.blocks:
+        b.block_hash = None
     return True

@@ -11,8 +11,8 @@ from fastcore.basics import patch
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from .core import EngineCore
-from .input_processor import InputProcessor, tokenize_prompt
-from .output_processor import OutputProcessor, RequestOutput, CompletionOutput
+from .input_processor import InputProcessor
+from .output_processor import OutputProcessor, RequestOutput
 
 # %% auto #0
 __all__ = ['LLMEngine']
@@ -33,24 +33,46 @@ class LLMEngine:
 
     # the core's parts, for inspection
     @property
-    def scheduler(self): return self.core.scheduler
-    @property
-    def kv(self): return self.core.kv
-    @property
-    def runner(self): return self.core.runner
-    @property
-    def counters(self) -> dict: return self.core.counters
-    @property
-    def num_steps_ahead(self) -> int: return self.core.scheduler.num_steps_ahead
-    @property
-    def num_mixed_ahead(self) -> int: return self.core.scheduler.num_mixed_ahead
+    def scheduler(self):
+        return self.core.scheduler
 
-    def stats(self) -> dict: return self.core.stats()
-    def has_unfinished_requests(self) -> bool: return self.output_processor.has_unfinished_requests()
-    def get_num_unfinished_requests(self) -> int: return self.output_processor.get_num_unfinished_requests()
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]: return self.input_processor.tokenize(prompt)
-    def start_profile(self, out_dir: str, record_shapes: bool = False): self.core.start_profile(out_dir, record_shapes)
-    def stop_profile(self) -> str: return self.core.stop_profile()
+    @property
+    def kv(self):
+        return self.core.kv
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def counters(self) -> dict:
+        return self.core.counters
+
+    @property
+    def num_steps_ahead(self) -> int:
+        return self.core.scheduler.num_steps_ahead
+
+    @property
+    def num_mixed_ahead(self) -> int:
+        return self.core.scheduler.num_mixed_ahead
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        return self.input_processor.tokenize(prompt)
+
+    def start_profile(self, out_dir: str, record_shapes: bool = False):
+        self.core.start_profile(out_dir, record_shapes)
+
+    def stop_profile(self) -> str:
+        return self.core.stop_profile()
 
     def shutdown(self):
         "Stop the tensor-parallel workers (nothing to do for an in-process runner)."
@@ -58,11 +80,18 @@ class LLMEngine:
 
 # %% ../../nbs/51_llm_engine.ipynb #659d5899
 @patch
-def add_request(self: LLMEngine, request_id: str | None, prompt, params: SamplingParams | None = None,
-                 arrival_time: float | None = None, priority: int = 0) -> str:
+def add_request(
+    self: LLMEngine,
+    request_id: str | None,
+    prompt,
+    params: SamplingParams | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+) -> str:
     "Validate and queue a request (its `params.n` samples, each with `priority`); returns its id."
     rid = str(next(self._ids)) if request_id is None else str(request_id)
-    if rid in self.output_processor.states: raise ValueError(f"Request id {rid!r} is already in use")
+    if rid in self.output_processor.states:
+        raise ValueError(f'Request id {rid!r} is already in use')
     req, text, params = self.input_processor.process(rid, prompt, params, arrival_time, priority)
     self.core.add_request(req)  # all samples or none (QueueFullError when the waiting queue is full)
     self.output_processor.add_request(rid, text, req.prompt_token_ids, params, req.arrival_time)
@@ -74,12 +103,14 @@ def abort_request(self: LLMEngine, request_ids):
     "Stop requests now and free their KV blocks."
     rids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
     self.core.abort_requests(rids)
-    for rid in rids: self.output_processor.abort(rid)
+    for rid in rids:
+        self.output_processor.abort(rid)
 
 
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
     "One core step; the outputs of the requests it touched (with `final_only`, of those it finished)."
     res = self.output_processor.process_outputs(self.core.step(), self.final_only)
-    for rid, index in res.stops: self.core.finish_request(rid, index)
+    for rid, index in res.stops:
+        self.core.finish_request(rid, index)
     return res.request_outputs

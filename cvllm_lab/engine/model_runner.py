@@ -6,7 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 
 # %% ../../nbs/50_model_runner.ipynb #f3766157
 from __future__ import annotations
-import contextlib, itertools, os
+import contextlib
+import itertools
+import os
 from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
@@ -14,8 +16,17 @@ from fastcore.basics import patch
 from ..kernels.tuned import configs_for
 from ..config import EngineConfig, set_current_engine_config
 from ..kernels.paged_attention import DECODE_MAX_QUERY_LEN
-from ..utils.context import (ForwardContext, PrefillMetadata, DecodeSplit, to_device, KVCacheGroupSpec, bind_kv_cache, kv_cache_bytes_per_token,
-                                     kv_cache_groups, set_forward_context)
+from cvllm_lab.utils.context import (
+    ForwardContext,
+    PrefillMetadata,
+    DecodeSplit,
+    to_device,
+    KVCacheGroupSpec,
+    bind_kv_cache,
+    kv_cache_bytes_per_token,
+    kv_cache_groups,
+    set_forward_context,
+)
 from .request import PLACEHOLDER, Request
 from .scheduler import SchedulerOutput
 from ..sampling_params import SamplingParams
@@ -33,56 +44,79 @@ __all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'M
 # off the kernel's decode path (its split-KV path serves queries of up to `DECODE_MAX_QUERY_LEN`, 8, tokens)
 PREFILL_SPLIT_MIN_TOKENS = 9
 
+
 class ModelRunner:
     "Runs the model for scheduled batches over a paged KV cache."
+
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
         # the CPU fast path rebuilds layers (int4 kernels, an 8-bit LM head) from whole tensors: one process only
         self.cpu_fast = self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path
         self.model = self._load(src, progress)
-        self.compute_logits, self.lm_head = self.model.compute_logits, None   # on CPU: see setup_cpu
-        if self.cpu_fast: self.setup_cpu()
+        self.compute_logits, self.lm_head = self.model.compute_logits, None  # on CPU: see setup_cpu
+        if self.cpu_fast:
+            self.setup_cpu()
         self.sampler = Sampler()
         self.block_size = cfg.block_size
         # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, below)
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.keep_rows = cfg.keep_rows           # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
-        self.decodes_apart = cfg.decodes_apart   # a step's leading decodes: a paged call of their own (`DecodeSplit`)
+        self.keep_rows = cfg.keep_rows  # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
+        self.decodes_apart = cfg.decodes_apart  # a step's leading decodes: a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
-        self.kv_cache_groups = (kv_cache_groups(layers) if cfg.tensor_parallel_size == 1
-                                else [KVCacheGroupSpec(None, tuple(range(len(layers))))])
+        self.kv_cache_groups = (
+            kv_cache_groups(layers)
+            if cfg.tensor_parallel_size == 1
+            else [KVCacheGroupSpec(None, tuple(range(len(layers))))]
+        )
         self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device,
-                                       self.kv_cache_groups)
-        if progress: print(f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens "
-                           f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc}"
-                           + (f", {len(self.kv_cache_groups)} KV cache groups)" if len(self.kv_cache_groups) > 1 else ")"))
+        self.kv_caches = bind_kv_cache(
+            self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device, self.kv_cache_groups
+        )
+        if progress:
+            print(
+                f'KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens '
+                f'({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {self.kv_cache_desc}'
+                + (f', {len(self.kv_cache_groups)} KV cache groups)' if len(self.kv_cache_groups) > 1 else ')')
+            )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the same buckets <= 32, captured at `short_len`
-        self.tok_host, self.tok_i = [], 0     # two pinned buffers for the sampled ids (at most two steps in flight)
-        if self.device.type == 'cuda':   # batch-invariant mode first: split-K off, one config per M (kernels/split_k.py)
-            from cvllm_lab.kernels.split_k import set_batch_invariant; set_batch_invariant(bool(cfg.batch_invariant))
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same buckets <= 32, captured at `short_len`
+        self.tok_host, self.tok_i = [], 0  # two pinned buffers for the sampled ids (at most two steps in flight)
+        if self.device.type == 'cuda':  # batch-invariant mode first: split-K off, one config per M (kernels/split_k.py)
+            from cvllm_lab.kernels.split_k import set_batch_invariant
+
+            set_batch_invariant(bool(cfg.batch_invariant))
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
-            if not cfg.enforce_eager and cfg.attention_backend == 'triton': self.capture_cudagraphs(progress)
-            with cudnn_plans_at_once(): self.warm_up_kernels()   # the shapes it meets are planned now
+            if not cfg.enforce_eager and cfg.attention_backend == 'triton':
+                self.capture_cudagraphs(progress)
+            with cudnn_plans_at_once():
+                self.warm_up_kernels()  # the shapes it meets are planned now
 
     @property
-    def kv_dtype(self) -> torch.dtype: return self.cfg.kv_cache_torch_dtype   # the cache's storage dtype
+    def kv_dtype(self) -> torch.dtype:
+        return self.cfg.kv_cache_torch_dtype  # the cache's storage dtype
+
     @property
-    def fp8_kv(self) -> bool: return self.kv_dtype == torch.float8_e4m3fn
+    def fp8_kv(self) -> bool:
+        return self.kv_dtype == torch.float8_e4m3fn
+
     @property
     def kv_cache_desc(self) -> str:
-        return 'fp8 e4m3 + fp32 scale per token and KV head' if self.fp8_kv else str(self.kv_dtype).removeprefix('torch.')
+        return (
+            'fp8 e4m3 + fp32 scale per token and KV head' if self.fp8_kv else str(self.kv_dtype).removeprefix('torch.')
+        )
 
     @property
-    def num_tokens_capacity(self) -> int: return self.num_blocks * self.block_size
+    def num_tokens_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
     @property
     def bytes_per_block(self) -> int:
         "Cache bytes of one block over every cache tensor (each layer's own row layout; with KV cache groups, one per group slot)."
-        return self.block_size * kv_cache_bytes_per_token(self.model.attention_layers(), self.kv_cache_groups,
-                                                          self.kv_dtype)
+        return self.block_size * kv_cache_bytes_per_token(
+            self.model.attention_layers(), self.kv_cache_groups, self.kv_dtype
+        )
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
@@ -92,40 +126,56 @@ def _load(self: ModelRunner, src: ModelSource | None, progress: bool = True) -> 
     cfg, self.gguf = self.cfg, False
     if self.cpu_fast and cfg.load_format != 'dummy' and cfg.quantization in (None, 'gguf'):
         src = src or resolve_model_source(cfg.model)
-        if src.is_gguf: cfg, self.gguf = replace(cfg, quantization='gguf'), True
-    with set_current_engine_config(cfg): return load_model(cfg, self.hf_config, src, progress)
+        if src.is_gguf:
+            cfg, self.gguf = replace(cfg, quantization='gguf'), True
+    with set_current_engine_config(cfg):
+        return load_model(cfg, self.hf_config, src, progress)
+
 
 @patch
 def setup_cpu(self: ModelRunner):
     """Threads from the cores we may use, the CPU layers of notebook 42, and a GGUF model's LM head as q8_0 in int4
     halves where the model declares a plain one (`supports_cpu_lm_head`: `compute_logits` is a matmul by `logits_weight()`)."""
-    if 'OMP_NUM_THREADS' not in os.environ: torch.set_num_threads(cpu_threads())
+    if 'OMP_NUM_THREADS' not in os.environ:
+        torch.set_num_threads(cpu_threads())
     self.cpu_layers = cpu_fast_path(self.model, batch_invariant=(bi := bool(self.cfg.batch_invariant)))
     if self.gguf and getattr(self.model, 'supports_cpu_lm_head', False):
         w = self.model.logits_weight()
-        if CPUInt4Linear.fits(*w.shape): self.lm_head = self.compute_logits = CPUInt4Linear.from_int8_blocks(w.float(), dense=not bi)
+        if CPUInt4Linear.fits(*w.shape):
+            self.lm_head = self.compute_logits = CPUInt4Linear.from_int8_blocks(w.float(), dense=not bi)
 
 # %% ../../nbs/50_model_runner.ipynb #245dafdb
 CPU_KV_CACHE_BYTES = 1 << 30
 
+
 @patch
 def determine_num_blocks(self: ModelRunner) -> int:
     cfg = self.cfg
-    if cfg.num_gpu_blocks_override: return cfg.num_gpu_blocks_override
-    if cfg.kv_cache_memory: return max(1, cfg.kv_cache_memory // self.bytes_per_block)
-    if self.device.type != 'cuda': return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
-    torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+    if cfg.num_gpu_blocks_override:
+        return cfg.num_gpu_blocks_override
+    if cfg.kv_cache_memory:
+        return max(1, cfg.kv_cache_memory // self.bytes_per_block)
+    if self.device.type != 'cuda':
+        return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     self.profile_run()
     activation = torch.cuda.max_memory_allocated() - base
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    budget = ((free - activation) * cfg.gpu_memory_fraction if cfg.gpu_memory_fraction
-              else total * cfg.gpu_memory_utilization - (total - free) - activation)
+    budget = (
+        (free - activation) * cfg.gpu_memory_fraction
+        if cfg.gpu_memory_fraction
+        else total * cfg.gpu_memory_utilization - (total - free) - activation
+    )
     if budget < self.bytes_per_block:
-        raise RuntimeError(f"No GPU memory left for the KV cache (weights and activations use "
-                           f"{(total - free + activation) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
+        raise RuntimeError(
+            f'No GPU memory left for the KV cache (weights and activations use '
+            f'{(total - free + activation) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)'
+        )
     return int(budget // self.bytes_per_block)
+
 
 @patch
 @torch.inference_mode()
@@ -141,44 +191,54 @@ def profile_run(self: ModelRunner):
     bind_kv_cache(self.model, nb, bs, self.kv_dtype, self.device)
     bt = (torch.arange(-(-S // bs), device=self.device) % nb).int()[None]
     pos = torch.arange(S - T, S, device=self.device)
-    ctx = ForwardContext(bt[0, pos // bs].long() * bs + pos % bs, torch.tensor([0, T], dtype=torch.int32, device=self.device),
-                         torch.tensor([S], dtype=torch.int32, device=self.device), bt, T, S)
-    if split: ctx.prefill = PrefillMetadata.build([0, T], [S], 0, self.device)
+    ctx = ForwardContext(
+        bt[0, pos // bs].long() * bs + pos % bs,
+        torch.tensor([0, T], dtype=torch.int32, device=self.device),
+        torch.tensor([S], dtype=torch.int32, device=self.device),
+        bt,
+        T,
+        S,
+    )
+    if split:
+        ctx.prefill = PrefillMetadata.build([0, T], [S], 0, self.device)
     with set_forward_context(ctx):
         h = self.model(torch.zeros(T, dtype=torch.long, device=self.device), torch.arange(T, device=self.device))
-        self.compute_logits(h[:min(T, self.cfg.max_num_seqs)])
-    for a in self.model.attention_layers(): a.kv_cache = a.kv_scale = None
+        self.compute_logits(h[: min(T, self.cfg.max_num_seqs)])
+    for a in self.model.attention_layers():
+        a.kv_cache = a.kv_scale = None
     torch.cuda.synchronize()
 
 # %% ../../nbs/50_model_runner.ipynb #dd529c99
 @dataclass(slots=True)
 class InputBatch:
     "The host side of one step: flat token rows, their attention metadata, and the rows that need logits."
+
     # built positionally, in field order: a keyword call costs more on the per-step host path
-    input_ids: np.ndarray | torch.Tensor        # [num_tokens] int64
-    positions: np.ndarray | torch.Tensor        # [num_tokens] int64
-    slot_mapping: np.ndarray | torch.Tensor     # [num_tokens] int64: KV slot of each row
+    input_ids: np.ndarray | torch.Tensor  # [num_tokens] int64
+    positions: np.ndarray | torch.Tensor  # [num_tokens] int64
+    slot_mapping: np.ndarray | torch.Tensor  # [num_tokens] int64: KV slot of each row
     query_start_loc: np.ndarray | torch.Tensor  # [num_reqs + 1] int32: first row of each request
-    seq_lens: np.ndarray | torch.Tensor         # [num_reqs] int32: tokens in the cache after the step
-    block_tables: np.ndarray | torch.Tensor     # [num_reqs, max_blocks] int32, zero-padded
+    seq_lens: np.ndarray | torch.Tensor  # [num_reqs] int32: tokens in the cache after the step
+    block_tables: np.ndarray | torch.Tensor  # [num_reqs, max_blocks] int32, zero-padded
     max_query_len: int
     max_seq_len: int
-    sample_rows: list[int] | slice              # rows to sample (`slice(None)`: every row)
-    sample_reqs: list[Request]                  # the request of each sampled row
-    prompt_logprobs: list[tuple[Request, list[int], list[int]]]   # (request, rows, the prompt tokens they predict)
+    sample_rows: list[int] | slice  # rows to sample (`slice(None)`: every row)
+    sample_reqs: list[Request]  # the request of each sampled row
+    prompt_logprobs: list[tuple[Request, list[int], list[int]]]  # (request, rows, the prompt tokens they predict)
     # first sequence of the step's trailing run of prefills for FlashAttention (`prefill_metadata`); None: no run
     prefill_start: int | None = None
     # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
     group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
-    sample_index: torch.Tensor | None = None    # `sample_rows` on the device (set by `_upload`)
-    rows_kept: bool = False                     # the forward returned only the sampled rows (`_forward`)
+    sample_index: torch.Tensor | None = None  # `sample_rows` on the device (set by `_upload`)
+    rows_kept: bool = False  # the forward returned only the sampled rows (`_forward`)
     # async scheduling of a mixed step: (rows whose input is a placeholder, their index in the last step's tokens)
     prev_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def sample_at(self):
         "The rows of the step's hidden states to sample, as an index: on the device once uploaded."
-        if self.rows_kept: return slice(None)
+        if self.rows_kept:
+            return slice(None)
         return self.sample_rows if self.sample_index is None else self.sample_index
 
 # %% ../../nbs/50_model_runner.ipynb #d74792fd
@@ -187,58 +247,92 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     "Flat token batch, positions, attention metadata, and which rows need logits (numpy over the step's rows)."
     reqs = so.scheduled
     if so.total_num_scheduled_tokens == len(reqs) and all(
-            r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in reqs):
+        r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in reqs
+    ):
         return self._prepare_decode(so)
     more = self._more_groups(so)
     bs, B = self.block_size, len(reqs)
     cs = [r.num_computed_tokens for r in reqs]
     ns = [so.num_scheduled_tokens[r.request_id] for r in reqs]
-    qsl = np.zeros(B + 1, dtype=np.int32); np.cumsum(ns, out=qsl[1:])
+    qsl = np.zeros(B + 1, dtype=np.int32)
+    np.cumsum(ns, out=qsl[1:])
     T, seq_lens = int(qsl[-1]), np.add(cs, ns, dtype=np.int32)
-    ids = np.fromiter(itertools.chain.from_iterable(r.all_token_ids[c:c + n] for r, c, n in zip(reqs, cs, ns)),
-                      dtype=np.int64, count=T)
-    row_req = np.repeat(np.arange(B), ns)                         # each row's request
+    ids = np.fromiter(
+        itertools.chain.from_iterable(r.all_token_ids[c : c + n] for r, c, n in zip(reqs, cs, ns)),
+        dtype=np.int64,
+        count=T,
+    )
+    row_req = np.repeat(np.arange(B), ns)  # each row's request
     pos = np.arange(T, dtype=np.int64) + np.repeat(np.subtract(cs, qsl[:-1], dtype=np.int64), ns)
     blk, off = pos // bs, pos % bs
-    slot_of = lambda bt: bt[row_req, blk].astype(np.int64) * bs + off   # block_table[p // bs] * bs + p % bs
+    slot_of = lambda bt: bt[row_req, blk].astype(np.int64) * bs + off  # block_table[p // bs] * bs + p % bs
     bt = _table_array([so.block_tables[r.request_id] for r in reqs])
     groups = [(slot_of(g), g) for g in (_table_array([tabs[r.request_id] for r in reqs]) for tabs in more)]
     sample_rows, sample_reqs, plp = [], [], []
     for r, c, n, start in zip(reqs, cs, ns, qsl.tolist()):
-        if r.prompt_logprobs is not None:   # position p predicts prompt token p+1
+        if r.prompt_logprobs is not None:  # position p predicts prompt token p+1
             ps = range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))
-            if ps: plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
-        if c + n == r.num_tokens: sample_rows.append(start + n - 1); sample_reqs.append(r)
+            if ps:
+                plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
+        if c + n == r.num_tokens:
+            sample_rows.append(start + n - 1)
+            sample_reqs.append(r)
     L = seq_lens.tolist()
-    s, keys = B, 0   # back over the prefills at the end of the step that may run on FlashAttention
-    while s and ns[s - 1] >= min(L[s - 1], self.prefill_split_min_tokens) and keys + L[s - 1] <= self.prefill_split_max_keys:
-        s -= 1; keys += L[s]
-    return InputBatch(ids, pos, slot_of(bt), qsl, seq_lens, bt, max(ns), max(L), sample_rows, sample_reqs, plp,
-                      s if s < B else None, groups)
+    s, keys = B, 0  # back over the prefills at the end of the step that may run on FlashAttention
+    while (
+        s
+        and ns[s - 1] >= min(L[s - 1], self.prefill_split_min_tokens)
+        and keys + L[s - 1] <= self.prefill_split_max_keys
+    ):
+        s -= 1
+        keys += L[s]
+    return InputBatch(
+        ids,
+        pos,
+        slot_of(bt),
+        qsl,
+        seq_lens,
+        bt,
+        max(ns),
+        max(L),
+        sample_rows,
+        sample_reqs,
+        plp,
+        s if s < B else None,
+        groups,
+    )
+
 
 def _table_array(tabs: list[list[int]]) -> np.ndarray:
     "Block tables as one int32 array, zero-padded (block 0: never read past a sequence's length)."
     bt = np.zeros((len(tabs), max(map(len, tabs))), dtype=np.int32)
-    for i, t in enumerate(tabs): bt[i, :len(t)] = t
+    for i, t in enumerate(tabs):
+        bt[i, : len(t)] = t
     return bt
+
 
 @patch
 def _more_groups(self: ModelRunner, so: SchedulerOutput) -> list[dict[str, list[int]]]:
     "The step's block tables of KV cache groups 1.. (none with one group); an error if the scheduler's groups are not ours."
     if len(so.group_block_tables) != (len(self.kv_cache_groups) if len(self.kv_cache_groups) > 1 else 0):
-        raise ValueError(f"The scheduler gives {len(so.group_block_tables) or 1} block tables per request, this model has "
-                         f"{len(self.kv_cache_groups)} KV cache groups: build the KVCacheManager with the runner's kv_cache_groups")
+        raise ValueError(
+            f'The scheduler gives {len(so.group_block_tables) or 1} block tables per request, this model has '
+            f"{len(self.kv_cache_groups)} KV cache groups: build the KVCacheManager with the runner's kv_cache_groups"
+        )
     return so.group_block_tables[1:]
 
 # %% ../../nbs/50_model_runner.ipynb #e805c385
 @patch
 def prefill_metadata(self: ModelRunner, b: InputBatch) -> PrefillMetadata | None:
     "The step's trailing run of prefills, for attention layers that run them on FlashAttention (`22_attention`)."
-    if b.prefill_start is None: return None
+    if b.prefill_start is None:
+        return None
     windows = {a.sliding_window for a in self.model.attention_layers() if getattr(a, 'prefill_fn', None) is not None}
-    if not windows: return None
+    if not windows:
+        return None
     p = PrefillMetadata.build(b.query_start_loc, b.seq_lens, b.prefill_start, self.device)
-    for w in windows: p.keys(w)   # the host-to-device copies before the forward, not inside a layer
+    for w in windows:
+        p.keys(w)  # the host-to-device copies before the forward, not inside a layer
     return p
 
 # %% ../../nbs/50_model_runner.ipynb #b2687b71
@@ -250,23 +344,38 @@ def _prepare_decode(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
     tabs = [so.block_tables[r.request_id] for r in reqs]
     slots = lambda tabs: np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64)
     groups = [(slots(ts), _table_array(ts)) for ts in ([g[r.request_id] for r in reqs] for g in self._more_groups(so))]
-    B, pos = len(reqs), np.array(cs, dtype=np.int64)   # numpy, not torch: a step's host work is on the critical path
-    return InputBatch(np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64), pos, slots(tabs),
-                      np.arange(B + 1, dtype=np.int32), (pos + 1).astype(np.int32), _table_array(tabs), 1, max(cs) + 1,
-                      slice(None), reqs, [], None, groups)   # every row samples: no index tensor (its H2D copy would sync)
+    B, pos = len(reqs), np.array(cs, dtype=np.int64)  # numpy, not torch: a step's host work is on the critical path
+    return InputBatch(
+        np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64),
+        pos,
+        slots(tabs),
+        np.arange(B + 1, dtype=np.int32),
+        (pos + 1).astype(np.int32),
+        _table_array(tabs),
+        1,
+        max(cs) + 1,
+        slice(None),
+        reqs,
+        [],
+        None,
+        groups,
+    )  # every row samples: no index tensor (its H2D copy would sync)
 
 # %% ../../nbs/50_model_runner.ipynb #2cc0dcdf
 @dataclass
 class ModelRunnerOutput:
     "Per request: the sampled token and its log-probs; prompt log-probs for positions computed this step."
+
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+
 
 @dataclass
 class StepHandle:
     """A launched step. `tokens`: the sampled ids still on the device (row i is `reqs[i]`), with a pinned host copy
     on its way (`host`, done at `event`), when no request needs host-side sampling; else `output` is ready."""
+
     reqs: list[Request]
     tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None
@@ -276,46 +385,70 @@ class StepHandle:
     def result(self) -> ModelRunnerOutput:
         "The step's output (waits for the device-to-host copy of the token ids: the step's only sync)."
         if self.output is None:
-            if self.event is not None: self.event.synchronize()
-            ids = (self.tokens if self.host is None else self.host)[:len(self.reqs)].tolist()
+            if self.event is not None:
+                self.event.synchronize()
+            ids = (self.tokens if self.host is None else self.host)[: len(self.reqs)].tolist()
             self.output = ModelRunnerOutput({r.request_id: t for r, t in zip(self.reqs, ids)})
         return self.output
 
 # %% ../../nbs/50_model_runner.ipynb #af4167d1
 @patch
-def _forward(self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+def _forward(
+    self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
     """The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager
     forward (its leading decodes marked for a paged call of their own, `DecodeSplit`). An eager step that samples
     fewer rows than it runs and wants no prompt log-probs asks the model for the sampled rows only
     (`ForwardContext.keep_rows`: its last layer skips the MLP of the other rows); a model that returns them so sets
     `b.rows_kept`, and `b.sample_at` indexes accordingly. `keep_rows=False` (`EngineConfig`, copied to
     `self.keep_rows`) runs every row to the end, `decodes_apart=False` the decodes in one paged call with the rest."""
-    if prev_tokens is not None and b.prev_rows is None and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids)):
-        raise ValueError("prev_tokens feed a decode step of one token per request, in the same rows")
-    if (self.graphs and b.max_query_len == 1 and not b.prompt_logprobs and len(so.scheduled) <= max(self.graphs)
-            and b.prev_rows is None):
+    if (
+        prev_tokens is not None
+        and b.prev_rows is None
+        and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids))
+    ):
+        raise ValueError('prev_tokens feed a decode step of one token per request, in the same rows')
+    if (
+        self.graphs
+        and b.max_query_len == 1
+        and not b.prompt_logprobs
+        and len(so.scheduled) <= max(self.graphs)
+        and b.prev_rows is None
+    ):
         return self._run_graph(b, prev_tokens)
     ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
-    if groups: ctx.kv_groups = [(slots, bt)] + groups
-    if self.decodes_apart and b.max_query_len > DECODE_MAX_QUERY_LEN:   # a query for the kernel's tiles may follow decodes
+    if groups:
+        ctx.kv_groups = [(slots, bt)] + groups
+    if (
+        self.decodes_apart and b.max_query_len > DECODE_MAX_QUERY_LEN
+    ):  # a query for the kernel's tiles may follow decodes
         ctx.decodes = DecodeSplit.build(b.query_start_loc, b.seq_lens, self.device)
-    if b.prev_rows is not None: ids[b.prev_rows[0]] = prev_tokens[b.prev_rows[1]].to(torch.long)   # mixed step ahead
-    elif prev_tokens is not None: ids = prev_tokens.to(torch.long)
+    if b.prev_rows is not None:
+        ids[b.prev_rows[0]] = prev_tokens[b.prev_rows[1]].to(torch.long)  # mixed step ahead
+    elif prev_tokens is not None:
+        ids = prev_tokens.to(torch.long)
     n = 0 if b.sample_index is None or b.prompt_logprobs or not self.keep_rows else b.sample_index.numel()
-    if 0 < n < len(ids): ctx.keep_rows = b.sample_index
-    with set_forward_context(ctx): h = self.model(ids, pos)
+    if 0 < n < len(ids):
+        ctx.keep_rows = b.sample_index
+    with set_forward_context(ctx):
+        h = self.model(ids, pos)
     b.rows_kept = ctx.keep_rows is not None and h.shape[0] == n
     return h
+
 
 def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
     """`parts` flattened into one array of `dtype`, each from a 16-byte boundary (the alignment Triton specializes
     pointers on: a view of the device copy must not make a kernel compile again); with each part's offset."""
     a, offs, n = 16 // np.dtype(dtype).itemsize, [], 0
-    for x in parts: offs.append(n); n += -(-x.size // a) * a
+    for x in parts:
+        offs.append(n)
+        n += -(-x.size // a) * a
     out = np.zeros(n, dtype=dtype)
-    for x, o in zip(parts, offs): out[o:o + x.size] = x.ravel()
+    for x, o in zip(parts, offs):
+        out[o : o + x.size] = x.ravel()
     return out, offs
+
 
 @patch
 def _upload(self: ModelRunner, b: InputBatch) -> tuple:
@@ -329,51 +462,65 @@ def _upload(self: ModelRunner, b: InputBatch) -> tuple:
     meta = [b.query_start_loc, b.seq_lens, b.block_tables, *[t for _, t in b.group_tables]]
     (hi, hoffs), (hm, moffs) = _packed(ints, np.int64), _packed(meta, np.int32)
     di, dm = to_device(hi, self.device), to_device(hm, self.device)
-    ids, pos, slots, *gslots, si = [di[o:o + x.size] for x, o in zip(ints, hoffs)][:len(ints) - len(prev)]
-    if prev: b.prev_rows = tuple(di[o:o + x.size] for x, o in zip(prev, hoffs[-2:]))
-    qsl, seq_lens, bt, *gtabs = [dm[o:o + x.size].view(x.shape) for x, o in zip(meta, moffs)]
-    if samp.size: b.sample_index = si
+    ids, pos, slots, *gslots, si = [di[o : o + x.size] for x, o in zip(ints, hoffs)][: len(ints) - len(prev)]
+    if prev:
+        b.prev_rows = tuple(di[o : o + x.size] for x, o in zip(prev, hoffs[-2:]))
+    qsl, seq_lens, bt, *gtabs = [dm[o : o + x.size].view(x.shape) for x, o in zip(meta, moffs)]
+    if samp.size:
+        b.sample_index = si
     return ids, pos, slots, qsl, seq_lens, bt, list(zip(gslots, gtabs))
+
 
 def placeholder_rows(so: SchedulerOutput, b: InputBatch, prev_reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
     "The rows of step `so` whose token is a placeholder, and the index of each one's request in `prev_reqs`."
     at = {id(r): i for i, r in enumerate(prev_reqs)}
-    ends = np.asarray(b.query_start_loc[1:], dtype=np.int64) - 1          # a placeholder is a request's last token
+    ends = np.asarray(b.query_start_loc[1:], dtype=np.int64) - 1  # a placeholder is a request's last token
     pick = [(ends[i], at[id(r)]) for i, r in enumerate(so.scheduled) if r.has_placeholder and id(r) in at]
     rows, src = (np.asarray(x, dtype=np.int64) for x in zip(*pick)) if pick else (np.zeros(0, np.int64),) * 2
     assert (np.asarray(b.input_ids)[rows] == PLACEHOLDER).all(), "a placeholder row must be its request's last"
     return rows, src
 
+
 @patch
 @torch.inference_mode()
-def launch(self: ModelRunner, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-           prev_reqs: list[Request] | None = None) -> StepHandle:
+def launch(
+    self: ModelRunner,
+    so: SchedulerOutput,
+    prev_tokens: torch.Tensor | None = None,
+    prev_reqs: list[Request] | None = None,
+) -> StepHandle:
     """Run one scheduled step and sample the requests that are caught up. When no request needs host-side
     sampling (log-probs, logits processors, penalties, min_tokens), nothing waits for the device: the handle
     holds the token ids on the device. `prev_tokens` (async scheduling): the last step's sampled ids, still on the
     device, in place of the host's placeholders: a decode step's input ids row for row, or, with `prev_reqs` (the
     request of each of them), the input of every row of `so` whose token is a placeholder (a mixed step)."""
     b = self.prepare_inputs(so)
-    if prev_reqs is not None: b.prev_rows = placeholder_rows(so, b, prev_reqs)
+    if prev_reqs is not None:
+        b.prev_rows = placeholder_rows(so, b, prev_reqs)
     hidden = self._forward(so, b, prev_tokens)
     sample_reqs = b.sample_reqs
     if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
         tokens = self.sampler.sample_tokens(self.compute_logits(hidden[b.sample_at]), sample_reqs)
-        if not self.tok_host: return StepHandle(sample_reqs, tokens)
-        host = self.tok_host[self.tok_i]; self.tok_i ^= 1
-        host[:len(sample_reqs)].copy_(tokens, non_blocking=True)
-        ev = torch.cuda.Event(); ev.record()
+        if not self.tok_host:
+            return StepHandle(sample_reqs, tokens)
+        host = self.tok_host[self.tok_i]
+        self.tok_i ^= 1
+        host[: len(sample_reqs)].copy_(tokens, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
         return StepHandle(sample_reqs, tokens, host, ev)
     out = ModelRunnerOutput()
     for r, rows, targets in b.prompt_logprobs:
         lp = torch.log_softmax(self.compute_logits(hidden[rows]).float(), -1)
-        out.prompt_logprobs[r.request_id] = topk_logprobs(lp, torch.tensor(targets, device=lp.device),
-                                                          r.sampling_params.prompt_logprobs)
+        out.prompt_logprobs[r.request_id] = topk_logprobs(
+            lp, torch.tensor(targets, device=lp.device), r.sampling_params.prompt_logprobs
+        )
     if sample_reqs:
         s = self.sampler(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
             out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp
     return StepHandle(sample_reqs, output=out)
+
 
 @patch
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -391,21 +538,29 @@ def graph_sizes(self: ModelRunner) -> list[int]:
 @contextlib.contextmanager
 def blas_backend(name: str | None):
     "Matmuls in this block, and the graphs captured in it, use BLAS library `name` ('cublas', 'cublaslt'); None: as is."
-    if name is None: yield; return
+    if name is None:
+        yield
+        return
     prev = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(name)
-    try: yield
-    finally: torch.backends.cuda.preferred_blas_library(prev)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
+
 
 def blas_for_rows(bs: int, cublaslt_rows: list[int]) -> str | None:
     "'cublaslt' for a row count in the inclusive range `cublaslt_rows` (`[lo, hi]`; empty: none), else None."
     return 'cublaslt' if cublaslt_rows and cublaslt_rows[0] <= bs <= cublaslt_rows[1] else None
 
+
 @patch
 def graph_blas(self: ModelRunner, bs: int) -> str | None:
     "The BLAS library to capture the decode graph of `bs` rows with (`configs/blas_decode` of this GPU), or None."
-    if self.device.type != 'cuda': return None
+    if self.device.type != 'cuda':
+        return None
     return blas_for_rows(bs, configs_for('blas_decode', self.device)['default']['cublaslt_rows'])
+
 
 @patch
 @torch.inference_mode()
@@ -418,30 +573,37 @@ def capture_cudagraphs(self: ModelRunner, progress: bool = True):
     # filled by one pinned copy per step; the block tables of every group in one int32 buffer
     self.g_in = torch.tensor([[0], [0], [-1], [1]] + [[-1]] * (G - 1), device=dev).repeat(1, n)
     self.g_ids, self.g_pos, self.g_slots = self.g_in[0], self.g_in[1], self.g_in[2]
-    self.g_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)    # the kernels' int32, one cast per step
+    self.g_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # the kernels' int32, one cast per step
     self.g_bt = torch.zeros(G, n, nblk, dtype=torch.int32, device=dev)
     self.g_qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
     self.g_staging = torch.zeros(3 + G, n, dtype=torch.long).pin_memory()
     self.g_bt_staging = torch.zeros(G, n, nblk, dtype=torch.int32).pin_memory()
-    self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()   # cheap host writes
+    self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()  # cheap host writes
     self.g_hidden, self.g_hidden_short, pool = {}, {}, None
     from tqdm.auto import tqdm
     from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
+
     self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
     todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
     todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
     for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
-        ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[:bs + 1], self.g_seq_lens[:bs], self.g_bt[0, :bs], 1, L)
-        if G > 1: ctx.kv_groups = [(self.g_in[2 if g == 0 else 3 + g, :bs], self.g_bt[g, :bs]) for g in range(G)]
+        ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs], self.g_bt[0, :bs], 1, L)
+        if G > 1:
+            ctx.kv_groups = [(self.g_in[2 if g == 0 else 3 + g, :bs], self.g_bt[g, :bs]) for g in range(G)]
         with blas_backend(self.graph_blas(bs)), set_forward_context(ctx):
-            for _ in range(2): self.model(self.g_ids[:bs], self.g_pos[:bs])   # warm-up (Triton autotune/compile)
+            for _ in range(2):
+                self.model(self.g_ids[:bs], self.g_pos[:bs])  # warm-up (Triton autotune/compile)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool): h = self.model(self.g_ids[:bs], self.g_pos[:bs])
+            with torch.cuda.graph(g, pool=pool):
+                h = self.model(self.g_ids[:bs], self.g_pos[:bs])
         pool = g.pool()
-        if L == self.cfg.max_model_len: self.graphs[bs], self.g_hidden[bs] = g, h
-        else: self.short_graphs[bs], self.g_hidden_short[bs] = g, h
+        if L == self.cfg.max_model_len:
+            self.graphs[bs], self.g_hidden[bs] = g, h
+        else:
+            self.short_graphs[bs], self.g_hidden_short[bs] = g, h
     torch.cuda.synchronize()
+
 
 @patch
 def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -450,25 +612,41 @@ def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | Non
     bs = next(s for s in sorted(self.graphs) if s >= B)
     short = bs in self.short_graphs and b.max_seq_len <= self.short_len
     st, w = self.g_staging_np, b.block_tables.shape[1]
-    st[0, :B] = b.input_ids; st[1, :B] = b.positions; st[2, :B] = b.slot_mapping; st[3, :B] = b.seq_lens
-    st[0, B:bs] = 0; st[2, B:bs] = -1; st[3, B:bs] = 1      # padding rows: token 0, write nothing, attend to 1 slot
+    st[0, :B] = b.input_ids
+    st[1, :B] = b.positions
+    st[2, :B] = b.slot_mapping
+    st[3, :B] = b.seq_lens
+    st[0, B:bs] = 0
+    st[2, B:bs] = -1
+    st[3, B:bs] = 1  # padding rows: token 0, write nothing, attend to 1 slot
     self.g_bt_staging_np[0, :B, :w] = b.block_tables
-    for g, (slots, bt) in enumerate(b.group_tables, 1):     # KV cache groups 1.. (none for most models)
-        st[3 + g, :B] = slots; st[3 + g, B:bs] = -1; self.g_bt_staging_np[g, :B, :w] = bt
-    self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)   # two pinned copies, one cast
+    for g, (slots, bt) in enumerate(b.group_tables, 1):  # KV cache groups 1.. (none for most models)
+        st[3 + g, :B] = slots
+        st[3 + g, B:bs] = -1
+        self.g_bt_staging_np[g, :B, :w] = bt
+    self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)  # two pinned copies, one cast
     self.g_bt[:, :B, :w].copy_(self.g_bt_staging[:, :B, :w], non_blocking=True)
     self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
-    if prev_tokens is not None: self.g_ids[:B].copy_(prev_tokens)   # async scheduling: ids from the last step
-    if short: self.short_graphs[bs].replay(); return self.g_hidden_short[bs][:B]
+    if prev_tokens is not None:
+        self.g_ids[:B].copy_(prev_tokens)  # async scheduling: ids from the last step
+    if short:
+        self.short_graphs[bs].replay()
+        return self.g_hidden_short[bs][:B]
     self.graphs[bs].replay()
     return self.g_hidden[bs][:B]
 
 # %% ../../nbs/50_model_runner.ipynb #26bb5d28
 # each warm-up step: the (cached, new) tokens of each sequence; whether it asks for prompt log-probs (eager decode);
 # the prefill run's key bound for the step (None: the runner's)
-WARM_UP_STEPS = [([(100, 1), (20, 5)], False, None), ([(40, 1), (0, 20), (30, 60)], False, None),
-                 ([(100, 1), (50, 1)], True, None), ([(300, 1), (0, 300)], False, None), ([(600, 3)], False, None),
-                 ([(100, 1), (50, 1), (40, 20), (0, 30)], False, 30)]
+WARM_UP_STEPS = [
+    ([(100, 1), (20, 5)], False, None),
+    ([(40, 1), (0, 20), (30, 60)], False, None),
+    ([(100, 1), (50, 1)], True, None),
+    ([(300, 1), (0, 300)], False, None),
+    ([(600, 3)], False, None),
+    ([(100, 1), (50, 1), (40, 20), (0, 30)], False, 30),
+]
+
 
 @patch
 def warm_up_steps(self: ModelRunner) -> list[tuple[list[tuple[int, int]], bool, int | None]]:
@@ -477,8 +655,10 @@ def warm_up_steps(self: ModelRunner) -> list[tuple[list[tuple[int, int]], bool, 
     steps, T = list(WARM_UP_STEPS), 1
     cap = max(1, self.cfg.max_model_len - 1)
     while T <= self.cfg.max_num_batched_tokens:
-        steps.append(([(0, min(cap, T - i)) for i in range(0, T, cap)], False, None)); T *= 2
+        steps.append(([(0, min(cap, T - i)) for i in range(0, T, cap)], False, None))
+        T *= 2
     return steps
+
 
 @patch
 @torch.inference_mode()
@@ -490,26 +670,41 @@ def warm_up_kernels(self: ModelRunner) -> int:
     vocab = getattr(self.hf_config, 'vocab_size', None) or 2
     for seqs, plp, keys in self.warm_up_steps():
         nblk = [-(-(c + q) // bs) for c, q in seqs]
-        if (max(c + q for c, q in seqs) > self.cfg.max_model_len or sum(nblk) > self.num_blocks
-                or len(seqs) > self.cfg.max_num_seqs): continue
+        if (
+            max(c + q for c, q in seqs) > self.cfg.max_model_len
+            or sum(nblk) > self.num_blocks
+            or len(seqs) > self.cfg.max_num_seqs
+        ):
+            continue
         so, first = SchedulerOutput(), 0
         for i, ((c, q), k) in enumerate(zip(seqs, nblk)):
             greedy = i % 2 == 0 or plp
-            sp = SamplingParams(temperature=0.0 if greedy else 1.0, top_p=1.0 if greedy else 0.9, top_k=0 if greedy else 50,
-                                prompt_logprobs=0 if plp else None, seed=i)
+            sp = SamplingParams(
+                temperature=0.0 if greedy else 1.0,
+                top_p=1.0 if greedy else 0.9,
+                top_k=0 if greedy else 50,
+                prompt_logprobs=0 if plp else None,
+                seed=i,
+            )
             r = Request(f'warm-up-{n}-{i}', [(7 * j + i) % vocab for j in range(c + q)], sp, block_size=bs)
             r.num_computed_tokens = c
-            so.scheduled.append(r); so.num_scheduled_tokens[r.request_id] = q
-            so.block_tables[r.request_id] = list(range(first, first + k)); first += k
-        if len(self.kv_cache_groups) > 1: so.group_block_tables = [so.block_tables] * len(self.kv_cache_groups)
+            so.scheduled.append(r)
+            so.num_scheduled_tokens[r.request_id] = q
+            so.block_tables[r.request_id] = list(range(first, first + k))
+            first += k
+        if len(self.kv_cache_groups) > 1:
+            so.group_block_tables = [so.block_tables] * len(self.kv_cache_groups)
         bound, self.prefill_split_max_keys = self.prefill_split_max_keys, keys or self.prefill_split_max_keys
         try:
             h = self.launch(so)
-            if h is not None and h.reqs: h.result()
-        finally: self.prefill_split_max_keys = bound
+            if h is not None and h.reqs:
+                h.result()
+        finally:
+            self.prefill_split_max_keys = bound
         n += 1
     self.warm_up_sampled_rows()
     return n
+
 
 @patch
 @torch.inference_mode()
@@ -517,4 +712,5 @@ def warm_up_sampled_rows(self: ModelRunner):
     "The LM head and greedy sampling at each row count a step may sample (cuBLAS's kernels per count, lazily loaded)."
     h = torch.zeros(self.cfg.max_num_seqs, self.hf_config.hidden_size, dtype=self.cfg.torch_dtype, device=self.device)
     for m in range(1, self.cfg.max_num_seqs + 1):
-        if (logits := self.compute_logits(h[:m])) is not None: row_argmax(logits)   # tensor parallel: rank 0's
+        if (logits := self.compute_logits(h[:m])) is not None:
+            row_argmax(logits)  # tensor parallel: rank 0's

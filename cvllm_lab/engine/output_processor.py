@@ -21,6 +21,7 @@ __all__ = ['CompletionOutput', 'RequestOutput', 'RequestState', 'EngineObserver'
 @dataclass
 class CompletionOutput:
     "One of a request's `n` samples (vLLM's fields)."
+
     index: int
     text: str
     token_ids: list[int]
@@ -37,6 +38,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     "A request's prompt, its samples so far, and whether it is finished (vLLM's fields)."
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -59,16 +61,28 @@ class _Sample:
 class RequestState:
     "The front end's side of one request: its samples' tokens, log-probs and text, built from the core's token deltas."
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer, arrival_time: float):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        arrival_time: float,
+    ):
         self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, prompt_token_ids, params
         self.tok, self.arrival_time = tokenizer, arrival_time
         detok = tokenizer is not None
-        self.samples = [_Sample(IncrementalDetokenizer(tokenizer, prompt_token_ids, params) if detok else None,
-                                params.logprobs is not None) for _ in range(params.n)]
+        self.samples = [
+            _Sample(
+                IncrementalDetokenizer(tokenizer, prompt_token_ids, params) if detok else None,
+                params.logprobs is not None,
+            )
+            for _ in range(params.n)
+        ]
         self.prompt_logprobs, self.num_cached_tokens, self.num_preemptions = None, 0, 0
         self.first_token_time = self.last_token_time = self.finished_time = None
-        self.num_tokens_seen = 0   # the longest sample's length when the timing hooks last ran
+        self.num_tokens_seen = 0  # the longest sample's length when the timing hooks last ran
 
     def _lps(self, entries) -> dict:
         "`{token id: Logprob}` from `[id, logprob, rank]` triples, with decoded tokens when there is a tokenizer."
@@ -84,8 +98,10 @@ class RequestState:
 def update(self: RequestState, o: EngineCoreOutput) -> bool:
     "Apply one sample's new tokens; True if a stop string finished it while the core still runs it."
     s, sp = self.samples[o.index], self.params
-    if s.finish_reason is not None: return False
-    if not s.token_ids and o.index == 0: self.num_cached_tokens = o.num_cached_tokens
+    if s.finish_reason is not None:
+        return False
+    if not s.token_ids and o.index == 0:
+        self.num_cached_tokens = o.num_cached_tokens
     if o.prompt_logprobs is not None:
         self.prompt_logprobs = [None if d is None else self._lps(d) for d in o.prompt_logprobs]
     self.num_preemptions += o.num_preemptions
@@ -97,39 +113,74 @@ def update(self: RequestState, o: EngineCoreOutput) -> bool:
             s.logprobs.append(d)
             s.cum += d[tok].logprob
         stopped = j == last and o.finish_reason == 'stop'  # by EOS or a stop token id: its text is not shown
-        hit = None if s.detok is None else s.detok.update(
-            tok, len(s.token_ids), decode=sp.detokenize and (not stopped or sp.include_stop_str_in_output))
+        hit = (
+            None
+            if s.detok is None
+            else s.detok.update(
+                tok, len(s.token_ids), decode=sp.detokenize and (not stopped or sp.include_stop_str_in_output)
+            )
+        )
         if hit is not None and not stopped:  # a stop string: the sample ends here, whatever the core decided
             s.finish_reason, s.stop_reason = 'stop', hit
             return not (j == last and o.finish_reason is not None)
-    if o.finish_reason is not None: s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+    if o.finish_reason is not None:
+        s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
     return False
 
 
 @patch
 def output(self: RequestState) -> RequestOutput:
     "The request so far (cumulative), a snapshot safe to hand out."
-    outs = [CompletionOutput(i, '' if s.detok is None else s.detok.visible_text(s.finish_reason is not None),
-                             list(s.token_ids), s.cum if s.logprobs is not None else None,
-                             list(s.logprobs) if s.logprobs is not None else None, s.finish_reason, s.stop_reason)
-            for i, s in enumerate(self.samples)]
-    metrics = dict(arrival_time=self.arrival_time, first_token_time=self.first_token_time,
-                   finished_time=self.finished_time, num_preemptions=self.num_preemptions)
-    return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
-                         self.finished, self.num_cached_tokens, metrics)
+    outs = [
+        CompletionOutput(
+            i,
+            '' if s.detok is None else s.detok.visible_text(s.finish_reason is not None),
+            list(s.token_ids),
+            s.cum if s.logprobs is not None else None,
+            list(s.logprobs) if s.logprobs is not None else None,
+            s.finish_reason,
+            s.stop_reason,
+        )
+        for i, s in enumerate(self.samples)
+    ]
+    metrics = dict(
+        arrival_time=self.arrival_time,
+        first_token_time=self.first_token_time,
+        finished_time=self.finished_time,
+        num_preemptions=self.num_preemptions,
+    )
+    return RequestOutput(
+        self.request_id,
+        self.prompt,
+        self.prompt_token_ids,
+        self.prompt_logprobs,
+        outs,
+        self.finished,
+        self.num_cached_tokens,
+        metrics,
+    )
 
 # %% ../../nbs/58_output_processor.ipynb #3bb5b1a4
 class EngineObserver:
     "Hooks the output processor calls as outputs arrive; override the ones you need."
-    def first_token(self, ttft: float): pass
-    def tokens(self, itl: float, n: int): pass
-    def finished(self, output: RequestOutput, e2e: float): pass
-    def aborted(self): pass
+
+    def first_token(self, ttft: float):
+        pass
+
+    def tokens(self, itl: float, n: int):
+        pass
+
+    def finished(self, output: RequestOutput, e2e: float):
+        pass
+
+    def aborted(self):
+        pass
 
 
 @dataclass
 class ProcessedOutputs:
     "What one step's outputs made: the requests' outputs, and the samples the core must stop (stop strings)."
+
     request_outputs: list[RequestOutput] = field(default_factory=list)
     stops: list[tuple[str, int]] = field(default_factory=list)
 
@@ -141,11 +192,20 @@ class OutputProcessor:
         self.tokenizer, self.observer = tokenizer, observer or EngineObserver()
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float):
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ):
         "Start tracking a request (after the input processor made it, before the core's first output)."
-        if request_id in self.states: raise ValueError(f"Request id {request_id!r} is already in use")
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time)
+        if request_id in self.states:
+            raise ValueError(f'Request id {request_id!r} is already in use')
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time
+        )
 
     def abort(self, request_id: str) -> bool:
         "Forget a request (aborted, or failed in the core); False if it was not tracked."
@@ -159,13 +219,17 @@ class OutputProcessor:
 
 # %% ../../nbs/58_output_processor.ipynb #7f96b7da
 @patch
-def process_outputs(self: OutputProcessor, outputs: list[EngineCoreOutput], final_only: bool = False) -> ProcessedOutputs:
+def process_outputs(
+    self: OutputProcessor, outputs: list[EngineCoreOutput], final_only: bool = False
+) -> ProcessedOutputs:
     "Apply one step's outputs; the outputs of the requests they touched (only finished ones with `final_only`)."
     res, touched = ProcessedOutputs(), {}
     for o in outputs:
         st = self.states.get(o.request_id)
-        if st is None: continue  # aborted meanwhile
-        if st.update(o): res.stops.append((o.request_id, o.index))
+        if st is None:
+            continue  # aborted meanwhile
+        if st.update(o):
+            res.stops.append((o.request_id, o.index))
         touched[o.request_id] = st
     now = time.time()
     for rid, st in touched.items():
@@ -174,10 +238,12 @@ def process_outputs(self: OutputProcessor, outputs: list[EngineCoreOutput], fina
             if st.first_token_time is None:
                 st.first_token_time = now
                 self.observer.first_token(now - st.arrival_time)
-            else: self.observer.tokens((now - st.last_token_time) / (n - st.num_tokens_seen), n - st.num_tokens_seen)
+            else:
+                self.observer.tokens((now - st.last_token_time) / (n - st.num_tokens_seen), n - st.num_tokens_seen)
             st.last_token_time, st.num_tokens_seen = now, n
         done = st.finished
-        if done: st.finished_time = now
+        if done:
+            st.finished_time = now
         if done or not final_only:
             out = st.output()
             res.request_outputs.append(out)

@@ -6,7 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/request.html.md"""
 
 # %% ../../nbs/02_request.ipynb #1e0cab76
 from __future__ import annotations
-import enum, hashlib, time
+import enum
+import hashlib
+import time
 from array import array
 import torch
 from ..sampling_params import SamplingParams
@@ -17,6 +19,7 @@ __all__ = ['PLACEHOLDER', 'RequestStatus', 'hash_block', 'Request']
 # %% ../../nbs/02_request.ipynb #4dd38862
 class RequestStatus(enum.IntEnum):
     "Lifecycle of a request; every status from FINISHED_STOPPED on is final."
+
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -25,14 +28,16 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
 
     @property
-    def finished(self) -> bool: return self >= RequestStatus.FINISHED_STOPPED
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
         return {3: 'stop', 4: 'length', 5: 'abort'}.get(int(self))
 
 # %% ../../nbs/02_request.ipynb #0f9272e5
-PLACEHOLDER = -1   # a token id sampled on the GPU but not yet copied to the host (async scheduling)
+PLACEHOLDER = -1  # a token id sampled on the GPU but not yet copied to the host (async scheduling)
+
 
 def hash_block(parent: bytes | None, token_ids) -> bytes:
     "Chained hash of one full block: sha256(parent hash + the block's token ids)."
@@ -41,31 +46,43 @@ def hash_block(parent: bytes | None, token_ids) -> bytes:
 # %% ../../nbs/02_request.ipynb #8ed2730d
 class Request:
     "A request's tokens, progress, sampling settings and results."
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids=(), block_size: int = 16, arrival_time: float | None = None,
-                 prompt: str | None = None, priority: int = 0):
-        if not prompt_token_ids: raise ValueError("The prompt is empty: give at least one token")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
-            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids=(),
+        block_size: int = 16,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ):
+        if not prompt_token_ids:
+            raise ValueError('The prompt is empty: give at least one token')
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f'priority must be a 64-bit integer, got {priority!r}')
         self.request_id, self.prompt, self.sampling_params = request_id, prompt, sampling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.eos_token_ids, self.block_size = frozenset(eos_token_ids), block_size
         self.arrival_time = arrival_time or time.time()
-        self.priority = priority             # the priority policy runs lower values first (vLLM's meaning)
+        self.priority = priority  # the priority policy runs lower values first (vLLM's meaning)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1          # prefix-cache hit at first scheduling (-1: not scheduled yet)
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = [None] if sampling_params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.generator = None   # CPU sampling: a per-request generator when seeded
+        self.generator = None  # CPU sampling: a per-request generator when seeded
         # GPU sampling: a Philox key; random (from torch's global RNG, seeded by the engine) when no seed is given
-        self.sample_seed = sampling_params.seed if sampling_params.seed is not None else int(torch.randint(0, 2**62, ()))
+        self.sample_seed = (
+            sampling_params.seed if sampling_params.seed is not None else int(torch.randint(0, 2**62, ()))
+        )
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.first_token_time: float | None = None
@@ -73,35 +90,47 @@ class Request:
         self._update_block_hashes()
 
     @property
-    def num_tokens(self) -> int: return len(self.all_token_ids)
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
     @property
-    def num_prompt_tokens(self) -> int: return len(self.prompt_token_ids)
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
     @property
-    def num_output_tokens(self) -> int: return len(self.output_token_ids)
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
     @property
-    def is_finished(self) -> bool: return self.status.finished
+    def is_finished(self) -> bool:
+        return self.status.finished
+
     @property
-    def finish_reason(self) -> str | None: return self.status.finish_reason
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
 
     def append_output_token(self, token_id: int):
         "Add a sampled token (and extend the block hashes when a block fills up)."
-        if self.first_token_time is None: self.first_token_time = time.time()
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
 
     def append_placeholder(self):
         "Async scheduling: count the token being sampled on the GPU now, so the next step can be scheduled before it is known."
-        assert not self.has_placeholder, "one token in flight at a time"
+        assert not self.has_placeholder, 'one token in flight at a time'
         self.has_placeholder = True
-        self.output_token_ids.append(PLACEHOLDER); self.all_token_ids.append(PLACEHOLDER)
+        self.output_token_ids.append(PLACEHOLDER)
+        self.all_token_ids.append(PLACEHOLDER)
 
     def resolve_placeholder(self, token_id: int):
         "Put the sampled token in the placeholder's place (the last token) and hash what it completes."
         assert self.has_placeholder and self.all_token_ids[-1] == PLACEHOLDER
         self.has_placeholder = False
         self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
-        if self.first_token_time is None: self.first_token_time = time.time()
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
         self._update_block_hashes()
 
     def _update_block_hashes(self):
@@ -109,8 +138,10 @@ class Request:
         bs = self.block_size
         for i in range(len(self.block_hashes), (self.num_tokens - self.has_placeholder) // bs):
             parent = self.block_hashes[-1] if i else None
-            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs]))
 
     def __repr__(self):
-        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
-                f"{self.num_tokens}, out={self.num_output_tokens})")
+        return (
+            f'Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/'
+            f'{self.num_tokens}, out={self.num_output_tokens})'
+        )

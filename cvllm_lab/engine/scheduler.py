@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/scheduler.html.md"""
 
 # %% ../../nbs/11_scheduler.ipynb #4887e250
 from __future__ import annotations
-import bisect, sys
+import bisect
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from fastcore.basics import patch
@@ -20,6 +21,7 @@ __all__ = ['SchedulerOutput', 'QueueFullError', 'Scheduler']
 @dataclass
 class SchedulerOutput:
     "What one step computes: the scheduled requests (in batch order) and their token counts."
+
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
@@ -28,22 +30,36 @@ class SchedulerOutput:
     group_block_tables: list[dict[str, list[int]]] = field(default_factory=list)
 
     @property
-    def total_num_scheduled_tokens(self) -> int: return sum(self.num_scheduled_tokens.values())
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
     @property
-    def is_empty(self) -> bool: return not self.scheduled
+    def is_empty(self) -> bool:
+        return not self.scheduled
 
 # %% ../../nbs/11_scheduler.ipynb #03bd9460
 class QueueFullError(RuntimeError):
     "The waiting queue already holds `max_num_queued_requests` requests; try again later (the server answers 503)."
 
-_KEY = lambda r: (r.priority, r.arrival_time)   # the priority policy's order: lower priority value, then earlier arrival
+
+_KEY = lambda r: (r.priority, r.arrival_time)  # the priority policy's order: lower priority value, then earlier arrival
+
 
 class Scheduler:
     "Continuous batching with chunked prefill, prefix caching and preemption by recompute."
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int = 8192, max_model_len: int = sys.maxsize,
-                 max_num_queued_requests: int | None = None, policy: str = 'fcfs'):
-        if policy not in ('fcfs', 'priority'): raise ValueError(f"Unknown scheduling policy {policy!r}; use fcfs or priority")
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk_size: int = 8192,
+        max_model_len: int = sys.maxsize,
+        max_num_queued_requests: int | None = None,
+        policy: str = 'fcfs',
+    ):
+        if policy not in ('fcfs', 'priority'):
+            raise ValueError(f'Unknown scheduling policy {policy!r}; use fcfs or priority')
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_size, self.max_model_len = prefill_chunk_size, max_model_len
         self.max_num_queued_requests, self.policy = max_num_queued_requests, policy
@@ -56,41 +72,52 @@ class Scheduler:
         "Queue a request, or the samples of one (all or none); `QueueFullError` when the waiting queue is full."
         reqs = [req] if isinstance(req, Request) else list(req)
         if self.policy == 'fcfs' and (bad := next((r.priority for r in reqs if r.priority != 0), 0)):
-            raise ValueError(f"priority={bad} needs the priority scheduling policy (this engine schedules fcfs)")
+            raise ValueError(f'priority={bad} needs the priority scheduling policy (this engine schedules fcfs)')
         cap = self.max_num_queued_requests
         if cap is not None:
-            if len(reqs) > cap: raise ValueError(f"{len(reqs)} sequences can never fit a waiting queue of {cap}")
+            if len(reqs) > cap:
+                raise ValueError(f'{len(reqs)} sequences can never fit a waiting queue of {cap}')
             if len(self.waiting) + len(reqs) > cap:
-                raise QueueFullError(f"The waiting queue is full ({len(self.waiting)} of max_num_queued_requests={cap})")
+                raise QueueFullError(
+                    f'The waiting queue is full ({len(self.waiting)} of max_num_queued_requests={cap})'
+                )
         for r in reqs:
             self.requeue(r)
             self.requests[r.request_id] = r
 
     def requeue(self, req: Request, front: bool = False):
         "fcfs: the back of the queue (the front for a preempted request); priority: its place in `(priority, arrival)` order."
-        if self.policy == 'priority': self.waiting.insert(bisect.bisect_right(self.waiting, _KEY(req), key=_KEY), req)
-        elif front: self.waiting.appendleft(req)
-        else: self.waiting.append(req)
+        if self.policy == 'priority':
+            self.waiting.insert(bisect.bisect_right(self.waiting, _KEY(req), key=_KEY), req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     @property
-    def num_unfinished(self) -> int: return len(self.waiting) + len(self.running)
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
 
 # %% ../../nbs/11_scheduler.ipynb #71604ad5
 @patch
 def _num_new(self: Scheduler, req: Request, num_computed: int, budget: int) -> int:
     n = req.num_tokens - num_computed
-    if self.prefill_chunk_size > 0: n = min(n, self.prefill_chunk_size)
+    if self.prefill_chunk_size > 0:
+        n = min(n, self.prefill_chunk_size)
     return min(n, budget)
+
 
 @patch
 def _preempt(self: Scheduler, out: SchedulerOutput) -> Request:
     "Free the blocks of a running request (fcfs: the newest; priority: the highest `(priority, arrival)`) and requeue it."
     victim = self.running[-1] if self.policy == 'fcfs' else max(self.running, key=_KEY)
     self.reset_request(victim)
-    victim.num_preemptions += 1; self.num_preemptions += 1
+    victim.num_preemptions += 1
+    self.num_preemptions += 1
     self.requeue(victim, front=True)
     out.preempted.append(victim)
     return victim
+
 
 @patch
 def schedule(self: Scheduler) -> SchedulerOutput:
@@ -100,53 +127,74 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     while i < len(self.running) and budget > 0:
         req = self.running[i]
         n = self._num_new(req, req.num_computed_tokens, budget)
-        if n <= 0: i += 1; continue
+        if n <= 0:
+            i += 1
+            continue
         while not self.kv.allocate_slots(req, n):
             victim = self._preempt(out)
-            if victim.request_id in out.num_scheduled_tokens:   # priority: scheduled earlier in this step; undo it
-                out.scheduled.remove(victim); budget += out.num_scheduled_tokens.pop(victim.request_id); i -= 1
-            if victim is req: break
+            if victim.request_id in out.num_scheduled_tokens:  # priority: scheduled earlier in this step; undo it
+                out.scheduled.remove(victim)
+                budget += out.num_scheduled_tokens.pop(victim.request_id)
+                i -= 1
+            if victim is req:
+                break
         else:
-            out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
-            budget -= n; i += 1
-    if not out.preempted:   # don't admit new work in a step that had to preempt
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            i += 1
+    if not out.preempted:  # don't admit new work in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = self._num_new(req, num_hit, budget)
-            if self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit: break  # must fit whole
-            if not self.kv.allocate_slots(req, n, hit_blocks): break
+            if self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit:
+                break  # must fit whole
+            if not self.kv.allocate_slots(req, n, hit_blocks):
+                break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0: req.num_cached_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(req); out.num_scheduled_tokens[req.request_id] = n
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
             budget -= n
     out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r in out.scheduled}
     if self.kv.num_groups > 1:
-        out.group_block_tables = [out.block_tables] + [{r.request_id: self.kv.block_table(r.request_id, g) for r in out.scheduled}
-                                                       for g in range(1, self.kv.num_groups)]
+        out.group_block_tables = [out.block_tables] + [
+            {r.request_id: self.kv.block_table(r.request_id, g) for r in out.scheduled}
+            for g in range(1, self.kv.num_groups)
+        ]
     return out
+
 
 @patch
 def reset_request(self: Scheduler, req: Request):
     """Take a request out of the queues with its blocks freed and nothing computed, as a preemption does (also after a
     failed step: a token in flight is dropped). `requeue` puts it back."""
     if req.has_placeholder:
-        req.output_token_ids.pop(); req.all_token_ids.pop(); req.has_placeholder = False
-    if req in self.running: self.running.remove(req)
-    elif req in self.waiting: self.waiting.remove(req)
+        req.output_token_ids.pop()
+        req.all_token_ids.pop()
+        req.has_placeholder = False
+    if req in self.running:
+        self.running.remove(req)
+    elif req in self.waiting:
+        self.waiting.remove(req)
     self.kv.free(req)
     req.num_computed_tokens = 0
-    if req.status == RequestStatus.RUNNING: req.status = RequestStatus.PREEMPTED
+    if req.status == RequestStatus.RUNNING:
+        req.status = RequestStatus.PREEMPTED
 
 # %% ../../nbs/11_scheduler.ipynb #b62d45bc
 @patch
 def update_computed(self: Scheduler, out: SchedulerOutput):
     "Advance `num_computed_tokens` by what the step computes."
     for req in out.scheduled:
-        if req.status == RequestStatus.RUNNING: req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+        if req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+
 
 @patch
 def update_from_output(self: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -154,25 +202,35 @@ def update_from_output(self: Scheduler, out: SchedulerOutput, sampled: dict[str,
     new = []
     for r in out.scheduled:
         tok = sampled.get(r.request_id)
-        if tok is None or r.is_finished: continue
-        if r.has_placeholder: r.resolve_placeholder(tok)
-        else: r.append_output_token(tok)
+        if tok is None or r.is_finished:
+            continue
+        if r.has_placeholder:
+            r.resolve_placeholder(tok)
+        else:
+            r.append_output_token(tok)
         new.append(r)
         sp, status = r.sampling_params, None
         if r.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and tok in r.eos_token_ids: status = RequestStatus.FINISHED_STOPPED
-            elif tok in sp.stop_token_ids: status, r.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            if not sp.ignore_eos and tok in r.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif tok in sp.stop_token_ids:
+                status, r.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH_CAPPED
-        if status is not None: self.finish(r, status)
+        if status is not None:
+            self.finish(r, status)
     return new
+
 
 @patch
 def finish(self: Scheduler, req: Request, status: RequestStatus):
     "Retire a request (stopped, length-capped or aborted) and free its blocks at once."
-    if req.is_finished: return
+    if req.is_finished:
+        return
     req.status = status
-    if req in self.running: self.running.remove(req)
-    elif req in self.waiting: self.waiting.remove(req)
+    if req in self.running:
+        self.running.remove(req)
+    elif req in self.waiting:
+        self.waiting.remove(req)
     self.kv.free(req)
     self.requests.pop(req.request_id, None)

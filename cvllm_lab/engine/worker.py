@@ -6,7 +6,13 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/worker.html.md"""
 
 # %% ../../nbs/56_worker.ipynb #9935d7bb
 from __future__ import annotations
-import atexit, dataclasses, functools, os, pickle, time, traceback
+import atexit
+import dataclasses
+import functools
+import os
+import pickle
+import time
+import traceback
 import multiprocessing as mp
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -18,10 +24,19 @@ from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
 from .scheduler import SchedulerOutput
 from .model_runner import ModelRunner, ModelRunnerOutput, StepHandle
-from ..utils.parallel_state import (DistInit, init_distributed, destroy_distributed, free_port, broadcast_object,
-                                            bind_to_gpu_numa_node, cuda_pci_bus_id, disable_nvlink_multicast,
-                                            get_tensor_model_parallel_world_size, get_tensor_model_parallel_rank,
-                                            tensor_model_parallel_min)
+from cvllm_lab.utils.parallel_state import (
+    DistInit,
+    init_distributed,
+    destroy_distributed,
+    free_port,
+    broadcast_object,
+    bind_to_gpu_numa_node,
+    cuda_pci_bus_id,
+    disable_nvlink_multicast,
+    get_tensor_model_parallel_world_size,
+    get_tensor_model_parallel_rank,
+    tensor_model_parallel_min,
+)
 
 # %% auto #0
 __all__ = ['STEP_TIMEOUT_S', 'NewRequestData', 'StepMessage', 'StepEncoder', 'RequestMirror', 'runner_view', 'Worker',
@@ -32,88 +47,132 @@ __all__ = ['STEP_TIMEOUT_S', 'NewRequestData', 'StepMessage', 'StepEncoder', 'Re
 @dataclass(slots=True)
 class NewRequestData:
     "A request the workers have not seen: its prompt and sampling settings (and the GPU sampler's seed)."
+
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     sample_seed: int
 
+
 @dataclass(slots=True)
 class StepMessage:
     "One step for the workers; the lists after `new_reqs` are per scheduled request, in batch order."
+
     new_reqs: list[NewRequestData] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)   # tokens appended since the last message
+    new_token_ids: list[list[int]] = field(default_factory=list)  # tokens appended since the last message
     num_computed_tokens: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)   # block ids appended to its table
-    replaced: list[str] = field(default_factory=list)              # tables sent whole (after a preemption)
-    prompt_lp_done: dict[str, int] = field(default_factory=dict)   # len(prompt_logprobs) of requests that want them
+    new_block_ids: list[list[int]] = field(default_factory=list)  # block ids appended to its table
+    replaced: list[str] = field(default_factory=list)  # tables sent whole (after a preemption)
+    prompt_lp_done: dict[str, int] = field(default_factory=dict)  # len(prompt_logprobs) of requests that want them
     finished_req_ids: list[str] = field(default_factory=list)
+
 
 class StepEncoder:
     "Engine side: `SchedulerOutput` -> the `StepMessage` of what the workers do not have yet."
-    def __init__(self): self.sent: dict[str, list] = {}   # req_id -> [request, tokens sent, table list, blocks sent]
+
+    def __init__(self):
+        self.sent: dict[str, list] = {}  # req_id -> [request, tokens sent, table list, blocks sent]
 
     def encode(self, so: SchedulerOutput) -> StepMessage:
         m = StepMessage()
         for rid in [rid for rid, s in self.sent.items() if s[0].is_finished]:
-            del self.sent[rid]; m.finished_req_ids.append(rid)
+            del self.sent[rid]
+            m.finished_req_ids.append(rid)
         for r in so.scheduled:
             rid, s = r.request_id, self.sent.get(r.request_id)
             if s is None:
                 m.new_reqs.append(NewRequestData(rid, r.prompt_token_ids, r.sampling_params, r.sample_seed))
                 s = self.sent[rid] = [r, r.num_prompt_tokens, None, 0]
             n_real = r.num_tokens - r.has_placeholder
-            m.new_token_ids.append(r.all_token_ids[s[1]:n_real]); s[1] = n_real
+            m.new_token_ids.append(r.all_token_ids[s[1] : n_real])
+            s[1] = n_real
             bt = so.block_tables[r.request_id]
-            if bt is not s[2] or len(bt) < s[3]:          # a new table (first time, or after a preemption)
-                if s[2] is not None: m.replaced.append(rid)
+            if bt is not s[2] or len(bt) < s[3]:  # a new table (first time, or after a preemption)
+                if s[2] is not None:
+                    m.replaced.append(rid)
                 s[2], s[3] = bt, 0
-            m.new_block_ids.append(list(bt[s[3]:])); s[3] = len(bt)
+            m.new_block_ids.append(list(bt[s[3] :]))
+            s[3] = len(bt)
             m.req_ids.append(rid)
             m.num_computed_tokens.append(r.num_computed_tokens)
             m.num_scheduled_tokens.append(so.num_scheduled_tokens[rid])
-            if r.prompt_logprobs is not None: m.prompt_lp_done[rid] = len(r.prompt_logprobs)
+            if r.prompt_logprobs is not None:
+                m.prompt_lp_done[rid] = len(r.prompt_logprobs)
         return m
 
 # %% ../../nbs/56_worker.ipynb #e050901f
 class RequestMirror:
     "Worker side: the requests as the engine has them, rebuilt from `StepMessage`s."
+
     def __init__(self, block_size: int = 16):
         self.block_size, self.reqs, self.tables = block_size, {}, {}
 
     def apply(self, m: StepMessage) -> SchedulerOutput:
         "Update the mirrored requests and return this step's `SchedulerOutput`."
-        for rid in m.finished_req_ids: self.reqs.pop(rid, None); self.tables.pop(rid, None)
+        for rid in m.finished_req_ids:
+            self.reqs.pop(rid, None)
+            self.tables.pop(rid, None)
         for d in m.new_reqs:
             r = Request(d.req_id, d.prompt_token_ids, d.sampling_params, (), self.block_size)
             r.sample_seed, r.status = d.sample_seed, RequestStatus.RUNNING
             self.reqs[d.req_id], self.tables[d.req_id] = r, []
-        for rid in m.replaced: self.tables[rid] = []
+        for rid in m.replaced:
+            self.tables[rid] = []
         so = SchedulerOutput()
-        for rid, toks, c, n, blocks in zip(m.req_ids, m.new_token_ids, m.num_computed_tokens, m.num_scheduled_tokens,
-                                           m.new_block_ids):
+        for rid, toks, c, n, blocks in zip(
+            m.req_ids, m.new_token_ids, m.num_computed_tokens, m.num_scheduled_tokens, m.new_block_ids
+        ):
             r, t = self.reqs[rid], self.tables[rid]
-            if toks: r.output_token_ids += toks; r.all_token_ids += toks
+            if toks:
+                r.output_token_ids += toks
+                r.all_token_ids += toks
             r.num_computed_tokens = c
             t += blocks
-            if rid in m.prompt_lp_done: r.prompt_logprobs += [None] * (m.prompt_lp_done[rid] - len(r.prompt_logprobs))
-            so.scheduled.append(r); so.num_scheduled_tokens[rid] = n; so.block_tables[rid] = t
+            if rid in m.prompt_lp_done:
+                r.prompt_logprobs += [None] * (m.prompt_lp_done[rid] - len(r.prompt_logprobs))
+            so.scheduled.append(r)
+            so.num_scheduled_tokens[rid] = n
+            so.block_tables[rid] = t
         return so
 
 # %% ../../nbs/56_worker.ipynb #66c2d668
 def runner_view(so: SchedulerOutput) -> list[tuple]:
     "What a model runner reads of a `SchedulerOutput`, per scheduled request (to compare two of them)."
-    return [(r.request_id, list(r.all_token_ids), r.num_computed_tokens, so.num_scheduled_tokens[r.request_id],
-             list(so.block_tables[r.request_id]), r.sampling_params.seed, r.sample_seed,
-             None if r.prompt_logprobs is None else len(r.prompt_logprobs)) for r in so.scheduled]
+    return [
+        (
+            r.request_id,
+            list(r.all_token_ids),
+            r.num_computed_tokens,
+            so.num_scheduled_tokens[r.request_id],
+            list(so.block_tables[r.request_id]),
+            r.sampling_params.seed,
+            r.sample_seed,
+            None if r.prompt_logprobs is None else len(r.prompt_logprobs),
+        )
+        for r in so.scheduled
+    ]
 
 # %% ../../nbs/56_worker.ipynb #9d2733ef
 class Worker:
     "One rank: its device, its place in the group, its CPU binding, and the model runner it wraps."
-    def __init__(self, init: DistInit, device: str = 'cpu', numa_bind: bool = True, block_size: int = 16,
-                 timeout_s: float | None = None):
-        self.init, self.rank, self.device, self.numa_bind, self.timeout_s = init, init.rank, torch.device(device), numa_bind, timeout_s
+
+    def __init__(
+        self,
+        init: DistInit,
+        device: str = 'cpu',
+        numa_bind: bool = True,
+        block_size: int = 16,
+        timeout_s: float | None = None,
+    ):
+        self.init, self.rank, self.device, self.numa_bind, self.timeout_s = (
+            init,
+            init.rank,
+            torch.device(device),
+            numa_bind,
+            timeout_s,
+        )
         self.mirror, self.runner, self.numa_cpus = RequestMirror(block_size), None, None
 
     def init_device(self):
@@ -140,20 +199,37 @@ class Worker:
         return a(*args) if callable(a) else a
 
     def info(self) -> dict:
-        return dict(rank=self.rank, pid=os.getpid(), device=str(self.device), numa_cpus=self.numa_cpus,
-                    world_size=get_tensor_model_parallel_world_size(), num_blocks=getattr(self.runner, 'num_blocks', None))
+        return dict(
+            rank=self.rank,
+            pid=os.getpid(),
+            device=str(self.device),
+            numa_cpus=self.numa_cpus,
+            world_size=get_tensor_model_parallel_world_size(),
+            num_blocks=getattr(self.runner, 'num_blocks', None),
+        )
 
 # %% ../../nbs/56_worker.ipynb #0728fef2
 class WorkerError(RuntimeError):
     "A worker failed, died or stopped answering; the executor is unusable afterwards."
 
-def _send(conn, obj): conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
-def worker_main(init: DistInit, device: str, device_ids: list[int] | None, make_runner: Callable, conn,
-                numa_bind: bool = True, block_size: int = 16):
+def _send(conn, obj):
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def worker_main(
+    init: DistInit,
+    device: str,
+    device_ids: list[int] | None,
+    make_runner: Callable,
+    conn,
+    numa_bind: bool = True,
+    block_size: int = 16,
+):
     "A spawned worker's life: set up, report ready, then run messages until `shutdown` (or the pipe closes)."
     try:
-        if device_ids: os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, device_ids))   # before CUDA starts
+        if device_ids:
+            os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, device_ids))  # before CUDA starts
         w = Worker(init, device, numa_bind, block_size)
         w.init_device()
         w.load_model(make_runner)
@@ -162,40 +238,71 @@ def worker_main(init: DistInit, device: str, device_ids: list[int] | None, make_
             kind, *args = pickle.loads(conn.recv_bytes())
             if kind == 'step':
                 out = w.execute_step(args[0])
-                if w.rank == 0: _send(conn, ('ok', out))
-            elif kind == 'rpc': _send(conn, ('ok', w.rpc(*args)))
-            else: break                                    # 'shutdown'
-    except EOFError: pass                                  # the executor is gone
+                if w.rank == 0:
+                    _send(conn, ('ok', out))
+            elif kind == 'rpc':
+                _send(conn, ('ok', w.rpc(*args)))
+            else:
+                break  # 'shutdown'
+    except EOFError:
+        pass  # the executor is gone
     except BaseException:
-        try: _send(conn, ('error', traceback.format_exc()))
-        except Exception: pass
-        os._exit(1)                                        # the group is broken: no clean teardown to wait for
+        try:
+            _send(conn, ('error', traceback.format_exc()))
+        except Exception:
+            pass
+        os._exit(1)  # the group is broken: no clean teardown to wait for
     destroy_distributed()
 
 # %% ../../nbs/56_worker.ipynb #a693a35c
-STEP_TIMEOUT_S = envs.CVLLM_LAB_STEP_TIMEOUT   # seconds (envs: read once)
+STEP_TIMEOUT_S = envs.CVLLM_LAB_STEP_TIMEOUT  # seconds (envs: read once)
+
 
 class MultiprocExecutor:
     "Spawns `world_size` workers on this host; sends each step to all, returns rank 0's output."
-    def __init__(self, world_size: int, make_runner: Callable, device: str = 'cpu', device_ids: list[int] | None = None,
-                 block_size: int = 16, numa_bind: bool = True, master_port: int | None = None,
-                 start_timeout_s: float = 600, step_timeout_s: float | None = None):
+
+    def __init__(
+        self,
+        world_size: int,
+        make_runner: Callable,
+        device: str = 'cpu',
+        device_ids: list[int] | None = None,
+        block_size: int = 16,
+        numa_bind: bool = True,
+        master_port: int | None = None,
+        start_timeout_s: float = 600,
+        step_timeout_s: float | None = None,
+    ):
         if device_ids is not None and len(device_ids) != world_size:
-            raise ValueError(f"{len(device_ids)} device ids for {world_size} workers")
+            raise ValueError(f'{len(device_ids)} device ids for {world_size} workers')
         self.world_size, self.step_timeout_s, self.failed = world_size, step_timeout_s or STEP_TIMEOUT_S, None
         self.encoder = StepEncoder()
-        if str(device).startswith('cuda'): disable_nvlink_multicast()   # the workers inherit it as well
+        if str(device).startswith('cuda'):
+            disable_nvlink_multicast()  # the workers inherit it as well
         ctx, port = mp.get_context('spawn'), master_port or free_port()
         self.procs, self.conns = [], []
         for r in range(world_size):
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f'cvllm-worker-{r}', daemon=True,
-                            args=(DistInit(r, world_size, r, '127.0.0.1', port), device, device_ids, make_runner, theirs,
-                                  numa_bind, block_size))
-            p.start(); theirs.close()
-            self.procs.append(p); self.conns.append(ours)
+            p = ctx.Process(
+                target=worker_main,
+                name=f'cvllm-worker-{r}',
+                daemon=True,
+                args=(
+                    DistInit(r, world_size, r, '127.0.0.1', port),
+                    device,
+                    device_ids,
+                    make_runner,
+                    theirs,
+                    numa_bind,
+                    block_size,
+                ),
+            )
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
         self.infos = self._collect(range(world_size), start_timeout_s, 'start-up')
-        self.num_blocks = self.infos[0]['num_blocks']   # the runners' KV blocks (equal on every rank), as ModelRunner's
+        self.num_blocks = self.infos[0]['num_blocks']  # the runners' KV blocks (equal on every rank), as ModelRunner's
 
 # %% ../../nbs/56_worker.ipynb #dcb7034c
 @patch
@@ -205,6 +312,7 @@ def _fail(self: MultiprocExecutor, msg: str):
     self._stop(grace_s=0)
     raise WorkerError(msg)
 
+
 @patch
 def _collect(self: MultiprocExecutor, ranks, timeout_s: float, what: str) -> list:
     "Wait for the replies of `ranks` (rank order), watching every pipe and process; `WorkerError` on any failure."
@@ -213,20 +321,29 @@ def _collect(self: MultiprocExecutor, ranks, timeout_s: float, what: str) -> lis
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            self._fail(f"no reply from worker(s) {sorted(pending)} within {timeout_s:.0f} s during {what}: a worker hangs "
-                       f"(or waits in a collective for one that does)")
+            self._fail(
+                f'no reply from worker(s) {sorted(pending)} within {timeout_s:.0f} s during {what}: a worker hangs '
+                f'(or waits in a collective for one that does)'
+            )
         ready = wait(self.conns + [p.sentinel for p in self.procs], left)
-        for obj in sorted(ready, key=lambda o: isinstance(o, int)):   # pipes first: an error message before its exit
+        for obj in sorted(ready, key=lambda o: isinstance(o, int)):  # pipes first: an error message before its exit
             r = owner[obj if isinstance(obj, int) else id(obj)]
             if isinstance(obj, int) or not obj.poll():
-                if self.conns[r].poll(): continue                      # its last words are waiting: read them first
-                p = self.procs[r]; p.join(0.1)
-                self._fail(f"worker {r} (pid {p.pid}) died with exit code {p.exitcode} during {what}")
-            try: kind, payload = pickle.loads(obj.recv_bytes())
-            except (EOFError, OSError): continue                       # closed: its sentinel reports the death
-            if kind == 'error': self._fail_cause(r, payload, what)
-            got[r] = payload; pending.discard(r)
+                if self.conns[r].poll():
+                    continue  # its last words are waiting: read them first
+                p = self.procs[r]
+                p.join(0.1)
+                self._fail(f'worker {r} (pid {p.pid}) died with exit code {p.exitcode} during {what}')
+            try:
+                kind, payload = pickle.loads(obj.recv_bytes())
+            except (EOFError, OSError):
+                continue  # closed: its sentinel reports the death
+            if kind == 'error':
+                self._fail_cause(r, payload, what)
+            got[r] = payload
+            pending.discard(r)
     return [got[r] for r in sorted(got)]
+
 
 @patch
 def _fail_cause(self: MultiprocExecutor, r: int, payload: str, what: str, settle_s: float = 1.0):
@@ -235,32 +352,48 @@ def _fail_cause(self: MultiprocExecutor, r: int, payload: str, what: str, settle
     errors, closed, deadline = {r: payload}, set(), time.monotonic() + settle_s
     while time.monotonic() < deadline:
         for i, c in enumerate(self.conns):
-            if i in errors or i in closed or not c.poll(): continue
-            try: kind, pl = pickle.loads(c.recv_bytes())
-            except (EOFError, OSError): closed.add(i); continue
-            if kind == 'error': errors[i] = pl
+            if i in errors or i in closed or not c.poll():
+                continue
+            try:
+                kind, pl = pickle.loads(c.recv_bytes())
+            except (EOFError, OSError):
+                closed.add(i)
+                continue
+            if kind == 'error':
+                errors[i] = pl
         time.sleep(0.05)
-    own = [i for i in sorted(errors) if 'distributed_c10d' not in errors[i]]   # not raised inside a collective
-    if own: self._fail(f"worker {own[0]} failed during {what}:\n{errors[own[0]]}")
+    own = [i for i in sorted(errors) if 'distributed_c10d' not in errors[i]]  # not raised inside a collective
+    if own:
+        self._fail(f'worker {own[0]} failed during {what}:\n{errors[own[0]]}')
     dead = [i for i, p in enumerate(self.procs) if i not in errors and p.exitcode is not None]
-    if dead: self._fail(f"worker {dead[0]} (pid {self.procs[dead[0]].pid}) died with exit code {self.procs[dead[0]].exitcode} "
-                        f"during {what} (then worker {r}'s collective failed)")
-    self._fail(f"worker {r} failed during {what}:\n{payload}")
+    if dead:
+        self._fail(
+            f'worker {dead[0]} (pid {self.procs[dead[0]].pid}) died with exit code {self.procs[dead[0]].exitcode} '
+            f"during {what} (then worker {r}'s collective failed)"
+        )
+    self._fail(f'worker {r} failed during {what}:\n{payload}')
+
 
 @patch
 def _broadcast(self: MultiprocExecutor, obj):
-    if self.failed: raise WorkerError(self.failed)
+    if self.failed:
+        raise WorkerError(self.failed)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     for r, c in enumerate(self.conns):
-        try: c.send_bytes(data)
-        except OSError: self._fail(f"worker {r} is gone (its pipe is closed)")
+        try:
+            c.send_bytes(data)
+        except OSError:
+            self._fail(f'worker {r} is gone (its pipe is closed)')
+
 
 @patch
 def execute_model(self: MultiprocExecutor, so: SchedulerOutput):
     "Send the step to every worker; rank 0's output (its `ModelRunnerOutput`)."
-    if self.failed: raise WorkerError(self.failed)
+    if self.failed:
+        raise WorkerError(self.failed)
     self._broadcast(('step', self.encoder.encode(so)))
     return self._collect([0], self.step_timeout_s, 'a step')[0]
+
 
 @patch
 def collective_rpc(self: MultiprocExecutor, method: str, *args, timeout_s: float | None = None) -> list:
@@ -268,80 +401,108 @@ def collective_rpc(self: MultiprocExecutor, method: str, *args, timeout_s: float
     self._broadcast(('rpc', method, *args))
     return self._collect(range(self.world_size), timeout_s or self.step_timeout_s, f'rpc {method!r}')
 
+
 @patch
 def _stop(self: MultiprocExecutor, grace_s: float):
-    for p in self.procs: p.join(grace_s) if grace_s else None
     for p in self.procs:
-        if p.is_alive(): p.terminate()
+        p.join(grace_s) if grace_s else None
+    for p in self.procs:
+        if p.is_alive():
+            p.terminate()
     for p in self.procs:
         p.join(2)
-        if p.is_alive(): p.kill(); p.join(1)
-    for c in self.conns: c.close()
+        if p.is_alive():
+            p.kill()
+            p.join(1)
+    for c in self.conns:
+        c.close()
+
 
 @patch
 def shutdown(self: MultiprocExecutor):
     "Ask the workers to leave the group and exit; stop the ones that do not."
     if self.failed is None:
         for c in self.conns:
-            try: _send(c, ('shutdown',))
-            except OSError: pass
+            try:
+                _send(c, ('shutdown',))
+            except OSError:
+                pass
         self.failed = 'the executor was shut down'
         self._stop(grace_s=5)
 
+
 @patch
-def __enter__(self: MultiprocExecutor): return self
+def __enter__(self: MultiprocExecutor):
+    return self
+
+
 @patch
-def __exit__(self: MultiprocExecutor, *exc): self.shutdown()
+def __exit__(self: MultiprocExecutor, *exc):
+    self.shutdown()
 
 # %% ../../nbs/56_worker.ipynb #9ca18c90
 class DriverExecutor:
     "torchrun's rank 0: the engine's executor with worker 0 in process; steps broadcast to the other ranks."
+
     def __init__(self, worker: Worker):
         self.worker, self.encoder, self.world_size = worker, StepEncoder(), get_tensor_model_parallel_world_size()
         self.num_blocks, self.closed = worker.info()['num_blocks'], False
 
     def _bcast(self, obj, what):
-        try: return broadcast_object(obj)
-        except RuntimeError as e: raise WorkerError(f"a rank did not answer during {what}: {e}") from e
+        try:
+            return broadcast_object(obj)
+        except RuntimeError as e:
+            raise WorkerError(f'a rank did not answer during {what}: {e}') from e
 
     def execute_model(self, so: SchedulerOutput):
         m = self.encoder.encode(so)
         self._bcast(('step', m), 'a step')
-        try: return self.worker.execute_step(m)
-        except RuntimeError as e: raise WorkerError(f"a step failed on rank 0 (a peer may be gone): {e}") from e
+        try:
+            return self.worker.execute_step(m)
+        except RuntimeError as e:
+            raise WorkerError(f'a step failed on rank 0 (a peer may be gone): {e}') from e
 
     def shutdown(self):
         "Tell the other ranks to stop (once), then leave the group."
-        if self.closed: return
+        if self.closed:
+            return
         self.closed = True
         self._bcast(('shutdown',), 'shutdown')
         destroy_distributed()
+
 
 def worker_busy_loop(worker: Worker):
     "Ranks > 0 under torchrun: run the steps rank 0 broadcasts until it says `shutdown`."
     while True:
         kind, *args = broadcast_object(None)
-        if kind != 'step': return
+        if kind != 'step':
+            return
         worker.execute_step(args[0])
 
 # %% ../../nbs/56_worker.ipynb #8fb92837
 class TPModelRunner(ModelRunner):
     "`ModelRunner` on one tensor-parallel rank: the block count agreed over the ranks, messages on rank 0, sampling on rank 0."
+
     def __init__(self, cfg, hf_config, src=None, progress: bool = True):
         self.tp_rank = get_tensor_model_parallel_rank()
         super().__init__(cfg, hf_config, src, progress and self.tp_rank == 0)
 
-    def determine_num_blocks(self) -> int: return tensor_model_parallel_min(super().determine_num_blocks())
+    def determine_num_blocks(self) -> int:
+        return tensor_model_parallel_min(super().determine_num_blocks())
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
         "Rank 0: `ModelRunner.launch`. Other ranks: the same forward and the same `compute_logits` calls, no sampling."
-        if self.tp_rank == 0: return super().launch(so, prev_tokens)
+        if self.tp_rank == 0:
+            return super().launch(so, prev_tokens)
         b = self.prepare_inputs(so)
         hidden = self._forward(so, b, prev_tokens)
-        for _, rows, _ in b.prompt_logprobs: self.model.compute_logits(hidden[rows])   # rank 0's gathers, in its order
-        if b.sample_reqs: self.model.compute_logits(hidden[b.sample_at])
+        for _, rows, _ in b.prompt_logprobs:
+            self.model.compute_logits(hidden[rows])  # rank 0's gathers, in its order
+        if b.sample_reqs:
+            self.model.compute_logits(hidden[b.sample_at])
         return StepHandle([], output=ModelRunnerOutput())
+
 
 def make_tp_runner(cfg, hf_config, src, progress: bool, worker: Worker) -> TPModelRunner:
     "A worker's runner (`functools.partial` of it is what the executor sends to the workers): the model on its device."
@@ -353,16 +514,21 @@ def make_executor(cfg, hf_config, src=None, progress: bool = True):
     "The executor of a `tensor_parallel_size > 1` engine: in process under torchrun, else N spawned workers on this host."
     n, init = cfg.tensor_parallel_size, DistInit.from_env()
     make = functools.partial(make_tp_runner, cfg, hf_config, src, progress)
-    if init is not None and init.world_size > 1:           # one rank of a torchrun job
+    if init is not None and init.world_size > 1:  # one rank of a torchrun job
         if init.world_size != n:
-            raise ValueError(f"tensor_parallel_size={n} but torchrun started {init.world_size} processes "
-                             f"(--nnodes x --nproc-per-node): they must be equal")
+            raise ValueError(
+                f'tensor_parallel_size={n} but torchrun started {init.world_size} processes '
+                f'(--nnodes x --nproc-per-node): they must be equal'
+            )
         w = Worker(init, cfg.device, block_size=cfg.block_size)
-        w.init_device(); w.load_model(make)
-        if init.rank > 0:                                  # the engine is rank 0's: serve its steps, then leave
-            worker_busy_loop(w); destroy_distributed()
+        w.init_device()
+        w.load_model(make)
+        if init.rank > 0:  # the engine is rank 0's: serve its steps, then leave
+            worker_busy_loop(w)
+            destroy_distributed()
             raise SystemExit(0)
         ex = DriverExecutor(w)
-    else: ex = MultiprocExecutor(n, make, cfg.device, cfg.device_ids, cfg.block_size)
+    else:
+        ex = MultiprocExecutor(n, make, cfg.device, cfg.device_ids, cfg.block_size)
     atexit.register(ex.shutdown)
     return ex

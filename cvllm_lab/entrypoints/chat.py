@@ -6,7 +6,10 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/chat_cli.html.md"""
 
 # %% ../../nbs/79_chat_cli.ipynb #5f8e57dc
 from __future__ import annotations
-import argparse, json, time, uuid
+import argparse
+import json
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator
 import httpx
@@ -19,97 +22,143 @@ __all__ = ['HELP', 'ChatSettings', 'Delta', 'ChatError', 'HTTPBackend', 'LocalBa
 @dataclass
 class ChatSettings:
     "Sampling and prompt settings of a chat session; `None`: the server's default (the model's generation config)."
+
     system: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None
     seed: int | None = None
-    thinking: bool | None = None     # chat_template_kwargs.enable_thinking (None: the template's default)
+    thinking: bool | None = None  # chat_template_kwargs.enable_thinking (None: the template's default)
 
     def sampling(self) -> dict:
         "The sampling fields the user set (the rest is left to the server's defaults)."
-        return {k: v for k in ('temperature', 'top_p', 'top_k', 'max_tokens', 'seed') if (v := getattr(self, k)) is not None}
+        return {
+            k: v for k in ('temperature', 'top_p', 'top_k', 'max_tokens', 'seed') if (v := getattr(self, k)) is not None
+        }
 
     def messages(self, history: list[dict]) -> list[dict]:
         return ([{'role': 'system', 'content': self.system}] if self.system else []) + history
 
+
 @dataclass
 class Delta:
     "A piece of a streamed answer."
+
     content: str = ''
     reasoning: str = ''
     finish_reason: str | None = None
     usage: dict | None = None
 
-class ChatError(RuntimeError): "The server refused or failed the request."
+
+class ChatError(RuntimeError):
+    "The server refused or failed the request."
 
 # %% ../../nbs/79_chat_cli.ipynb #d1d020d6
 class HTTPBackend:
     "Streams chat completions from an OpenAI-compatible server."
-    def __init__(self, url: str = 'http://127.0.0.1:8000', api_key: str | None = None, model: str | None = None, timeout: float = 600):
+
+    def __init__(
+        self,
+        url: str = 'http://127.0.0.1:8000',
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 600,
+    ):
         self.base = url.rstrip('/').removesuffix('/v1')
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10),
-                                   headers={'Authorization': f'Bearer {api_key}'} if api_key else {})
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=10),
+            headers={'Authorization': f'Bearer {api_key}'} if api_key else {},
+        )
         self.model = model or self._first_model()
 
     def _first_model(self) -> str | None:
-        try: return self.client.get(self.base + '/v1/models').json()['data'][0]['id']
-        except Exception: return None
+        try:
+            return self.client.get(self.base + '/v1/models').json()['data'][0]['id']
+        except Exception:
+            return None
 
     def stream(self, messages: list[dict], s: ChatSettings) -> Iterator[Delta]:
-        body = dict(model=self.model, messages=messages, stream=True, stream_options={'include_usage': True}, **s.sampling())
-        if s.thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': s.thinking}
+        body = dict(
+            model=self.model, messages=messages, stream=True, stream_options={'include_usage': True}, **s.sampling()
+        )
+        if s.thinking is not None:
+            body['chat_template_kwargs'] = {'enable_thinking': s.thinking}
         with self.client.stream('POST', self.base + '/v1/chat/completions', json=body) as r:
             if r.status_code != 200:
                 r.read()
-                try: msg = r.json()['error']['message']
-                except Exception: msg = r.text[:500]
+                try:
+                    msg = r.json()['error']['message']
+                except Exception:
+                    msg = r.text[:500]
                 raise ChatError(f'HTTP {r.status_code}: {msg}')
             for line in r.iter_lines():
-                if not line.startswith('data:'): continue
+                if not line.startswith('data:'):
+                    continue
                 data = line[5:].strip()
-                if data == '[DONE]': return
+                if data == '[DONE]':
+                    return
                 chunk = json.loads(data)
-                if 'error' in chunk: raise ChatError(chunk['error'].get('message', str(chunk['error'])))
-                if chunk.get('usage'): yield Delta(usage=chunk['usage'])
+                if 'error' in chunk:
+                    raise ChatError(chunk['error'].get('message', str(chunk['error'])))
+                if chunk.get('usage'):
+                    yield Delta(usage=chunk['usage'])
                 for c in chunk.get('choices') or []:
                     d = c.get('delta') or {}
                     yield Delta(d.get('content') or '', d.get('reasoning_content') or '', c.get('finish_reason'))
 
+
 class LocalBackend:
     "Runs the engine in this process (no server)."
+
     def __init__(self, engine=None, cfg=None):
         from cvllm_lab.engine.llm_engine import LLMEngine
         from cvllm_lab.config import EngineConfig
+
         self.engine = engine or LLMEngine(cfg or EngineConfig(), progress=False)
         self.model = 'local'
 
     def stream(self, messages: list[dict], s: ChatSettings) -> Iterator[Delta]:
         from cvllm_lab.sampling_params import SamplingParams
         from cvllm_lab.entrypoints.openai.reasoning import ReasoningParser
+
         eng, tok = self.engine, self.engine.tokenizer
         kw = {} if s.thinking is None else {'enable_thinking': s.thinking}
-        prompt, ids = eng.input_processor.render_chat(messages, chat_template_kwargs=kw)   # as the server renders it
+        prompt, ids = eng.input_processor.render_chat(messages, chat_template_kwargs=kw)  # as the server renders it
         room = eng.cfg.max_model_len - len(ids)
-        if room < 1: raise ChatError(f'The conversation has {len(ids)} tokens, more than max_model_len={eng.cfg.max_model_len} allows; /reset it')
+        if room < 1:
+            raise ChatError(
+                f'The conversation has {len(ids)} tokens, more than max_model_len={eng.cfg.max_model_len} allows; /reset it'
+            )
         from cvllm_lab.sampling_params import diff_sampling_param
-        kw = {**diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf), **s.sampling()}   # as the server does
+
+        kw = {
+            **diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf),
+            **s.sampling(),
+        }  # as the server does
         kw['max_tokens'] = min(kw.get('max_tokens') or room, room)
         params = SamplingParams(**kw)
         split = ReasoningParser.for_prompt(prompt).stream() if '<think>' in (tok.chat_template or '') else None
         rid = uuid.uuid4().hex
-        try: eng.add_request(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params)
-        except ValueError as e: raise ChatError(str(e)) from None
+        try:
+            eng.add_request(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params)
+        except ValueError as e:
+            raise ChatError(str(e)) from None
         n, out = 0, None
         try:
             while eng.has_unfinished_requests():
                 for out in eng.step():
-                    if out.request_id != rid: continue
+                    if out.request_id != rid:
+                        continue
                     o = out.outputs[0]
                     new, n = o.text[n:], len(o.text)
-                    if split is None: ds = [Delta(new)] if new else []
-                    else: ds = [Delta(d.content or '', d.reasoning_content or '') for d in split.feed(new) + (split.finish() if o.finished else [])]
+                    if split is None:
+                        ds = [Delta(new)] if new else []
+                    else:
+                        ds = [
+                            Delta(d.content or '', d.reasoning_content or '')
+                            for d in split.feed(new) + (split.finish() if o.finished else [])
+                        ]
                     yield from ds
                     if o.finished:
                         yield Delta(finish_reason=o.finish_reason)
@@ -117,24 +166,32 @@ class LocalBackend:
                         yield Delta(usage=dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c))
                         return
         finally:
-            if eng.has_unfinished_requests(): eng.abort_request(rid)
+            if eng.has_unfinished_requests():
+                eng.abort_request(rid)
 
 # %% ../../nbs/79_chat_cli.ipynb #0dc020cc
-def chat_turn(backend, history: list[dict], settings: ChatSettings, on_delta: Callable[[Delta], None] | None = None) -> dict:
+def chat_turn(
+    backend, history: list[dict], settings: ChatSettings, on_delta: Callable[[Delta], None] | None = None
+) -> dict:
     "Stream one assistant answer to `history` (+ the system prompt); returns the message with its finish reason, usage and timing."
     msg = dict(role='assistant', content='', reasoning='', finish_reason=None, usage=None, ttft=None)
     t0 = time.perf_counter()
     stream = backend.stream(settings.messages(history), settings)
     try:
         for d in stream:
-            msg['content'] += d.content; msg['reasoning'] += d.reasoning
-            if (d.content or d.reasoning) and msg['ttft'] is None: msg['ttft'] = time.perf_counter() - t0
+            msg['content'] += d.content
+            msg['reasoning'] += d.reasoning
+            if (d.content or d.reasoning) and msg['ttft'] is None:
+                msg['ttft'] = time.perf_counter() - t0
             msg['finish_reason'] = d.finish_reason or msg['finish_reason']
             msg['usage'] = d.usage or msg['usage']
-            if on_delta: on_delta(d)
-    finally: stream.close()                 # on Ctrl-C too: closes the HTTP stream / aborts the local request
+            if on_delta:
+                on_delta(d)
+    finally:
+        stream.close()  # on Ctrl-C too: closes the HTTP stream / aborts the local request
     msg['seconds'] = time.perf_counter() - t0
     return msg
+
 
 def render_turn(backend, history: list[dict], settings: ChatSettings, console, plain: bool = False) -> dict:
     "`chat_turn`, drawn live: markdown with rich (or raw text with `plain`); Ctrl-C stops the answer."
@@ -142,89 +199,142 @@ def render_turn(backend, history: list[dict], settings: ChatSettings, console, p
     from rich.markdown import Markdown
     from rich.console import Group
     from rich.text import Text
+
     parts = {'content': '', 'reasoning': ''}
+
     def view():
         items = [Text(parts['reasoning'], style='dim italic')] if parts['reasoning'] else []
         return Group(*items, Markdown(parts['content'] or ' '))
+
     msg = None
     try:
         if plain:
+
             def show(d):
                 console.print(d.reasoning + d.content, end='', markup=False, highlight=False, soft_wrap=True)
+
             msg = chat_turn(backend, history, settings, show)
             console.print()
         else:
             with Live(view(), console=console, refresh_per_second=12, vertical_overflow='visible') as live:
+
                 def show(d):
-                    parts['content'] += d.content; parts['reasoning'] += d.reasoning
-                    if d.content or d.reasoning: live.update(view())
+                    parts['content'] += d.content
+                    parts['reasoning'] += d.reasoning
+                    if d.content or d.reasoning:
+                        live.update(view())
+
                 msg = chat_turn(backend, history, settings, show)
     except KeyboardInterrupt:
         console.print('[yellow]stopped[/yellow]')
-        return dict(role='assistant', content=parts['content'], reasoning=parts['reasoning'], finish_reason='stopped', usage=None)
+        return dict(
+            role='assistant',
+            content=parts['content'],
+            reasoning=parts['reasoning'],
+            finish_reason='stopped',
+            usage=None,
+        )
     u = msg.get('usage') or {}
-    if u: console.print(f"[dim]{u.get('completion_tokens')} tokens, {u.get('completion_tokens', 0) / max(msg['seconds'], 1e-9):.1f} tok/s, "
-                        f"first token {msg['ttft'] or 0:.2f} s, finish: {msg['finish_reason']}[/dim]")
+    if u:
+        console.print(
+            f'[dim]{u.get("completion_tokens")} tokens, {u.get("completion_tokens", 0) / max(msg["seconds"], 1e-9):.1f} tok/s, '
+            f'first token {msg["ttft"] or 0:.2f} s, finish: {msg["finish_reason"]}[/dim]'
+        )
     return msg
 
-HELP = "/reset  new conversation · /system TEXT  set the system prompt · /think on|off · /temp X · /exit"
 
-def repl(backend, settings: ChatSettings, console, read: Callable[[str], str] = input, plain: bool = False) -> list[dict]:
+HELP = '/reset  new conversation · /system TEXT  set the system prompt · /think on|off · /temp X · /exit'
+
+
+def repl(
+    backend, settings: ChatSettings, console, read: Callable[[str], str] = input, plain: bool = False
+) -> list[dict]:
     "The interactive loop; returns the conversation."
     history: list[dict] = []
-    console.print(f"[bold]cvllm_lab chat[/bold] with [cyan]{backend.model}[/cyan] — {HELP}")
+    console.print(f'[bold]cvllm_lab chat[/bold] with [cyan]{backend.model}[/cyan] — {HELP}')
     while True:
-        try: line = read('you> ').strip()
-        except (EOFError, KeyboardInterrupt): console.print(); break
-        if not line: continue
+        try:
+            line = read('you> ').strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            break
+        if not line:
+            continue
         if line.startswith('/'):
             cmd, _, arg = line.partition(' ')
-            if cmd in ('/exit', '/quit'): break
-            elif cmd == '/reset': history = []; console.print('[dim](new conversation)[/dim]')
-            elif cmd == '/system': settings.system = arg or None; console.print(f'[dim](system prompt: {settings.system!r})[/dim]')
-            elif cmd == '/think' and arg in ('on', 'off'): settings.thinking = arg == 'on'; console.print(f'[dim](thinking {arg})[/dim]')
+            if cmd in ('/exit', '/quit'):
+                break
+            elif cmd == '/reset':
+                history = []
+                console.print('[dim](new conversation)[/dim]')
+            elif cmd == '/system':
+                settings.system = arg or None
+                console.print(f'[dim](system prompt: {settings.system!r})[/dim]')
+            elif cmd == '/think' and arg in ('on', 'off'):
+                settings.thinking = arg == 'on'
+                console.print(f'[dim](thinking {arg})[/dim]')
             elif cmd == '/temp':
-                try: settings.temperature = float(arg); console.print(f'[dim](temperature {settings.temperature})[/dim]')
-                except ValueError: console.print('[red]/temp needs a number[/red]')
-            else: console.print(HELP)
+                try:
+                    settings.temperature = float(arg)
+                    console.print(f'[dim](temperature {settings.temperature})[/dim]')
+                except ValueError:
+                    console.print('[red]/temp needs a number[/red]')
+            else:
+                console.print(HELP)
             continue
         history.append({'role': 'user', 'content': line})
-        try: msg = render_turn(backend, history, settings, console, plain)
+        try:
+            msg = render_turn(backend, history, settings, console, plain)
         except (ChatError, httpx.HTTPError) as e:
             from rich.markup import escape
-            console.print(f'[red]error: {escape(str(e))}[/red]'); history.pop(); continue
+
+            console.print(f'[red]error: {escape(str(e))}[/red]')
+            history.pop()
+            continue
         history.append({'role': 'assistant', 'content': msg['content']})
     return history
 
 # %% ../../nbs/79_chat_cli.ipynb #04ad4b28
 def main(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog='cvllm-chat', description="Chat in the terminal with a cvllm_lab (or any OpenAI-compatible) server.")
-    p.add_argument('--url', default='http://127.0.0.1:8000', help="server address")
-    p.add_argument('--api-key', help="bearer token, if the server wants one")
+    p = argparse.ArgumentParser(
+        prog='cvllm-chat', description='Chat in the terminal with a cvllm_lab (or any OpenAI-compatible) server.'
+    )
+    p.add_argument('--url', default='http://127.0.0.1:8000', help='server address')
+    p.add_argument('--api-key', help='bearer token, if the server wants one')
     p.add_argument('--model', help="model name (default: the server's first)")
-    p.add_argument('--local', action='store_true', help="no server: run the engine in this process")
-    p.add_argument('--local-model', help="with --local: HF folder or .gguf file (default: the embedded model)")
-    p.add_argument('--max-model-len', type=int, default=4096, help="with --local: context length")
-    p.add_argument('--system', help="system prompt")
-    p.add_argument('--temperature', type=float, default=None, help="default: the server's (the model's generation config)")
+    p.add_argument('--local', action='store_true', help='no server: run the engine in this process')
+    p.add_argument('--local-model', help='with --local: HF folder or .gguf file (default: the embedded model)')
+    p.add_argument('--max-model-len', type=int, default=4096, help='with --local: context length')
+    p.add_argument('--system', help='system prompt')
+    p.add_argument(
+        '--temperature', type=float, default=None, help="default: the server's (the model's generation config)"
+    )
     p.add_argument('--top-p', type=float, default=None)
     p.add_argument('--top-k', type=int, default=None)
     p.add_argument('--max-tokens', type=int, default=None, help="default: the server's")
     p.add_argument('--seed', type=int)
-    p.add_argument('--think', action=argparse.BooleanOptionalAction, default=None, help="thinking on/off (reasoning models)")
-    p.add_argument('--plain', action='store_true', help="print raw text instead of rendered markdown")
+    p.add_argument(
+        '--think', action=argparse.BooleanOptionalAction, default=None, help='thinking on/off (reasoning models)'
+    )
+    p.add_argument('--plain', action='store_true', help='print raw text instead of rendered markdown')
     a = p.parse_args(argv)
     from rich.console import Console
+
     console = Console()
     s = ChatSettings(a.system, a.temperature, a.top_p, a.top_k, a.max_tokens, a.seed, a.think)
     if a.local:
         from cvllm_lab.config import EngineConfig
+
         console.print('[dim]loading the engine ...[/dim]')
         backend = LocalBackend(cfg=EngineConfig(model=a.local_model, max_model_len=a.max_model_len))
     else:
         backend = HTTPBackend(a.url, a.api_key, a.model)
-        if backend.model is None: p.error(f"no server answers at {a.url} (start one with `python -m cvllm_lab.entrypoints.serve`, or use --local)")
+        if backend.model is None:
+            p.error(
+                f'no server answers at {a.url} (start one with `python -m cvllm_lab.entrypoints.serve`, or use --local)'
+            )
     repl(backend, s, console, plain=a.plain)
 
 # %% ../../nbs/79_chat_cli.ipynb #ca3a549e
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

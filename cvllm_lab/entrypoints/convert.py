@@ -11,6 +11,7 @@ __all__ = ['main']
 import argparse
 from ..quant.gptq import convert_checkpoint
 
+
 def main(argv=None):
     "Convert a float Hugging Face checkpoint folder into a GPTQ or AWQ 4-bit checkpoint."
     p = argparse.ArgumentParser(prog='python -m cvllm_lab.entrypoints.convert', description=main.__doc__)
@@ -25,10 +26,12 @@ def main(argv=None):
     p.add_argument('--max-tokens', type=int, default=2048)
     a = p.parse_args(argv)
     sym = False if (a.asym or a.method == 'awq') else True
-    out = convert_checkpoint(a.src, a.dst, a.method, a.bits, a.group, sym, 'rtn' if a.rtn else 'gptq',
-                             a.calibration, a.max_tokens)
-    print(f"wrote {a.method} {a.bits}-bit checkpoint to {out}")
+    out = convert_checkpoint(
+        a.src, a.dst, a.method, a.bits, a.group, sym, 'rtn' if a.rtn else 'gptq', a.calibration, a.max_tokens
+    )
+    print(f'wrote {a.method} {a.bits}-bit checkpoint to {out}')
     return out
 
 # %% ../../nbs/80_convert_cli.ipynb #a6ffea5a
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

@@ -17,42 +17,70 @@ __all__ = ['LLM']
 
 # %% ../../nbs/52_llm.ipynb #05e23f20
 def _is_single_prompt(p) -> bool:
-    return isinstance(p, (str, dict)) or (isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p))
+    return isinstance(p, (str, dict)) or (
+        isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)
+    )
+
 
 class LLM:
     "Offline generation with continuous batching; `LLM(model=None, **engine_settings)`."
+
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress=progress)
         self.engine.final_only = True
 
-    def get_tokenizer(self): return self.engine.tokenizer
+    def get_tokenizer(self):
+        return self.engine.tokenizer
 
     def default_sampling_params(self) -> SamplingParams:
         "What a call without sampling params uses: the model's generation config (`EngineConfig.generation_config`)."
         e = self.engine
         return SamplingParams(**diff_sampling_param(e.cfg.generation_config, e.src.root, e.src.is_gguf))
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         "Generate for one prompt or a list of prompts; outputs in input order."
-        if _is_single_prompt(prompts): prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or self.default_sampling_params()] * len(prompts)
-        if len(params) != len(prompts): raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or self.default_sampling_params()] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f'{len(prompts)} prompts but {len(params)} sampling params')
         ids = []
         try:
-            for p, sp in zip(prompts, params): ids.append(self.engine.add_request(None, p, sp))
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, p, sp))
         except Exception:
-            self.engine.abort_request(ids); raise
+            self.engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
         "Generate replies to one conversation (a list of messages) or a list of conversations."
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        render = self.engine.input_processor.render_chat  # the server's rendering, so the same prompt as /v1/chat/completions
-        prompts = [dict(zip(('prompt', 'prompt_token_ids'), render(c, tools, add_generation_prompt, False, chat_template_kwargs)))
-                   for c in convs]
+        render = (
+            self.engine.input_processor.render_chat
+        )  # the server's rendering, so the same prompt as /v1/chat/completions
+        prompts = [
+            dict(
+                zip(
+                    ('prompt', 'prompt_token_ids'), render(c, tools, add_generation_prompt, False, chat_template_kwargs)
+                )
+            )
+            for c in convs
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -63,8 +91,10 @@ class LLM:
             for o in self.engine.step():
                 if o.finished:
                     done[o.request_id] = o
-                    n_in += len(o.prompt_token_ids); n_out += sum(len(c.token_ids) for c in o.outputs)
+                    n_in += len(o.prompt_token_ids)
+                    n_out += sum(len(c.token_ids) for c in o.outputs)
                     dt = time.perf_counter() - t0
-                    bar.set_postfix_str(f"in {n_in / dt:.0f} tok/s, out {n_out / dt:.0f} tok/s"); bar.update(1)
+                    bar.set_postfix_str(f'in {n_in / dt:.0f} tok/s, out {n_out / dt:.0f} tok/s')
+                    bar.update(1)
         bar.close()
         return [done[i] for i in ids]

@@ -6,7 +6,10 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/serve.html.md"""
 
 # %% ../../nbs/78_serve.ipynb #06f1bf0a
 from __future__ import annotations
-import argparse, logging, os, sys
+import argparse
+import logging
+import os
+import sys
 from pathlib import Path
 import cvllm_lab.envs as envs
 from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
@@ -26,181 +29,343 @@ __all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides
 def make_parser() -> argparse.ArgumentParser:
     "The command line: vLLM's long flag names, candle-vllm's short names as aliases."
     from cvllm_lab.models.registry import supported_architectures
-    p = argparse.ArgumentParser(prog='cvllm-serve', allow_abbrev=False,
-                                description="OpenAI-compatible server for cvllm_lab (embedded SmolLM2-135M-Instruct by default).",
-                                epilog="Supported architectures: " + ", ".join(supported_architectures()))
+
+    p = argparse.ArgumentParser(
+        prog='cvllm-serve',
+        allow_abbrev=False,
+        description='OpenAI-compatible server for cvllm_lab (embedded SmolLM2-135M-Instruct by default).',
+        epilog='Supported architectures: ' + ', '.join(supported_architectures()),
+    )
     g = p.add_argument_group('model')
-    g.add_argument('--model', '--m', dest='model', help="HF model folder or .gguf file (local paths only; default: the embedded model)")
-    g.add_argument('--w', dest='weights', help="candle-vllm: weights folder (with --f: the GGUF file in it)")
-    g.add_argument('--f', dest='gguf', help="candle-vllm: GGUF file (relative to --w if given)")
+    g.add_argument(
+        '--model',
+        '--m',
+        dest='model',
+        help='HF model folder or .gguf file (local paths only; default: the embedded model)',
+    )
+    g.add_argument('--w', dest='weights', help='candle-vllm: weights folder (with --f: the GGUF file in it)')
+    g.add_argument('--f', dest='gguf', help='candle-vllm: GGUF file (relative to --w if given)')
     g.add_argument('--tokenizer', help="tokenizer folder (default: the model's own)")
-    g.add_argument('--served-model-name', nargs='+', help="name(s) clients use in `model` (default: the model file/folder name)")
-    g.add_argument('--dtype', default='auto', choices=['auto', *DTYPES], help="weights and activations dtype")
-    g.add_argument('--load-format', default='auto', choices=['auto', 'dummy'], help="dummy: random weights (for testing)")
-    g.add_argument('--quantization', '-q', help=f"checkpoint format ({', '.join(CHECKPOINT_QUANT)}) or an in-situ method ({', '.join(METHODS)})")
-    g.add_argument('--isq', help=f"candle-vllm: quantize while loading ({', '.join(METHODS)})")
-    g.add_argument('--yarn-scaling-factor', type=float, help="extend the context with YaRN RoPE scaling by this factor")
+    g.add_argument(
+        '--served-model-name', nargs='+', help='name(s) clients use in `model` (default: the model file/folder name)'
+    )
+    g.add_argument('--dtype', default='auto', choices=['auto', *DTYPES], help='weights and activations dtype')
+    g.add_argument(
+        '--load-format', default='auto', choices=['auto', 'dummy'], help='dummy: random weights (for testing)'
+    )
+    g.add_argument(
+        '--quantization',
+        '-q',
+        help=f'checkpoint format ({", ".join(CHECKPOINT_QUANT)}) or an in-situ method ({", ".join(METHODS)})',
+    )
+    g.add_argument('--isq', help=f'candle-vllm: quantize while loading ({", ".join(METHODS)})')
+    g.add_argument('--yarn-scaling-factor', type=float, help='extend the context with YaRN RoPE scaling by this factor')
     g = p.add_argument_group('engine')
     g.add_argument('--max-model-len', type=int, help="context length (default: the model's)")
-    g.add_argument('--max-num-seqs', type=int, default=256, help="sequences per batch")
-    g.add_argument('--max-num-batched-tokens', type=int,
-                   help="tokens per step (default: vLLM's server budget, 8192 on GPUs of >= 70 GiB, 2048 on smaller ones, 8192 on CPU)")
-    g.add_argument('--prefill-chunk-size', type=int, help="per-request prefill tokens per step (default: the step budget); 0 = no chunking")
-    g.add_argument('--enable-prefix-caching', '--prefix-cache', action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of shared prompt prefixes (default on)")
+    g.add_argument('--max-num-seqs', type=int, default=256, help='sequences per batch')
+    g.add_argument(
+        '--max-num-batched-tokens',
+        type=int,
+        help="tokens per step (default: vLLM's server budget, 8192 on GPUs of >= 70 GiB, 2048 on smaller ones, 8192 on CPU)",
+    )
+    g.add_argument(
+        '--prefill-chunk-size',
+        type=int,
+        help='per-request prefill tokens per step (default: the step budget); 0 = no chunking',
+    )
+    g.add_argument(
+        '--enable-prefix-caching',
+        '--prefix-cache',
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='reuse KV blocks of shared prompt prefixes (default on)',
+    )
     g.add_argument('--block-size', type=int, default=16)
-    g.add_argument('--gpu-memory-utilization', type=float, default=0.9, help="fraction of GPU memory the engine may use")
-    g.add_argument('--gpu-memory-fraction', type=float, help="candle-vllm: fraction of the memory left after weights for the KV cache")
-    g.add_argument('--mem', type=int, help="candle-vllm: KV cache size in MB (wins over the fractions)")
-    g.add_argument('--kv-cache-dtype', choices=list(KV_CACHE_DTYPES),
-                   help="KV cache storage: auto (the model dtype, default) or fp8 = fp8_e4m3 (with a scale per token and KV head)")
-    g.add_argument('--fp8-kvcache', action='store_true', help="candle-vllm: FP8 KV cache (= --kv-cache-dtype fp8)")
-    g.add_argument('--tensor-parallel-size', '-tp', type=int, default=1,
-                   help="ranks (GPUs) one model is split over; under torchrun: nnodes x nproc-per-node")
-    g.add_argument('--device', default='auto', help="auto, cpu, cuda or cuda:N")
-    g.add_argument('--d', dest='device_ids', help="candle-vllm: device ids, e.g. 0, or 0,1 for tensor parallel 2")
+    g.add_argument(
+        '--gpu-memory-utilization', type=float, default=0.9, help='fraction of GPU memory the engine may use'
+    )
+    g.add_argument(
+        '--gpu-memory-fraction',
+        type=float,
+        help='candle-vllm: fraction of the memory left after weights for the KV cache',
+    )
+    g.add_argument('--mem', type=int, help='candle-vllm: KV cache size in MB (wins over the fractions)')
+    g.add_argument(
+        '--kv-cache-dtype',
+        choices=list(KV_CACHE_DTYPES),
+        help='KV cache storage: auto (the model dtype, default) or fp8 = fp8_e4m3 (with a scale per token and KV head)',
+    )
+    g.add_argument('--fp8-kvcache', action='store_true', help='candle-vllm: FP8 KV cache (= --kv-cache-dtype fp8)')
+    g.add_argument(
+        '--tensor-parallel-size',
+        '-tp',
+        type=int,
+        default=1,
+        help='ranks (GPUs) one model is split over; under torchrun: nnodes x nproc-per-node',
+    )
+    g.add_argument('--device', default='auto', help='auto, cpu, cuda or cuda:N')
+    g.add_argument('--d', dest='device_ids', help='candle-vllm: device ids, e.g. 0, or 0,1 for tensor parallel 2')
     g = p.add_argument_group('multi-node (start every node with torchrun; these are checked against its environment)')
-    g.add_argument('--num-nodes', type=int, help="candle-vllm: nodes (torchrun --nnodes)")
+    g.add_argument('--num-nodes', type=int, help='candle-vllm: nodes (torchrun --nnodes)')
     g.add_argument('--node-rank', type=int, help="candle-vllm: this node's rank (torchrun --node-rank)")
     g.add_argument('--master-addr', help="candle-vllm: node 0's address (torchrun --master-addr)")
     g.add_argument('--master-port', type=int, help="candle-vllm: node 0's rendezvous port (torchrun --master-port)")
     g = p.add_argument_group('engine, continued')
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--max-logprobs', type=int, default=20)
-    g.add_argument('--enforce-eager', action='store_true', help="no CUDA graphs: every decode step runs eagerly")
-    g.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next decode step before reading this one's tokens (default: on for CUDA)")
-    g.add_argument('--batch-invariant', action=argparse.BooleanOptionalAction, default=None,
-                   help="a request's output does not depend on the rest of the batch, chunking or the prefix cache (vLLM's VLLM_BATCH_INVARIANT; default: $CVLLM_LAB_BATCH_INVARIANT, off)")
-    g.add_argument('--threads', type=int, help="PyTorch intra-op threads on CPU (1 is often fastest on a busy small box)")
-    g.add_argument('--max-num-queued-requests', type=int,
-                   help="waiting requests before new ones get 503 + Retry-After (default: no limit)")
-    g.add_argument('--scheduling-policy', default='fcfs', choices=['fcfs', 'priority'],
-                   help="priority: a request's lower `priority` runs first (ties by arrival)")
-    g.add_argument('--generation-config', default='auto',
-                   help="default sampling: auto (the model's generation_config.json; GGUF: conservative defaults), vllm (none), or a folder")
+    g.add_argument('--enforce-eager', action='store_true', help='no CUDA graphs: every decode step runs eagerly')
+    g.add_argument(
+        '--async-scheduling',
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch the next decode step before reading this one's tokens (default: on for CUDA)",
+    )
+    g.add_argument(
+        '--batch-invariant',
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a request's output does not depend on the rest of the batch, chunking or the prefix cache (vLLM's VLLM_BATCH_INVARIANT; default: $CVLLM_LAB_BATCH_INVARIANT, off)",
+    )
+    g.add_argument(
+        '--threads', type=int, help='PyTorch intra-op threads on CPU (1 is often fastest on a busy small box)'
+    )
+    g.add_argument(
+        '--max-num-queued-requests',
+        type=int,
+        help='waiting requests before new ones get 503 + Retry-After (default: no limit)',
+    )
+    g.add_argument(
+        '--scheduling-policy',
+        default='fcfs',
+        choices=['fcfs', 'priority'],
+        help="priority: a request's lower `priority` runs first (ties by arrival)",
+    )
+    g.add_argument(
+        '--generation-config',
+        default='auto',
+        help="default sampling: auto (the model's generation_config.json; GGUF: conservative defaults), vllm (none), or a folder",
+    )
     g = p.add_argument_group('server')
     g.add_argument('--host', default='0.0.0.0')
     g.add_argument('--port', '--p', type=int, default=8000)
-    g.add_argument('--api-key', default=envs.CVLLM_API_KEY, help="require `Authorization: Bearer KEY` (env CVLLM_API_KEY)")
-    g.add_argument('--enforce-parser', '--tool-call-parser', dest='tool_parser', choices=sorted(TOOL_PARSERS),
-                   help="tool-call parser (default: picked from the chat template, else hermes)")
-    g.add_argument('--enable-auto-tool-choice', action='store_true', help="accepted: tool_choice auto is always on")
-    g.add_argument('--reasoning-parser', default='auto', choices=['auto', 'none', *REASONING_TAGS],
-                   help="split <think> reasoning into reasoning_content (auto: when the chat template uses <think>)")
-    g.add_argument('--max-gen-tokens', type=int, help="candle-vllm: cap on generated tokens per request")
-    g.add_argument('--max-n', type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for")
-    g.add_argument('--max-request-body-bytes', type=int, default=16 << 20, help="larger request bodies get 413")
-    g.add_argument('--ui-server', action='store_true', help="serve the built-in chat web page at /")
-    g.add_argument('--uvicorn-log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug', 'trace'])
+    g.add_argument(
+        '--api-key', default=envs.CVLLM_API_KEY, help='require `Authorization: Bearer KEY` (env CVLLM_API_KEY)'
+    )
+    g.add_argument(
+        '--enforce-parser',
+        '--tool-call-parser',
+        dest='tool_parser',
+        choices=sorted(TOOL_PARSERS),
+        help='tool-call parser (default: picked from the chat template, else hermes)',
+    )
+    g.add_argument('--enable-auto-tool-choice', action='store_true', help='accepted: tool_choice auto is always on')
+    g.add_argument(
+        '--reasoning-parser',
+        default='auto',
+        choices=['auto', 'none', *REASONING_TAGS],
+        help='split <think> reasoning into reasoning_content (auto: when the chat template uses <think>)',
+    )
+    g.add_argument('--max-gen-tokens', type=int, help='candle-vllm: cap on generated tokens per request')
+    g.add_argument('--max-n', type=int, default=DEFAULT_MAX_N, help='largest n a request may ask for')
+    g.add_argument('--max-request-body-bytes', type=int, default=16 << 20, help='larger request bodies get 413')
+    g.add_argument('--ui-server', action='store_true', help='serve the built-in chat web page at /')
+    g.add_argument(
+        '--uvicorn-log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug', 'trace']
+    )
     g.add_argument('--disable-uvicorn-access-log', action='store_true')
     return p
 
 # %% ../../nbs/78_serve.ipynb #d8d12b7c
-def _refuse(flag: str, why: str): raise ValueError(f"{flag}: {why}")
+def _refuse(flag: str, why: str):
+    raise ValueError(f'{flag}: {why}')
+
 
 def model_from_args(args) -> str | None:
     "The model path from --model/--m or candle-vllm's --w/--f (None: the embedded default)."
-    if args.model and (args.weights or args.gguf): _refuse('--model', "give the model once: --model/--m, or --w/--f")
-    if args.gguf: m = str(Path(args.weights) / args.gguf) if args.weights and not Path(args.gguf).is_absolute() else args.gguf
-    else: m = args.model or args.weights
+    if args.model and (args.weights or args.gguf):
+        _refuse('--model', 'give the model once: --model/--m, or --w/--f')
+    if args.gguf:
+        m = str(Path(args.weights) / args.gguf) if args.weights and not Path(args.gguf).is_absolute() else args.gguf
+    else:
+        m = args.model or args.weights
     if m is not None and not Path(m).exists():
         from cvllm_lab.weights.loader import hub_snapshot
+
         if hub_snapshot(m) is None:
-            _refuse('--model', f"{m!r} is not a local file or folder, nor a repo id in the local hub cache (this server cannot download models)")
+            _refuse(
+                '--model',
+                f'{m!r} is not a local file or folder, nor a repo id in the local hub cache (this server cannot download models)',
+            )
     return m
+
 
 def yarn_overrides(model: str | None, factor: float) -> dict:
     "`hf_overrides` that turn on YaRN RoPE scaling by `factor` over the model's own context length."
     from cvllm_lab.weights.loader import resolve_model_source, load_hf_config
     from cvllm_lab.layers.rotary import rope_parameters
-    if not factor > 1: _refuse('--yarn-scaling-factor', f"must be > 1, got {factor}")
+
+    if not factor > 1:
+        _refuse('--yarn-scaling-factor', f'must be > 1, got {factor}')
     cfg = load_hf_config(resolve_model_source(model))
     rp = rope_parameters(cfg)
-    if rp['rope_type'] != 'default': _refuse('--yarn-scaling-factor', f"the model already uses {rp['rope_type']!r} RoPE scaling")
+    if rp['rope_type'] != 'default':
+        _refuse('--yarn-scaling-factor', f'the model already uses {rp["rope_type"]!r} RoPE scaling')
     orig = cfg.max_position_embeddings
-    rope = {'rope_type': 'yarn', 'factor': factor, 'rope_theta': rp['rope_theta'], 'original_max_position_embeddings': orig}
+    rope = {
+        'rope_type': 'yarn',
+        'factor': factor,
+        'rope_theta': rp['rope_theta'],
+        'original_max_position_embeddings': orig,
+    }
     return {'rope_parameters': rope, 'rope_scaling': rope, 'max_position_embeddings': int(orig * factor)}
+
 
 def quantization_from_args(args) -> str | None:
     "`EngineConfig.quantization` from --quantization (checkpoint format or in-situ method) and --isq (in-situ only)."
     from cvllm_lab.quant.apply import resolve_method
+
     q, isq = (v.strip().lower() if v else None for v in (args.quantization, args.isq))
     if isq:
-        try: resolve_method(isq)
-        except ValueError as e: _refuse('--isq', str(e))
-        if q and q != isq: _refuse('--isq', f"conflicts with --quantization {args.quantization!r}; give one")
+        try:
+            resolve_method(isq)
+        except ValueError as e:
+            _refuse('--isq', str(e))
+        if q and q != isq:
+            _refuse('--isq', f'conflicts with --quantization {args.quantization!r}; give one')
         return isq
     if q and q not in CHECKPOINT_QUANT:
-        try: resolve_method(q)
-        except ValueError: _refuse('--quantization', f"unknown {args.quantization!r}; choose a checkpoint format ({', '.join(CHECKPOINT_QUANT)}) or an in-situ method ({', '.join(METHODS)})")
+        try:
+            resolve_method(q)
+        except ValueError:
+            _refuse(
+                '--quantization',
+                f'unknown {args.quantization!r}; choose a checkpoint format ({", ".join(CHECKPOINT_QUANT)}) or an in-situ method ({", ".join(METHODS)})',
+            )
     return q
+
 
 def parallel_from_args(args, environ: dict | None = None) -> tuple[int, list[int] | None]:
     "The tensor-parallel size and GPU ids from -tp and --d; under torchrun checked against its environment (with the node flags)."
     env = os.environ if environ is None else environ
     tp, ids = args.tensor_parallel_size, None
-    if tp < 1: _refuse('--tensor-parallel-size', f"must be >= 1, got {tp}")
+    if tp < 1:
+        _refuse('--tensor-parallel-size', f'must be >= 1, got {tp}')
     if args.device_ids is not None:
         parts = [s for s in args.device_ids.replace(' ', ',').split(',') if s]
-        if not parts or not all(s.isdigit() for s in parts): _refuse('--d', f"{args.device_ids!r}: give GPU ids, e.g. 0 or 0,1")
+        if not parts or not all(s.isdigit() for s in parts):
+            _refuse('--d', f'{args.device_ids!r}: give GPU ids, e.g. 0 or 0,1')
         ids = [int(s) for s in parts]
-        if len(set(ids)) != len(ids): _refuse('--d', f"{args.device_ids!r}: a device id is repeated")
+        if len(set(ids)) != len(ids):
+            _refuse('--d', f'{args.device_ids!r}: a device id is repeated')
         if len(ids) > 1:
-            if tp not in (1, len(ids)): _refuse('--d', f"{len(ids)} devices but --tensor-parallel-size {tp}: they must agree")
+            if tp not in (1, len(ids)):
+                _refuse('--d', f'{len(ids)} devices but --tensor-parallel-size {tp}: they must agree')
             tp = len(ids)
-    nodes = {'--num-nodes': (args.num_nodes, 'GROUP_WORLD_SIZE'), '--node-rank': (args.node_rank, 'GROUP_RANK'),
-             '--master-addr': (args.master_addr, 'MASTER_ADDR'), '--master-port': (args.master_port, 'MASTER_PORT')}
+    nodes = {
+        '--num-nodes': (args.num_nodes, 'GROUP_WORLD_SIZE'),
+        '--node-rank': (args.node_rank, 'GROUP_RANK'),
+        '--master-addr': (args.master_addr, 'MASTER_ADDR'),
+        '--master-port': (args.master_port, 'MASTER_PORT'),
+    }
     given = [f for f, (v, _) in nodes.items() if v is not None]
     if 'WORLD_SIZE' not in env:
-        if given: _refuse(given[0], "several nodes are started by torchrun: run `torchrun --nnodes N --nproc-per-node G "
-                          "--node-rank R --master-addr A --master-port P -m cvllm_lab.entrypoints.serve ...` on every node")
+        if given:
+            _refuse(
+                given[0],
+                'several nodes are started by torchrun: run `torchrun --nnodes N --nproc-per-node G '
+                '--node-rank R --master-addr A --master-port P -m cvllm_lab.entrypoints.serve ...` on every node',
+            )
         return tp, ids
     for f, (v, var) in nodes.items():
-        if v is not None and var in env and str(v) != env[var]: _refuse(f, f"{v}, but torchrun has {var}={env[var]}: torchrun's flags decide")
+        if v is not None and var in env and str(v) != env[var]:
+            _refuse(f, f"{v}, but torchrun has {var}={env[var]}: torchrun's flags decide")
     world = int(env['WORLD_SIZE'])
-    if tp != world: _refuse('--tensor-parallel-size', f"{tp}, but torchrun started {world} processes (nnodes x nproc-per-node): they must be equal")
-    if ids is not None and len(ids) > 1: _refuse('--d', "under torchrun each process takes the GPU of its LOCAL_RANK: leave --d out")
+    if tp != world:
+        _refuse(
+            '--tensor-parallel-size',
+            f'{tp}, but torchrun started {world} processes (nnodes x nproc-per-node): they must be equal',
+        )
+    if ids is not None and len(ids) > 1:
+        _refuse('--d', 'under torchrun each process takes the GPU of its LOCAL_RANK: leave --d out')
     return tp, ids
+
 
 def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
     "Check the flags and build the engine and server settings."
     tp, ids = parallel_from_args(args)
     quant = quantization_from_args(args)
     kv_dtype = args.kv_cache_dtype or ('fp8' if args.fp8_kvcache else 'auto')
-    if args.fp8_kvcache and kv_dtype == 'auto': _refuse('--fp8-kvcache', "conflicts with --kv-cache-dtype auto; give one")
+    if args.fp8_kvcache and kv_dtype == 'auto':
+        _refuse('--fp8-kvcache', 'conflicts with --kv-cache-dtype auto; give one')
     device = args.device
     if ids is not None:
         import torch
-        if not torch.cuda.is_available(): _refuse('--d', "no CUDA device is visible; leave --d out to run on the CPU")
-        if max(ids) >= torch.cuda.device_count(): _refuse('--d', f"device {max(ids)} does not exist ({torch.cuda.device_count()} visible)")
+
+        if not torch.cuda.is_available():
+            _refuse('--d', 'no CUDA device is visible; leave --d out to run on the CPU')
+        if max(ids) >= torch.cuda.device_count():
+            _refuse('--d', f'device {max(ids)} does not exist ({torch.cuda.device_count()} visible)')
         device = f'cuda:{ids[0]}' if len(ids) == 1 else 'cuda'
-        if len(ids) == 1: ids = None                         # one GPU: no workers, the engine runs on it
+        if len(ids) == 1:
+            ids = None  # one GPU: no workers, the engine runs on it
     for flag, v in (('--mem', args.mem), ('--max-gen-tokens', args.max_gen_tokens), ('--threads', args.threads)):
-        if v is not None and v < 1: _refuse(flag, f"must be >= 1, got {v}")
-    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1: _refuse('--gpu-memory-fraction', "must be in (0, 1]")
+        if v is not None and v < 1:
+            _refuse(flag, f'must be >= 1, got {v}')
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
+        _refuse('--gpu-memory-fraction', 'must be in (0, 1]')
     model = model_from_args(args)
     if tp > 1 and (quant or model is None or model.endswith('.gguf')):
-        _refuse('--tensor-parallel-size', f"{tp} with a quantized model ({quant or 'GGUF'}): quantized layers are not "
-                "sharded yet; give a float (safetensors) model, or use 1")
+        _refuse(
+            '--tensor-parallel-size',
+            f'{tp} with a quantized model ({quant or "GGUF"}): quantized layers are not '
+            'sharded yet; give a float (safetensors) model, or use 1',
+        )
     overrides = yarn_overrides(model, args.yarn_scaling_factor) if args.yarn_scaling_factor else {}
-    bi = {} if args.batch_invariant is None else dict(batch_invariant=args.batch_invariant)   # unset: the field's default
-    ecfg = EngineConfig(**bi, model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=device, seed=args.seed,
-                        load_format=args.load_format, max_model_len=args.max_model_len, block_size=args.block_size,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_chunk_size=args.prefill_chunk_size, usage_context='server', enable_prefix_caching=args.enable_prefix_caching,
-                        gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_fraction=args.gpu_memory_fraction,
-                        kv_cache_memory=args.mem << 20 if args.mem else None, enforce_eager=args.enforce_eager,
-                        async_scheduling=args.async_scheduling, tensor_parallel_size=tp, device_ids=ids,
-                        max_logprobs=args.max_logprobs, hf_overrides=overrides, quantization=quant, kv_cache_dtype=kv_dtype,
-                        max_num_queued_requests=args.max_num_queued_requests, scheduling_policy=args.scheduling_policy,
-                        generation_config=args.generation_config)
-    scfg = ServerConfig(served_model_names=list(args.served_model_name or []), api_key=args.api_key, tool_parser=args.tool_parser,
-                        reasoning_parser=None if args.reasoning_parser == 'none' else args.reasoning_parser,
-                        max_gen_tokens=args.max_gen_tokens, max_n=args.max_n, ui=args.ui_server,
-                        max_request_body_bytes=args.max_request_body_bytes,
-                        torch_profiler_dir=envs.CVLLM_TORCH_PROFILER_DIR or None,
-                        torch_profiler_record_shapes=envs.CVLLM_TORCH_PROFILER_RECORD_SHAPES)
+    bi = (
+        {} if args.batch_invariant is None else dict(batch_invariant=args.batch_invariant)
+    )  # unset: the field's default
+    ecfg = EngineConfig(
+        **bi,
+        model=model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=device,
+        seed=args.seed,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        usage_context='server',
+        enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        kv_cache_memory=args.mem << 20 if args.mem else None,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
+        tensor_parallel_size=tp,
+        device_ids=ids,
+        max_logprobs=args.max_logprobs,
+        hf_overrides=overrides,
+        quantization=quant,
+        kv_cache_dtype=kv_dtype,
+        max_num_queued_requests=args.max_num_queued_requests,
+        scheduling_policy=args.scheduling_policy,
+        generation_config=args.generation_config,
+    )
+    scfg = ServerConfig(
+        served_model_names=list(args.served_model_name or []),
+        api_key=args.api_key,
+        tool_parser=args.tool_parser,
+        reasoning_parser=None if args.reasoning_parser == 'none' else args.reasoning_parser,
+        max_gen_tokens=args.max_gen_tokens,
+        max_n=args.max_n,
+        ui=args.ui_server,
+        max_request_body_bytes=args.max_request_body_bytes,
+        torch_profiler_dir=envs.CVLLM_TORCH_PROFILER_DIR or None,
+        torch_profiler_record_shapes=envs.CVLLM_TORCH_PROFILER_RECORD_SHAPES,
+    )
     return ecfg, scfg
 
 # %% ../../nbs/78_serve.ipynb #323c18a4
@@ -208,30 +373,55 @@ def main(argv: list[str] | None = None):
     "Run the server (blocks until interrupted)."
     parser = make_parser()
     args = parser.parse_args(argv)
-    try: ecfg, scfg = configs_from_args(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e: parser.error(str(e))
-    if args.threads: import torch; torch.set_num_threads(args.threads)
-    logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO) if args.uvicorn_log_level != 'trace' else 5,
-                        format='%(levelname)s %(name)s: %(message)s')
-    if int(os.environ.get('RANK', 0)) > 0:                 # torchrun's other ranks: a worker each, no API server
+    try:
+        ecfg, scfg = configs_from_args(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        parser.error(str(e))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(
+        level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO)
+        if args.uvicorn_log_level != 'trace'
+        else 5,
+        format='%(levelname)s %(name)s: %(message)s',
+    )
+    if int(os.environ.get('RANK', 0)) > 0:  # torchrun's other ranks: a worker each, no API server
         from cvllm_lab.engine.llm_engine import LLMEngine
-        LLMEngine(ecfg, progress=False)                    # serves rank 0's steps; exits when rank 0 shuts down
-        sys.exit(1)                                        # (not reached)
+
+        LLMEngine(ecfg, progress=False)  # serves rank 0's steps; exits when rank 0 shuts down
+        sys.exit(1)  # (not reached)
     import uvicorn
     from cvllm_lab.engine.async_llm_engine import AsyncLLM
     from cvllm_lab.entrypoints.openai.api_server import build_app
-    print(f"cvllm-serve: loading {ecfg.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    try: aengine = AsyncLLM.from_config(ecfg, num_threads=args.threads, progress=True)   # the engine-core process
+
+    print(f'cvllm-serve: loading {ecfg.model or "the embedded default model"} ...', file=sys.stderr, flush=True)
+    try:
+        aengine = AsyncLLM.from_config(ecfg, num_threads=args.threads, progress=True)  # the engine-core process
     except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
-        print(f"cvllm-serve: error: {e}", file=sys.stderr); sys.exit(1)
+        print(f'cvllm-serve: error: {e}', file=sys.stderr)
+        sys.exit(1)
     app = build_app(aengine, scfg)
     from cvllm_lab.engine.core_proc import freeze_gc_heap
-    freeze_gc_heap()                                       # this process's start-up heap too (59_core_proc)
+
+    freeze_gc_heap()  # this process's start-up heap too (59_core_proc)
     srv = app.state.serving
-    print(f"cvllm-serve: serving {srv.model_names} (max_model_len {srv.max_model_len}) on http://{args.host}:{args.port}"
-          + (" with the chat page at /" if scfg.ui else ""), file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+    print(
+        f'cvllm-serve: serving {srv.model_names} (max_model_len {srv.max_model_len}) on http://{args.host}:{args.port}'
+        + (' with the chat page at /' if scfg.ui else ''),
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+    )
 
 # %% ../../nbs/78_serve.ipynb #96d94e30
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

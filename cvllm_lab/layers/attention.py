@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/attention.html.md"""
 
 # %% ../../nbs/22_attention.ipynb #05ff41bb
 from __future__ import annotations
-import collections, contextlib
+import collections
+import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -26,25 +27,40 @@ __all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'CUDNN_PLAN_AFTE
 def get_attention_backend(name: str):
     "`(reshape_and_cache, paged_attention)` functions of a backend."
     from cvllm_lab.kernels import paged_attention as pa
-    if name == 'torch': return pa.reshape_and_cache_ref, pa.paged_attention_ref
-    if name == 'triton': return pa.reshape_and_cache, pa.paged_attention
-    raise ValueError(f"Unknown attention backend {name!r}; use torch or triton")
+
+    if name == 'torch':
+        return pa.reshape_and_cache_ref, pa.paged_attention_ref
+    if name == 'triton':
+        return pa.reshape_and_cache, pa.paged_attention
+    raise ValueError(f'Unknown attention backend {name!r}; use torch or triton')
+
 
 class Attention(nn.Module):
     "Paged multi-head / grouped-query attention over this layer's slice of the KV cache."
-    supports_cpu_decode_attention = True   # its paged calls go through `set_kernels`'s functions (notebook 42 swaps them)
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, backend: str = 'torch', logits_soft_cap: float | None = None):
+    supports_cpu_decode_attention = (
+        True  # its paged calls go through `set_kernels`'s functions (notebook 42 swaps them)
+    )
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        backend: str = 'torch',
+        logits_soft_cap: float | None = None,
+    ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap   # soft-cap: Gemma 2
-        cfg = get_current_engine_config()   # the engine's switches, read once, at build (`00_config`)
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap  # soft-cap: Gemma 2
+        cfg = get_current_engine_config()  # the engine's switches, read once, at build (`00_config`)
         self.flash_prefill, self.cudnn_prefill = cfg.flash_prefill, cfg.cudnn_prefill
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
-        self.kv_scale: torch.Tensor | None = None   # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]
-        self.kv_cache_group = 0                     # whose slot mapping and block tables it reads (`bind_kv_cache`)
+        self.kv_scale: torch.Tensor | None = None  # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]
+        self.kv_cache_group = 0  # whose slot mapping and block tables it reads (`bind_kv_cache`)
 
     def set_backend(self, name: str):
         self.backend = name
@@ -68,13 +84,14 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         T = q.shape[0]
         fused = rotary is not None and self.backend == 'triton'
-        late = fused and ctx.prefill is None and dtype not in (None, q.dtype)   # the cache-write kernel reads the sums
+        late = fused and ctx.prefill is None and dtype not in (None, q.dtype)  # the cache-write kernel reads the sums
         if rms is not None and not late:
             q, k, v = rms.apply(q, k, v)
         if dtype is not None and q.dtype != dtype and not (fused and ctx.prefill is None):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if rotary is not None and not fused:
-            q, k = rotary(positions, q, k); rotary = None
+            q, k = rotary(positions, q, k)
+            rotary = None
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -82,15 +99,33 @@ class Attention(nn.Module):
         ks, vs = (None, None) if self.kv_scale is None else (self.kv_scale[0], self.kv_scale[1])
         slots, bt = ctx.group_tables(self.kv_cache_group)
         split = ctx.prefill is not None and self._prefill_split_ok(q, kc)
-        own = split and ctx.prefill.fresh   # the run's keys are this step's rows: no read-back from the cache
-        if rotary is None: self._cache_fn(k, v, kc, vc, slots, ks, vs)
+        own = split and ctx.prefill.fresh  # the run's keys are this step's rows: no read-back from the cache
+        if rotary is None:
+            self._cache_fn(k, v, kc, vc, slots, ks, vs)
         else:
             from cvllm_lab.kernels.paged_attention import rotary_and_cache
-            kr = torch.empty(k.shape, dtype=k.dtype, device=k.device) if own else None   # the rotated keys
+
+            kr = torch.empty(k.shape, dtype=k.dtype, device=k.device) if own else None  # the rotated keys
             qo = torch.empty(q.shape, dtype=dtype, device=q.device) if dtype not in (None, q.dtype) else None
-            q = rotary_and_cache(q, k, v, positions, rotary.cos_sin_cache, self.head_dim, rotary.is_neox, kc, vc,
-                                 slots, ks, vs, k_out=kr, q_out=qo, rms=rms.rms if rms is not None and late else None)
-            if own: k = kr
+            q = rotary_and_cache(
+                q,
+                k,
+                v,
+                positions,
+                rotary.cos_sin_cache,
+                self.head_dim,
+                rotary.is_neox,
+                kc,
+                vc,
+                slots,
+                ks,
+                vs,
+                k_out=kr,
+                q_out=qo,
+                rms=rms.rms if rms is not None and late else None,
+            )
+            if own:
+                k = kr
         if split:
             t0 = ctx.prefill.token_start
             kv = (k[t0:], v[t0:]) if own else None
@@ -103,65 +138,92 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """Causal attention of each packed sequence's queries over its keys (`cu_seqlens_*` bounds, GQA), the mask aligned
     bottom-right (a sequence's last query sees all its keys): `flash_varlen_attention`'s reference."""
     out, G = torch.empty_like(q), q.shape[1] // k.shape[1]
-    for a, b, ka, kb in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k[:-1].tolist(),
-                            cu_seqlens_k[1:].tolist()):
-        i, j = torch.arange(b - a, device=q.device)[:, None] + (kb - ka) - (b - a), torch.arange(kb - ka, device=q.device)
+    for a, b, ka, kb in zip(
+        cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist()
+    ):
+        i, j = (
+            torch.arange(b - a, device=q.device)[:, None] + (kb - ka) - (b - a),
+            torch.arange(kb - ka, device=q.device),
+        )
         mask = j <= i
-        if sliding_window: mask &= j > i - sliding_window
+        if sliding_window:
+            mask &= j > i - sliding_window
         qs, ks, vs = q[a:b].transpose(0, 1).float(), k[ka:kb].transpose(0, 1).float(), v[ka:kb].transpose(0, 1).float()
-        o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0),
-                                           attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            qs, ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0), attn_mask=mask, scale=scale
+        )
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out
+
 
 def flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None):
     """PyTorch's FlashAttention-2 varlen forward: causal (aligned bottom-right), GQA, optional sliding window;
     `q` `[total_q, H, D]`, `k`/`v` `[total_k, Hkv, D]`."""
     w = dict(window_size_left=sliding_window - 1, window_size_right=0) if sliding_window else {}
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                                   True, False, scale=scale, **w)[0]
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False, scale=scale, **w
+    )[0]
+
 
 def flash_attention_available(q) -> bool:
     "Whether PyTorch's FlashAttention kernel runs on `q`: CUDA sm80+, fp16/bf16, the flash SDPA backend enabled."
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled()
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
 
-CUDNN_PREFILL_MIN_LEN = 512   # equal-length prompts from this length on go to cuDNN (shorter ones: FlashAttention-2)
-CUDNN_PREFILL_MIN_TOKENS = 4096   # ... when the run holds this many tokens (fewer: the call's host time is not hidden)
+
+CUDNN_PREFILL_MIN_LEN = 512  # equal-length prompts from this length on go to cuDNN (shorter ones: FlashAttention-2)
+CUDNN_PREFILL_MIN_TOKENS = 4096  # ... when the run holds this many tokens (fewer: the call's host time is not hidden)
+
 
 def cudnn_attention_available(q) -> bool:
     "Whether cuDNN's fused attention runs on `q`: CUDA sm90+, cuDNN 9, fp16/bf16, its SDPA backend enabled."
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
-            and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and (torch.backends.cudnn.version() or 0) >= 90000
+        and torch.cuda.get_device_capability(q.device)[0] >= 9
+    )
+
 
 def dense_prefill_split(query_lens, seq_lens) -> tuple[int, int] | None:
     """`(L, n)` when a prefill run (host-side lengths, as in `PrefillMetadata`) is all fresh prompts whose first `n`
     have one length `L` >= `CUDNN_PREFILL_MIN_LEN`, `CUDNN_PREFILL_MIN_TOKENS` or more among them (cuDNN takes those;
     the rest, usually the last prompt cut short by the token budget, goes to FlashAttention-2); else None."""
     q = np.asarray(query_lens)
-    if not len(q) or not (q == np.asarray(seq_lens)).all() or q[0] < CUDNN_PREFILL_MIN_LEN: return None
+    if not len(q) or not (q == np.asarray(seq_lens)).all() or q[0] < CUDNN_PREFILL_MIN_LEN:
+        return None
     n = len(q) if (q == q[0]).all() else int(np.argmax(q != q[0]))
     return (int(q[0]), n) if n * q[0] >= CUDNN_PREFILL_MIN_TOKENS else None
+
 
 def dense_prefill_len(query_lens, seq_lens) -> int | None:
     "`L` when the whole run is fresh prompts of one length for cuDNN (`dense_prefill_split` with nothing left over)."
     d = dense_prefill_split(query_lens, seq_lens)
     return d[0] if d is not None and d[1] == len(query_lens) else None
 
-CUDNN_PLAN_AFTER = 3   # steps that meet a (length, sequences) shape before it goes to cuDNN
-cudnn_plan_after = CUDNN_PLAN_AFTER       # (`cudnn_plans_at_once` sets it to 1 for a while)
+
+CUDNN_PLAN_AFTER = 3  # steps that meet a (length, sequences) shape before it goes to cuDNN
+cudnn_plan_after = CUDNN_PLAN_AFTER  # (`cudnn_plans_at_once` sets it to 1 for a while)
 cudnn_shape_steps = collections.Counter()  # (L, n) -> steps of this process that met it
+
 
 def cudnn_shape_ready(p, d: tuple[int, int] | None) -> bool:
     """Whether the shape `d = (L, n)` of the step whose prefill run is `p` (`PrefillMetadata`) goes to cuDNN: once it
     has been met in `cudnn_plan_after` steps (counted once per step, whichever layer asks first). cuDNN builds an
     execution plan per shape, 35-60 ms of host time that blocks the step, and about ten steps of 8 x 1024 tokens
     repay that against FlashAttention-2; a shape met once or twice (a burst's odd step) stays on FlashAttention-2."""
-    if d is None: return False
+    if d is None:
+        return False
     if ('cudnn', d) not in p.memo:
         cudnn_shape_steps[d] += 1
         p.memo['cudnn', d] = cudnn_shape_steps[d] >= cudnn_plan_after
     return p.memo['cudnn', d]
+
 
 def cudnn_prefill_run(p) -> tuple[int, int] | None:
     "`dense_prefill_split` of the step's prefill run `p` when its shape is `cudnn_shape_ready`: once per step, for every layer."
@@ -170,13 +232,17 @@ def cudnn_prefill_run(p) -> tuple[int, int] | None:
         p.memo['cudnn_run'] = d if cudnn_shape_ready(p, d) else None
     return p.memo['cudnn_run']
 
+
 @contextlib.contextmanager
 def cudnn_plans_at_once():
     "Within it every shape goes to cuDNN the first time (the runner's warm-up plans what it meets; tests)."
     global cudnn_plan_after
     k, cudnn_plan_after = cudnn_plan_after, 1
-    try: yield
-    finally: cudnn_plan_after = k
+    try:
+        yield
+    finally:
+        cudnn_plan_after = k
+
 
 def cudnn_prefill_attention(q, k, v, n: int, scale):
     """`n` fresh sequences of one length, packed as `q` `[n L, H, D]` and `k`/`v` `[n L, Hkv, D]`: causal attention as
@@ -190,9 +256,12 @@ def cudnn_prefill_attention(q, k, v, n: int, scale):
 @patch
 def _prefill_split_ok(self: Attention, q, kc) -> bool:
     "Whether this layer can send the step's prefills to `prefill_fn`."
-    if self.prefill_fn is None or self.logits_soft_cap or self.kv_scale is not None or kc.dtype != q.dtype: return False
-    if self.head_dim % 8 or self.head_dim > 256: return False
+    if self.prefill_fn is None or self.logits_soft_cap or self.kv_scale is not None or kc.dtype != q.dtype:
+        return False
+    if self.head_dim % 8 or self.head_dim > 256:
+        return False
     return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
+
 
 @patch
 def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
@@ -203,22 +272,30 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
     s, t0 = p.seq_start, p.token_start
     if kv is None:
         cu_k, max_k, _, _ = p.keys(w)
-        kv = self.kv_cache.flatten(1, 2).index_select(1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]))   # K and V at once
-    else: cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
-    cudnn = self.cudnn_prefill and self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q)
+        kv = self.kv_cache.flatten(1, 2).index_select(
+            1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1])
+        )  # K and V at once
+    else:
+        cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
+    cudnn = (
+        self.cudnn_prefill and self.prefill_fn is flash_varlen_attention and w is None and cudnn_attention_available(q)
+    )
     d = cudnn_prefill_run(p) if cudnn else None
-    if d is None: o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
-    else:                                       # equal fresh prompts batched on cuDNN, the rest (fresh too) on FlashAttention
-        (L, n), m = d, d[0] * d[1]
-        o = cudnn_prefill_attention(q[t0:t0 + m], kv[0][:m], kv[1][:m], n, self.scale)
+    if d is None:
+        o = self.prefill_fn(q[t0:], kv[0], kv[1], p.cu_seqlens_q, cu_k, p.max_seqlen_q, max_k, self.scale, w)
+    else:  # equal fresh prompts batched on cuDNN, the rest (fresh too) on FlashAttention
+        (_, n), m = d, d[0] * d[1]
+        o = cudnn_prefill_attention(q[t0 : t0 + m], kv[0][:m], kv[1][:m], n, self.scale)
         if n < len(p.query_lens):
             cu, mx = p.rest(n)
-            o = torch.cat([o, self.prefill_fn(q[t0 + m:], kv[0][m:], kv[1][m:], cu, cu, mx, mx, self.scale, w)])
-    if s == 0: return o
+            o = torch.cat([o, self.prefill_fn(q[t0 + m :], kv[0][m:], kv[1][m:], cu, cu, mx, mx, self.scale, w)])
+    if s == 0:
+        return o
     out = torch.empty_like(q)
     self._paged(q[:t0], kc, vc, ks, vs, ctx, bt, s, p.head_max_query_len, p.head_max_seq_len, out[:t0])
     out[t0:] = o
     return out
+
 
 @patch
 def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: int, max_seq_len: int, out=None):
@@ -227,11 +304,44 @@ def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: i
     kw = dict(sliding_window=self.sliding_window, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
     d = ctx.decodes
     if d is None or not 0 < d.num_decodes < n:
-        return self._attn_fn(q, kc, vc, ctx.query_start_loc[:n + 1], ctx.seq_lens[:n], bt[:n], self.scale,
-                             max_query_len=max_query_len, max_seq_len=max_seq_len, out=out, **kw)
+        return self._attn_fn(
+            q,
+            kc,
+            vc,
+            ctx.query_start_loc[: n + 1],
+            ctx.seq_lens[:n],
+            bt[:n],
+            self.scale,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            out=out,
+            **kw,
+        )
     k, out = d.num_decodes, torch.empty_like(q) if out is None else out
-    self._attn_fn(q[:k], kc, vc, ctx.query_start_loc[:k + 1], ctx.seq_lens[:k], bt[:k], self.scale,
-                  max_query_len=1, max_seq_len=d.max_seq_len, out=out[:k], **kw)
-    self._attn_fn(q[k:], kc, vc, d.rest_query_start_loc[:n - k + 1], ctx.seq_lens[k:n], bt[k:n], self.scale,
-                  max_query_len=max_query_len, max_seq_len=max_seq_len, out=out[k:], **kw)
+    self._attn_fn(
+        q[:k],
+        kc,
+        vc,
+        ctx.query_start_loc[: k + 1],
+        ctx.seq_lens[:k],
+        bt[:k],
+        self.scale,
+        max_query_len=1,
+        max_seq_len=d.max_seq_len,
+        out=out[:k],
+        **kw,
+    )
+    self._attn_fn(
+        q[k:],
+        kc,
+        vc,
+        d.rest_query_start_loc[: n - k + 1],
+        ctx.seq_lens[k:n],
+        bt[k:n],
+        self.scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        out=out[k:],
+        **kw,
+    )
     return out

@@ -15,10 +15,13 @@ from fastcore.basics import patch
 __all__ = ['RMSNorm', 'DeferredRMS', 'GemmaRMSNorm', 'SiluAndMul', 'GeluAndMul', 'Linear']
 
 # %% ../../nbs/20_layers.ipynb #c9add231
-def _use_triton(x: torch.Tensor) -> bool: return x.is_cuda
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
 
 class RMSNorm(nn.Module):
     "Root-mean-square norm; `forward(x, residual)` also adds the residual first and returns both."
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(hidden_size))
@@ -30,9 +33,12 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual=None):
         if _use_triton(x):
             from cvllm_lab.kernels import norm as K
-            if residual is None: return K.rms_norm(x, self.weight, self.eps)
+
+            if residual is None:
+                return K.rms_norm(x, self.weight, self.eps)
             return K.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is None: return self._norm(x)
+        if residual is None:
+            return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
 
@@ -40,15 +46,18 @@ class RMSNorm(nn.Module):
         "The norm of `x` written in `dtype`: an fp32 residual stream normed for a 16-bit matmul, one kernel."
         if _use_triton(x):
             from cvllm_lab.kernels import norm as K
+
             return K.rms_norm(x, self.weight, self.eps, out=torch.empty(x.shape, dtype=dtype, device=x.device))
         return self._norm(x).to(dtype)
 
 # %% ../../nbs/20_layers.ipynb #dcc4c403
 from typing import NamedTuple
 
+
 class DeferredRMS(NamedTuple):
     """An RMSNorm split around a matmul: the matmul reads `weight * x` and adds each row's `sum(x^2)` into `ssq`
     `[T]` (fp32, zero before); the consumer of its sums scales them by `scale()`, the norm's `1/rms`."""
+
     weight: torch.Tensor
     eps: float
     ssq: torch.Tensor
@@ -72,6 +81,7 @@ class DeferredRMS(NamedTuple):
         "`(ssq, n, eps)`, as the kernels that apply the `1/rms` take it (`w4a16_mma(x_rms=)`, `rotary_and_cache(rms=)`)."
         return self.ssq, self.weight.numel(), self.eps
 
+
 @patch
 def deferred(self: RMSNorm, ssq: torch.Tensor) -> DeferredRMS:
     "This norm split around a matmul (`DeferredRMS`), its rows' sums of squares kept in `ssq`."
@@ -80,10 +90,11 @@ def deferred(self: RMSNorm, ssq: torch.Tensor) -> DeferredRMS:
 # %% ../../nbs/20_layers.ipynb #e17f49a7
 class GemmaRMSNorm(nn.Module):
     "Gemma's RMSNorm: scale `1 + w` applied in fp32 (HF's order); `forward(x, residual)` as `RMSNorm`'s."
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.zeros(hidden_size))
-        self._scale = None   # (key of the weight it was computed from, fp32 1 + w): the CUDA kernels' weight
+        self._scale = None  # (key of the weight it was computed from, fp32 1 + w): the CUDA kernels' weight
 
     def _norm(self, x):
         xf = x.float()
@@ -92,7 +103,8 @@ class GemmaRMSNorm(nn.Module):
     def scale(self) -> torch.Tensor:
         "fp32 `1 + w`, recomputed when the weight's storage or version changes (a loader calls `reset_scale`)."
         key = (self.weight.data_ptr(), self.weight._version)
-        if self._scale is None or self._scale[0] != key: self._scale = (key, 1.0 + self.weight.detach().float())
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, 1.0 + self.weight.detach().float())
         return self._scale[1]
 
     def reset_scale(self):
@@ -102,18 +114,23 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x, residual=None):
         if _use_triton(x):
             from cvllm_lab.kernels import norm as K
-            if residual is None: return K.rms_norm(x, self.scale(), self.eps)
+
+            if residual is None:
+                return K.rms_norm(x, self.scale(), self.eps)
             return K.fused_add_rms_norm(x, residual, self.scale(), self.eps)
-        if residual is None: return self._norm(x)
+        if residual is None:
+            return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
 
 # %% ../../nbs/20_layers.ipynb #9e4f8a1a
 class SiluAndMul(nn.Module):
     "`silu(x[..., :d]) * x[..., d:]` for the merged gate/up output."
+
     def forward(self, x):
         if _use_triton(x):
             from cvllm_lab.kernels.activation import silu_and_mul
+
             return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
@@ -121,19 +138,25 @@ class SiluAndMul(nn.Module):
 # %% ../../nbs/20_layers.ipynb #b1b8d5d1
 class GeluAndMul(nn.Module):
     "`gelu(x[..., :d]) * x[..., d:]` (GeGLU); `approximate='tanh'` is Gemma's `gelu_pytorch_tanh`."
+
     def __init__(self, approximate: str = 'tanh'):
         super().__init__()
         self.approximate = approximate
+
     def forward(self, x):
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
-    def extra_repr(self): return f"approximate={self.approximate!r}"
+
+    def extra_repr(self):
+        return f'approximate={self.approximate!r}'
 
 # %% ../../nbs/20_layers.ipynb #e19e9390
 class Linear(nn.Module):
     "`y = x W^T (+ b)`; `output_sizes` splits W's rows into shards loaded from separate checkpoint tensors."
-    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
-                 shard_ids: list | None = None):
+
+    def __init__(
+        self, input_size: int, output_sizes: int | list[int], bias: bool = False, shard_ids: list | None = None
+    ):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.shard_ids = shard_ids or list(range(len(self.output_sizes)))
@@ -145,15 +168,19 @@ class Linear(nn.Module):
         "Copy a checkpoint tensor into `param`, or into shard `shard_id`'s rows of it."
         if shard_id is None:
             if param.shape != loaded.shape:
-                raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-            param.data.copy_(loaded); return
+                raise ValueError(f'shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}')
+            param.data.copy_(loaded)
+            return
         i = self.shard_ids.index(shard_id)
         start, size = sum(self.output_sizes[:i]), self.output_sizes[i]
         if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: expected {(size, *param.shape[1:])}, "
-                             f"got {tuple(loaded.shape)}")
-        param.data[start:start + size].copy_(loaded)
+            raise ValueError(
+                f'shape mismatch for shard {shard_id!r}: expected {(size, *param.shape[1:])}, got {tuple(loaded.shape)}'
+            )
+        param.data[start : start + size].copy_(loaded)
 
-    def forward(self, x): return F.linear(x, self.weight, self.bias)
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
 
-    def extra_repr(self): return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"
+    def extra_repr(self):
+        return f'in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}'

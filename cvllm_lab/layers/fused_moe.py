@@ -14,87 +14,124 @@ from ..kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from .linear import _tp, divide, loaded_shape, narrow_loaded
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
-
 # %% auto #0
 __all__ = ['CKPT_SHARDS', 'expert_shard', 'FusedMoE', 'SparseMoeBlock']
 
 # %% ../../nbs/24_fused_moe.ipynb #ea8d9037
 CKPT_SHARDS = {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2', 'w1': 'w1', 'w3': 'w3', 'w2': 'w2'}
 _EXPERT_NAME = re.compile(r'(.+\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight')
-_FUSED_NAME = re.compile(r'(.+\.experts)\.(gate_up_proj|down_proj)')   # transformers 5's in-memory layout
+_FUSED_NAME = re.compile(r'(.+\.experts)\.(gate_up_proj|down_proj)')  # transformers 5's in-memory layout
+
 
 def expert_shard(name: str):
     """`'...mlp.experts.3.gate_proj.weight'` -> `('...mlp.experts', 3, 'w1')`; stacked `'...experts.up_proj.weight'`
     -> `(..., None, 'w3')`; `transformers`' fused `'...experts.gate_up_proj'` -> `(..., None, 'w13')`; None for a
     name that is not an expert weight."""
-    if m := _EXPERT_NAME.fullmatch(name): return m[1], None if m[2] is None else int(m[2]), CKPT_SHARDS[m[3]]
-    if m := _FUSED_NAME.fullmatch(name): return m[1], None, 'w13' if m[2] == 'gate_up_proj' else 'w2'
+    if m := _EXPERT_NAME.fullmatch(name):
+        return m[1], None if m[2] is None else int(m[2]), CKPT_SHARDS[m[3]]
+    if m := _FUSED_NAME.fullmatch(name):
+        return m[1], None, 'w13' if m[2] == 'gate_up_proj' else 'w2'
     return None
+
 
 class FusedMoE(nn.Module):
     """The routed experts of an MoE block: `forward(x [T, H], router_logits [T, E]) -> [T, H]`, each token's top-k
     experts' SwiGLU outputs weighted by the router and summed. `w13_weight [E, 2I, H]` (gate rows, then up rows),
     `w2_weight [E, H, I]`, with `I` this tensor-parallel rank's slice of every expert's intermediate dimension; the
     partial sums all-reduced at the end unless `reduce_results=False` (a caller adding a shared expert first)."""
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool = True, reduce_results: bool = True, tp_rank: int | None = None,
-                 tp_size: int | None = None):
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        reduce_results: bool = True,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         super().__init__()
-        if not 0 < top_k <= num_experts: raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f'top_k={top_k} must be in 1..num_experts={num_experts}')
         self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
         E, H, I = num_experts, hidden_size, divide(intermediate_size, self.tp_size, 'expert intermediate size')
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = E, top_k, H, I
-        self.full_intermediate_size, self.renormalize, self.reduce_results = intermediate_size, renormalize, reduce_results
+        self.full_intermediate_size, self.renormalize, self.reduce_results = (
+            intermediate_size,
+            renormalize,
+            reduce_results,
+        )
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
-        self.quant_method = None        # set by cvllm_lab.quant.moe: runs quantized experts
-        self.loaded_shards: set = set() # (expert, shard) pairs the checkpoint has filled
+        self.quant_method = None  # set by cvllm_lab.quant.moe: runs quantized experts
+        self.loaded_shards: set = set()  # (expert, shard) pairs the checkpoint has filled
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str, expert_id: int | None = None):
         """Copy this rank's slice of one expert's full `w1`/`w3`/`w2` checkpoint tensor (or, `expert_id=None`, all
         experts' stacked; `w13`: gate and up) into `param`: rows `[r*I, (r+1)*I)` of gate and up, those columns of down."""
-        if shard_id == 'w13':                              # [E, 2I_full, H]: gate rows, then up rows, each cut alike
+        if shard_id == 'w13':  # [E, 2I_full, H]: gate rows, then up rows, each cut alike
             F = self.full_intermediate_size
-            for sid, start in (('w1', 0), ('w3', F)): self.weight_loader(param, narrow_loaded(loaded, -2, start, F), sid, expert_id)
+            for sid, start in (('w1', 0), ('w3', F)):
+                self.weight_loader(param, narrow_loaded(loaded, -2, start, F), sid, expert_id)
             return
-        if shard_id not in ('w1', 'w2', 'w3'): raise ValueError(f"unknown expert shard {shard_id!r} (w1, w2, w3, w13)")
+        if shard_id not in ('w1', 'w2', 'w3'):
+            raise ValueError(f'unknown expert shard {shard_id!r} (w1, w2, w3, w13)')
         I = self.intermediate_size
         dst = param.data if expert_id is None else param.data[expert_id]
-        if shard_id != 'w2': dst = dst[..., :I, :] if shard_id == 'w1' else dst[..., I:, :]
-        dim = dst.dim() - (1 if shard_id == 'w2' else 2)   # the intermediate dimension: down's columns, gate/up's rows
-        full = list(dst.shape); full[dim] = self.full_intermediate_size
+        if shard_id != 'w2':
+            dst = dst[..., :I, :] if shard_id == 'w1' else dst[..., I:, :]
+        dim = dst.dim() - (1 if shard_id == 'w2' else 2)  # the intermediate dimension: down's columns, gate/up's rows
+        full = list(dst.shape)
+        full[dim] = self.full_intermediate_size
         if loaded_shape(loaded) != tuple(full):
-            raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {loaded_shape(loaded)} != {tuple(full)}")
+            raise ValueError(f'expert {expert_id} {shard_id}: checkpoint shape {loaded_shape(loaded)} != {tuple(full)}')
         dst.copy_(narrow_loaded(loaded, dim, self.tp_rank * I, I))
         self.loaded_shards |= {(e, shard_id) for e in (range(self.num_experts) if expert_id is None else [expert_id])}
 
     def load(self, shard_id: str, loaded: torch.Tensor, expert_id: int | None = None):
         "Route a checkpoint tensor to `w13_weight` or `w2_weight` (or to the quantized layer's loader)."
-        if self.quant_method is not None: return self.quant_method.weight_loader(self, loaded, shard_id, expert_id)
+        if self.quant_method is not None:
+            return self.quant_method.weight_loader(self, loaded, shard_id, expert_id)
         self.weight_loader(self.w2_weight if shard_id == 'w2' else self.w13_weight, loaded, shard_id, expert_id)
 
     def missing_shards(self) -> list:
         return [(e, s) for e in range(self.num_experts) for s in ('w1', 'w3', 'w2') if (e, s) not in self.loaded_shards]
 
     def extra_repr(self):
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"inter={self.intermediate_size}, renormalize={self.renormalize}, tp={self.tp_rank}/{self.tp_size}")
+        return (
+            f'experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, '
+            f'inter={self.intermediate_size}, renormalize={self.renormalize}, tp={self.tp_rank}/{self.tp_size}'
+        )
 
 # %% ../../nbs/24_fused_moe.ipynb #a73fe919
 @patch
 def forward(self: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
     topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-    if self.quant_method is not None: out = self.quant_method.apply(self, x, topk_weights, topk_ids)
-    elif x.is_cuda: out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-    else: out = fused_moe_ref(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+    if self.quant_method is not None:
+        out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+    elif x.is_cuda:
+        out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+    else:
+        out = fused_moe_ref(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
     return tensor_model_parallel_all_reduce(out) if self.reduce_results and self.tp_size > 1 else out
+
 
 class SparseMoeBlock(nn.Module):
     "Router (`gate`, a full-precision `torch.nn.Linear`, replicated on every rank) and its `experts` (`FusedMoE`): `x [T, H] -> [T, H]`."
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 reduce_results: bool = True):
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        reduce_results: bool = True,
+    ):
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False).requires_grad_(False)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, reduce_results)
 
-    def forward(self, x): return self.experts(x, self.gate(x))
+    def forward(self, x):
+        return self.experts(x, self.gate(x))

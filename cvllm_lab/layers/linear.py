@@ -9,9 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from ..utils.parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                                    tensor_model_parallel_all_reduce, tensor_model_parallel_all_gather,
-                                    tensor_model_parallel_gather)
+from cvllm_lab.utils.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_gather,
+)
 from .basic import Linear
 
 # %% auto #0
@@ -23,37 +27,53 @@ __all__ = ['GATED_ACTS', 'QUANT_SHARD_ALIGN', 'divide', 'loaded_shape', 'narrow_
 # %% ../../nbs/25_parallel_linear.ipynb #e5f4bcfe
 def divide(a: int, b: int, what: str = '') -> int:
     "`a // b`, refusing a remainder (a dimension that does not split evenly over the ranks)."
-    if a % b: raise ValueError(f"{what or 'size'} {a} is not divisible by the tensor-parallel size {b}")
+    if a % b:
+        raise ValueError(f'{what or "size"} {a} is not divisible by the tensor-parallel size {b}')
     return a // b
+
 
 def loaded_shape(t) -> tuple:
     "Shape of a tensor or of a lazy safetensors slice."
     return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
 
+
 def narrow_loaded(t, dim: int, start: int, size: int) -> torch.Tensor:
     "`t[..., start:start+size, ...]` along `dim`, of a tensor (a view) or a safetensors slice (reads only that part)."
-    if isinstance(t, torch.Tensor): return t.narrow(dim, start, size)
+    if isinstance(t, torch.Tensor):
+        return t.narrow(dim, start, size)
     idx = [slice(None)] * len(t.get_shape())
     idx[dim] = slice(start, start + size)
     return t[tuple(idx)]
 
+
 def _tp(tp_rank, tp_size) -> tuple[int, int]:
     size = tp_size or get_tensor_model_parallel_world_size()
     rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
-    if not 0 <= rank < size: raise ValueError(f"tp_rank {rank} outside [0, {size})")
+    if not 0 <= rank < size:
+        raise ValueError(f'tp_rank {rank} outside [0, {size})')
     return rank, size
 
 # %% ../../nbs/25_parallel_linear.ipynb #cc672d0a
 class ColumnParallelLinear(Linear):
     "`Linear` with the output features (W's rows) split over the TP ranks, per shard; no communication unless `gather_output`."
-    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False, shard_ids: list | None = None,
-                 gather_output: bool = False, tp_rank: int | None = None, tp_size: int | None = None):
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: int | list[int],
+        bias: bool = False,
+        shard_ids: list | None = None,
+        gather_output: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         rank, size = _tp(tp_rank, tp_size)
         full = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         local = self._partition(full, size)
         super().__init__(input_size, local, bias, shard_ids)
         self.tp_rank, self.tp_size, self.full_output_sizes = rank, size, full
-        if gather_output and len(full) > 1: raise ValueError("gather_output needs a single-shard layer")
+        if gather_output and len(full) > 1:
+            raise ValueError('gather_output needs a single-shard layer')
         self.gather_output = gather_output
 
     def _partition(self, full: list[int], size: int) -> list[int]:
@@ -66,15 +86,18 @@ class ColumnParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         "Copy this rank's rows of the full checkpoint tensor `loaded` (of shard `shard_id`) into `param`."
-        if shard_id is None and len(self.output_sizes) > 1:   # one fused tensor for a merged layer: cut it
+        if shard_id is None and len(self.output_sizes) > 1:  # one fused tensor for a merged layer: cut it
             start = 0
             for sid, n in zip(self.shard_ids, self.full_output_sizes):
-                self.weight_loader(param, narrow_loaded(loaded, 0, start, n), sid); start += n
+                self.weight_loader(param, narrow_loaded(loaded, 0, start, n), sid)
+                start += n
             return
         i = 0 if shard_id is None else self.shard_ids.index(shard_id)
         if loaded_shape(loaded)[0] != self.full_output_sizes[i]:
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint has {loaded_shape(loaded)[0]} rows, "
-                             f"expected {self.full_output_sizes[i]}")
+            raise ValueError(
+                f'shape mismatch for shard {shard_id!r}: checkpoint has {loaded_shape(loaded)[0]} rows, '
+                f'expected {self.full_output_sizes[i]}'
+            )
         start, n = self.shard_range(shard_id)
         part = narrow_loaded(loaded, 0, start, n)
         super().weight_loader(param, part, None if len(self.output_sizes) == 1 else shard_id)
@@ -83,7 +106,9 @@ class ColumnParallelLinear(Linear):
         y = F.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y) if self.gather_output and self.tp_size > 1 else y
 
-    def extra_repr(self): return super().extra_repr() + f", tp={self.tp_rank}/{self.tp_size}"
+    def extra_repr(self):
+        return super().extra_repr() + f', tp={self.tp_rank}/{self.tp_size}'
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     "Several column-parallel outputs in one matmul (gate_up: `[gate_r, up_r]` on rank r), each shard split on its own."
@@ -91,30 +116,57 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 # %% ../../nbs/25_parallel_linear.ipynb #6666bea9
 class QKVParallelLinear(ColumnParallelLinear):
     "The merged q/k/v projection, split by heads; KV heads replicated over `N / Hkv` ranks when fewer than ranks."
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
-                 bias: bool = False, tp_rank: int | None = None, tp_size: int | None = None):
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         rank, size = _tp(tp_rank, tp_size)
         H, Hkv = total_num_heads, total_num_kv_heads or total_num_heads
         self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, H, Hkv
         self.num_heads = divide(H, size, 'number of attention heads')
-        if Hkv >= size: self.num_kv_heads, self.num_kv_head_replicas = divide(Hkv, size, 'number of KV heads'), 1
-        else: self.num_kv_heads, self.num_kv_head_replicas = 1, divide(size, Hkv, f'{Hkv} KV heads: the TP size')
-        super().__init__(hidden_size, [H * head_size, Hkv * head_size, Hkv * head_size], bias, ['q', 'k', 'v'],
-                         tp_rank=rank, tp_size=size)
+        if Hkv >= size:
+            self.num_kv_heads, self.num_kv_head_replicas = divide(Hkv, size, 'number of KV heads'), 1
+        else:
+            self.num_kv_heads, self.num_kv_head_replicas = 1, divide(size, Hkv, f'{Hkv} KV heads: the TP size')
+        super().__init__(
+            hidden_size,
+            [H * head_size, Hkv * head_size, Hkv * head_size],
+            bias,
+            ['q', 'k', 'v'],
+            tp_rank=rank,
+            tp_size=size,
+        )
 
     def _partition(self, full, size):
         return [self.num_heads * self.head_size] + [self.num_kv_heads * self.head_size] * 2
 
     def shard_range(self, shard_id=None):
-        if shard_id == 'q': return self.tp_rank * self.num_heads * self.head_size, self.num_heads * self.head_size
+        if shard_id == 'q':
+            return self.tp_rank * self.num_heads * self.head_size, self.num_heads * self.head_size
         kv_rank = self.tp_rank // self.num_kv_head_replicas
         return kv_rank * self.num_kv_heads * self.head_size, self.num_kv_heads * self.head_size
 
 # %% ../../nbs/25_parallel_linear.ipynb #919c1e1b
 class RowParallelLinear(Linear):
     "`Linear` with the input features (W's columns) split over the TP ranks; partial products all-reduced, bias added once."
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, input_is_parallel: bool = True,
-                 reduce_results: bool = True, tp_rank: int | None = None, tp_size: int | None = None):
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         rank, size = _tp(tp_rank, tp_size)
         super().__init__(divide(input_size, size, 'input size'), output_size, bias)
         self.tp_rank, self.tp_size, self.full_input_size = rank, size, input_size
@@ -128,7 +180,9 @@ class RowParallelLinear(Linear):
         "This rank's columns of the full checkpoint weight; the bias whole (every rank keeps it, rank 0 adds it)."
         if param.dim() > 1:
             if loaded_shape(loaded)[1] != self.full_input_size:
-                raise ValueError(f"shape mismatch: checkpoint has {loaded_shape(loaded)[1]} input features, expected {self.full_input_size}")
+                raise ValueError(
+                    f'shape mismatch: checkpoint has {loaded_shape(loaded)[1]} input features, expected {self.full_input_size}'
+                )
             loaded = narrow_loaded(loaded, 1, *self.shard_range())
         super().weight_loader(param, loaded[:] if not isinstance(loaded, torch.Tensor) else loaded)
 
@@ -138,34 +192,46 @@ class RowParallelLinear(Linear):
         return self.bias if self.tp_rank == 0 else None
 
     def forward(self, x):
-        if not self.input_is_parallel: x = x.narrow(-1, *self.shard_range())
+        if not self.input_is_parallel:
+            x = x.narrow(-1, *self.shard_range())
         y = F.linear(x, self.weight, self.local_bias)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
 
-    def extra_repr(self): return super().extra_repr() + f", tp={self.tp_rank}/{self.tp_size}"
+    def extra_repr(self):
+        return super().extra_repr() + f', tp={self.tp_rank}/{self.tp_size}'
 
 # %% ../../nbs/25_parallel_linear.ipynb #6a4ce629
 class AllReduceOutput(nn.Module):
     "A layer computing this rank's partial sum of a row-parallel product (e.g. its quantized copy), then the all-reduce."
+
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
-    def forward(self, x): return tensor_model_parallel_all_reduce(self.layer(x))
+
+    def forward(self, x):
+        return tensor_model_parallel_all_reduce(self.layer(x))
+
 
 def like_parallel(orig: nn.Module, new: nn.Module) -> nn.Module:
     "`new` (a replacement of `orig` built from its local weight) with `orig`'s TP communication: the all-reduce of a row-parallel layer."
-    if not isinstance(orig, RowParallelLinear) or orig.tp_size == 1 or not orig.reduce_results: return new
-    if orig.tp_rank != 0 and getattr(new, 'bias', None) is not None: new.bias = None   # counted once, on rank 0
+    if not isinstance(orig, RowParallelLinear) or orig.tp_size == 1 or not orig.reduce_results:
+        return new
+    if orig.tp_rank != 0 and getattr(new, 'bias', None) is not None:
+        new.bias = None  # counted once, on rank 0
     return AllReduceOutput(new)
 
 # %% ../../nbs/25_parallel_linear.ipynb #70795b69
 GATED_ACTS = ('silu_and_mul', 'silu_and_mul_interleaved')
 
+
 def gated_act(x: torch.Tensor, act: str, dtype: torch.dtype) -> torch.Tensor:
     "`silu(gate) * up` `[..., I]` in `dtype` of gate/up sums `x` `[..., 2I]` laid out as `act` (`GATED_ACTS`) says."
-    if act not in GATED_ACTS: raise ValueError(f"act={act!r}: one of {GATED_ACTS}")
+    if act not in GATED_ACTS:
+        raise ValueError(f'act={act!r}: one of {GATED_ACTS}')
     from cvllm_lab.kernels.activation import silu_and_mul_ref
+
     return silu_and_mul_ref(x, interleaved=act.endswith('interleaved')).to(dtype)
+
 
 def accumulates(layer: nn.Module, x: torch.Tensor, act: str | None = None) -> bool:
     """Whether `layer` adds its product into an fp32 sum itself (its `can_add_into`) for a batch like `x` (`act`: its
@@ -173,18 +239,30 @@ def accumulates(layer: nn.Module, x: torch.Tensor, act: str | None = None) -> bo
     f = getattr(layer, 'can_add_into', None)
     return bool(f is not None and f(x, act=act))
 
-def linear_add_(layer: nn.Module, x: torch.Tensor, acc: torch.Tensor, zero: torch.Tensor | None = None,
-                act: str | None = None, dtype: torch.dtype | None = None, norm=None, rms=None) -> torch.Tensor:
+
+def linear_add_(
+    layer: nn.Module,
+    x: torch.Tensor,
+    acc: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    act: str | None = None,
+    dtype: torch.dtype | None = None,
+    norm=None,
+    rms=None,
+) -> torch.Tensor:
     """`acc += layer(x)` in place (`acc` fp32): by `layer.add_into` where it takes the call, else a matmul and an
     add. `zero`: zeroed as well. `act`: `x` is gate/up sums whose activation (`gated_act`, in `dtype`) is the input.
     `norm` / `rms` (`DeferredRMS`): an RMSNorm split around this matmul (`x` its fp32 input) / around the one that
     produced the gate/up sums `x`."""
     f = getattr(layer, 'add_into', None)
     if f is None or not f(x, acc, zero=zero, act=act, dtype=dtype, norm=norm, rms=rms):
-        if norm is not None: x = norm.prescaled(x, dtype)
-        if rms is not None: x, = rms.apply(x)
+        if norm is not None:
+            x = norm.prescaled(x, dtype)
+        if rms is not None:
+            (x,) = rms.apply(x)
         acc.add_(layer(x if act is None else gated_act(x, act, dtype)))
-        if zero is not None: zero.zero_()
+        if zero is not None:
+            zero.zero_()
     return acc
 
 # %% ../../nbs/25_parallel_linear.ipynb #dd06811f
@@ -192,10 +270,18 @@ def pad_vocab_size(vocab_size: int, pad_to: int) -> int:
     "`vocab_size` rounded up to a multiple of `pad_to`."
     return -(-vocab_size // pad_to) * pad_to
 
+
 class VocabParallelEmbedding(nn.Module):
     "Embedding table split by vocabulary rows over the TP ranks: masked local lookup, then all-reduce."
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = 64,
-                 tp_rank: int | None = None, tp_size: int | None = None):
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_size: int = 64,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -203,64 +289,93 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_padded = padded
         self.num_embeddings_per_partition = padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
-        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)  # real rows end
+        self.vocab_end_index = min(
+            self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings
+        )  # real rows end
         self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
 
     @property
-    def num_real_rows(self) -> int: return max(0, self.vocab_end_index - self.vocab_start_index)
+    def num_real_rows(self) -> int:
+        return max(0, self.vocab_end_index - self.vocab_start_index)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         "This rank's rows of the full `[V, ...]` checkpoint tensor; padding rows stay zero."
         if loaded_shape(loaded)[0] != self.num_embeddings:
-            raise ValueError(f"shape mismatch: checkpoint has {loaded_shape(loaded)[0]} vocabulary rows, expected {self.num_embeddings}")
+            raise ValueError(
+                f'shape mismatch: checkpoint has {loaded_shape(loaded)[0]} vocabulary rows, expected {self.num_embeddings}'
+            )
         n = self.num_real_rows
         param.data.zero_()
-        if n: param.data[:n].copy_(narrow_loaded(loaded, 0, self.vocab_start_index, n))
+        if n:
+            param.data[:n].copy_(narrow_loaded(loaded, 0, self.vocab_start_index, n))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1: return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
         mask = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         out = F.embedding(torch.where(mask, input_ids - self.vocab_start_index, 0), self.weight)
         return tensor_model_parallel_all_reduce(out.masked_fill_(~mask.unsqueeze(-1), 0))
 
     def extra_repr(self):
-        return (f"vocab={self.num_embeddings} (rows {self.vocab_start_index}..{self.vocab_end_index} of {self.num_embeddings_padded}), "
-                f"dim={self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}")
+        return (
+            f'vocab={self.num_embeddings} (rows {self.vocab_start_index}..{self.vocab_end_index} of {self.num_embeddings_padded}), '
+            f'dim={self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}'
+        )
+
 
 class ParallelLMHead(VocabParallelEmbedding):
     "The output projection, sharded by vocabulary rows as the embedding; logits gathered for sampling."
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, padding_size: int = 64,
-                 tp_rank: int | None = None, tp_size: int | None = None):
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        padding_size: int = 64,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
         super().__init__(num_embeddings, embedding_dim, padding_size, tp_rank, tp_size)
         self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition), requires_grad=False) if bias else None
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> ParallelLMHead:
         "Share `embed`'s table (tied word embeddings)."
         if embed.num_embeddings_per_partition != self.num_embeddings_per_partition or embed.tp_rank != self.tp_rank:
-            raise ValueError("the embedding is sharded differently from the LM head")
+            raise ValueError('the embedding is sharded differently from the LM head')
         self.weight = embed.weight
         return self
 
-    def forward(self, input_ids): raise RuntimeError("ParallelLMHead has no lookup: call compute_logits(hidden)")
+    def forward(self, input_ids):
+        raise RuntimeError('ParallelLMHead has no lookup: call compute_logits(hidden)')
 
     def compute_logits(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
         "`[T, V]` logits on rank 0 (every rank with `gather_to_all`), None on the others."
         local = F.linear(hidden, self.weight, self.bias)
-        if self.tp_size == 1: return local
+        if self.tp_size == 1:
+            return local
         full = (tensor_model_parallel_all_gather if gather_to_all else tensor_model_parallel_gather)(local, dim=-1)
-        return None if full is None else full[..., :self.num_embeddings]
+        return None if full is None else full[..., : self.num_embeddings]
 
 # %% ../../nbs/25_parallel_linear.ipynb #c4396fa4
-QUANT_SHARD_ALIGN = {   # format -> (column split unit on N, row split unit on K); 'G' = the group size
-    'w4a16': (1, 128), 'gptq': (8, 'G'), 'awq': (8, 'G'), 'gguf': (1, 'B'), 'fp8': (128, 128)}
+QUANT_SHARD_ALIGN = {  # format -> (column split unit on N, row split unit on K); 'G' = the group size
+    'w4a16': (1, 128),
+    'gptq': (8, 'G'),
+    'awq': (8, 'G'),
+    'gguf': (1, 'B'),
+    'fp8': (128, 128),
+}
+
 
 def check_shard_alignment(size: int, tp_size: int, align: int, what: str = 'dimension') -> int:
     "Per-rank part of `size`, after checking it is a whole number of `align`-wide units (a packed word, group or block)."
     part = divide(size, tp_size, what)
     if part % align:
-        raise ValueError(f"{what} {size} over {tp_size} ranks gives {part} per rank, not a multiple of {align} "
-                         f"(a quantization unit would straddle two ranks): use a smaller tensor-parallel size")
+        raise ValueError(
+            f'{what} {size} over {tp_size} ranks gives {part} per rank, not a multiple of {align} '
+            f'(a quantization unit would straddle two ranks): use a smaller tensor-parallel size'
+        )
     return part
+
 
 def quant_shard_units(method: str, split: str, group: int = 128, block: int = 32) -> int:
     "The unit a `split` ('column' on N, 'row' on K) of a `method` layer must respect; `group`/`block` fill in G/B."

@@ -16,8 +16,14 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from .basic import Linear, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, divide
 from .rotary import RotaryEmbedding, rope_parameters
-from .attention import (cudnn_attention_available, cudnn_prefill_attention, cudnn_shape_ready,
-                                        dense_prefill_len, flash_attention_available, flash_varlen_attention)
+from cvllm_lab.layers.attention import (
+    cudnn_attention_available,
+    cudnn_prefill_attention,
+    cudnn_shape_ready,
+    dense_prefill_len,
+    flash_attention_available,
+    flash_varlen_attention,
+)
 
 # %% auto #0
 __all__ = ['yarn_get_mscale', 'mla_softmax_scale', 'get_mla_backend', 'MLAAttention']
@@ -26,6 +32,7 @@ __all__ = ['yarn_get_mscale', 'mla_softmax_scale', 'get_mla_backend', 'MLAAttent
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     "DeepSeek-YaRN's attention-temperature factor `0.1 * mscale * ln(scale) + 1` (1 without context extension)."
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
 
 def mla_softmax_scale(config) -> float:
     """`qk_head_dim ** -0.5`, times `yarn_get_mscale(factor, mscale_all_dim) ** 2` for a scaled RoPE with
@@ -40,9 +47,13 @@ def mla_softmax_scale(config) -> float:
 def get_mla_backend(name: str):
     "`(concat_and_cache_mla, mla_decode, paged_attention)` functions of a backend."
     from cvllm_lab.kernels import mla_decode as md, paged_attention as pa
-    if name == 'torch': return md.concat_and_cache_mla_ref, md.mla_decode_ref, pa.paged_attention_ref
-    if name == 'triton': return md.concat_and_cache_mla, md.mla_decode, pa.paged_attention
-    raise ValueError(f"Unknown attention backend {name!r}; use torch or triton")
+
+    if name == 'torch':
+        return md.concat_and_cache_mla_ref, md.mla_decode_ref, pa.paged_attention_ref
+    if name == 'triton':
+        return md.concat_and_cache_mla, md.mla_decode, pa.paged_attention
+    raise ValueError(f'Unknown attention backend {name!r}; use torch or triton')
+
 
 class MLAAttention(nn.Module):
     """DeepSeek's multi-head latent attention over a paged latent cache `[num_blocks, block_size, L + R]`:
@@ -51,39 +62,47 @@ class MLAAttention(nn.Module):
     q LoRA, `q_a_proj` and `kv_a_proj_with_mqa` are one merged matmul, `fused_qkv_a_proj`. Tensor parallel: this
     rank's `num_heads` of `total_num_heads` (q / `kv_b_proj` column-parallel, `o_proj` row-parallel), the latent
     path (`*_a_proj`, `kv_a_layernorm`, the cache) replicated."""
+
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch'):
         super().__init__()
         hidden, H = config.hidden_size, config.num_attention_heads
         self.total_num_heads, self.q_lora_rank, self.kv_lora_rank = H, config.q_lora_rank, config.kv_lora_rank
         self.num_heads = divide(H, get_tensor_model_parallel_world_size(), 'number of attention heads')
-        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
         P, R, V, L = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
         if getattr(config, 'attention_bias', False):
-            raise NotImplementedError(f"{type(config).__name__}.attention_bias=True is not supported (no DeepSeek checkpoint has it)")
-        if self.q_lora_rank:   # the down-projections and norms: replicated on every rank
+            raise NotImplementedError(
+                f'{type(config).__name__}.attention_bias=True is not supported (no DeepSeek checkpoint has it)'
+            )
+        if self.q_lora_rank:  # the down-projections and norms: replicated on every rank
             self.fused_qkv_a_proj = Linear(hidden, [self.q_lora_rank, L + R], shard_ids=[0, 1])
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, H * (P + R))   # this rank's heads
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, H * (P + R))  # this rank's heads
         else:
             self.q_proj = ColumnParallelLinear(hidden, H * (P + R))
             self.kv_a_proj_with_mqa = Linear(hidden, L + R)
         self.kv_a_layernorm = RMSNorm(L, config.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(L, H * (P + V))     # W_UK / W_UV rows of this rank's heads
-        self.o_proj = RowParallelLinear(H * V, hidden)             # partial sums over the heads, all-reduced
+        self.kv_b_proj = ColumnParallelLinear(L, H * (P + V))  # W_UK / W_UV rows of this rank's heads
+        self.o_proj = RowParallelLinear(H * V, hidden)  # partial sums over the heads, all-reduced
         self.rotary_emb = rotary
         self.scale = mla_softmax_scale(config)
-        self.num_kv_heads, self.head_dim = 1, L + R   # one shared "KV head": the latent row
-        self.sliding_window = None                    # read by the runner, which marks prefill runs for `prefill_fn`
+        self.num_kv_heads, self.head_dim = 1, L + R  # one shared "KV head": the latent row
+        self.sliding_window = None  # read by the runner, which marks prefill runs for `prefill_fn`
         self.kv_cache: torch.Tensor | None = None
-        self.kv_scale = None                          # FP8 cache only: fp32 [num_blocks, block_size], one per latent row
-        self._w_kv_b = None                           # (key, dequantized kv_b_proj weight) when kv_b_proj is quantized
+        self.kv_scale = None  # FP8 cache only: fp32 [num_blocks, block_size], one per latent row
+        self._w_kv_b = None  # (key, dequantized kv_b_proj weight) when kv_b_proj is quantized
         self.set_backend(backend)
 
     def set_backend(self, name: str):
         self.backend = name
         self._cache_fn, self._decode_fn, self._attn_fn = get_mla_backend(name)
         from cvllm_lab.kernels.mla_prepare import mla_rope_norm_cache
-        self._prepare_fn = mla_rope_norm_cache if name == 'triton' else None   # norm + RoPE + cache write, one launch
+
+        self._prepare_fn = mla_rope_norm_cache if name == 'triton' else None  # norm + RoPE + cache write, one launch
         # a step's trailing run of fresh prompts: FlashAttention-2 over K/V decompressed from their own rows (`forward_split`)
         self.prefill_fn = flash_varlen_attention if name == 'triton' else None
 
@@ -92,8 +111,10 @@ class MLAAttention(nn.Module):
         return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
 
     def extra_repr(self):
-        return (f"heads={self.num_heads}, q_lora={self.q_lora_rank}, kv_lora={self.kv_lora_rank}, "
-                f"nope/rope/v={self.qk_nope_head_dim}/{self.qk_rope_head_dim}/{self.v_head_dim}, scale={self.scale:.4g}")
+        return (
+            f'heads={self.num_heads}, q_lora={self.q_lora_rank}, kv_lora={self.kv_lora_rank}, '
+            f'nope/rope/v={self.qk_nope_head_dim}/{self.qk_rope_head_dim}/{self.v_head_dim}, scale={self.scale:.4g}'
+        )
 
 # %% ../../nbs/26_mla.ipynb #5c92b853
 @patch
@@ -103,8 +124,10 @@ def q_latent(self: MLAAttention, h):
     if self.q_lora_rank:
         qa, latent = self.fused_qkv_a_proj(h).split([self.q_lora_rank, L + R], -1)
         q = self.q_b_proj(self.q_a_layernorm(qa))
-    else: q, latent = self.q_proj(h), self.kv_a_proj_with_mqa(h)
+    else:
+        q, latent = self.q_proj(h), self.kv_a_proj_with_mqa(h)
     return q.view(h.shape[0], self.num_heads, -1), latent
+
 
 @patch
 def project(self: MLAAttention, positions, h):
@@ -114,18 +137,22 @@ def project(self: MLAAttention, positions, h):
     q, latent = self.q_latent(h)
     kv_c = self.kv_a_layernorm(latent[:, :L])
     q_rot = q[..., P:]
-    q_pe, k_pe = self.rotary_emb(positions, q_rot, latent[:, L:])   # CUDA: in place; CPU: rotated copies
-    if q_pe is not q_rot: q = torch.cat([q[..., :P], q_pe.view(T, H, R)], -1)
+    q_pe, k_pe = self.rotary_emb(positions, q_rot, latent[:, L:])  # CUDA: in place; CPU: rotated copies
+    if q_pe is not q_rot:
+        q = torch.cat([q[..., :P], q_pe.view(T, H, R)], -1)
     return q, kv_c, k_pe.view(T, R)
+
 
 @patch
 def w_kv_b(self: MLAAttention, dtype) -> torch.Tensor:
     "`kv_b_proj`'s weight as `[H, P + V, L]` (per head: the `W_UK` rows, then the `W_UV` rows); a quantized one dequantized once."
     lin = self.kv_b_proj
     if hasattr(lin, 'dequantize'):
-        if self._w_kv_b is None or self._w_kv_b.dtype != dtype: self._w_kv_b = lin.dequantize(dtype)
+        if self._w_kv_b is None or self._w_kv_b.dtype != dtype:
+            self._w_kv_b = lin.dequantize(dtype)
         w = self._w_kv_b
-    else: w = lin.weight
+    else:
+        w = lin.weight
     return w.view(self.num_heads, -1, self.kv_lora_rank)
 
 # %% ../../nbs/26_mla.ipynb #ad244ee7
@@ -137,20 +164,32 @@ def forward_decompressed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContex
     ctx = ctx or get_forward_context()
     H, P, R, V, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     bs = self.kv_cache.shape[1]
-    bt = ctx.block_tables[:, :-(-ctx.max_seq_len // bs)]
-    used, local_bt = torch.unique(bt, return_inverse=True)                  # the blocks read, renumbered 0..U-1
-    lat = self.kv_cache[used]                                               # [U, bs, L + R]
-    if self.kv_scale is not None:                                           # FP8: rows times their scales
+    bt = ctx.block_tables[:, : -(-ctx.max_seq_len // bs)]
+    used, local_bt = torch.unique(bt, return_inverse=True)  # the blocks read, renumbered 0..U-1
+    lat = self.kv_cache[used]  # [U, bs, L + R]
+    if self.kv_scale is not None:  # FP8: rows times their scales
         from cvllm_lab.kernels.mla_decode import dequantize_latent
+
         lat = dequantize_latent(lat, self.kv_scale[used], q.dtype)
     kv = F.linear(lat[..., :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(*lat.shape[:2], H, P + V)
-    D = max(P + R, V)                                                       # paged attention's one head size
+    D = max(P + R, V)  # paged attention's one head size
     k = torch.cat([kv[..., :P], lat[..., None, L:].expand(-1, -1, H, R)], -1)
     v = kv[..., P:]
-    if D > P + R: q, k = F.pad(q, (0, D - P - R)), F.pad(k, (0, D - P - R))
-    if D > V: v = F.pad(v, (0, D - V))
-    o = self._attn_fn(q.contiguous(), k.contiguous(), v.contiguous(), ctx.query_start_loc, ctx.seq_lens,
-                      local_bt.to(torch.int32), self.scale, max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
+    if D > P + R:
+        q, k = F.pad(q, (0, D - P - R)), F.pad(k, (0, D - P - R))
+    if D > V:
+        v = F.pad(v, (0, D - V))
+    o = self._attn_fn(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        ctx.query_start_loc,
+        ctx.seq_lens,
+        local_bt.to(torch.int32),
+        self.scale,
+        max_query_len=ctx.max_query_len,
+        max_seq_len=ctx.max_seq_len,
+    )
     return o[..., :V]
 
 # %% ../../nbs/26_mla.ipynb #c6bc319d
@@ -162,13 +201,22 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | 
     ctx = ctx or get_forward_context()
     P, V = self.qk_nope_head_dim, self.v_head_dim
     w = self.w_kv_b(q.dtype)
-    w_uk, w_uv = w[:, :P], w[:, P:]                                                  # [H, P, L], [H, V, L]
-    q_lat = torch.bmm(q[..., :P].transpose(0, 1), w_uk).transpose(0, 1)              # [B, H, L]
-    o_lat = self._decode_fn(q_lat, q[..., P:], self.kv_cache, ctx.seq_lens, ctx.block_tables, self.scale,
-                            max_seq_len=ctx.max_seq_len, kv_scale=self.kv_scale)
-    o = q.new_empty(q.shape[0], self.num_heads, V)                                    # [B, H, V], so o_proj reads a view
+    w_uk, w_uv = w[:, :P], w[:, P:]  # [H, P, L], [H, V, L]
+    q_lat = torch.bmm(q[..., :P].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
+    o_lat = self._decode_fn(
+        q_lat,
+        q[..., P:],
+        self.kv_cache,
+        ctx.seq_lens,
+        ctx.block_tables,
+        self.scale,
+        max_seq_len=ctx.max_seq_len,
+        kv_scale=self.kv_scale,
+    )
+    o = q.new_empty(q.shape[0], self.num_heads, V)  # [B, H, V], so o_proj reads a view
     torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
     return o
+
 
 @patch
 def forward_mixed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -179,20 +227,24 @@ def forward_mixed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | Non
     qsl = ctx.query_start_loc.tolist()
     n = [b - a for a, b in zip(qsl, qsl[1:])]
     dec = [i for i, k in enumerate(n) if k == 1]
-    if not dec: return self.forward_decompressed(q, ctx)
+    if not dec:
+        return self.forward_decompressed(q, ctx)
     pre = [i for i, k in enumerate(n) if k > 1]
     o = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
     t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=q.device)
-    sub = lambda seqs, sub_qsl, max_q: ForwardContext(ctx.slot_mapping, t(sub_qsl, torch.int32), ctx.seq_lens[seqs],
-                                                      ctx.block_tables[seqs], max_q, ctx.max_seq_len)   # the step's bound
+    sub = lambda seqs, sub_qsl, max_q: ForwardContext(
+        ctx.slot_mapping, t(sub_qsl, torch.int32), ctx.seq_lens[seqs], ctx.block_tables[seqs], max_q, ctx.max_seq_len
+    )  # the step's bound
     d_rows = t([qsl[i] for i in dec])
     o[d_rows] = self.forward_absorbed(q[d_rows], sub(t(dec), list(range(len(dec) + 1)), 1))
     if pre:
         rows = t([r for i in pre for r in range(qsl[i], qsl[i + 1])])
         p_qsl = [0]
-        for i in pre: p_qsl.append(p_qsl[-1] + n[i])
+        for i in pre:
+            p_qsl.append(p_qsl[-1] + n[i])
         o[rows] = self.forward_decompressed(q[rows], sub(t(pre), p_qsl, max(n[i] for i in pre)))
     return o
+
 
 @patch
 def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -200,22 +252,38 @@ def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> tor
     if self._prepare_fn is not None and type(self.rotary_emb) is RotaryEmbedding:
         q, latent = self.q_latent(h)
         rot, norm = self.rotary_emb, self.kv_a_layernorm
-        self._prepare_fn(q, latent, positions, rot.cos_sin_cache, norm.weight, norm.eps, self.kv_cache,
-                         ctx.slot_mapping, self.qk_nope_head_dim, rot.is_neox, kv_scale=self.kv_scale)
+        self._prepare_fn(
+            q,
+            latent,
+            positions,
+            rot.cos_sin_cache,
+            norm.weight,
+            norm.eps,
+            self.kv_cache,
+            ctx.slot_mapping,
+            self.qk_nope_head_dim,
+            rot.is_neox,
+            kv_scale=self.kv_scale,
+        )
     else:
         q, kv_c, k_pe = self.project(positions, h)
         self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self.kv_scale)
-    if ctx.max_query_len == 1: o = self.forward_absorbed(q)
-    elif ctx.prefill is not None and self._prefill_ok(q): o = self.forward_split(q, ctx)
-    else: o = self.forward_mixed(q)
+    if ctx.max_query_len == 1:
+        o = self.forward_absorbed(q)
+    elif ctx.prefill is not None and self._prefill_ok(q):
+        o = self.forward_split(q, ctx)
+    else:
+        o = self.forward_mixed(q)
     return self.o_proj(o.reshape(h.shape[0], -1))
 
 # %% ../../nbs/26_mla.ipynb #ba75c3cc
 @patch
 def _prefill_ok(self: MLAAttention, q) -> bool:
     "Whether this layer can send a run of fresh prompts to `prefill_fn` (not with an FP8 cache)."
-    if self.prefill_fn is None or self.kv_scale is not None: return False
+    if self.prefill_fn is None or self.kv_scale is not None:
+        return False
     return self.prefill_fn is not flash_varlen_attention or flash_attention_available(q)
+
 
 @patch
 def forward_split(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -223,29 +291,39 @@ def forward_split(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext) -> t
     p = ctx.prefill
     ql, sl = p.query_lens, p.seq_lens
     f = len(ql)
-    while f and ql[f - 1] == sl[f - 1]: f -= 1          # run sequences f.. have no cached token
-    if f == len(ql): return self.forward_mixed(q, ctx)
+    while f and ql[f - 1] == sl[f - 1]:
+        f -= 1  # run sequences f.. have no cached token
+    if f == len(ql):
+        return self.forward_mixed(q, ctx)
     H, P, R, V, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
-    hs, ht = p.seq_start + f, p.token_start + int(ql[:f].sum())   # head: sequences 0..hs-1, rows 0..ht-1
+    hs, ht = p.seq_start + f, p.token_start + int(ql[:f].sum())  # head: sequences 0..hs-1, rows 0..ht-1
     o = q.new_empty(q.shape[0], H, V)
     if hs:
         mq = max(p.head_max_query_len, int(ql[:f].max(initial=0)))
-        head = ForwardContext(ctx.slot_mapping[:ht], ctx.query_start_loc[:hs + 1], ctx.seq_lens[:hs], ctx.block_tables[:hs],
-                              mq, ctx.max_seq_len)
+        head = ForwardContext(
+            ctx.slot_mapping[:ht],
+            ctx.query_start_loc[: hs + 1],
+            ctx.seq_lens[:hs],
+            ctx.block_tables[:hs],
+            mq,
+            ctx.max_seq_len,
+        )
         o[:ht] = self.forward_absorbed(q[:ht], head) if mq == 1 else self.forward_mixed(q[:ht], head)
-    lat = self.kv_cache.view(-1, L + R).index_select(0, ctx.slot_mapping[ht:])   # the tail's rows, written this step
+    lat = self.kv_cache.view(-1, L + R).index_select(0, ctx.slot_mapping[ht:])  # the tail's rows, written this step
     kv = F.linear(lat[:, :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(-1, H, P + V)
     k = torch.cat([kv[..., :P], lat[:, None, L:].expand(-1, H, R)], -1)
     D = max(P + R, V)
     qt, v = q[ht:], kv[..., P:]
-    if D > P + R: qt, k = F.pad(qt, (0, D - P - R)), F.pad(k, (0, D - P - R))
-    if D > V: v = F.pad(v, (0, D - V))
+    if D > P + R:
+        qt, k = F.pad(qt, (0, D - P - R)), F.pad(k, (0, D - P - R))
+    if D > V:
+        v = F.pad(v, (0, D - V))
     lens = ql[f:]
     dense = self.prefill_fn is flash_varlen_attention and dense_prefill_len(lens, lens) and cudnn_attention_available(q)
     if dense and cudnn_shape_ready(p, (int(lens[0]), len(lens))):
         ot = cudnn_prefill_attention(qt, k, v, len(lens), self.scale)
     else:
-        cu = p.cu_seqlens_q[f:] - p.cu_seqlens_q[f]                      # on the device already: no copy, no sync
+        cu = p.cu_seqlens_q[f:] - p.cu_seqlens_q[f]  # on the device already: no copy, no sync
         ot = self.prefill_fn(qt.contiguous(), k, v, cu, cu, int(lens.max()), int(lens.max()), self.scale)
     o[ht:] = ot[..., :V]
     return o

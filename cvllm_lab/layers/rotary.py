@@ -22,15 +22,20 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
         p = dict(getattr(config, 'rope_scaling', None) or {})
         p.setdefault('rope_theta', getattr(config, 'rope_theta', 10000.0))
     p['rope_type'] = p.get('rope_type', p.get('type', 'default')) or 'default'
-    if p['rope_type'] == 'su': p['rope_type'] = 'longrope'   # Phi-3's first name for LongRoPE
+    if p['rope_type'] == 'su':
+        p['rope_type'] = 'longrope'  # Phi-3's first name for LongRoPE
     p.setdefault('partial_rotary_factor', getattr(config, 'partial_rotary_factor', None) or 1.0)
     if p['rope_type'] == 'longrope':
-        p.setdefault('original_max_position_embeddings', getattr(config, 'original_max_position_embeddings', None)
-                     or config.max_position_embeddings)
+        p.setdefault(
+            'original_max_position_embeddings',
+            getattr(config, 'original_max_position_embeddings', None) or config.max_position_embeddings,
+        )
     return p
 
-def compute_inv_freq(config, head_dim: int, max_position: int | None = None,
-                     layer_type: str | None = None) -> tuple[torch.Tensor, float, int]:
+
+def compute_inv_freq(
+    config, head_dim: int, max_position: int | None = None, layer_type: str | None = None
+) -> tuple[torch.Tensor, float, int]:
     """`(inv_freq, attention_factor, rotary_dim)` for the config's RoPE scheme. LongRoPE takes its long factors iff
     `max_position` (the engine's `max_model_len`) exceeds `original_max_position_embeddings`."""
     p = rope_parameters(config, layer_type)
@@ -38,9 +43,11 @@ def compute_inv_freq(config, head_dim: int, max_position: int | None = None,
     if p['rope_type'] == 'default':
         return 1.0 / (p['rope_theta'] ** (torch.arange(0, rot, 2, dtype=torch.float) / rot)), 1.0, rot
     if p['rope_type'] == 'dynamic':
-        raise NotImplementedError(f"RoPE type {p['rope_type']!r} changes with sequence length; not supported yet")
+        raise NotImplementedError(f'RoPE type {p["rope_type"]!r} changes with sequence length; not supported yet')
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    if p['rope_type'] not in ROPE_INIT_FUNCTIONS: raise ValueError(f"Unknown RoPE type {p['rope_type']!r}")
+
+    if p['rope_type'] not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f'Unknown RoPE type {p["rope_type"]!r}')
     kw = {} if layer_type is None else {'layer_type': layer_type}
     if p['rope_type'] == 'longrope':
         orig = p['original_max_position_embeddings']
@@ -52,20 +59,25 @@ def compute_inv_freq(config, head_dim: int, max_position: int | None = None,
 class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` dims of each q and k head by position, from a `[max_position, rotary_dim]`
     cos/sin cache; `is_neox` pairs halves (HF Llama), otherwise neighbours (GPT-J, GLM-4)."""
+
     def __init__(self, config, head_dim: int, max_position: int, is_neox: bool = True, layer_type: str | None = None):
         super().__init__()
         inv_freq, factor, self.rotary_dim = compute_inv_freq(config, head_dim, max_position, layer_type)
         self.head_dim, self.is_neox = head_dim, is_neox
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None]
-        self.register_buffer('cos_sin_cache', torch.cat([freqs.cos() * factor, freqs.sin() * factor], -1), persistent=False)
+        self.register_buffer(
+            'cos_sin_cache', torch.cat([freqs.cos() * factor, freqs.sin() * factor], -1), persistent=False
+        )
 
     def _rotate(self, x, cos, sin):
         T = x.shape[0]
         x = x.view(T, -1, self.head_dim)
         r, half = self.rotary_dim, self.rotary_dim // 2
         xr = x[..., :r].float()
-        if self.is_neox: x1, x2 = xr[..., :half], xr[..., half:]
-        else: x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        if self.is_neox:
+            x1, x2 = xr[..., :half], xr[..., half:]
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
         o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         rot = torch.cat([o1, o2], -1) if self.is_neox else torch.stack([o1, o2], -1).flatten(-2)
         return torch.cat([rot.to(x.dtype), x[..., r:]], -1).view(T, -1)
@@ -73,6 +85,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if q.is_cuda:
             from cvllm_lab.kernels.rotary import apply_rotary
+
             return apply_rotary(q, k, positions, self.cos_sin_cache, self.head_dim, self.is_neox)
         cs = self.cos_sin_cache[positions]
         cos, sin = cs.chunk(2, -1)

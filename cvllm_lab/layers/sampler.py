@@ -17,22 +17,27 @@ __all__ = ['Logprob', 'topk_logprobs', 'SamplerOutput', 'apply_top_k_top_p_min_p
 @dataclass
 class Logprob:
     "A token's log-probability, its rank in the distribution (1 = most likely), and its text."
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
 
+
 def topk_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
     "For each row: the chosen token's logprob and rank, plus the `k` most likely tokens (-1: all)."
-    if k < 0: k = logprobs.shape[1]
+    if k < 0:
+        k = logprobs.shape[1]
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(1) + 1
     res = []
-    if k > 0: tv, ti = logprobs.topk(min(k, logprobs.shape[1]), dim=1)
+    if k > 0:
+        tv, ti = logprobs.topk(min(k, logprobs.shape[1]), dim=1)
     for i in range(logprobs.shape[0]):
         d = {int(token_ids[i]): Logprob(float(chosen[i]), int(ranks[i]))}
         if k > 0:
             for r, (v, t) in enumerate(zip(tv[i].tolist(), ti[i].tolist())):
-                if t not in d: d[t] = Logprob(v, r + 1)
+                if t not in d:
+                    d[t] = Logprob(v, r + 1)
         res.append(d)
     return res
 
@@ -41,6 +46,7 @@ def topk_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> li
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
+
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
     "Set filtered-out logits to -inf (top_k 0 = off, top_p 1 = off, min_p 0 = off)."
@@ -51,11 +57,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     drop = rank >= k
     probs = srt.masked_fill(drop, float('-inf')).softmax(-1)
     mass_before = probs.cumsum(-1) - probs
-    drop |= (mass_before >= top_p[:, None]) & (rank > 0)      # keep the smallest set with mass >= p
+    drop |= (mass_before >= top_p[:, None]) & (rank > 0)  # keep the smallest set with mass >= p
     drop |= probs < min_p[:, None] * probs[:, :1]
     return logits.scatter(1, idx, srt.masked_fill(drop, float('-inf')))
 
-def apply_penalties(logits, reqs: list[Request]):
+
+def apply_penalties(logits, reqs: list):
     "Repetition (prompt + output tokens), frequency and presence (output tokens) penalties, in place."
     for i, r in enumerate(reqs):
         sp = r.sampling_params
@@ -72,34 +79,45 @@ def apply_penalties(logits, reqs: list[Request]):
 def row_argmax(logits: torch.Tensor, force: bool = False) -> torch.Tensor:
     "`logits.argmax(-1)` (first maximum); few long rows on the GPU (or when `force`) in one Triton launch."
     B, V = logits.shape
-    if not (force or (logits.is_cuda and B < 32 and V >= 8192)): return logits.argmax(-1)
+    if not (force or (logits.is_cuda and B < 32 and V >= 8192)):
+        return logits.argmax(-1)
     from cvllm_lab.kernels.sampling import argmax
+
     return argmax(logits)
 
 # %% ../../nbs/23_sampler.ipynb #86465114
-def _plain_greedy(r: Request) -> bool:
+def _plain_greedy(r) -> bool:
     "Greedy with nothing that changes the logits before the argmax."
     return r.sampling_params.greedy and Sampler.host_free(r)
 
+
 class Sampler(nn.Module):
     "Turns one logits row per request into a token (and its log-probs when asked)."
+
     @staticmethod
-    def host_free(r: Request, ahead: int = 0) -> bool:
+    def host_free(r, ahead: int = 0) -> bool:
         """True when sampling (`ahead` tokens from now) needs nothing from the host but the settings: no log-probs,
         logits processors, penalties, or min_tokens ban."""
         sp = r.sampling_params
-        return (sp.logprobs is None and not sp.logits_processors and sp.repetition_penalty == 1
-                and not sp.frequency_penalty and not sp.presence_penalty and r.num_output_tokens + ahead >= sp.min_tokens)
+        return (
+            sp.logprobs is None
+            and not sp.logits_processors
+            and sp.repetition_penalty == 1
+            and not sp.frequency_penalty
+            and not sp.presence_penalty
+            and r.num_output_tokens + ahead >= sp.min_tokens
+        )
 
-    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def sample_tokens(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         "The token ids of `host_free` requests, left on the device (no sync); the same draws as `forward`."
         assert all(self.host_free(r) for r in reqs)
-        if all(r.sampling_params.greedy for r in reqs): return row_argmax(logits)
+        if all(r.sampling_params.greedy for r in reqs):
+            return row_argmax(logits)
         return (self.sample_on_gpu if logits.is_cuda else self.sample_on_cpu)(logits.float(), reqs)
 
-    def forward(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        B, dev = logits.shape[0], logits.device
-        if all(_plain_greedy(r) for r in reqs):    # the common decode case: one argmax, one device->host copy
+    def forward(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
+        B = logits.shape[0]
+        if all(_plain_greedy(r) for r in reqs):  # the common decode case: one argmax, one device->host copy
             return SamplerOutput(row_argmax(logits).tolist(), [None] * B)
         logits = logits.float()
         need_lp = [r.sampling_params.logprobs is not None for r in reqs]
@@ -107,15 +125,23 @@ class Sampler(nn.Module):
         logits = logits.clone()
         for i, r in enumerate(reqs):
             sp = r.sampling_params
-            for proc in sp.logits_processors or []: logits[i] = proc(list(r.output_token_ids), logits[i])
+            for proc in sp.logits_processors or []:
+                logits[i] = proc(list(r.output_token_ids), logits[i])
             if r.num_output_tokens < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + list(r.eos_token_ids)
-                if banned: logits[i, banned] = float('-inf')
-        if any(r.sampling_params.repetition_penalty != 1 or r.sampling_params.frequency_penalty
-               or r.sampling_params.presence_penalty for r in reqs):
+                if banned:
+                    logits[i, banned] = float('-inf')
+        if any(
+            r.sampling_params.repetition_penalty != 1
+            or r.sampling_params.frequency_penalty
+            or r.sampling_params.presence_penalty
+            for r in reqs
+        ):
             logits = apply_penalties(logits, reqs)
-        if logits.is_cuda: tokens = self.sample_on_gpu(logits, reqs)
-        else: tokens = self.sample_on_cpu(logits, reqs)
+        if logits.is_cuda:
+            tokens = self.sample_on_gpu(logits, reqs)
+        else:
+            tokens = self.sample_on_cpu(logits, reqs)
         lps: list = [None] * B
         if raw_lp is not None:
             rows = [i for i in range(B) if need_lp[i]]
@@ -131,11 +157,16 @@ class Sampler(nn.Module):
     def sample_on_gpu(logits, reqs) -> torch.Tensor:
         "The Triton sampler: filtering and a Philox draw keyed by (request seed, step), no host sync."
         from cvllm_lab.kernels.sampling import sample
+
         sp = [r.sampling_params for r in reqs]
-        f = torch.tensor([[p.temperature if not p.greedy else 0.0 for p in sp], [p.top_p for p in sp],
-                          [p.min_p for p in sp]], dtype=torch.float32).to(logits.device, non_blocking=True)
-        i = torch.tensor([[p.top_k for p in sp], [r.sample_seed for r in reqs], [r.num_output_tokens for r in reqs]],
-                         dtype=torch.int64).to(logits.device, non_blocking=True)
+        f = torch.tensor(
+            [[p.temperature if not p.greedy else 0.0 for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]],
+            dtype=torch.float32,
+        ).to(logits.device, non_blocking=True)
+        i = torch.tensor(
+            [[p.top_k for p in sp], [r.sample_seed for r in reqs], [r.num_output_tokens for r in reqs]],
+            dtype=torch.int64,
+        ).to(logits.device, non_blocking=True)
         return sample(logits, f[0], i[0].to(torch.int32), f[1], f[2], i[1], i[2])
 
     @staticmethod
@@ -147,10 +178,12 @@ class Sampler(nn.Module):
         if not greedy.all():
             sp = [r.sampling_params for r in reqs]
             temp = torch.tensor([max(p.temperature, 1e-5) for p in sp], device=dev)
-            filt = apply_top_k_top_p_min_p(logits / temp[:, None],
-                                           torch.tensor([p.top_k for p in sp], device=dev),
-                                           torch.tensor([p.top_p for p in sp], device=dev),
-                                           torch.tensor([p.min_p for p in sp], device=dev))
+            filt = apply_top_k_top_p_min_p(
+                logits / temp[:, None],
+                torch.tensor([p.top_k for p in sp], device=dev),
+                torch.tensor([p.top_p for p in sp], device=dev),
+                torch.tensor([p.min_p for p in sp], device=dev),
+            )
             probs = filt.softmax(-1)
             e = torch.empty_like(probs).exponential_()
             for i, r in enumerate(reqs):

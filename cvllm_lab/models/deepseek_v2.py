@@ -6,7 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/deepseek_v2.html.md"""
 
 # %% ../../nbs/35_deepseek_v2.ipynb #e4d4220d
 from __future__ import annotations
-import copy, functools, re
+import copy
+import functools
+import re
 from typing import Iterable
 import numpy as np
 import torch
@@ -33,9 +35,17 @@ def _group_mask(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: in
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(topk_group, -1)[1], True)
     return keep[:, :, None].expand(T, n_group, scores.shape[1] // n_group).reshape(scores.shape)
 
-def deepseek_topk(router_logits: torch.Tensor, top_k: int, topk_method: str = 'greedy', n_group: int | None = None,
-                  topk_group: int | None = None, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
-                  e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+
+def deepseek_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    topk_method: str = 'greedy',
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routers on fp32 `router_logits [T, E]` -> `topk_weights [T, k]` fp32, `topk_ids [T, k]` int32.
     `greedy` (V2): softmax, top-k. `group_limited_greedy` (V2): softmax; keep the `topk_group` groups with the best
     single expert, top-k among them. `noaux_tc` (V3): sigmoid; choose with `score + e_score_correction_bias`, groups
@@ -52,50 +62,67 @@ def deepseek_topk(router_logits: torch.Tensor, top_k: int, topk_method: str = 'g
         ids = choice.topk(top_k, -1)[1]
         weights = scores.gather(1, ids)
     elif topk_method == 'greedy' or (topk_method == 'group_limited_greedy' and not (n_group and n_group > 1)):
-        weights, ids = select_experts(logits, top_k, norm_topk_prob and top_k > 1)   # one launch on the GPU
+        weights, ids = select_experts(logits, top_k, norm_topk_prob and top_k > 1)  # one launch on the GPU
         return (weights if routed_scaling_factor == 1.0 else weights * routed_scaling_factor), ids
     elif topk_method == 'group_limited_greedy':
         scores = logits.softmax(-1)
         groups = scores.view(scores.shape[0], n_group, -1).amax(-1)
         scores = scores.masked_fill(~_group_mask(scores, groups, topk_group), 0.0)
         weights, ids = scores.topk(top_k, -1)
-    else: raise ValueError(f"Unknown topk_method {topk_method!r} (greedy, group_limited_greedy, noaux_tc)")
-    if norm_topk_prob and top_k > 1: weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    if routed_scaling_factor != 1.0: weights = weights * routed_scaling_factor
+    else:
+        raise ValueError(f'Unknown topk_method {topk_method!r} (greedy, group_limited_greedy, noaux_tc)')
+    if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
 
 # %% ../../nbs/35_deepseek_v2.ipynb #9b3aba33
 def routed_experts(moe: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     "The experts half of `FusedMoE.forward` for weights and ids chosen by another router (quantized, Triton or PyTorch)."
-    if moe.quant_method is not None: return moe.quant_method.apply(moe, x, topk_weights, topk_ids)
-    if x.is_cuda: return fused_moe(x, moe.w13_weight, moe.w2_weight, topk_weights, topk_ids)
+    if moe.quant_method is not None:
+        return moe.quant_method.apply(moe, x, topk_weights, topk_ids)
+    if x.is_cuda:
+        return fused_moe(x, moe.w13_weight, moe.w2_weight, topk_weights, topk_ids)
     return fused_moe_ref(x, moe.w13_weight, moe.w2_weight, topk_weights, topk_ids)
+
 
 class DeepseekRouter(nn.Module):
     "The router's parameters under the checkpoint's names: `weight [E, hidden]` and V3's fp32 `e_score_correction_bias [E]`."
+
     def __init__(self, hidden: int, num_experts: int, correction_bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
-                                        if correction_bias else None)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            if correction_bias
+            else None
+        )
+
     def forward(self, x):
         "Logits in fp32, as the reference; a bf16/fp16 weight's fp32 copy is made once per weight version."
         w = self.weight
         if w.dtype != torch.float32:
             key = (w.data_ptr(), w._version)
-            if getattr(self, '_w32_key', None) != key: self._w32, self._w32_key = w.float(), key
+            if getattr(self, '_w32_key', None) != key:
+                self._w32, self._w32_key = w.float(), key
             w = self._w32
         return F.linear(x.float(), w)
 
+
 class DeepseekV2MoE(nn.Module):
     "Router -> `deepseek_topk` -> routed experts (`FusedMoE`), plus `n_shared_experts` always-on experts as one SwiGLU MLP."
+
     def __init__(self, config, v3: bool):
         super().__init__()
         E, H = config.n_routed_experts, config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.topk_method = 'noaux_tc' if v3 else getattr(config, 'topk_method', 'greedy')
         self.n_group, self.topk_group = getattr(config, 'n_group', None), getattr(config, 'topk_group', None)
-        self.norm_topk_prob, self.routed_scaling_factor = bool(config.norm_topk_prob), float(config.routed_scaling_factor)
+        self.norm_topk_prob, self.routed_scaling_factor = (
+            bool(config.norm_topk_prob),
+            float(config.routed_scaling_factor),
+        )
         self.gate = DeepseekRouter(H, E, correction_bias=v3)
         # tensor parallel: experts and shared experts split along their intermediate dimension; their partial sums
         # are added first and all-reduced once
@@ -104,20 +131,34 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = LlamaMLP(H, config.moe_intermediate_size * n, reduce_results=False) if n else None
 
     def forward(self, x):
-        w, ids = deepseek_topk(self.gate(x), self.top_k, self.topk_method, self.n_group, self.topk_group,
-                               self.norm_topk_prob, self.routed_scaling_factor, self.gate.e_score_correction_bias)
+        w, ids = deepseek_topk(
+            self.gate(x),
+            self.top_k,
+            self.topk_method,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+            self.gate.e_score_correction_bias,
+        )
         out = routed_experts(self.experts, x, w, ids)
-        if self.shared_experts is not None: out = out + self.shared_experts(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out) if self.experts.tp_size > 1 else out
 
 # %% ../../nbs/35_deepseek_v2.ipynb #08324a70
 def is_moe_layer(config, i: int) -> bool:
     "DeepSeek's rule: layer i is MoE iff it has routed experts, `i >= first_k_dense_replace` and `i % moe_layer_freq == 0`."
-    return (bool(getattr(config, 'n_routed_experts', None)) and i >= (getattr(config, 'first_k_dense_replace', 0) or 0)
-            and i % (getattr(config, 'moe_layer_freq', 1) or 1) == 0)
+    return (
+        bool(getattr(config, 'n_routed_experts', None))
+        and i >= (getattr(config, 'first_k_dense_replace', 0) or 0)
+        and i % (getattr(config, 'moe_layer_freq', 1) or 1) == 0
+    )
+
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     "Llama's pre-norm block with MLA attention and a dense or MoE MLP."
+
     def __init__(self, config, rotary, backend, mlp: nn.Module):
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -125,72 +166,113 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
+
 class DeepseekV2ForCausalLM(MoEForCausalLM):
     "DeepSeek-V2 / V2-Lite / V2.5: MLA attention, the first `first_k_dense_replace` layers dense, the rest MoE with shared experts."
+
     v3 = False
+
     def check_config(self, config):
         super().check_config(config)
         method = 'noaux_tc' if self.v3 else getattr(config, 'topk_method', 'greedy')
         if method not in (('noaux_tc',) if self.v3 else ('greedy', 'group_limited_greedy')):
-            refuse(config, 'topk_method', f'{type(self).__name__} routes with ' + ('noaux_tc' if self.v3 else 'greedy or group_limited_greedy'))
+            refuse(
+                config,
+                'topk_method',
+                f'{type(self).__name__} routes with ' + ('noaux_tc' if self.v3 else 'greedy or group_limited_greedy'),
+            )
         scoring = getattr(config, 'scoring_func', None)
-        if scoring not in (None, 'sigmoid' if self.v3 else 'softmax'): refuse(config, 'scoring_func', f'{method} routing')
+        if scoring not in (None, 'sigmoid' if self.v3 else 'softmax'):
+            refuse(config, 'scoring_func', f'{method} routing')
 
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         self.check_config(config)
         shell = copy.copy(config)
-        shell.num_hidden_layers = 0          # Llama's embedding, final norm and head; the layers are built here
+        shell.num_hidden_layers = 0  # Llama's embedding, final norm and head; the layers are built here
         LlamaForCausalLM.__init__(self, shell, max_model_len, attention_backend)
         self.config = config
         interleave = self.v3 is False or getattr(config, 'rope_interleave', True)
-        rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_model_len or config.max_position_embeddings,
-                                 is_neox=not interleave)
-        self.model.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, rotary, attention_backend, self.make_mlp(config, i))
-                                          for i in range(config.num_hidden_layers))
+        rotary = RotaryEmbedding(
+            config, config.qk_rope_head_dim, max_model_len or config.max_position_embeddings, is_neox=not interleave
+        )
+        self.model.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, rotary, attention_backend, self.make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
+        )
         self.packed_modules_mapping = {'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
-        if config.q_lora_rank:   # q_a_proj and kv_a_proj_with_mqa read the same h: one merged matmul
-            self.packed_modules_mapping |= {'q_a_proj': ('fused_qkv_a_proj', 0), 'kv_a_proj_with_mqa': ('fused_qkv_a_proj', 1)}
+        if config.q_lora_rank:  # q_a_proj and kv_a_proj_with_mqa read the same h: one merged matmul
+            self.packed_modules_mapping |= {
+                'q_a_proj': ('fused_qkv_a_proj', 0),
+                'kv_a_proj_with_mqa': ('fused_qkv_a_proj', 1),
+            }
 
     def make_mlp(self, config, i):
-        if is_moe_layer(config, i): return DeepseekV2MoE(config, self.v3)
+        if is_moe_layer(config, i):
+            return DeepseekV2MoE(config, self.v3)
         return LlamaMLP(config.hidden_size, config.intermediate_size)
 
-    def attention_layers(self) -> list[MLAAttention]: return [l.self_attn for l in self.model.layers]
+    def attention_layers(self) -> list[MLAAttention]:
+        return [l.self_attn for l in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         "`MoEForCausalLM`'s loader, skipping the multi-token-prediction layers past `num_hidden_layers` (V3, R1)."
         n = self.config.num_hidden_layers
+
         def decoder(ws):
             for name, w in ws:
                 m = re.match(r'model\.layers\.(\d+)\.', name)
-                if m and int(m[1]) >= n: continue
+                if m and int(m[1]) >= n:
+                    continue
                 yield name, w
+
         return MoEForCausalLM.load_weights(self, decoder(weights))
+
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     "DeepSeek-V3 / R1 (and models built like them): V2's blocks with the sigmoid `noaux_tc` router and its correction bias."
+
     v3 = True
 
 # %% ../../nbs/35_deepseek_v2.ipynb #1c7ef9dd
-DEEPSEEK_HF_TENSORS = ('self_attn.q_proj', 'self_attn.q_a_proj', 'self_attn.q_a_layernorm', 'self_attn.q_b_proj',
-                       'self_attn.kv_a_proj_with_mqa', 'self_attn.kv_a_layernorm', 'self_attn.kv_b_proj',
-                       'self_attn.k_b_proj', 'self_attn.v_b_proj', 'self_attn.o_proj', 'input_layernorm',
-                       'post_attention_layernorm', 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj', 'mlp.gate',
-                       *(f'mlp.{e}.{m}_proj' for e in ('experts', 'shared_experts') for m in ('gate', 'up', 'down')))
+DEEPSEEK_HF_TENSORS = (
+    'self_attn.q_proj',
+    'self_attn.q_a_proj',
+    'self_attn.q_a_layernorm',
+    'self_attn.q_b_proj',
+    'self_attn.kv_a_proj_with_mqa',
+    'self_attn.kv_a_layernorm',
+    'self_attn.kv_b_proj',
+    'self_attn.k_b_proj',
+    'self_attn.v_b_proj',
+    'self_attn.o_proj',
+    'input_layernorm',
+    'post_attention_layernorm',
+    'mlp.gate_proj',
+    'mlp.up_proj',
+    'mlp.down_proj',
+    'mlp.gate',
+    *(f'mlp.{e}.{m}_proj' for e in ('experts', 'shared_experts') for m in ('gate', 'up', 'down')),
+)
+
 
 @functools.lru_cache(maxsize=8)
 def deepseek_gguf_names(num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> checkpoint name for llama.cpp's arch `deepseek2`, from `gguf`'s tensor map (`k_b_proj` /
     `v_b_proj` are llama.cpp's halves of `kv_b_proj`, merged by `iterate_deepseek_gguf`)."""
     import gguf
+
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, num_layers)
-    hf = ['model.embed_tokens', 'model.norm', 'lm_head'] + [f'model.layers.{i}.{s}' for i in range(num_layers) for s in DEEPSEEK_HF_TENSORS]
+    hf = ['model.embed_tokens', 'model.norm', 'lm_head'] + [
+        f'model.layers.{i}.{s}' for i in range(num_layers) for s in DEEPSEEK_HF_TENSORS
+    ]
     out = {tmap.get_name(f'{n}.weight', try_suffixes=('.weight',)): f'{n}.weight' for n in hf}
-    for i in range(num_layers):   # llama.cpp writes e_score_correction_bias as e_score_correction.bias
-        out[tmap.get_name(f'model.layers.{i}.mlp.gate.e_score_correction.bias', try_suffixes=('.bias',))] = \
+    for i in range(num_layers):  # llama.cpp writes e_score_correction_bias as e_score_correction.bias
+        out[tmap.get_name(f'model.layers.{i}.mlp.gate.e_score_correction.bias', try_suffixes=('.bias',))] = (
             f'model.layers.{i}.mlp.gate.e_score_correction_bias'
+        )
     out.pop(None, None)
     return out
+
 
 def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     "llama.cpp's `attn_k_b [H, L, P]` and `attn_v_b [H, V, L]` back to `kv_b_proj [H (P + V), L]` (per head: W_UK rows, then W_UV)."
@@ -202,6 +284,7 @@ def deepseek_config_from_gguf(meta: dict, tensor_names=()):
     its tensor names: no `output.weight` means tied embeddings)."""
     from gguf import ExpertGatingFuncType
     from transformers import DeepseekV2Config, DeepseekV3Config
+
     g = lambda k, d=None: meta.get(f'deepseek2.{k}', d)
     R, H = g('rope.dimension_count'), g('attention.head_count')
     v3 = g('expert_gating_func') == ExpertGatingFuncType.SIGMOID
@@ -209,30 +292,58 @@ def deepseek_config_from_gguf(meta: dict, tensor_names=()):
     rope = {'rope_type': 'default', 'rope_theta': float(g('rope.freq_base', 10000.0))}
     if g('rope.scaling.type') == 'yarn':
         mscale = g('rope.scaling.yarn_log_multiplier', 0.0) / 0.1
-        rope |= {'rope_type': 'yarn', 'factor': float(g('rope.scaling.factor')), 'mscale': mscale, 'mscale_all_dim': mscale,
-                 'original_max_position_embeddings': g('rope.scaling.original_context_length'),
-                 'beta_fast': float(g('rope.scaling.yarn_beta_fast', 32)), 'beta_slow': float(g('rope.scaling.yarn_beta_slow', 1))}
+        rope |= {
+            'rope_type': 'yarn',
+            'factor': float(g('rope.scaling.factor')),
+            'mscale': mscale,
+            'mscale_all_dim': mscale,
+            'original_max_position_embeddings': g('rope.scaling.original_context_length'),
+            'beta_fast': float(g('rope.scaling.yarn_beta_fast', 32)),
+            'beta_slow': float(g('rope.scaling.yarn_beta_slow', 1)),
+        }
     vocab = g('vocab_size') or len(meta['tokenizer.ggml.tokens'])
-    kw = dict(vocab_size=vocab, hidden_size=g('embedding_length'), intermediate_size=g('feed_forward_length'),
-              moe_intermediate_size=g('expert_feed_forward_length'), num_hidden_layers=g('block_count'),
-              num_attention_heads=H, num_key_value_heads=H, kv_lora_rank=g('attention.kv_lora_rank'),
-              q_lora_rank=g('attention.q_lora_rank') or None, qk_rope_head_dim=R,
-              qk_nope_head_dim=(g('attention.key_length_mla') or g('attention.key_length')) - R,
-              v_head_dim=g('attention.value_length_mla') or g('attention.value_length'),
-              n_routed_experts=g('expert_count'), num_experts_per_tok=g('expert_used_count'),
-              n_shared_experts=g('expert_shared_count', 0), first_k_dense_replace=g('leading_dense_block_count', 0),
-              routed_scaling_factor=float(g('expert_weights_scale', 1.0)), norm_topk_prob=bool(g('expert_weights_norm', False)),
-              n_group=n_group, topk_group=g('expert_group_used_count') or 1, rms_norm_eps=float(g('attention.layer_norm_rms_epsilon')),
-              max_position_embeddings=g('context_length'), rope_parameters=rope, moe_layer_freq=1,
-              tie_word_embeddings='output.weight' not in tensor_names if tensor_names else False,
-              bos_token_id=meta.get('tokenizer.ggml.bos_token_id'), eos_token_id=meta.get('tokenizer.ggml.eos_token_id'))
-    if v3: cfg = DeepseekV3Config(**kw, rope_interleave=True)
-    else: cfg = DeepseekV2Config(**kw, topk_method='group_limited_greedy' if n_group > 1 else 'greedy')
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=g('embedding_length'),
+        intermediate_size=g('feed_forward_length'),
+        moe_intermediate_size=g('expert_feed_forward_length'),
+        num_hidden_layers=g('block_count'),
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        kv_lora_rank=g('attention.kv_lora_rank'),
+        q_lora_rank=g('attention.q_lora_rank') or None,
+        qk_rope_head_dim=R,
+        qk_nope_head_dim=(g('attention.key_length_mla') or g('attention.key_length')) - R,
+        v_head_dim=g('attention.value_length_mla') or g('attention.value_length'),
+        n_routed_experts=g('expert_count'),
+        num_experts_per_tok=g('expert_used_count'),
+        n_shared_experts=g('expert_shared_count', 0),
+        first_k_dense_replace=g('leading_dense_block_count', 0),
+        routed_scaling_factor=float(g('expert_weights_scale', 1.0)),
+        norm_topk_prob=bool(g('expert_weights_norm', False)),
+        n_group=n_group,
+        topk_group=g('expert_group_used_count') or 1,
+        rms_norm_eps=float(g('attention.layer_norm_rms_epsilon')),
+        max_position_embeddings=g('context_length'),
+        rope_parameters=rope,
+        moe_layer_freq=1,
+        tie_word_embeddings='output.weight' not in tensor_names if tensor_names else False,
+        bos_token_id=meta.get('tokenizer.ggml.bos_token_id'),
+        eos_token_id=meta.get('tokenizer.ggml.eos_token_id'),
+    )
+    if v3:
+        cfg = DeepseekV3Config(**kw, rope_interleave=True)
+    else:
+        cfg = DeepseekV2Config(**kw, topk_method='group_limited_greedy' if n_group > 1 else 'greedy')
     cfg.architectures = ['DeepseekV3ForCausalLM' if v3 else 'DeepseekV2ForCausalLM']
     return cfg
 
-_GGUF_RAW_SUFFIXES = tuple(f'.{m}.weight' for m in ('q_proj', 'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'o_proj',
-                                                     'gate_proj', 'up_proj', 'down_proj'))
+
+_GGUF_RAW_SUFFIXES = tuple(
+    f'.{m}.weight'
+    for m in ('q_proj', 'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+)
+
 
 def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
     """`(checkpoint name, dequantized tensor)` of a llama.cpp `deepseek2` file, for `load_weights`: names by
@@ -242,21 +353,31 @@ def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> It
     them); `kv_b_proj` (decode reads its per-head `W_UK` / `W_UV`) and the routed experts are dequantized."""
     import gguf
     from cvllm_lab.quant.apply import GGUFRaw
-    from cvllm_lab.quant.gguf import QUANT_TYPES
+    from cvllm_lab.kernels.gguf_layout import QUANT_TYPES
+
     reader = gguf.GGUFReader(str(path))
     tnames = [t.name for t in reader.tensors]
-    if config is None: config = deepseek_config_from_gguf({k: f.contents() for k, f in reader.fields.items()}, tnames)
+    if config is None:
+        config = deepseek_config_from_gguf({k: f.contents() for k, f in reader.fields.items()}, tnames)
     names, has_kv_b, halves = deepseek_gguf_names(config.num_hidden_layers), any('attn_kv_b' in n for n in tnames), {}
     for t in reader.tensors:
         name = names.get(t.name)
-        if name is None: continue
-        if keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_GGUF_RAW_SUFFIXES) and '.experts.' not in name:
-            cols = int(t.shape[0])   # ne0: the input features; rows of block bytes
+        if name is None:
+            continue
+        if (
+            keep_quantized
+            and t.tensor_type in QUANT_TYPES
+            and name.endswith(_GGUF_RAW_SUFFIXES)
+            and '.experts.' not in name
+        ):
+            cols = int(t.shape[0])  # ne0: the input features; rows of block bytes
             data = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)
-            yield name, GGUFRaw(data, t.tensor_type, (data.shape[0], cols)); continue
+            yield name, GGUFRaw(data, t.tensor_type, (data.shape[0], cols))
+            continue
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         if name.endswith(('.k_b_proj.weight', '.v_b_proj.weight')):
-            if has_kv_b: continue
+            if has_kv_b:
+                continue
             layer, half = name.rsplit('.', 2)[0], name.rsplit('.', 2)[1]
             halves.setdefault(layer, {})[half] = w
             if len(halves[layer]) == 2:

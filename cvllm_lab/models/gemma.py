@@ -22,6 +22,7 @@ __all__ = ['gemma_layer_types', 'check_gemma_config', 'rope_config', 'GemmaAtten
 _ACTIVATIONS = ('gelu_pytorch_tanh', 'gelu_tanh')
 _LAYER_TYPES = ('sliding_attention', 'full_attention')
 
+
 def gemma_layer_types(config) -> list[str]:
     "Each layer's kind: `config.layer_types`, else every `sliding_window_pattern`-th layer global (Gemma 2: 2)."
     types = getattr(config, 'layer_types', None)
@@ -30,40 +31,58 @@ def gemma_layer_types(config) -> list[str]:
         types = ['full_attention' if (i + 1) % n == 0 else 'sliding_attention' for i in range(config.num_hidden_layers)]
     return list(types)
 
+
 def check_gemma_config(config):
     "Raise `NotImplementedError` naming the field when `config` asks for something this implementation does not do."
     act = getattr(config, 'hidden_activation', None) or getattr(config, 'hidden_act', None)
     if act not in _ACTIVATIONS:
-        raise NotImplementedError(f"Gemma hidden_activation={act!r} is not supported (only {' / '.join(_ACTIVATIONS)})")
+        raise NotImplementedError(f'Gemma hidden_activation={act!r} is not supported (only {" / ".join(_ACTIVATIONS)})')
     if getattr(config, 'use_bidirectional_attention', False):
-        raise NotImplementedError("Gemma use_bidirectional_attention=True (EmbeddingGemma) is not supported: causal only")
+        raise NotImplementedError(
+            'Gemma use_bidirectional_attention=True (EmbeddingGemma) is not supported: causal only'
+        )
     types = gemma_layer_types(config)
     if len(types) != config.num_hidden_layers or set(types) - set(_LAYER_TYPES):
-        raise NotImplementedError(f"Gemma layer_types={types!r}: need {config.num_hidden_layers} entries of {_LAYER_TYPES}")
+        raise NotImplementedError(
+            f'Gemma layer_types={types!r}: need {config.num_hidden_layers} entries of {_LAYER_TYPES}'
+        )
     if getattr(config, 'text_config', None) is not None:
         raise NotImplementedError("A multimodal Gemma config (text_config): load the text model's Gemma3TextConfig")
+
 
 def rope_config(config, layer_type: str):
     "A shallow copy of `config` holding the RoPE parameters of `layer_type`'s layers (for `RotaryEmbedding`)."
     c, p = copy.copy(config), getattr(config, 'rope_parameters', None) or {}
-    if layer_type in p: c.rope_parameters = dict(p[layer_type])            # transformers 5: nested by layer type
-    elif layer_type == 'sliding_attention' and getattr(config, 'rope_local_base_freq', None):   # transformers 4.x
+    if layer_type in p:
+        c.rope_parameters = dict(p[layer_type])  # transformers 5: nested by layer type
+    elif layer_type == 'sliding_attention' and getattr(config, 'rope_local_base_freq', None):  # transformers 4.x
         c.rope_scaling, c.rope_theta = None, config.rope_local_base_freq
     return c
 
 # %% ../../nbs/36_gemma.ipynb #12e7d5ee
 class GemmaAttention(LlamaAttention):
     "Llama's attention with the scale `query_pre_attn_scalar ** -0.5`, optional score soft-cap and `1 + w` q/k norms."
+
     def __init__(self, config, rotary: RotaryEmbedding, backend: str, sliding_window: int | None, qk_norm: bool):
         b = getattr(config, 'attention_bias', False)
         super().__init__(config, rotary, backend, qkv_bias=b, o_bias=b, qk_norm=qk_norm, sliding_window=sliding_window)
-        if qk_norm: self.q_norm, self.k_norm = (GemmaRMSNorm(self.D, config.rms_norm_eps) for _ in range(2))
-        self.attn = Attention(self.H, self.D, config.query_pre_attn_scalar ** -0.5, self.Hkv, sliding_window=sliding_window,
-                              backend=backend, logits_soft_cap=getattr(config, 'attn_logit_softcapping', None))
+        if qk_norm:
+            self.q_norm, self.k_norm = (GemmaRMSNorm(self.D, config.rms_norm_eps) for _ in range(2))
+        self.attn = Attention(
+            self.H,
+            self.D,
+            config.query_pre_attn_scalar**-0.5,
+            self.Hkv,
+            sliding_window=sliding_window,
+            backend=backend,
+            logits_soft_cap=getattr(config, 'attn_logit_softcapping', None),
+        )
+
 
 class GemmaDecoderLayer(nn.Module):
     "Gemma block: every sub-layer between a pre-norm and a post-norm; residual adds fused into the pre-norms."
-    prunes_rows = True   # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
+
+    prunes_rows = True  # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
 
     def __init__(self, config, rotary, backend: str, sliding_window: int | None, qk_norm: bool):
         super().__init__()
@@ -77,16 +96,20 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
 
     def forward(self, positions, h, residual, keep=None):
-        if residual is None: residual, h = h, self.input_layernorm(h)
-        else: h, residual = self.input_layernorm(h, residual)      # + the previous layer's post-feedforward output
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)  # + the previous layer's post-feedforward output
         h = self.self_attn(positions, h)
-        if keep is not None: h, residual = h[keep], residual[keep]
+        if keep is not None:
+            h, residual = h[keep], residual[keep]
         h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 # %% ../../nbs/36_gemma.ipynb #8e2ef4aa
 class Gemma2ForCausalLM(LlamaForCausalLM):
     "Gemma 2: the Gemma block, sliding / global layers, soft-capped attention scores and final logits."
+
     qk_norm = False
 
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
@@ -101,29 +124,37 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.model = nn.Module()
         self.make_embeddings(config, tie_default=True)
         self.model.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, rotary[t], attention_backend, window if t == 'sliding_attention' else None, self.qk_norm)
-            for t in types)
+            GemmaDecoderLayer(
+                config, rotary[t], attention_backend, window if t == 'sliding_attention' else None, self.qk_norm
+            )
+            for t in types
+        )
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.final_logit_softcapping = getattr(config, 'final_logit_softcapping', None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.model.embed_tokens(input_ids), None
-        h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype).item()   # the factor in the model dtype, as HF
+        h = self.model.embed_tokens(input_ids)
+        h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()  # the factor in the model dtype, as HF
         return self.model.norm(*self.run_layers(positions, h))[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
-        if logits is None: return None                 # a tensor-parallel rank other than 0
-        if cap := self.final_logit_softcapping: logits = torch.tanh(logits / cap) * cap
+        if logits is None:
+            return None  # a tensor-parallel rank other than 0
+        if cap := self.final_logit_softcapping:
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def load_weights(self, weights) -> set[str]:
         "Llama's loader; then the norms' cached CUDA scales are dropped (they follow the new weights)."
         loaded = super().load_weights(weights)
         for m in self.modules():
-            if isinstance(m, GemmaRMSNorm): m.reset_scale()
+            if isinstance(m, GemmaRMSNorm):
+                m.reset_scale()
         return loaded
+
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     "Gemma 3 (text): Gemma 2's model with q/k norms and a local RoPE base; soft-caps only if the config sets them."
+
     qk_norm = True

@@ -20,7 +20,8 @@ __all__ = ['Glm4DecoderLayer', 'Glm4ForCausalLM']
 # %% ../../nbs/39_glm4.ipynb #07d0c679
 class Glm4DecoderLayer(nn.Module):
     "Pre-norm block whose attention and MLP outputs are normalized again before each residual add."
-    prunes_rows = True   # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
+
+    prunes_rows = True  # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch'):
         super().__init__()
@@ -33,15 +34,20 @@ class Glm4DecoderLayer(nn.Module):
         self.post_mlp_layernorm = RMSNorm(H, eps)
 
     def forward(self, positions, h, residual, keep=None):
-        if residual is None: residual, h = h, self.input_layernorm(h)
-        else: h, residual = self.input_layernorm(h, residual)
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h)
-        if keep is not None: h, residual = h[keep], residual[keep]
+        if keep is not None:
+            h, residual = h[keep], residual[keep]
         h, residual = self.post_attention_layernorm(self.post_self_attn_layernorm(h), residual)
         return self.post_mlp_layernorm(self.mlp(h)), residual
 
+
 class Glm4ForCausalLM(LlamaForCausalLM):
     "GLM-4: `Glm4DecoderLayer`s with GPT-J-style partial rotary; forward, logits and loading are Llama's (gate/up unfused)."
+
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         require_silu(config, type(self).__name__)
         nn.Module.__init__(self)
@@ -50,8 +56,9 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         rotary = RotaryEmbedding(config, head_dim, max_model_len or config.max_position_embeddings, is_neox=False)
         self.model = nn.Module()
         self.make_embeddings(config)
-        self.model.layers = nn.ModuleList(Glm4DecoderLayer(config, rotary, attention_backend)
-                                          for _ in range(config.num_hidden_layers))
+        self.model.layers = nn.ModuleList(
+            Glm4DecoderLayer(config, rotary, attention_backend) for _ in range(config.num_hidden_layers)
+        )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -17,8 +17,15 @@ from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
 from ..utils.context import get_forward_context
 from ..layers.fused_moe import FusedMoE
-from ..layers.linear import (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
-                                     VocabParallelEmbedding, ParallelLMHead, accumulates, linear_add_)
+from cvllm_lab.layers.linear import (
+    QKVParallelLinear,
+    RowParallelLinear,
+    MergedColumnParallelLinear,
+    VocabParallelEmbedding,
+    ParallelLMHead,
+    accumulates,
+    linear_add_,
+)
 from ..utils.parallel_state import get_tensor_model_parallel_world_size, tensor_model_parallel_gather
 from ..utils.context import bind_kv_cache, prefill_context, set_forward_context
 from ..config import get_current_engine_config
@@ -34,27 +41,39 @@ def redeclare_on_override(cls, flags: tuple[str, ...], methods: tuple[str, ...] 
     fast paths (no type check names a class), and one that changes them must say again what it supports."""
     if any(m in vars(cls) for m in methods):
         for f in flags:
-            if f not in vars(cls): setattr(cls, f, False)
+            if f not in vars(cls):
+                setattr(cls, f, False)
+
 
 class LlamaAttention(nn.Module):
     "Self-attention over this rank's heads: merged QKV projection, optional q/k norm, RoPE, paged attention, output projection."
-    supports_fp32_stream = True   # `forward` is `o_proj(attend_qkv(qkv_proj(h)))`, as `forward_acc` runs it
+
+    supports_fp32_stream = True  # `forward` is `o_proj(attend_qkv(qkv_proj(h)))`, as `forward_acc` runs it
 
     def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_fp32_stream',))
+        super().__init_subclass__(**kw)
+        redeclare_on_override(cls, ('supports_fp32_stream',))
 
-    def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch', qkv_bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False, sliding_window: int | None = None):
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        backend: str = 'torch',
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         H, Hkv = config.num_attention_heads, config.num_key_value_heads
         D = getattr(config, 'head_dim', None) or config.hidden_size // H
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, Hkv, bias=qkv_bias)   # this rank's heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, Hkv, bias=qkv_bias)  # this rank's heads
         self.H, self.Hkv, self.D = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D  # local head counts
-        self.o_proj = RowParallelLinear(H * D, config.hidden_size, bias=o_bias)            # all-reduce of the heads' sums
+        self.o_proj = RowParallelLinear(H * D, config.hidden_size, bias=o_bias)  # all-reduce of the heads' sums
         self.q_norm = RMSNorm(D, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary
-        self.attn = Attention(self.H, D, D ** -0.5, self.Hkv, sliding_window=sliding_window, backend=backend)
+        self.attn = Attention(self.H, D, D**-0.5, self.Hkv, sliding_window=sliding_window, backend=backend)
 
     def attend(self, positions, h):
         "The heads' outputs `[T, H * D]`, before the output projection."
@@ -66,19 +85,24 @@ class LlamaAttention(nn.Module):
         T = qkv.shape[0]
         q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
         if self.q_norm is not None:
-            if rms is not None: (q, k, v), rms = rms.apply(q, k, v), None
+            if rms is not None:
+                (q, k, v), rms = rms.apply(q, k, v), None
             q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
             k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
-        return self.attn(q, k, v, positions, self.rotary_emb, dtype=dtype, rms=rms)   # rotary inside (fused on triton)
+        return self.attn(q, k, v, positions, self.rotary_emb, dtype=dtype, rms=rms)  # rotary inside (fused on triton)
 
-    def forward(self, positions, h): return self.o_proj(self.attend(positions, h))
+    def forward(self, positions, h):
+        return self.o_proj(self.attend(positions, h))
+
 
 class LlamaMLP(nn.Module):
     "SwiGLU MLP with one merged gate/up matmul; the intermediate dimension split over the TP ranks."
-    supports_fp32_stream = True   # `forward` is `down_proj(act(gate_up_proj(x)))`, as `forward_acc` runs it
+
+    supports_fp32_stream = True  # `forward` is `down_proj(act(gate_up_proj(x)))`, as `forward_acc` runs it
 
     def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_fp32_stream',))
+        super().__init_subclass__(**kw)
+        redeclare_on_override(cls, ('supports_fp32_stream',))
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
@@ -86,25 +110,34 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         # reduce_results=False: this rank's partial sum, for a caller that adds more before one all-reduce (an MoE's shared expert)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_results=reduce_results)
+
     def hidden(self, x):
         "`act(gate) * up`, the down projection's input."
         return self.act(self.gate_up_proj(x))
+
     @property
     def sums_act(self) -> str:
         """The layout of `gate_up_proj`'s raw sums, as `linear_add_` names it: gate_i, up_i pairs where the layer
         fused the activation (`W4A16Linear.fuse_silu_and_mul`), else the gate half, then the up half."""
-        return 'silu_and_mul_interleaved' if getattr(self.gate_up_proj, 'act', None) == 'silu_and_mul' else 'silu_and_mul'
-    def forward(self, x): return self.down_proj(self.hidden(x))
+        return (
+            'silu_and_mul_interleaved' if getattr(self.gate_up_proj, 'act', None) == 'silu_and_mul' else 'silu_and_mul'
+        )
+
+    def forward(self, x):
+        return self.down_proj(self.hidden(x))
+
 
 class LlamaDecoderLayer(nn.Module):
     "Pre-norm block: `h, residual -> attention -> MLP`, residual adds fused into the norms."
-    prunes_rows = True   # `forward` takes `keep`
-    supports_fp32_stream = True     # `forward_acc` computes `forward` on an fp32 residual stream (`fp32_stream`)
-    supports_cpu_fast_path = True   # `CPUDecoderLayer` computes `forward` on the CPU kernels (notebook 42)
-    defer_norms = False             # `EngineConfig.defer_norms`, read when built (`defers_norms`)
+
+    prunes_rows = True  # `forward` takes `keep`
+    supports_fp32_stream = True  # `forward_acc` computes `forward` on an fp32 residual stream (`fp32_stream`)
+    supports_cpu_fast_path = True  # `CPUDecoderLayer` computes `forward` on the CPU kernels (notebook 42)
+    defer_norms = False  # `EngineConfig.defer_norms`, read when built (`defers_norms`)
 
     def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_fp32_stream', 'supports_cpu_fast_path'))
+        super().__init_subclass__(**kw)
+        redeclare_on_override(cls, ('supports_fp32_stream', 'supports_cpu_fast_path'))
 
     def __init__(self, config, rotary, backend, **attn_kw):
         super().__init__()
@@ -116,10 +149,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, h, residual, keep=None):
         "`keep`: the rows that go on after attention (a step's last layer, when it samples only those); None: all."
-        if residual is None: residual, h = h, self.input_layernorm(h)
-        else: h, residual = self.input_layernorm(h, residual)
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h)
-        if keep is not None: h, residual = h[keep], residual[keep]
+        if keep is not None:
+            h, residual = h[keep], residual[keep]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -130,9 +166,14 @@ def defers_norms(self: LlamaDecoderLayer) -> bool:
     (`EngineConfig.defer_norms`, read when the layer is built; off by default until a GPU measurement says
     otherwise), plain `RMSNorm`s, read by matmuls without bias (a bias would be scaled by the `1/rms` too)."""
     a, m = self.self_attn, self.mlp
-    return (self.defer_norms
-            and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
-            and getattr(a.qkv_proj, 'bias', None) is None and getattr(m.gate_up_proj, 'bias', None) is None)
+    return (
+        self.defer_norms
+        and type(self.input_layernorm) is RMSNorm
+        and type(self.post_attention_layernorm) is RMSNorm
+        and getattr(a.qkv_proj, 'bias', None) is None
+        and getattr(m.gate_up_proj, 'bias', None) is None
+    )
+
 
 @patch
 def forward_acc(self: LlamaDecoderLayer, positions, residual, sums, dtype):
@@ -158,13 +199,22 @@ def forward_acc(self: LlamaDecoderLayer, positions, residual, sums, dtype):
 # %% ../../nbs/30_llama.ipynb #f8f03a40
 class LlamaForCausalLM(nn.Module):
     "Llama-architecture causal LM over a flat token batch; weights load from HF-named tensors."
-    packed_modules_mapping = {'q_proj': ('qkv_proj', 'q'), 'k_proj': ('qkv_proj', 'k'), 'v_proj': ('qkv_proj', 'v'),
-                              'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
+
+    packed_modules_mapping = {
+        'q_proj': ('qkv_proj', 'q'),
+        'k_proj': ('qkv_proj', 'k'),
+        'v_proj': ('qkv_proj', 'v'),
+        'gate_proj': ('gate_up_proj', 0),
+        'up_proj': ('gate_up_proj', 1),
+    }
     qkv_bias = qk_norm = False
-    supports_cpu_lm_head = True   # `compute_logits` is `hidden @ logits_weight().T`: the CPU fast path may replace it (50)
+    supports_cpu_lm_head = (
+        True  # `compute_logits` is `hidden @ logits_weight().T`: the CPU fast path may replace it (50)
+    )
 
     def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw); redeclare_on_override(cls, ('supports_cpu_lm_head',), ('compute_logits',))
+        super().__init_subclass__(**kw)
+        redeclare_on_override(cls, ('supports_cpu_lm_head',), ('compute_logits',))
 
     def attn_kwargs(self, config) -> dict:
         b = getattr(config, 'attention_bias', False)
@@ -180,8 +230,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = nn.Module()
         kw = self.attn_kwargs(config)
         self.make_embeddings(config)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, attention_backend, **kw)
-                                          for _ in range(config.num_hidden_layers))
+        self.model.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, attention_backend, **kw) for _ in range(config.num_hidden_layers)
+        )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_embeddings(self, config, tie_default: bool = False):
@@ -192,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.run_layers(positions, self.model.embed_tokens(input_ids))
-        if h is None: return self.model.norm.normed(residual, self.model.embed_tokens.weight.dtype)   # fp32 stream
+        if h is None:
+            return self.model.norm.normed(residual, self.model.embed_tokens.weight.dtype)  # fp32 stream
         return self.model.norm(h, residual)[0]
 
     def fp32_stream(self, h) -> bool:
@@ -200,11 +252,14 @@ class LlamaForCausalLM(nn.Module):
         layer, its attention and its MLP declare `supports_fp32_stream`, and all four projections add into fp32
         sums themselves."""
         layers = self.model.layers
-        if not len(layers) or not all(getattr(m, 'supports_fp32_stream', False)
-                                      for l in layers for m in (l, l.self_attn, l.mlp)): return False
+        if not len(layers) or not all(
+            getattr(m, 'supports_fp32_stream', False) for l in layers for m in (l, l.self_attn, l.mlp)
+        ):
+            return False
         a, m = layers[0].self_attn, layers[0].mlp
-        return (all(accumulates(p, h) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj))
-                and accumulates(m.down_proj, h, m.sums_act))
+        return all(accumulates(p, h) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj)) and accumulates(
+            m.down_proj, h, m.sums_act
+        )
 
     def stream_sums(self, h) -> torch.Tensor:
         """The fp32 stream's `[T, qkv + 2 * intermediate + 2]` sums for `h`'s rows and device (`forward_acc`; the last
@@ -214,7 +269,8 @@ class LlamaForCausalLM(nn.Module):
         n = (a.H + 2 * a.Hkv) * a.D + sum(m.gate_up_proj.output_sizes) + 2
         bufs = self.__dict__.setdefault('_stream_sums', {})
         key = (h.shape[0], n, str(h.device))
-        if key not in bufs: bufs[key] = torch.zeros(h.shape[0], n, dtype=torch.float32, device=h.device)
+        if key not in bufs:
+            bufs[key] = torch.zeros(h.shape[0], n, dtype=torch.float32, device=h.device)
         return bufs[key]
 
     def run_layers(self, positions, h):
@@ -224,47 +280,61 @@ class LlamaForCausalLM(nn.Module):
         residual, keep, last = None, get_forward_context().keep_rows, len(self.model.layers) - 1
         if keep is None and self.fp32_stream(h):
             dtype, residual, sums = h.dtype, h.float(), self.stream_sums(h)
-            for layer in self.model.layers: layer.forward_acc(positions, residual, sums, dtype)
+            for layer in self.model.layers:
+                layer.forward_acc(positions, residual, sums, dtype)
             return None, residual
         for i, layer in enumerate(self.model.layers):
             if i == last and keep is not None and getattr(layer, 'prunes_rows', False):
                 h, residual = layer(positions, h, residual, keep=keep)
-            else: h, residual = layer(positions, h, residual)
+            else:
+                h, residual = layer(positions, h, residual)
         return h, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         "`[T, V]` logits of `hidden`'s rows; at tensor parallel > 1 gathered on rank 0, None on the other ranks."
-        if self.lm_head is not None: return self.lm_head.compute_logits(hidden)
-        e = self.model.embed_tokens                 # tied: this rank's embedding rows are its LM-head rows
+        if self.lm_head is not None:
+            return self.lm_head.compute_logits(hidden)
+        e = self.model.embed_tokens  # tied: this rank's embedding rows are its LM-head rows
         local = F.linear(hidden, e.weight)
-        if e.tp_size == 1: return local
+        if e.tp_size == 1:
+            return local
         full = tensor_model_parallel_gather(local, dim=-1)
-        return None if full is None else full[..., :e.num_embeddings]
+        return None if full is None else full[..., : e.num_embeddings]
 
     def logits_weight(self) -> torch.Tensor:
         "The `[V, hidden]` weight `compute_logits` multiplies by: the LM head's, or the embedding's when tied."
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def attention_layers(self) -> list[Attention]: return [l.self_attn.attn for l in self.model.layers]
+    def attention_layers(self) -> list[Attention]:
+        return [l.self_attn.attn for l in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         "Load full HF-named tensors (merging packed ones, keeping this rank's shard); raise if any parameter was not loaded."
         params, loaded = dict(self.named_parameters()), set()
         for name, w in weights:
-            if 'rotary_emb.inv_freq' in name: continue
-            if name == 'lm_head.weight' and self.lm_head is None: continue   # tied to the embeddings
+            if 'rotary_emb.inv_freq' in name:
+                continue
+            if name == 'lm_head.weight' and self.lm_head is None:
+                continue  # tied to the embeddings
             shard = None
             for src, (dst, sid) in self.packed_modules_mapping.items():
-                if f'.{src}.' in name: name, shard = name.replace(f'.{src}.', f'.{dst}.'), sid; break
-            if name not in params: raise KeyError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                if f'.{src}.' in name:
+                    name, shard = name.replace(f'.{src}.', f'.{dst}.'), sid
+                    break
+            if name not in params:
+                raise KeyError(f'Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}')
             p = params[name]
             loader = getattr(self.get_submodule(name.rsplit('.', 1)[0]), 'weight_loader', None)
-            if loader is not None: loader(p, w, shard)   # a parallel layer copies only this rank's part
-            elif p.shape != w.shape: raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != parameter {tuple(p.shape)}")
-            else: p.data.copy_(w)
+            if loader is not None:
+                loader(p, w, shard)  # a parallel layer copies only this rank's part
+            elif p.shape != w.shape:
+                raise ValueError(f'{name}: checkpoint shape {tuple(w.shape)} != parameter {tuple(p.shape)}')
+            else:
+                p.data.copy_(w)
             loaded.add(name if shard is None else f'{name}[{shard}]')
         missing = self._expected_keys(params) - loaded
-        if missing: raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        if missing:
+            raise ValueError(f'Checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:5]}')
         return loaded
 
     def _expected_keys(self, params) -> set[str]:
@@ -276,17 +346,22 @@ class LlamaForCausalLM(nn.Module):
             keys |= {f'{name}[{s}]' for s in owner.shard_ids} if merged else {name}
         return keys
 
+
 class MistralForCausalLM(LlamaForCausalLM):
     "Mistral: the Llama block with sliding-window attention."
+
+
 def check_tensor_parallel(model: nn.Module):
     "Refuse, naming the model family, a model with layers that are not sharded yet, at tensor parallel > 1."
     tp = get_tensor_model_parallel_world_size()
-    if tp == 1: return
+    if tp == 1:
+        return
     for n, m in model.named_modules():
-        if isinstance(m, FusedMoE) and getattr(m, 'tp_size', 1) != tp:   # experts built whole, not as this rank's slice
-            raise NotImplementedError(f"{type(model).__name__} at tensor parallel {tp}: its experts ({n}) are not sharded "
-                                      f"yet; use tensor_parallel_size=1")
-
+        if isinstance(m, FusedMoE) and getattr(m, 'tp_size', 1) != tp:  # experts built whole, not as this rank's slice
+            raise NotImplementedError(
+                f'{type(model).__name__} at tensor parallel {tp}: its experts ({n}) are not sharded '
+                f'yet; use tensor_parallel_size=1'
+            )
 
 # %% ../../nbs/30_llama.ipynb #7a61e099
 def compare_with_hf(hf_model, ours, lens=(5, 17, 33), block_size=16, atol=1e-4, seed=0, keep_last: bool = False):
@@ -298,11 +373,12 @@ def compare_with_hf(hf_model, ours, lens=(5, 17, 33), block_size=16, atol=1e-4, 
     ctx, nb = prefill_context(list(lens), block_size)
     bind_kv_cache(ours, nb, block_size)
     keep = torch.tensor(list(itertools.accumulate(lens))[::-1]) - 1
-    if keep_last: ctx.keep_rows = keep
+    if keep_last:
+        ctx.keep_rows = keep
     with torch.no_grad(), set_forward_context(ctx):
         h = ours(torch.cat(prompts), torch.cat([torch.arange(n) for n in lens]))
         ref = torch.cat([hf_model(p[None]).logits[0] for p in prompts])
     if keep_last:
-        assert h.shape[0] == len(lens), "the model ran every row to the end"
+        assert h.shape[0] == len(lens), 'the model ran every row to the end'
         ref = ref[keep]
     return (ours.compute_logits(h) - ref).abs().max().item()

@@ -15,7 +15,14 @@ __all__ = ['MixtralForCausalLM']
 # %% ../../nbs/34_mixtral.ipynb #9e30a98b
 class MixtralForCausalLM(MoEForCausalLM):
     "Mixtral: Mistral attention (sliding window if set), an MoE block of top-2 renormalized experts in every layer."
+
     ckpt_module_names = {'.block_sparse_moe.': '.mlp.'}
+
     def make_mlp(self, config, i):
-        return SparseMoeBlock(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
-                              config.intermediate_size, renormalize=True)
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            config.intermediate_size,
+            renormalize=True,
+        )

@@ -14,26 +14,34 @@ from .llama import LlamaForCausalLM
 __all__ = ['unfuse_weights', 'require_silu', 'Phi3ForCausalLM']
 
 # %% ../../nbs/37_phi3.ipynb #44459696
-def unfuse_weights(weights: Iterable[tuple[str, torch.Tensor]],
-                   fused: dict[str, tuple[list[str], list[int]]]) -> Iterator[tuple[str, torch.Tensor]]:
+def unfuse_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], fused: dict[str, tuple[list[str], list[int]]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     "Cut each fused tensor (`fused`: `'qkv_proj' -> (['q_proj', 'k_proj', 'v_proj'], row sizes)`) into its parts; others pass."
     for name, w in weights:
         for src, (parts, sizes) in fused.items():
             if f'.{src}.' in name:
                 if w.shape[0] != sum(sizes):
-                    raise ValueError(f"{name}: {w.shape[0]} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})")
-                for part, piece in zip(parts, w.split(sizes)): yield name.replace(f'.{src}.', f'.{part}.'), piece
+                    raise ValueError(
+                        f'{name}: {w.shape[0]} rows, expected {sum(sizes)} ({" + ".join(map(str, sizes))})'
+                    )
+                for part, piece in zip(parts, w.split(sizes)):
+                    yield name.replace(f'.{src}.', f'.{part}.'), piece
                 break
-        else: yield name, w
+        else:
+            yield name, w
+
 
 def require_silu(config, arch: str):
     "Refuse an MLP activation the SwiGLU layers don't compute."
     act = getattr(config, 'hidden_act', 'silu')
-    if act != 'silu': raise NotImplementedError(f"{arch}: hidden_act={act!r} is not supported (only 'silu')")
+    if act != 'silu':
+        raise NotImplementedError(f"{arch}: hidden_act={act!r} is not supported (only 'silu')")
 
 # %% ../../nbs/37_phi3.ipynb #61186c7f
 class Phi3ForCausalLM(LlamaForCausalLM):
     "Phi-3 / Phi-4: the Llama block; fused `qkv_proj` and `gate_up_proj` checkpoint tensors are cut into their parts on load."
+
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         require_silu(config, type(self).__name__)
         super().__init__(config, max_model_len, attention_backend)
@@ -41,8 +49,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def fused_sizes(self) -> dict[str, tuple[list[str], list[int]]]:
         "The fused checkpoint tensors and their parts' row counts."
         a, I = self.model.layers[0].self_attn, self.config.intermediate_size
-        return {'qkv_proj': (['q_proj', 'k_proj', 'v_proj'], a.qkv_proj.full_output_sizes),   # whole, not this rank's
-                'gate_up_proj': (['gate_proj', 'up_proj'], [I, I])}
+        return {
+            'qkv_proj': (['q_proj', 'k_proj', 'v_proj'], a.qkv_proj.full_output_sizes),  # whole, not this rank's
+            'gate_up_proj': (['gate_proj', 'up_proj'], [I, I]),
+        }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(unfuse_weights(weights, self.fused_sizes()))

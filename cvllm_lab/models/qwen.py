@@ -13,8 +13,11 @@ from .llama import LlamaForCausalLM
 # %% ../../nbs/31_qwen.ipynb #f7d5196a
 class Qwen2ForCausalLM(LlamaForCausalLM):
     "Qwen2 / Qwen2.5: Llama with a QKV bias (no output-projection bias)."
+
     qkv_bias = True
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     "Qwen3 dense: Llama with per-head RMSNorm on q and k before RoPE."
+
     qk_norm = True

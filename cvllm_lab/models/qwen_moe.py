@@ -17,7 +17,6 @@ from ..layers.fused_moe import FusedMoE, SparseMoeBlock, expert_shard
 from .llama import LlamaForCausalLM, LlamaDecoderLayer, LlamaAttention, LlamaMLP
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
-
 # %% auto #0
 __all__ = ['MoEDecoderLayer', 'refuse', 'MoEForCausalLM', 'Qwen2MoeSparseMoeBlock', 'is_sparse_layer', 'Qwen2MoeForCausalLM',
            'Qwen3MoeForCausalLM']
@@ -25,6 +24,7 @@ __all__ = ['MoEDecoderLayer', 'refuse', 'MoEForCausalLM', 'Qwen2MoeSparseMoeBloc
 # %% ../../nbs/33_qwen_moe.ipynb #f03bed33
 class MoEDecoderLayer(LlamaDecoderLayer):
     "Llama's pre-norm block (attention, then `mlp`) with the MLP given: an MoE block or a dense `LlamaMLP`."
+
     def __init__(self, config, rotary, backend, mlp: nn.Module, **attn_kw):
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -32,29 +32,39 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
+
 def refuse(config, field: str, why: str):
     "Raise for a config value we do not implement, naming the field."
-    raise NotImplementedError(f"{type(config).__name__}.{field}={getattr(config, field, None)!r} is not supported: {why}")
+    raise NotImplementedError(
+        f'{type(config).__name__}.{field}={getattr(config, field, None)!r} is not supported: {why}'
+    )
+
 
 class MoEForCausalLM(LlamaForCausalLM):
     "Llama's causal LM with each layer's MLP from `make_mlp(config, layer_idx)` (an MoE block on sparse layers)."
-    ckpt_module_names: dict[str, str] = {}   # checkpoint module names -> ours (Mixtral: `.block_sparse_moe.` -> `.mlp.`)
-    def check_config(self, config):
-        if getattr(config, 'hidden_act', 'silu') != 'silu': refuse(config, 'hidden_act', 'experts are SwiGLU (silu)')
 
-    def make_mlp(self, config, i: int) -> nn.Module: raise NotImplementedError
+    ckpt_module_names: dict[str, str] = {}  # checkpoint module names -> ours (Mixtral: `.block_sparse_moe.` -> `.mlp.`)
+
+    def check_config(self, config):
+        if getattr(config, 'hidden_act', 'silu') != 'silu':
+            refuse(config, 'hidden_act', 'experts are SwiGLU (silu)')
+
+    def make_mlp(self, config, i: int) -> nn.Module:
+        raise NotImplementedError
 
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         self.check_config(config)
         shell = copy.copy(config)
-        shell.num_hidden_layers = 0          # Llama's embedding, final norm and head; the layers are built here
+        shell.num_hidden_layers = 0  # Llama's embedding, final norm and head; the layers are built here
         super().__init__(shell, max_model_len, attention_backend)
         self.config = config
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_model_len or config.max_position_embeddings)
         kw = self.attn_kwargs(config)
-        self.model.layers = nn.ModuleList(MoEDecoderLayer(config, rotary, attention_backend, self.make_mlp(config, i), **kw)
-                                          for i in range(config.num_hidden_layers))
+        self.model.layers = nn.ModuleList(
+            MoEDecoderLayer(config, rotary, attention_backend, self.make_mlp(config, i), **kw)
+            for i in range(config.num_hidden_layers)
+        )
 
     def moe_layers(self) -> dict[str, FusedMoE]:
         return {n: m for n, m in self.named_modules() if isinstance(m, FusedMoE)}
@@ -63,27 +73,39 @@ class MoEForCausalLM(LlamaForCausalLM):
 @patch
 def load_weights(self: MoEForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     moe, loaded = self.moe_layers(), set()
+
     def dense():
         for name, w in weights:
-            for src, dst in self.ckpt_module_names.items(): name = name.replace(src, dst)
-            if name.endswith('shared_expert_gate.weight') and w.dim() == 1: w = w[None]   # GGUF stores it as [H]
+            for src, dst in self.ckpt_module_names.items():
+                name = name.replace(src, dst)
+            if name.endswith('shared_expert_gate.weight') and w.dim() == 1:
+                w = w[None]  # GGUF stores it as [H]
             hit = expert_shard(name)
-            if hit is None: yield name, w; continue
+            if hit is None:
+                yield name, w
+                continue
             path, e, sid = hit
-            if path not in moe: raise KeyError(f"Checkpoint tensor {name!r}: layer {path} has no experts in {type(self).__name__}")
-            if not isinstance(w, torch.Tensor) and moe[path].quant_method is None:   # GGUF bytes kept quantized
+            if path not in moe:
+                raise KeyError(f'Checkpoint tensor {name!r}: layer {path} has no experts in {type(self).__name__}')
+            if not isinstance(w, torch.Tensor) and moe[path].quant_method is None:  # GGUF bytes kept quantized
                 from cvllm_lab.quant.moe import GGUFMoEMethod
+
                 GGUFMoEMethod.attach(moe[path])
             moe[path].load(sid, w, e)
             loaded.add(name)
+
     loaded |= LlamaForCausalLM.load_weights(self, dense())
     missing = {p: m.missing_shards() for p, m in moe.items() if m.missing_shards()}
     if missing:
         p, m = next(iter(missing.items()))
-        raise ValueError(f"Checkpoint is missing expert tensors in {len(missing)} layers, e.g. {p}: (expert, shard) {m[:4]}")
+        raise ValueError(
+            f'Checkpoint is missing expert tensors in {len(missing)} layers, e.g. {p}: (expert, shard) {m[:4]}'
+        )
     for m in moe.values():
-        if m.quant_method is not None: m.quant_method.process_weights_after_loading(m)
+        if m.quant_method is not None:
+            m.quant_method.process_weights_after_loading(m)
     return loaded
+
 
 @patch
 def _expected_keys(self: MoEForCausalLM, params) -> set[str]:
@@ -91,49 +113,70 @@ def _expected_keys(self: MoEForCausalLM, params) -> set[str]:
     prefixes = tuple(f'{p}.' for p in self.moe_layers())
     return {k for k in LlamaForCausalLM._expected_keys(self, params) if not k.startswith(prefixes)}
 
-
 # %% ../../nbs/33_qwen_moe.ipynb #9550193a
 class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
     """Routed experts plus one shared expert (a dense SwiGLU) scaled per token by `sigmoid(shared_expert_gate(x))`;
     at tensor parallel > 1 both leave their partial sums unreduced and the block all-reduces once."""
+
     def __init__(self, config):
         H = config.hidden_size
-        super().__init__(H, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                         config.norm_topk_prob, reduce_results=False)
+        super().__init__(
+            H,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.norm_topk_prob,
+            reduce_results=False,
+        )
         self.shared_expert = LlamaMLP(H, config.shared_expert_intermediate_size, reduce_results=False)
-        self.shared_expert_gate = nn.Linear(H, 1, bias=False).requires_grad_(False)   # full precision, as the router
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False).requires_grad_(False)  # full precision, as the router
 
     def forward(self, x):
         # the per-token gate scales this rank's partial sum: the all-reduce of the total is the block's output
         out = super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return tensor_model_parallel_all_reduce(out) if self.experts.tp_size > 1 else out
 
+
 def is_sparse_layer(config, i: int) -> bool:
     "Qwen's rule: layer i is an MoE layer unless listed in `mlp_only_layers` or off the `decoder_sparse_step`."
     step = getattr(config, 'decoder_sparse_step', 1) or 1
     return i not in (getattr(config, 'mlp_only_layers', None) or []) and config.num_experts > 0 and (i + 1) % step == 0
 
+
 class Qwen2MoeForCausalLM(MoEForCausalLM):
     "Qwen1.5/Qwen2-MoE: Qwen2 attention (QKV bias), top-k experts and a sigmoid-gated shared expert."
+
     qkv_bias = True
+
     def check_config(self, config):
         super().check_config(config)
-        if getattr(config, 'use_sliding_window', False): refuse(config, 'use_sliding_window', 'Qwen MoE sliding windows are not implemented')
+        if getattr(config, 'use_sliding_window', False):
+            refuse(config, 'use_sliding_window', 'Qwen MoE sliding windows are not implemented')
 
     def attn_kwargs(self, config) -> dict:
         return {**super().attn_kwargs(config), 'qkv_bias': getattr(config, 'qkv_bias', True), 'sliding_window': None}
 
     def make_mlp(self, config, i):
-        if is_sparse_layer(config, i): return Qwen2MoeSparseMoeBlock(config)
+        if is_sparse_layer(config, i):
+            return Qwen2MoeSparseMoeBlock(config)
         return LlamaMLP(config.hidden_size, config.intermediate_size)
+
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     "Qwen3-MoE: Qwen3 attention (q/k RMSNorm, no bias), top-k experts with `norm_topk_prob`, no shared expert."
+
     qkv_bias, qk_norm = False, True
+
     def attn_kwargs(self, config) -> dict:
         return {**LlamaForCausalLM.attn_kwargs(self, config), 'sliding_window': None}
 
     def make_mlp(self, config, i):
-        if not is_sparse_layer(config, i): return LlamaMLP(config.hidden_size, config.intermediate_size)
-        return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                              config.moe_intermediate_size, config.norm_topk_prob)
+        if not is_sparse_layer(config, i):
+            return LlamaMLP(config.hidden_size, config.intermediate_size)
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.norm_topk_prob,
+        )

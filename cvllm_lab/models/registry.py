@@ -6,51 +6,78 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/registry.html.md"""
 
 # %% ../../nbs/32_registry.ipynb #19217a25
 from __future__ import annotations
-import importlib, importlib.util
+import importlib
+import importlib.util
 
 # %% auto #0
 __all__ = ['MODEL_REGISTRY', 'register_model', 'supported_architectures', 'get_model_class']
 
 # %% ../../nbs/32_registry.ipynb #0af874ba
-_MODELS: dict[str, tuple[str, str]] = {   # HF architecture -> (module under cvllm_lab.models, class)
-    'LlamaForCausalLM': ('llama', 'LlamaForCausalLM'), 'MistralForCausalLM': ('llama', 'MistralForCausalLM'),
-    'Qwen2ForCausalLM': ('qwen', 'Qwen2ForCausalLM'), 'Qwen3ForCausalLM': ('qwen', 'Qwen3ForCausalLM'),
-    'Qwen2MoeForCausalLM': ('qwen_moe', 'Qwen2MoeForCausalLM'), 'Qwen3MoeForCausalLM': ('qwen_moe', 'Qwen3MoeForCausalLM'),
+_MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvllm_lab.models, class)
+    'LlamaForCausalLM': ('llama', 'LlamaForCausalLM'),
+    'MistralForCausalLM': ('llama', 'MistralForCausalLM'),
+    'Qwen2ForCausalLM': ('qwen', 'Qwen2ForCausalLM'),
+    'Qwen3ForCausalLM': ('qwen', 'Qwen3ForCausalLM'),
+    'Qwen2MoeForCausalLM': ('qwen_moe', 'Qwen2MoeForCausalLM'),
+    'Qwen3MoeForCausalLM': ('qwen_moe', 'Qwen3MoeForCausalLM'),
     'MixtralForCausalLM': ('mixtral', 'MixtralForCausalLM'),
-    'Gemma2ForCausalLM': ('gemma', 'Gemma2ForCausalLM'), 'Gemma3ForCausalLM': ('gemma', 'Gemma3ForCausalLM'),
-    'Phi3ForCausalLM': ('phi3', 'Phi3ForCausalLM'), 'StableLmForCausalLM': ('stablelm', 'StableLmForCausalLM'),
+    'Gemma2ForCausalLM': ('gemma', 'Gemma2ForCausalLM'),
+    'Gemma3ForCausalLM': ('gemma', 'Gemma3ForCausalLM'),
+    'Phi3ForCausalLM': ('phi3', 'Phi3ForCausalLM'),
+    'StableLmForCausalLM': ('stablelm', 'StableLmForCausalLM'),
     'Glm4ForCausalLM': ('glm4', 'Glm4ForCausalLM'),
     'DeepseekV2ForCausalLM': ('deepseek_v2', 'DeepseekV2ForCausalLM'),
     'DeepseekV3ForCausalLM': ('deepseek_v2', 'DeepseekV3ForCausalLM'),
 }
-_MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-                'qwen3': 'Qwen3ForCausalLM', 'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
-                'mixtral': 'MixtralForCausalLM', 'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM',
-                'phi3': 'Phi3ForCausalLM', 'stablelm': 'StableLmForCausalLM', 'glm4': 'Glm4ForCausalLM',
-                'deepseek_v2': 'DeepseekV2ForCausalLM', 'deepseek_v3': 'DeepseekV3ForCausalLM'}
-MODEL_REGISTRY: dict[str, type] = {}     # classes registered from outside, and those already imported
+_MODEL_TYPES = {
+    'llama': 'LlamaForCausalLM',
+    'mistral': 'MistralForCausalLM',
+    'qwen2': 'Qwen2ForCausalLM',
+    'qwen3': 'Qwen3ForCausalLM',
+    'qwen2_moe': 'Qwen2MoeForCausalLM',
+    'qwen3_moe': 'Qwen3MoeForCausalLM',
+    'mixtral': 'MixtralForCausalLM',
+    'gemma2': 'Gemma2ForCausalLM',
+    'gemma3_text': 'Gemma3ForCausalLM',
+    'phi3': 'Phi3ForCausalLM',
+    'stablelm': 'StableLmForCausalLM',
+    'glm4': 'Glm4ForCausalLM',
+    'deepseek_v2': 'DeepseekV2ForCausalLM',
+    'deepseek_v3': 'DeepseekV3ForCausalLM',
+}
+MODEL_REGISTRY: dict[str, type] = {}  # classes registered from outside, and those already imported
+
 
 def register_model(arch: str, cls: type):
     "Make `cls` the implementation of HF architecture `arch`."
     MODEL_REGISTRY[arch] = cls
+
 
 def supported_architectures() -> list[str]:
     "Architectures this build can load: registered classes and listed ones whose module is present."
     ok = {a for a, (m, _) in _MODELS.items() if importlib.util.find_spec(f'cvllm_lab.models.{m}') is not None}
     return sorted(ok | set(MODEL_REGISTRY))
 
+
 def _lookup(arch: str) -> type | None:
-    if arch in MODEL_REGISTRY: return MODEL_REGISTRY[arch]
-    if arch not in _MODELS or arch not in supported_architectures(): return None
+    if arch in MODEL_REGISTRY:
+        return MODEL_REGISTRY[arch]
+    if arch not in _MODELS or arch not in supported_architectures():
+        return None
     mod, name = _MODELS[arch]
     cls = MODEL_REGISTRY[arch] = getattr(importlib.import_module(f'cvllm_lab.models.{mod}'), name)
     return cls
 
+
 def get_model_class(config) -> type:
     "Our class for a HF config (by `architectures`, falling back to `model_type`)."
     archs = list(getattr(config, 'architectures', None) or [])
-    if not archs and getattr(config, 'model_type', None) in _MODEL_TYPES: archs = [_MODEL_TYPES[config.model_type]]
+    if not archs and getattr(config, 'model_type', None) in _MODEL_TYPES:
+        archs = [_MODEL_TYPES[config.model_type]]
     for a in archs:
-        if (cls := _lookup(a)) is not None: return cls
-    raise ValueError(f"Unsupported model architecture {archs or getattr(config, 'model_type', None)}; "
-                     f"supported: {', '.join(supported_architectures())}")
+        if (cls := _lookup(a)) is not None:
+            return cls
+    raise ValueError(
+        f'Unsupported model architecture {archs or getattr(config, "model_type", None)}; '
+        f'supported: {", ".join(supported_architectures())}'
+    )

@@ -21,13 +21,15 @@ __all__ = ['LayerNorm', 'HeadLayerNorm', 'stack_head_norms', 'StableLmDecoderLay
 # %% ../../nbs/38_stablelm.ipynb #29d7ad43
 class LayerNorm(nn.Module):
     "LayerNorm with weight and optional bias; `forward(x, residual)` also adds the residual first and returns both."
+
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(hidden_size))
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
 
     def forward(self, x, residual=None):
-        if residual is None: return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        if residual is None:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         residual = x + residual
         return F.layer_norm(residual, x.shape[-1:], self.weight, self.bias, self.eps), residual
 
@@ -35,8 +37,10 @@ class LayerNorm(nn.Module):
 class HeadLayerNorm(nn.Module):
     """LayerNorm over each head of `[T, H, D]`, without bias, with its own weight per head (`weight` is `[H, D]`).
     At tensor parallel > 1 it holds this rank's heads: rows `first_head ..` of the checkpoint's `[total_heads, D]`."""
-    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-5, first_head: int = 0,
-                 total_heads: int | None = None):
+
+    def __init__(
+        self, num_heads: int, head_dim: int, eps: float = 1e-5, first_head: int = 0, total_heads: int | None = None
+    ):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(num_heads, head_dim))
         self.first_head, self.total_heads = first_head, total_heads or num_heads
@@ -44,35 +48,46 @@ class HeadLayerNorm(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         "This rank's heads' rows of the stacked checkpoint weight."
         if tuple(loaded.shape) != (self.total_heads, param.shape[1]):
-            raise ValueError(f"head norm: checkpoint shape {tuple(loaded.shape)} != {(self.total_heads, param.shape[1])}")
-        param.data.copy_(loaded[self.first_head:self.first_head + param.shape[0]])
+            raise ValueError(
+                f'head norm: checkpoint shape {tuple(loaded.shape)} != {(self.total_heads, param.shape[1])}'
+            )
+        param.data.copy_(loaded[self.first_head : self.first_head + param.shape[0]])
 
-    def forward(self, x): return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * self.weight
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * self.weight
+
 
 _HEAD_NORM = re.compile(r'(.*\.self_attn)\.([qk])_layernorm\.norms\.(\d+)\.weight')
 
-def stack_head_norms(weights: Iterable[tuple[str, torch.Tensor]], num_heads: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+
+def stack_head_norms(
+    weights: Iterable[tuple[str, torch.Tensor]], num_heads: dict[str, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
     "HF's per-head `..._layernorm.norms.{h}.weight` -> our stacked `q_norm.weight` / `k_norm.weight` (`num_heads`: 'q'/'k' -> count)."
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for name, w in weights:
         m = _HEAD_NORM.fullmatch(name)
-        if m is None: yield name, w; continue
+        if m is None:
+            yield name, w
+            continue
         key = f'{m[1]}.{m[2]}_norm.weight'
         got = parts.setdefault(key, {})
         got[int(m[3])] = w
-        if len(got) == num_heads[m[2]]: yield key, torch.stack([got.pop(h) for h in range(num_heads[m[2]])])
+        if len(got) == num_heads[m[2]]:
+            yield key, torch.stack([got.pop(h) for h in range(num_heads[m[2]])])
 
 # %% ../../nbs/38_stablelm.ipynb #5b313cce
 class StableLmDecoderLayer(nn.Module):
     "LayerNorm block, sequential (`x + attn`, then `+ mlp`) or parallel (`x + attn(n(x)) + mlp(n(x))`)."
-    prunes_rows = True   # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
+
+    prunes_rows = True  # `forward` takes `keep` (`LlamaForCausalLM.run_layers`)
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: str = 'torch'):
         super().__init__()
         eps, self.parallel = config.layer_norm_eps, config.use_parallel_residual
         self.input_layernorm = LayerNorm(config.hidden_size, eps)
         self.self_attn = a = LlamaAttention(config, rotary, backend, qkv_bias=config.use_qkv_bias)
-        if config.qk_layernorm:   # this rank's heads (the first of them from the QKV projection's split)
+        if config.qk_layernorm:  # this rank's heads (the first of them from the QKV projection's split)
             qkv = a.qkv_proj
             a.q_norm = HeadLayerNorm(a.H, a.D, eps, qkv.shard_range('q')[0] // a.D, qkv.total_num_heads)
             a.k_norm = HeadLayerNorm(a.Hkv, a.D, eps, qkv.shard_range('k')[0] // a.D, qkv.total_num_kv_heads)
@@ -80,26 +95,34 @@ class StableLmDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, positions, h, residual, keep=None):
-        if residual is None: residual, h = h, self.input_layernorm(h)
-        else: h, residual = self.input_layernorm(h, residual)
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
         a = self.self_attn(positions, h)
-        if keep is not None: a, h, residual = a[keep], h[keep], residual[keep]
-        if self.parallel: return a + self.mlp(h), residual
+        if keep is not None:
+            a, h, residual = a[keep], h[keep], residual[keep]
+        if self.parallel:
+            return a + self.mlp(h), residual
         h, residual = self.post_attention_layernorm(a, residual)
         return self.mlp(h), residual
 
+
 class StableLmForCausalLM(LlamaForCausalLM):
     "StableLM: `StableLmDecoderLayer`s under a final LayerNorm; forward, logits and loading are Llama's."
+
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         require_silu(config, type(self).__name__)
         nn.Module.__init__(self)
         self.config = config
-        rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads,
-                                 max_model_len or config.max_position_embeddings)
+        rotary = RotaryEmbedding(
+            config, config.hidden_size // config.num_attention_heads, max_model_len or config.max_position_embeddings
+        )
         self.model = nn.Module()
         self.make_embeddings(config)
-        self.model.layers = nn.ModuleList(StableLmDecoderLayer(config, rotary, attention_backend)
-                                          for _ in range(config.num_hidden_layers))
+        self.model.layers = nn.ModuleList(
+            StableLmDecoderLayer(config, rotary, attention_backend) for _ in range(config.num_hidden_layers)
+        )
         self.model.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

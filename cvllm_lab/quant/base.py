@@ -13,28 +13,43 @@ from ..layers.basic import Linear
 from typing import Callable
 from ..layers.linear import RowParallelLinear, check_shard_alignment, like_parallel
 
-
 # %% auto #0
 __all__ = ['QuantLinear', 'quantize_parallel']
 
 # %% ../../nbs/43_quant_base.ipynb #4a3b0c07
 class QuantLinear(Linear):
     "A `Linear` whose weight is held quantized: shard bookkeeping and bias as `Linear`, no float `weight`."
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False, shard_ids=None,
-                 device=None, bias_dtype=torch.float32):
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        bias: bool = False,
+        shard_ids=None,
+        device=None,
+        bias_dtype=torch.float32,
+    ):
         nn.Module.__init__(self)
         self.output_sizes = [out_features] if isinstance(out_features, int) else list(out_features)
         self.shard_ids = shard_ids or list(range(len(self.output_sizes)))
         self.input_size, self.output_size = in_features, sum(self.output_sizes)
-        self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=bias_dtype, device=device), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(self.output_size, dtype=bias_dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
     @property
-    def in_features(self) -> int: return self.input_size
+    def in_features(self) -> int:
+        return self.input_size
+
     @property
-    def out_features(self) -> int: return self.output_size
+    def out_features(self) -> int:
+        return self.output_size
 
     def set_bias(self, bias):
-        if bias is not None: self.bias.data.copy_(bias.detach())
+        if bias is not None:
+            self.bias.data.copy_(bias.detach())
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         "The float weight `[out, in]`."
@@ -51,8 +66,9 @@ class QuantLinear(Linear):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 # %% ../../nbs/43_quant_base.ipynb #6db236bd
-def quantize_parallel(lin: Linear, quantize: Callable[[Linear], nn.Module], unit: int, name: str = 'layer',
-                      col_unit: int = 1) -> nn.Module:
+def quantize_parallel(
+    lin: Linear, quantize: Callable[[Linear], nn.Module], unit: int, name: str = 'layer', col_unit: int = 1
+) -> nn.Module:
     """`quantize(lin)` of a (possibly tensor-parallel) layer: its local shard quantized, after checking that a
     row-parallel shard holds whole `unit`-wide groups along K (and every local output shard whole `col_unit` rows),
     with the layer's all-reduce kept. ValueError naming `name` when a quantization unit would straddle two ranks."""
@@ -60,5 +76,6 @@ def quantize_parallel(lin: Linear, quantize: Callable[[Linear], nn.Module], unit
     if tp > 1 and isinstance(lin, RowParallelLinear):
         check_shard_alignment(lin.full_input_size, tp, unit, f'{name}: input size')
     if tp > 1 and col_unit > 1:
-        for n in lin.output_sizes: check_shard_alignment(n * tp, tp, col_unit, f'{name}: output size')
+        for n in lin.output_sizes:
+            check_shard_alignment(n * tp, tp, col_unit, f'{name}: output size')
     return like_parallel(lin, quantize(lin))

@@ -28,21 +28,26 @@ __all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'MIRROR
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
     "The cores this process may run on (`os.sched_getaffinity`; `os.cpu_count` where that is missing)."
-    try: return len(os.sched_getaffinity(0))
-    except AttributeError: return os.cpu_count() or 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 # %% ../../nbs/42_cpu_linear.ipynb #757046ca
-INT4_GROUPS = (32, 64, 128, 256)   # group sizes PyTorch's CPU int4 kernel takes
-DENSE_ROWS = 8                     # from this many rows on, a bf16 matmul beats the int4 kernel on CPU
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's CPU int4 kernel takes
+DENSE_ROWS = 8  # from this many rows on, a bf16 matmul beats the int4 kernel on CPU
+
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     "A bf16 weight `[out, in]` in oneDNN's blocked layout for `dense_linear` (as is where oneDNN is missing)."
     w = w.to(torch.bfloat16).contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(w, DENSE_ROWS) if torch.backends.mkldnn.is_available() else w
 
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     "`x @ w.T` for a `pack_bf16` weight (oneDNN's linear: a quarter faster than `F.linear` at 16 rows on CPU)."
     return torch.ops.mkldnn._linear_pointwise(x, w, None, 'none', [], '') if w.is_mkldnn else F.linear(x, w)
+
 
 class CPUInt4Linear(QuantLinear):
     """`y = x W^T (+ b)` on CPU with `W` as 4-bit levels `q` (0..15) in groups of `group` along K, each group with
@@ -50,22 +55,38 @@ class CPUInt4Linear(QuantLinear):
     computes `(q - 8) * scale + zero`, so `scale = s`, `zero = o + 8 s`; both are held in bf16, as is the input.
     `repeat`: the input is repeated that many times along K (an 8-bit weight as two 4-bit halves, see
     `from_int8_blocks`). `dense`: a bf16 copy of `W` (`pack_bf16`) for batches of `DENSE_ROWS` rows or more."""
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, group: int, out_features=None, shard_ids=None,
-                 bias: torch.Tensor | None = None, repeat: int = 1, dense: bool = True):
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        s: torch.Tensor,
+        o: torch.Tensor,
+        group: int,
+        out_features=None,
+        shard_ids=None,
+        bias: torch.Tensor | None = None,
+        repeat: int = 1,
+        dense: bool = True,
+    ):
         N, K = q.shape
-        if not CPUInt4Linear.fits(N, K, group): raise ValueError(f"int4 CPU kernel: N={N} must be a multiple of 16, group {group} one of {INT4_GROUPS} dividing K={K}")
+        if not CPUInt4Linear.fits(N, K, group):
+            raise ValueError(
+                f'int4 CPU kernel: N={N} must be a multiple of 16, group {group} one of {INT4_GROUPS} dividing K={K}'
+            )
         super().__init__(K // repeat, out_features or N, bias is not None, shard_ids)
         self.group, self.repeat, self.use_dense = group, repeat, dense
-        self.register_buffer('qweight', torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1))
+        self.register_buffer(
+            'qweight', torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        )
         self.register_buffer('scales_and_zeros', torch.stack([s.T, (o + 8 * s).T], -1).to(torch.bfloat16).contiguous())
         self._dense = None
-        if dense:   # from the levels, as the kernel computes it: (q - 8) * scale + zero, halves summed
-            sz = self.scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, 1)   # [N, K, 2]
+        if dense:  # from the levels, as the kernel computes it: (q - 8) * scale + zero, halves summed
+            sz = self.scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, 1)  # [N, K, 2]
             w = (q.float() - 8) * sz[..., 0] + sz[..., 1]
             self._dense = pack_bf16(w.reshape(N, repeat, -1).sum(1))
         self.set_bias(bias)
 
-    def __getstate__(self):   # copies and pickles rebuild the oneDNN copy (an opaque tensor) on first use
+    def __getstate__(self):  # copies and pickles rebuild the oneDNN copy (an opaque tensor) on first use
         return {**super().__getstate__(), '_dense': None}
 
     @staticmethod
@@ -84,7 +105,9 @@ class CPUInt4Linear(QuantLinear):
     def from_gguf(cls, lin: GGUFLinear, dense: bool = True) -> 'CPUInt4Linear':
         "Exactly the weights of a q4_0 / q4_1 / q4_k `GGUFLinear` (4-bit levels, a scale and offset per 32)."
         q, s, o = gguf_levels(lin.qweight, lin.qtype)
-        return cls(q, s, o, 32, lin.output_sizes, lin.shard_ids, None if lin.bias is None else lin.bias.data, dense=dense)
+        return cls(
+            q, s, o, 32, lin.output_sizes, lin.shard_ids, None if lin.bias is None else lin.bias.data, dense=dense
+        )
 
     @classmethod
     def from_int8_blocks(cls, w: torch.Tensor, dense: bool = True) -> 'CPUInt4Linear':
@@ -93,17 +116,25 @@ class CPUInt4Linear(QuantLinear):
         `W = 16d (hi - 8) + d (lo - 8) + 8d`, i.e. levels `[hi | lo]` with scales `[16d | d]`, offsets `[-128d | 0]`."""
         N, K = w.shape
         raw = quantize(w, GT.Q8_0)
-        q, s, o = gguf_levels(raw, GT.Q8_0)          # q = q8 + 128 in 0..255, s = d, o = -128 d
+        q, s, o = gguf_levels(raw, GT.Q8_0)  # q = q8 + 128 in 0..255, s = d, o = -128 d
         hi, lo = q // 16, q % 16
-        return cls(torch.cat([hi, lo], 1), torch.cat([16 * s, s], 1), torch.cat([o, torch.zeros_like(o)], 1), 32,
-                   repeat=2, dense=dense)
+        return cls(
+            torch.cat([hi, lo], 1),
+            torch.cat([16 * s, s], 1),
+            torch.cat([o, torch.zeros_like(o)], 1),
+            32,
+            repeat=2,
+            dense=dense,
+        )
 
     def mm(self, xb: torch.Tensor) -> torch.Tensor:
         "`xb W^T` for bf16 rows `xb` `[M, K]`, in bf16, no bias: the int4 kernel, or the bf16 copy from `DENSE_ROWS` rows on."
         if self.use_dense and xb.shape[0] >= DENSE_ROWS:
-            if self._dense is None: self._dense = pack_bf16(self.dequantize(torch.bfloat16))
+            if self._dense is None:
+                self._dense = pack_bf16(self.dequantize(torch.bfloat16))
             return dense_linear(xb, self._dense)
-        if self.repeat > 1: xb = xb.repeat(1, self.repeat)
+        if self.repeat > 1:
+            xb = xb.repeat(1, self.repeat)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, self.group, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,29 +149,37 @@ def _same(key, *ts) -> bool:
     "Whether tensors `ts` are the ones of `key` (`[(tensor, its copy)]`) with the same values: still the same step."
     return key is not None and all(a is b and torch.equal(c, b) for (a, c), b in zip(key, ts))
 
+
 class CPURotary(nn.Module):
     "NeoX-style RoPE for CPU: the step's cos/sin rows are gathered once and shared by every layer."
+
     def __init__(self, rotary: RotaryEmbedding):
         super().__init__()
         self.inner, self.head_dim = rotary, rotary.head_dim
         self._key = self._cs = None
 
     def _cos_sin(self, positions):
-        if not _same(self._key, positions):   # a new step
+        if not _same(self._key, positions):  # a new step
             c, s = self.inner.cos_sin_cache[positions].chunk(2, -1)
-            self._key, self._cs = [(positions, positions.clone())], (torch.cat([c, c], -1)[:, None], torch.cat([-s, s], -1)[:, None])
+            self._key, self._cs = (
+                [(positions, positions.clone())],
+                (torch.cat([c, c], -1)[:, None], torch.cat([-s, s], -1)[:, None]),
+            )
         return self._cs
 
     def forward(self, positions, q, k):
         cos, sin = self._cos_sin(positions)
         T, h = q.shape[0], self.head_dim // 2
+
         def rot(x):
             x = x.view(T, -1, self.head_dim)
             return (x * cos + torch.cat([x[..., h:], x[..., :h]], -1) * sin).view(T, -1)
+
         return rot(q), rot(k)
 
 # %% ../../nbs/42_cpu_linear.ipynb #2481ed3f
-CPU_KV_DTYPES = (torch.float32, torch.bfloat16)   # the caches the lean decode path reads
+CPU_KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the lean decode path reads
+
 
 def decode_attention(q, k, v, mask, pad, scale):
     """One query token per sequence: `q` `[B, Hkv, G, D]` fp32 against `k`/`v` `[B, Hkv, L, D]` (`mask`/`pad`: keys
@@ -148,13 +187,17 @@ def decode_attention(q, k, v, mask, pad, scale):
     matmuls in K/V's dtype (bf16, as in a decode mirror: both operands' bytes halved; the scores are the bf16
     matmul's output, and the softmax of bf16 rows runs in fp32 inside the op). `k`/`v` whose `[L, D]` matrices are
     evenly spaced are read in place. Returns `[B, Hkv, G, D]` in K/V's dtype."""
-    if k.dtype == torch.float32 and mask is None: return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if k.dtype == torch.float32 and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     B, Hkv, L, D = k.shape
-    rows = lambda t: t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)   # one bmm batch stride
+    rows = lambda t: (
+        t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) == Hkv * t.stride(1)
+    )  # one bmm batch stride
     k, v = (t if rows(t) else t.contiguous() for t in (k, v))
-    k, v = (t.view(B * Hkv, L, D) for t in (k, v))                 # 3-d `bmm`: less per-call work than 4-d `matmul`
+    k, v = (t.view(B * Hkv, L, D) for t in (k, v))  # 3-d `bmm`: less per-call work than 4-d `matmul`
     s = torch.bmm((q * scale).to(k.dtype).view(B * Hkv, -1, D), k.transpose(1, 2))
-    if pad is not None: s.view(B, Hkv, -1, L).masked_fill_(pad, float('-inf'))
+    if pad is not None:
+        s.view(B, Hkv, -1, L).masked_fill_(pad, float('-inf'))
     return torch.bmm(torch.softmax(s, -1), v).view(q.shape)
 
 # %% ../../nbs/42_cpu_linear.ipynb #374ad904
@@ -162,6 +205,7 @@ class CPUDecodeAttention:
     """The torch backend's `(reshape_and_cache, paged_attention)` pair with a lean path for decode batches on CPU:
     each step's block ids and padding mask are worked out once (by the first layer) and reused by the others.
     `batch_invariant`: every query row, decode or prefill, through `invariant_attention` (see Batch invariance)."""
+
     def __init__(self, batch_invariant: bool = False):
         self._slots = self._meta = self._plan_key = None
         self.batch_invariant = batch_invariant
@@ -171,7 +215,8 @@ class CPUDecodeAttention:
         if not _same(self._slots, slot_mapping):
             self._slots, self._slots_long = [(slot_mapping, slot_mapping.clone())], slot_mapping.long()
             self._all_real = bool((self._slots_long >= 0).all())
-        if ks is not None or not self._all_real: return reshape_and_cache_ref(k, v, kc, vc, slot_mapping, ks, vs)
+        if ks is not None or not self._all_real:
+            return reshape_and_cache_ref(k, v, kc, vc, slot_mapping, ks, vs)
         kc.view(-1, *kc.shape[2:]).index_copy_(0, self._slots_long, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, self._slots_long, v.to(vc.dtype))
 
@@ -183,25 +228,59 @@ class CPUDecodeAttention:
         self._mask = None if B == 1 else (torch.arange(nblk * bs) < seq_lens.long()[:, None])[:, None, None]
         self._pad = None if B == 1 else ~self._mask
 
-    def attn(self, q, kc, vc, qsl, seq_lens, bt, scale, sliding_window=None, max_query_len=None, max_seq_len=None,
-             k_scale=None, v_scale=None, **kw):
+    def attn(
+        self,
+        q,
+        kc,
+        vc,
+        qsl,
+        seq_lens,
+        bt,
+        scale,
+        sliding_window=None,
+        max_query_len=None,
+        max_seq_len=None,
+        k_scale=None,
+        v_scale=None,
+        **kw,
+    ):
         "Decode rows (one query token each): gather each sequence's blocks, one SDPA; else the reference."
-        if self.batch_invariant and k_scale is None and kc.dtype in CPU_KV_DTYPES and sliding_window is None and kw.get('softcap') is None:
+        if (
+            self.batch_invariant
+            and k_scale is None
+            and kc.dtype in CPU_KV_DTYPES
+            and sliding_window is None
+            and kw.get('softcap') is None
+        ):
             if not _same(self._plan_key, qsl, seq_lens, bt):
                 self._plan_key = [(t, t.clone()) for t in (qsl, seq_lens, bt)]
                 self._plan = invariant_plan(qsl, seq_lens, bt, kc.shape[1])
             o = invariant_attention(q, kc, vc, self._plan, scale)
             return o if kw.get('out') is None else kw['out'].copy_(o)
-        if (k_scale is not None or kc.dtype not in CPU_KV_DTYPES or sliding_window is not None or max_query_len != 1 or not max_seq_len
-                or any(v is not None for v in kw.values())):   # e.g. a logit soft-cap
-            return paged_attention_ref(q, kc, vc, qsl, seq_lens, bt, scale, sliding_window, max_query_len, max_seq_len,
-                                       k_scale, v_scale, **kw)
+        if (
+            k_scale is not None
+            or kc.dtype not in CPU_KV_DTYPES
+            or sliding_window is not None
+            or max_query_len != 1
+            or not max_seq_len
+            or any(v is not None for v in kw.values())
+        ):  # e.g. a logit soft-cap
+            return paged_attention_ref(
+                q, kc, vc, qsl, seq_lens, bt, scale, sliding_window, max_query_len, max_seq_len, k_scale, v_scale, **kw
+            )
         if not _same(self._meta, bt, seq_lens):
             self._prepare(bt, seq_lens, max_seq_len, kc.shape[1])
         B, H, D = q.shape
         nb, bs, Hkv = kc.shape[:3]
-        kv = [c.view(nb, -1).index_select(0, self._blocks).view(B, -1, Hkv, D)[:, :self._L].transpose(1, 2) for c in (kc, vc)]
-        return decode_attention(q.view(B, Hkv, H // Hkv, D), *kv, self._mask, self._pad, scale).to(q.dtype).reshape(B, H, D)
+        kv = [
+            c.view(nb, -1).index_select(0, self._blocks).view(B, -1, Hkv, D)[:, : self._L].transpose(1, 2)
+            for c in (kc, vc)
+        ]
+        return (
+            decode_attention(q.view(B, Hkv, H // Hkv, D), *kv, self._mask, self._pad, scale)
+            .to(q.dtype)
+            .reshape(B, H, D)
+        )
 
 # %% ../../nbs/42_cpu_linear.ipynb #fa8c0f9f
 def invariant_plan(qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor, bs: int) -> list:
@@ -212,18 +291,21 @@ def invariant_plan(qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor, 
     T, groups = qs[-1], {}
     for b in range(len(sl)):
         n = qs[b + 1] - qs[b]
-        if n == 0 or sl[b] == 0: continue
+        if n == 0 or sl[b] == 0:
+            continue
         ctx = sl[b] - n
         for j in range(ctx // bs, -(-sl[b] // bs)):
             rows = [qs[b] + p - ctx if ctx <= p < sl[b] else T for p in range(j * bs, (j + 1) * bs)]
             seqs, idx = groups.setdefault(j + 1, ([], []))
-            seqs.append(b); idx.append(rows)
+            seqs.append(b)
+            idx.append(rows)
     plan = []
     for nblk, (seqs, idx) in sorted(groups.items()):
         keys = torch.arange(nblk * bs)
-        mask = keys > (nblk - 1) * bs + torch.arange(bs)[:, None]        # key after the query's position
+        mask = keys > (nblk - 1) * bs + torch.arange(bs)[:, None]  # key after the query's position
         plan.append((nblk, bt[seqs, :nblk].long().reshape(-1), torch.tensor(idx).view(-1), mask))
     return plan
+
 
 def invariant_attention(q, kc, vc, plan, scale) -> torch.Tensor:
     """Causal attention of the step's rows `q` `[T, H, D]` over the paged cache `kc`/`vc` `[blocks, bs, Hkv, D]`, each
@@ -231,22 +313,25 @@ def invariant_attention(q, kc, vc, plan, scale) -> torch.Tensor:
     T, H, D = q.shape
     nb, bs, Hkv = kc.shape[:3]
     G = H // Hkv
-    qz, out = torch.cat([q, q.new_zeros(1, H, D)]), q.new_zeros(T + 1, H, D)   # row T: an unqueried position
+    qz, out = torch.cat([q, q.new_zeros(1, H, D)]), q.new_zeros(T + 1, H, D)  # row T: an unqueried position
     for nblk, blocks, rows, mask in plan:
         n, L = rows.numel() // bs, nblk * bs
         Q = qz[rows].view(n, bs, Hkv, G, D).transpose(1, 2).reshape(n * Hkv, bs * G, D)
-        k, v = (c.view(nb, -1).index_select(0, blocks).view(n, L, Hkv, D).transpose(1, 2).reshape(n * Hkv, L, D).to(q.dtype)
-                for c in (kc, vc))
+        k, v = (
+            c.view(nb, -1).index_select(0, blocks).view(n, L, Hkv, D).transpose(1, 2).reshape(n * Hkv, L, D).to(q.dtype)
+            for c in (kc, vc)
+        )
         s = torch.bmm(Q, k.transpose(1, 2)).mul_(scale)
         s.view(n * Hkv, bs, G, L).masked_fill_(mask[:, None], float('-inf'))
         o = torch.bmm(torch.softmax(s, -1), v).view(n, Hkv, bs, G, D).transpose(1, 2).reshape(n * bs, H, D)
-        out[rows] = o      # row T takes whatever comes last: it is dropped
+        out[rows] = o  # row T takes whatever comes last: it is dropped
     return out[:T]
 
 # %% ../../nbs/42_cpu_linear.ipynb #eba27e01
-MIRROR_BYTES = 256 << 20      # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
-MIRROR_DTYPE = torch.bfloat16 # the mirrors' dtype, whatever the cache's: attention reads half an fp32 cache's bytes
-MIRROR_HEADROOM = 32          # rows a mirror holds past the longest sequence when it is made or grown
+MIRROR_BYTES = 256 << 20  # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
+MIRROR_DTYPE = torch.bfloat16  # the mirrors' dtype, whatever the cache's: attention reads half an fp32 cache's bytes
+MIRROR_HEADROOM = 32  # rows a mirror holds past the longest sequence when it is made or grown
+
 
 class CPUDecodeStep:
     """What every layer of a decode step shares, worked out once (by the first layer): RoPE rows as `[T, 1, 2, D/2]`,
@@ -259,6 +344,7 @@ class CPUDecodeStep:
     bf16. It is read whole, `cap` keys with the padding mask over the tail: bf16 batched matmuls over evenly spaced
     `[L, D]` slices of it (a batch stride of `cap D`) take a slower CPU BLAS path than whole contiguous matrices
     (`results/NOTES.md`). One step is one `ForwardContext` object."""
+
     def __init__(self, rotary: CPURotary):
         self.rotary, self.ctx, self.positions, self.num_layers = rotary, None, None, 0
         self.mirrors, self.mode, self.mlen, self.mbt = {}, None, None, None
@@ -266,7 +352,8 @@ class CPUDecodeStep:
     def prepare(self, ctx, positions, block_size: int, row_bytes: int = 0) -> bool:
         """Work out the step's shared pieces if `ctx` is a new step; whether the lean path takes it. `row_bytes`: one
         token's K and V in one layer's mirror (0: no mirror)."""
-        if ctx is self.ctx and positions is self.positions: return self.ok
+        if ctx is self.ctx and positions is self.positions:
+            return self.ok
         self.ctx, self.positions = ctx, positions
         slots, bt = ctx.slot_mapping.long(), ctx.block_tables
         B = bt.shape[0]
@@ -286,7 +373,7 @@ class CPUDecodeStep:
         else:
             self.span, self.L = None, nblk * block_size
             self._plan_mirror(ctx.seq_lens.long(), ids, block_size, row_bytes)
-            W = self.cap if self.mode else self.L   # the keys attention reads: a whole mirror, or the gathered blocks
+            W = self.cap if self.mode else self.L  # the keys attention reads: a whole mirror, or the gathered blocks
             self.mask = (torch.arange(W) < self.seq[:, None])[:, None, None]
         self.pad = None if self.mask is None else ~self.mask
         self.blocks = None if self.span else ids.reshape(-1)
@@ -296,16 +383,22 @@ class CPUDecodeStep:
         """`mode`: 'append' when this step continues the mirrored batch, 'grow' when it does but a mirror is full,
         'fill' when a new mirror is needed; None when the mirrors would not fit `MIRROR_BYTES`."""
         self.seq, prev, longest = seq, self.mlen, int(seq.max())
-        same = (prev is not None and prev.shape == seq.shape and torch.equal(seq, prev + 1)
-                and torch.equal(ids[:, :self.mbt.shape[1]], self.mbt))
-        if same and longest <= self.cap: self.mode = 'append'
+        same = (
+            prev is not None
+            and prev.shape == seq.shape
+            and torch.equal(seq, prev + 1)
+            and torch.equal(ids[:, : self.mbt.shape[1]], self.mbt)
+        )
+        if same and longest <= self.cap:
+            self.mode = 'append'
         else:
             self.cap = -(-(longest + MIRROR_HEADROOM) // block_size) * block_size
             fits = 0 < len(seq) * self.cap * row_bytes * max(1, self.num_layers) <= MIRROR_BYTES
             self.mode = ('grow' if same else 'fill') if fits else None
-            if self.mode != 'grow': self.mirrors = {}
+            if self.mode != 'grow':
+                self.mirrors = {}
         self.mlen, self.mbt = (seq, ids) if self.mode else (None, None)
-        self.rows = None   # where this step's new rows go in a mirror (`keys_values` works it out once per step)
+        self.rows = None  # where this step's new rows go in a mirror (`keys_values` works it out once per step)
 
     def keys_values(self, kv: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
         """`kv` `[2, blocks, block_size, Hkv, D]` (this step's rows written) -> this step's K and V, `[B, Hkv, L, D]`
@@ -319,22 +412,27 @@ class CPUDecodeStep:
         if self.mode is not None:
             m = self.mirrors.get(kv.data_ptr())
             if self.mode == 'grow' and m is not None and m.shape[1:3] == (B, Hkv) and m.shape[3] < self.cap:
-                m = torch.cat([m, m.new_zeros(2, B, Hkv, self.cap - m.shape[3], D)], 3)   # the rows so far, then zeros
+                m = torch.cat([m, m.new_zeros(2, B, Hkv, self.cap - m.shape[3], D)], 3)  # the rows so far, then zeros
                 self.mirrors[kv.data_ptr()] = m
             if self.mode != 'fill' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
-                if self.rows is None:   # row (b, h, len_b - 1) of the mirror's `[B Hkv cap, D]` rows
-                    self.rows = ((torch.arange(B)[:, None] * Hkv + torch.arange(Hkv)) * self.cap + self.seq[:, None] - 1).view(-1)
+                if self.rows is None:  # row (b, h, len_b - 1) of the mirror's `[B Hkv cap, D]` rows
+                    self.rows = (
+                        (torch.arange(B)[:, None] * Hkv + torch.arange(Hkv)) * self.cap + self.seq[:, None] - 1
+                    ).view(-1)
                 flat = m.view(2, -1, D)
                 flat[0].index_copy_(0, self.rows, k.reshape(-1, D).to(m.dtype))
                 flat[1].index_copy_(0, self.rows, v.reshape(-1, D).to(m.dtype))
                 return m[0], m[1]
-            g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
-            m = kv.new_zeros(2, B, Hkv, self.cap, D, dtype=MIRROR_DTYPE)   # zeros: no NaN in the masked tail (0 x NaN in P V)
-            m[:, :, :, :self.L].copy_(g.transpose(2, 3))
+            g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, : self.L]
+            m = kv.new_zeros(
+                2, B, Hkv, self.cap, D, dtype=MIRROR_DTYPE
+            )  # zeros: no NaN in the masked tail (0 x NaN in P V)
+            m[:, :, :, : self.L].copy_(g.transpose(2, 3))
             self.mirrors[kv.data_ptr()] = m
             return m[0], m[1]
-        kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, :self.L]
+        kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, : self.L]
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+
 
 class CPUDecoderLayer(nn.Module):
     """A Llama pre-norm decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`: the same
@@ -344,30 +442,52 @@ class CPUDecoderLayer(nn.Module):
     steps (prefill, mixed batches) run the layer's own `forward`. `invariant` (batch-invariant mode: the layer's
     attention kernels, a `CPUDecodeAttention(batch_invariant=True)`): every row of every step takes the same math
     (`forward_rows`) and `invariant_attention`."""
+
     def __init__(self, layer: nn.Module, step: CPUDecodeStep, invariant: CPUDecodeAttention | None = None):
         super().__init__()
         self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
-        self.post_attention_layernorm, self.mlp, self.step, self.invariant = layer.post_attention_layernorm, layer.mlp, step, invariant
+        self.post_attention_layernorm, self.mlp, self.step, self.invariant = (
+            layer.post_attention_layernorm,
+            layer.mlp,
+            step,
+            invariant,
+        )
         step.num_layers += 1
         self._fallback = type(layer).forward
         H = self.input_layernorm.weight.shape[0]
-        for n in ('input_layernorm', 'post_attention_layernorm'):   # w sqrt(H): the scale goes in as 1 / sqrt(sum x^2 + H eps)
+        for n in (
+            'input_layernorm',
+            'post_attention_layernorm',
+        ):  # w sqrt(H): the scale goes in as 1 / sqrt(sum x^2 + H eps)
             norm = getattr(self, n)
-            self.register_buffer(n + '_w', norm.weight.detach().float() * H ** 0.5, persistent=False)
+            self.register_buffer(n + '_w', norm.weight.detach().float() * H**0.5, persistent=False)
         self.eps_h = (self.input_layernorm.eps * H, self.post_attention_layernorm.eps * H)
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
         """Whether `layer` declares `supports_cpu_fast_path` (its `forward` is the Llama pre-norm block this layer
         computes: `LlamaDecoderLayer` and subclasses that keep its forward) and sits on the CPU fast path's layers."""
-        if not getattr(layer, 'supports_cpu_fast_path', False): return False
+        if not getattr(layer, 'supports_cpu_fast_path', False):
+            return False
         a, mlp = layer.self_attn, layer.mlp
-        lins = [getattr(a, 'qkv_proj', None), getattr(a, 'o_proj', None), getattr(mlp, 'gate_up_proj', None), getattr(mlp, 'down_proj', None)]
-        return (all(type(l) is CPUInt4Linear and l.bias is None and l.repeat == 1 for l in lins)
-                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-                and getattr(a, 'q_norm', 1) is None and isinstance(a.rotary_emb, CPURotary)
-                and type(mlp.act) is SiluAndMul and isinstance(a.attn, Attention) and a.attn.backend == 'torch'
-                and a.attn.sliding_window is None and getattr(a.attn, 'logits_soft_cap', None) is None)
+        lins = [
+            getattr(a, 'qkv_proj', None),
+            getattr(a, 'o_proj', None),
+            getattr(mlp, 'gate_up_proj', None),
+            getattr(mlp, 'down_proj', None),
+        ]
+        return (
+            all(type(l) is CPUInt4Linear and l.bias is None and l.repeat == 1 for l in lins)
+            and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm
+            and getattr(a, 'q_norm', 1) is None
+            and isinstance(a.rotary_emb, CPURotary)
+            and type(mlp.act) is SiluAndMul
+            and isinstance(a.attn, Attention)
+            and a.attn.backend == 'torch'
+            and a.attn.sliding_window is None
+            and getattr(a.attn, 'logits_soft_cap', None) is None
+        )
 
     def _norm_mm(self, x, w, eps_h, lin):
         "`norm(x) W^T` in fp32: the matmul of bf16 `x w`, then its rows scaled by `1 / rms(x)`."
@@ -381,12 +501,21 @@ class CPUDecoderLayer(nn.Module):
         cos, sin = (t.view(T, 1, 2, -1) for t in a.rotary_emb._cos_sin(positions))
         residual = h.float() if residual is None else h + residual
         qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)
-        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
         qk = torch.addcmul(qk * cos, qk.flip(2), sin).view(T, H + Hkv, D)
         slots, bt = ctx.group_tables(att.kv_cache_group)
-        self.invariant.cache(qk[:, H:], qkv[:, (H + Hkv) * D:].view(T, Hkv, D), kv[0], kv[1], slots)
-        o = self.invariant.attn(qk[:, :H], kv[0], kv[1], ctx.query_start_loc[:n + 1], ctx.seq_lens[:n], bt[:n], att.scale,
-                         max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
+        self.invariant.cache(qk[:, H:], qkv[:, (H + Hkv) * D :].view(T, Hkv, D), kv[0], kv[1], slots)
+        o = self.invariant.attn(
+            qk[:, :H],
+            kv[0],
+            kv[1],
+            ctx.query_start_loc[: n + 1],
+            ctx.seq_lens[:n],
+            bt[:n],
+            att.scale,
+            max_query_len=ctx.max_query_len,
+            max_seq_len=ctx.max_seq_len,
+        )
         residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
         gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
         I = gu.shape[1] // 2
@@ -395,20 +524,36 @@ class CPUDecoderLayer(nn.Module):
     def forward(self, positions, h, residual):
         a, att = self.self_attn, self.self_attn.attn
         kv = att.kv_cache
-        if (self.invariant is not None and kv is not None and att.kv_scale is None and kv.dtype in CPU_KV_DTYPES
-                and h.dtype in (torch.float32, torch.bfloat16)):
+        if (
+            self.invariant is not None
+            and kv is not None
+            and att.kv_scale is None
+            and kv.dtype in CPU_KV_DTYPES
+            and h.dtype in (torch.float32, torch.bfloat16)
+        ):
             return self.forward_rows(positions, h, residual)
-        if (kv is None or att.kv_scale is not None or kv.dtype not in CPU_KV_DTYPES or h.dtype not in (torch.float32, torch.bfloat16)
-                or not self.step.prepare(get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * MIRROR_DTYPE.itemsize)):
+        if (
+            kv is None
+            or att.kv_scale is not None
+            or kv.dtype not in CPU_KV_DTYPES
+            or h.dtype not in (torch.float32, torch.bfloat16)
+            or not self.step.prepare(
+                get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * MIRROR_DTYPE.itemsize
+            )
+        ):
             return self._fallback(self, positions, h, residual)
         st, T, H, Hkv, D = self.step, h.shape[0], a.H, a.Hkv, a.D
         residual = h.float() if residual is None else h + residual
-        qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)   # [T, (H + 2 Hkv) D] fp32
-        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
-        qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)           # NeoX RoPE on q and k at once
-        k, v = qk[:, H:].to(kv.dtype).reshape(T, -1), qkv[:, (H + Hkv) * D:].to(kv.dtype)   # the cache's dtype; a mirror casts to its own
+        qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)  # [T, (H + 2 Hkv) D] fp32
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
+        qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)  # NeoX RoPE on q and k at once
+        k, v = (
+            qk[:, H:].to(kv.dtype).reshape(T, -1),
+            qkv[:, (H + Hkv) * D :].to(kv.dtype),
+        )  # the cache's dtype; a mirror casts to its own
         flat = kv.view(2, -1, Hkv * D)
-        flat[0].index_copy_(0, st.slots, k); flat[1].index_copy_(0, st.slots, v)
+        flat[0].index_copy_(0, st.slots, k)
+        flat[1].index_copy_(0, st.slots, v)
         o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv, k, v), st.mask, st.pad, att.scale)
         residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
         gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
@@ -420,7 +565,9 @@ def _replace(model: nn.Module, name: str, new: nn.Module):
     parent, _, child = name.rpartition('.')
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
-DENSE_BYTES = 1 << 30   # auto `dense`: keep bf16 copies for prefill when they take at most this much
+
+DENSE_BYTES = 1 << 30  # auto `dense`: keep bf16 copies for prefill when they take at most this much
+
 
 def cpu_fast_path(model: nn.Module, dense: bool | None = None, batch_invariant: bool = False) -> dict:
     """Put a loaded CPU model on the CPU kernels, in place: q4_0/q4_1/q4_k `GGUFLinear`s become `CPUInt4Linear`s
@@ -430,25 +577,43 @@ def cpu_fast_path(model: nn.Module, dense: bool | None = None, batch_invariant: 
     `CPUDecoderLayer`s take every step alike, attention through `invariant_attention`: a row's numbers do not depend on the step.
     Returns how many linears, RoPE users and attention layers were changed."""
     n = dict(linears=0, rotary=0, attention=0)
-    todo = [(name, m) for name, m in model.named_modules()
-            if isinstance(m, GGUFLinear) and m.packed is None and m.qtype in (GT.Q4_0, GT.Q4_1, GT.Q4_K)
-            and CPUInt4Linear.fits(m.output_size, m.input_size)]
-    if batch_invariant: dense = False
-    elif dense is None: dense = sum(2 * m.output_size * m.input_size for _, m in todo) <= DENSE_BYTES
+    todo = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, GGUFLinear)
+        and m.packed is None
+        and m.qtype in (GT.Q4_0, GT.Q4_1, GT.Q4_K)
+        and CPUInt4Linear.fits(m.output_size, m.input_size)
+    ]
+    if batch_invariant:
+        dense = False
+    elif dense is None:
+        dense = sum(2 * m.output_size * m.input_size for _, m in todo) <= DENSE_BYTES
     for name, m in todo:
-        _replace(model, name, CPUInt4Linear.from_gguf(m, dense)); n['linears'] += 1
+        _replace(model, name, CPUInt4Linear.from_gguf(m, dense))
+        n['linears'] += 1
     rot = {}
     for m in model.modules():
         r = getattr(m, 'rotary_emb', None)
         if isinstance(r, RotaryEmbedding) and r.is_neox and r.rotary_dim == r.head_dim:
-            m.rotary_emb = rot.setdefault(id(r), CPURotary(r)); n['rotary'] += 1
+            m.rotary_emb = rot.setdefault(id(r), CPURotary(r))
+            n['rotary'] += 1
     path, took = CPUDecodeAttention(batch_invariant), set()
     for m in model.modules():
         if isinstance(m, Attention) and m.supports_cpu_decode_attention and m.backend == 'torch':
-            m.set_kernels(path.cache, path.attn); n['attention'] += 1; took.add(id(m))
+            m.set_kernels(path.cache, path.attn)
+            n['attention'] += 1
+            took.add(id(m))
     steps = {}
-    for name, m in [(name, m) for name, m in model.named_modules()
-                    if CPUDecoderLayer.fits(m) and (not batch_invariant or id(m.self_attn.attn) in took)]:
+    for name, m in [
+        (name, m)
+        for name, m in model.named_modules()
+        if CPUDecoderLayer.fits(m) and (not batch_invariant or id(m.self_attn.attn) in took)
+    ]:
         r = m.self_attn.rotary_emb
-        _replace(model, name, CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r)), path if batch_invariant else None))
+        _replace(
+            model,
+            name,
+            CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r)), path if batch_invariant else None),
+        )
     return n

@@ -18,6 +18,7 @@ __all__ = ['FP8_MAX', 'FP8_NUMERICS', 'FP8_NUMERICS_GPU', 'FP8_METHODS', 'quanti
 # %% ../../nbs/44_fp8.ipynb #ad64a59f
 FP8_MAX = 448.0
 
+
 def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK):
     "Float `w [N, K]` -> (`float8_e4m3fn [N, K]`, fp32 scales `[ceil(N/block), ceil(K/block)]`)."
     N, K = w.shape
@@ -29,7 +30,6 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK):
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * block, kb * block)[:N, :K]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
-
 
 # %% ../../nbs/44_fp8.ipynb #ae54296a
 def quantize_fp8_channel(w: torch.Tensor, per_tensor: bool = False):
@@ -45,25 +45,42 @@ def _channel_scale(scale: torch.Tensor, N: int) -> torch.Tensor:
     s = scale.float().reshape(-1)
     return s.expand(N).contiguous() if s.numel() == 1 else s
 
+
 class FP8Linear(QuantLinear):
     """`y = x @ W.T + b` with `W` in FP8: `weight` `float8_e4m3fn [N, K]` and `weight_scale_inv` `fp32 [N/128, K/128]`
     (`block=True`) or `weight_scale` `fp32 [N]` (`block=False`, per channel). Per channel, the checkpoint's activation
     scheme: `static=True` adds `input_scale` (one fp32 value, a static per-tensor activation scale); `input_scale_ub`
     bounds the per-token dynamic scales (fbgemm's `activation_scale_ub`)."""
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False, shard_ids=None,
-                 device=None, bias_dtype=torch.float32, block: bool = True, static: bool = False,
-                 input_scale_ub: float | None = None):
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        bias: bool = False,
+        shard_ids=None,
+        device=None,
+        bias_dtype=torch.float32,
+        block: bool = True,
+        static: bool = False,
+        input_scale_ub: float | None = None,
+    ):
         super().__init__(in_features, out_features, bias, shard_ids, device, bias_dtype)
         N, K = self.output_size, in_features
         if block and (static or input_scale_ub is not None):
-            raise ValueError("128 x 128 block weights take dynamic activations (per 1 x 128 group)")
+            raise ValueError('128 x 128 block weights take dynamic activations (per 1 x 128 group)')
         self.block, self.input_scale_ub = block, input_scale_ub
         self.register_buffer('weight', torch.zeros(N, K, dtype=torch.float8_e4m3fn, device=device))
-        if block: self.register_buffer('weight_scale_inv', torch.ones(-(-N // BLOCK), -(-K // BLOCK), dtype=torch.float32, device=device))
-        else: self.register_buffer('weight_scale', torch.ones(N, dtype=torch.float32, device=device))
+        if block:
+            self.register_buffer(
+                'weight_scale_inv', torch.ones(-(-N // BLOCK), -(-K // BLOCK), dtype=torch.float32, device=device)
+            )
+        else:
+            self.register_buffer('weight_scale', torch.ones(N, dtype=torch.float32, device=device))
         self.register_buffer('input_scale', torch.ones((), dtype=torch.float32, device=device) if static else None)
 
-    numerics = None   # off CUDA: None (dequantize, `F.linear` in x's dtype) or one of `FP8_NUMERICS` (`forward_reference`)
+    numerics = (
+        None  # off CUDA: None (dequantize, `F.linear` in x's dtype) or one of `FP8_NUMERICS` (`forward_reference`)
+    )
 
     @property
     def scale(self) -> torch.Tensor:
@@ -71,20 +88,40 @@ class FP8Linear(QuantLinear):
         return self.weight_scale_inv if self.block else self.weight_scale
 
     @classmethod
-    def from_fp8(cls, weight, scale, bias=None, out_features=None, shard_ids=None, block: bool | None = None,
-                 input_scale=None, input_scale_ub: float | None = None) -> 'FP8Linear':
+    def from_fp8(
+        cls,
+        weight,
+        scale,
+        bias=None,
+        out_features=None,
+        shard_ids=None,
+        block: bool | None = None,
+        input_scale=None,
+        input_scale_ub: float | None = None,
+    ) -> 'FP8Linear':
         """From checkpoint tensors: `weight` e4m3 `[N, K]` and its scale, `[ceil(N/128), ceil(K/128)]` (128 x 128
         blocks), `[N]` / `[N, 1]` (per channel) or one value (per tensor); `block=None` tells them apart by shape.
         `input_scale`: a static activation scale (one value)."""
         N, K = weight.shape
-        if weight.dtype != torch.float8_e4m3fn: raise ValueError(f"FP8 weights must be float8_e4m3fn, got {weight.dtype}")
-        if block is None: block = scale.ndim == 2 and tuple(scale.shape) == (-(-N // BLOCK), -(-K // BLOCK)) != (N, 1)
-        m = cls(K, out_features or N, bias is not None, shard_ids, weight.device,
-                bias.dtype if bias is not None else torch.float32, block=block, static=input_scale is not None,
-                input_scale_ub=input_scale_ub)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f'FP8 weights must be float8_e4m3fn, got {weight.dtype}')
+        if block is None:
+            block = scale.ndim == 2 and tuple(scale.shape) == (-(-N // BLOCK), -(-K // BLOCK)) != (N, 1)
+        m = cls(
+            K,
+            out_features or N,
+            bias is not None,
+            shard_ids,
+            weight.device,
+            bias.dtype if bias is not None else torch.float32,
+            block=block,
+            static=input_scale is not None,
+            input_scale_ub=input_scale_ub,
+        )
         m.weight.copy_(weight)
         m.scale.copy_(scale.float().reshape(m.scale.shape) if block else _channel_scale(scale, N))
-        if input_scale is not None: m.input_scale.copy_(input_scale.float().reshape(()))
+        if input_scale is not None:
+            m.input_scale.copy_(input_scale.float().reshape(()))
         m.set_bias(bias)
         return m
 
@@ -99,48 +136,72 @@ class FP8Linear(QuantLinear):
         return cls.from_float(lin.weight, lin.bias, lin.output_sizes, lin.shard_ids, block)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        if not self.block: return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+        if not self.block:
+            return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, dtype)
 
     def forward_kernels(self, x):
         "The FP8 kernels' product (`fp8_matmul`): CUDA, or CPU under the Triton interpreter (tests)."
         from cvllm_lab.kernels.fp8_matmul import fp8_matmul
-        return self._add_bias(fp8_matmul(x, self.weight, self.scale, self.output_size, self.input_size,
-                                         input_scale=self.input_scale, scale_ub=self.input_scale_ub))
+
+        return self._add_bias(
+            fp8_matmul(
+                x,
+                self.weight,
+                self.scale,
+                self.output_size,
+                self.input_size,
+                input_scale=self.input_scale,
+                scale_ub=self.input_scale_ub,
+            )
+        )
 
     def forward(self, x):
-        if x.is_cuda: return self.forward_kernels(x)
+        if x.is_cuda:
+            return self.forward_kernels(x)
         return super().forward(x) if self.numerics is None else self.forward_reference(x, self.numerics)
 
     def extra_repr(self):
         lay = '128x128 blocks' if self.block else 'per-channel scales'
-        act = ', static input scale' if self.input_scale is not None else \
-            f', input scale bound {self.input_scale_ub}' if self.input_scale_ub is not None else ''
+        act = (
+            ', static input scale'
+            if self.input_scale is not None
+            else f', input scale bound {self.input_scale_ub}'
+            if self.input_scale_ub is not None
+            else ''
+        )
         num = f', numerics={self.numerics}' if self.numerics else ''
-        return f"in={self.input_size}, out={self.output_sizes}, fp8 e4m3 {lay}{act}{num}, bias={self.bias is not None}"
+        return f'in={self.input_size}, out={self.output_sizes}, fp8 e4m3 {lay}{act}{num}, bias={self.bias is not None}'
 
 # %% ../../nbs/44_fp8.ipynb #724f835c
 FP8_NUMERICS = ('cuda', 'w8a16', 'w8a8')
 
-FP8_NUMERICS_GPU = 'NVIDIA_H200'   # the GPU (a `tuned.device_key`) whose tuned tables `'cuda'` follows off CUDA
+FP8_NUMERICS_GPU = 'NVIDIA_H200'  # the GPU (a `tuned.device_key`) whose tuned tables `'cuda'` follows off CUDA
+
 
 def _rows_config(N: int, K: int, M: int, block: bool, device: torch.device) -> tuple[bool, dict]:
     """`fp8_matmul`'s choice for M rows: (whether the GEMV takes them, the row bucket's `configs/fp8_gemm` config, as
     `fp8_matmul.gemm_config` looks it up); on CUDA the device's tables, elsewhere those of `FP8_NUMERICS_GPU`."""
     from cvllm_lab.kernels.fp8_gemm import gemm_bucket
     from cvllm_lab.kernels.tuned import configs_for, load_configs
+
     T = configs_for('fp8_gemm', device) if device.type == 'cuda' else load_configs('fp8_gemm', FP8_NUMERICS_GPU)
     b = gemm_bucket(M)
-    cfg = T[f"{'block' if block else 'channel'}_shapes"].get((N, K, b)) or T['default' if block else 'channel'][b]
+    cfg = T[f'{"block" if block else "channel"}_shapes'].get((N, K, b)) or T['default' if block else 'channel'][b]
     return M <= T['dispatch'].get('gemv_max_m', 1), cfg
+
 
 @patch
 def execution(self: FP8Linear, M: int, device=None) -> str:
     """What `fp8_matmul` runs for M rows (`_rows_config`; `device` defaults to the layer's): 'w8a16' (the GEMV up to
     `gemv_max_m` rows; `fp8_mm` where the row bucket's backend is `w8a16`) or 'w8a8' (x quantized to e4m3)."""
     from cvllm_lab.kernels.fp8_matmul import MM_MAX_M
-    gemv, cfg = _rows_config(self.output_size, self.input_size, M, self.block, torch.device(device or self.weight.device))
+
+    gemv, cfg = _rows_config(
+        self.output_size, self.input_size, M, self.block, torch.device(device or self.weight.device)
+    )
     return 'w8a16' if gemv or (cfg.get('backend') == 'w8a16' and self.block and M <= MM_MAX_M) else 'w8a8'
+
 
 @patch
 def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
@@ -149,7 +210,9 @@ def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
     `'cuda'`: the one `fp8_matmul` runs for this many rows (`execution`)."""
     from cvllm_lab.kernels.fp8_gemm import fp8_gemm_ref
     from cvllm_lab.kernels.fp8_matmul import fp8_matmul_ref
-    if numerics not in FP8_NUMERICS: raise ValueError(f"numerics must be one of {FP8_NUMERICS}, got {numerics!r}")
+
+    if numerics not in FP8_NUMERICS:
+        raise ValueError(f'numerics must be one of {FP8_NUMERICS}, got {numerics!r}')
     N, K = self.output_size, self.input_size
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -160,41 +223,59 @@ def forward_reference(self: FP8Linear, x, numerics: str = 'cuda'):
         y = fp8_gemm_ref(x2, self.weight, self.scale, N, K, ag, self.input_scale, self.input_scale_ub)
     return self._add_bias(y).reshape(*x.shape[:-1], N)
 
+
 def set_fp8_numerics(model: torch.nn.Module, numerics: str | None) -> int:
     "Set `numerics` (None or one of `FP8_NUMERICS`) on every `FP8Linear` of `model`; returns how many."
     if numerics is not None and numerics not in FP8_NUMERICS:
-        raise ValueError(f"numerics must be None or one of {FP8_NUMERICS}, got {numerics!r}")
+        raise ValueError(f'numerics must be None or one of {FP8_NUMERICS}, got {numerics!r}')
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    for m in layers: m.numerics = numerics
+    for m in layers:
+        m.numerics = numerics
     return len(layers)
 
 # %% ../../nbs/44_fp8.ipynb #60d2d304
 FP8_METHODS = ('fp8', 'fbgemm_fp8', 'compressed-tensors')
 
+
 def _refuse(field, value, why):
-    raise NotImplementedError(f"FP8 checkpoint: {field} = {value!r} is not supported ({why})")
+    raise NotImplementedError(f'FP8 checkpoint: {field} = {value!r} is not supported ({why})')
+
 
 def _ct_group(where: str, c: dict) -> tuple[str, str]:
     "One compressed-tensors config group -> (weights, activations), or NotImplementedError naming the field."
     w, a = c.get('weights') or {}, c.get('input_activations')
     for k, want in (('type', 'float'), ('num_bits', 8), ('symmetric', True)):
-        if w.get(k, want) != want: _refuse(f'{where}.weights.{k}', w.get(k), f"FP8 e4m3 weights only: {k} {want!r}")
-    if w.get('dynamic'): _refuse(f'{where}.weights.dynamic', True, 'weights are quantized ahead of time')
+        if w.get(k, want) != want:
+            _refuse(f'{where}.weights.{k}', w.get(k), f'FP8 e4m3 weights only: {k} {want!r}')
+    if w.get('dynamic'):
+        _refuse(f'{where}.weights.dynamic', True, 'weights are quantized ahead of time')
     weights = w.get('strategy')
     if weights == 'block' and list(w.get('block_structure') or []) != [128, 128]:
         _refuse(f'{where}.weights.block_structure', w.get('block_structure'), 'blocks of [128, 128] only')
-    if weights not in ('tensor', 'channel', 'block'): _refuse(f'{where}.weights.strategy', weights, 'tensor, channel or block')
-    if a is None: return weights, 'dynamic'
+    if weights not in ('tensor', 'channel', 'block'):
+        _refuse(f'{where}.weights.strategy', weights, 'tensor, channel or block')
+    if a is None:
+        return weights, 'dynamic'
     for k, want in (('type', 'float'), ('num_bits', 8), ('symmetric', True)):
-        if a.get(k, want) != want: _refuse(f'{where}.input_activations.{k}', a.get(k), f"FP8 e4m3 activations only: {k} {want!r}")
+        if a.get(k, want) != want:
+            _refuse(f'{where}.input_activations.{k}', a.get(k), f'FP8 e4m3 activations only: {k} {want!r}')
     s, dyn = a.get('strategy'), bool(a.get('dynamic'))
-    if s == 'tensor' and not dyn: act = 'static'
-    elif s in ('token', 'tensor') and dyn: act = 'dynamic'
-    elif s == 'group' and dyn and a.get('group_size') == 128: act = 'dynamic'
-    else: _refuse(f'{where}.input_activations', f'{s}, dynamic={dyn}',
-                  'static activations are per tensor; dynamic ones per token, per tensor or per group of 128')
-    if weights == 'block' and act == 'static': _refuse(f'{where}.input_activations.dynamic', False, 'block weights take dynamic activations')
+    if s == 'tensor' and not dyn:
+        act = 'static'
+    elif s in ('token', 'tensor') and dyn:
+        act = 'dynamic'
+    elif s == 'group' and dyn and a.get('group_size') == 128:
+        act = 'dynamic'
+    else:
+        _refuse(
+            f'{where}.input_activations',
+            f'{s}, dynamic={dyn}',
+            'static activations are per tensor; dynamic ones per token, per tensor or per group of 128',
+        )
+    if weights == 'block' and act == 'static':
+        _refuse(f'{where}.input_activations.dynamic', False, 'block weights take dynamic activations')
     return weights, act
+
 
 def fp8_checkpoint_config(qc: dict) -> dict:
     """An FP8 checkpoint's `quantization_config` (`quant_method` in `FP8_METHODS`) -> `{method: 'fp8', weights:
@@ -206,18 +287,25 @@ def fp8_checkpoint_config(qc: dict) -> dict:
         if qc.get('format', 'float-quantized') not in ('float-quantized', 'naive-quantized'):
             _refuse('format', qc.get('format'), "FP8 compressed-tensors checkpoints are 'float-quantized'")
         groups = qc.get('config_groups') or {}
-        if not groups: _refuse('config_groups', groups, 'no quantization scheme')
+        if not groups:
+            _refuse('config_groups', groups, 'no quantization scheme')
         schemes = {_ct_group(f'config_groups.{g}', c) for g, c in groups.items()}
-        if len(schemes) > 1: _refuse('config_groups', sorted(schemes), 'one scheme for every quantized layer')
-        (weights, act), = schemes
+        if len(schemes) > 1:
+            _refuse('config_groups', sorted(schemes), 'one scheme for every quantized layer')
+        ((weights, act),) = schemes
         return dict(method='fp8', weights=weights, activations=act, scale_ub=None)
-    if method != 'fp8': _refuse('quant_method', method, f"one of {', '.join(FP8_METHODS)}")
-    if str(qc.get('fmt', 'e4m3')).lower() != 'e4m3': _refuse('fmt', qc.get('fmt'), 'e4m3 weights only')
+    if method != 'fp8':
+        _refuse('quant_method', method, f'one of {", ".join(FP8_METHODS)}')
+    if str(qc.get('fmt', 'e4m3')).lower() != 'e4m3':
+        _refuse('fmt', qc.get('fmt'), 'e4m3 weights only')
     act = str(qc.get('activation_scheme', 'dynamic')).lower()
-    if act not in ('dynamic', 'static'): _refuse('activation_scheme', act, 'dynamic or static')
+    if act not in ('dynamic', 'static'):
+        _refuse('activation_scheme', act, 'dynamic or static')
     bs = qc.get('weight_block_size')
-    if bs is not None and list(bs) != [128, 128]: _refuse('weight_block_size', bs, 'blocks of [128, 128] only')
-    if bs is not None and act == 'static': _refuse('activation_scheme', act, 'block weights take dynamic activations')
+    if bs is not None and list(bs) != [128, 128]:
+        _refuse('weight_block_size', bs, 'blocks of [128, 128] only')
+    if bs is not None and act == 'static':
+        _refuse('activation_scheme', act, 'block weights take dynamic activations')
     return dict(method='fp8', weights='tensor' if bs is None else 'block', activations=act, scale_ub=None)
 
 # %% ../../nbs/44_fp8.ipynb #fbe33afe
@@ -226,24 +314,38 @@ def fp8_shard_tensors(t: dict, qcfg: dict, where: str = '') -> tuple[str, tuple]
     (`'block'` | `'channel'`, (e4m3 weight, fp32 scale in that layout, the static input scale or None))."""
     w = t['weight']
     N, K = w.shape
-    if w.dtype != torch.float8_e4m3fn: raise NotImplementedError(f"{where}: {w.dtype} weights are not supported (float8_e4m3fn only)")
+    if w.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError(f'{where}: {w.dtype} weights are not supported (float8_e4m3fn only)')
     s = t.get('weight_scale_inv', t.get('weight_scale'))
-    if s is None: raise ValueError(f"{where}: FP8 weight without weight_scale_inv or weight_scale (got {sorted(t)})")
+    if s is None:
+        raise ValueError(f'{where}: FP8 weight without weight_scale_inv or weight_scale (got {sorted(t)})')
     block = 'weight_scale_inv' in t or qcfg.get('weights') == 'block'
     if block and tuple(s.shape) != (-(-N // BLOCK), -(-K // BLOCK)):
-        raise ValueError(f"{where}: block scale of shape {tuple(s.shape)} for a [{N}, {K}] weight")
-    if not block and s.numel() not in (1, N): raise ValueError(f"{where}: weight_scale of {s.numel()} values for {N} rows")
+        raise ValueError(f'{where}: block scale of shape {tuple(s.shape)} for a [{N}, {K}] weight')
+    if not block and s.numel() not in (1, N):
+        raise ValueError(f'{where}: weight_scale of {s.numel()} values for {N} rows')
     ins = None
     if qcfg.get('activations') == 'static':
         ins = t.get('input_scale')
-        if ins is None: raise ValueError(f"{where}: activation_scheme 'static' but no input_scale")
-        if ins.numel() != 1: raise NotImplementedError(f"{where}: input_scale of {ins.numel()} values (static scales are per tensor)")
+        if ins is None:
+            raise ValueError(f"{where}: activation_scheme 'static' but no input_scale")
+        if ins.numel() != 1:
+            raise NotImplementedError(f'{where}: input_scale of {ins.numel()} values (static scales are per tensor)')
         ins = ins.float().reshape(())
     return ('block', (w, s.float(), ins)) if block else ('channel', (w, _channel_scale(s, N), ins))
+
 
 @patch(cls_method=True)
 def from_shards(cls: FP8Linear, layout: str, shards: list, qcfg: dict, out_features=None, shard_ids=None) -> FP8Linear:
     "One layer from consecutive shards' `(weight, scale, input_scale)` (`fp8_shard_tensors`) of one `layout`, rows concatenated."
     ws, ss, ins = zip(*shards)
-    return cls.from_fp8(torch.cat(ws), torch.cat(ss), None, out_features, shard_ids, block=layout == 'block',
-                        input_scale=None if ins[0] is None else torch.stack(ins).max(), input_scale_ub=qcfg.get('scale_ub'))
+    return cls.from_fp8(
+        torch.cat(ws),
+        torch.cat(ss),
+        None,
+        out_features,
+        shard_ids,
+        block=layout == 'block',
+        input_scale=None if ins[0] is None else torch.stack(ins).max(),
+        input_scale_ub=qcfg.get('scale_ub'),
+    )

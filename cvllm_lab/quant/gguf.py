@@ -6,12 +6,18 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/gguf_quant.html.md"""
 
 # %% ../../nbs/45_gguf_quant.ipynb #c9779a1e
 from __future__ import annotations
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
-from ..kernels.gguf_layout import (
-    GT, QUANT_TYPES, FLOAT_TYPES, SUPPORTED_TYPES, FLOAT_DTYPES, PACKED_TYPES, parse_qtype, bytes_per_row,
-    as_bytes, dequantize, gguf_levels)
+from cvllm_lab.kernels.gguf_layout import (
+    GT,
+    FLOAT_DTYPES,
+    PACKED_TYPES,
+    parse_qtype,
+    bytes_per_row,
+    as_bytes,
+    dequantize,
+    gguf_levels,
+)
 
 # %% auto #0
 __all__ = ['random_blocks', 'quantize', 'rel_rmse', 'GGUFLinear', 'shard_gguf_tensor']
@@ -22,14 +28,24 @@ def random_blocks(qtype, rows: int, cols: int, generator=None, scale: float = 0.
     t = parse_qtype(qtype)
     qk, ts = GGML_QUANT_SIZES[t]
     raw = torch.randint(0, 256, (rows, cols // qk, ts), dtype=torch.uint8, generator=generator)
-    fp16_at = {GT.Q4_0: [0], GT.Q4_1: [0, 2], GT.Q5_0: [0], GT.Q5_1: [0, 2], GT.Q8_0: [0], GT.Q2_K: [80, 82],
-               GT.Q3_K: [108], GT.Q4_K: [0, 2], GT.Q5_K: [0, 2], GT.Q6_K: [208]}.get(t)
+    fp16_at = {
+        GT.Q4_0: [0],
+        GT.Q4_1: [0, 2],
+        GT.Q5_0: [0],
+        GT.Q5_1: [0, 2],
+        GT.Q8_0: [0],
+        GT.Q2_K: [80, 82],
+        GT.Q3_K: [108],
+        GT.Q4_K: [0, 2],
+        GT.Q5_K: [0, 2],
+        GT.Q6_K: [208],
+    }.get(t)
     if fp16_at is None:  # float types: random values
         return torch.randn(rows, cols, generator=generator).to(FLOAT_DTYPES[t]).view(torch.uint8).reshape(rows, -1)
     for o in fp16_at:
         sign = -1 if o == 2 and t in (GT.Q4_1, GT.Q5_1) else 1  # q4_1/q5_1: field 2 is an offset, make it negative
         v = torch.rand(rows, cols // qk, generator=generator) * scale * sign
-        raw[:, :, o:o + 2] = v.half().view(torch.uint8).reshape(rows, cols // qk, 2)
+        raw[:, :, o : o + 2] = v.half().view(torch.uint8).reshape(rows, cols // qk, 2)
     return raw.reshape(rows, -1)
 
 # %% ../../nbs/45_gguf_quant.ipynb #1557b2b8
@@ -39,35 +55,43 @@ def _roundf(x):
     fl = a.floor()
     return torch.copysign(fl + (2 * (a - fl)).floor(), x)
 
+
 def _half_bytes(v):
     "fp32 `[n]` -> fp16 bytes `[n, 2]`."
     return v.half().view(torch.uint8).reshape(-1, 2)
 
+
 def _inv(d):
     return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
 
 def _pack_nibbles(q):
     "`[n, 32]` values 0..15 -> 16 bytes (elements 0-15 low, 16-31 high)."
     return q[:, :16] | (q[:, 16:] << 4)
+
 
 def _pack_bits32(q):
     "Bit 4 of each of `[n, 32]` -> 4 little-endian bytes."
     bits = ((q >> 4) & 1).reshape(len(q), 4, 8)
     return (bits << torch.arange(8, dtype=torch.uint8, device=q.device)).sum(-1, dtype=torch.uint8)
 
+
 def _absmax_signed(x):
     "Per row, the value of largest magnitude (first one on ties), sign kept."
     return x.gather(-1, x.abs().argmax(-1, keepdim=True))
+
 
 def _q_q4_0(x):
     d = _absmax_signed(x) / -8
     q = (x * _inv(d) + 8.5).trunc().clamp(0, 15).to(torch.uint8)
     return torch.cat([_half_bytes(d), _pack_nibbles(q)], -1)
 
+
 def _q_q5_0(x):
     d = _absmax_signed(x) / -16
     q = (x * _inv(d) + 16.5).trunc().clamp(0, 31).to(torch.uint8)
     return torch.cat([_half_bytes(d), _pack_bits32(q), _pack_nibbles(q & 15)], -1)
+
 
 def _q_affine_legacy(x, levels):
     mx, mn = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)
@@ -75,13 +99,16 @@ def _q_affine_legacy(x, levels):
     q = ((x - mn) * _inv(d) + 0.5).trunc().clamp(0, levels).to(torch.uint8)
     return d, mn, q
 
+
 def _q_q4_1(x):
     d, m, q = _q_affine_legacy(x, 15)
     return torch.cat([_half_bytes(d), _half_bytes(m), _pack_nibbles(q)], -1)
 
+
 def _q_q5_1(x):
     d, m, q = _q_affine_legacy(x, 31)
     return torch.cat([_half_bytes(d), _half_bytes(m), _pack_bits32(q), _pack_nibbles(q & 15)], -1)
+
 
 def _q_q8_0(x):
     d = x.abs().amax(-1, keepdim=True) / 127
@@ -90,6 +117,7 @@ def _q_q8_0(x):
 
 # %% ../../nbs/45_gguf_quant.ipynb #aab95d5f
 _CANDIDATES = torch.linspace(-1, 1, 21)
+
 
 def _fit_affine(x, nmax: int):
     "Per sub-block `x ~ s*L - m` with `L` in `0..nmax`, `s >= 0`, `m >= 0`: least-squares over candidate scales -> (s, m)."
@@ -113,6 +141,7 @@ def _fit_affine(x, nmax: int):
     best = err.argmin(0, keepdim=True)
     return s.gather(0, best)[0], -b.gather(0, best)[0]
 
+
 def _fit_sym(x, nneg: int, npos: int):
     "Per sub-block `x ~ s*L` with `L` in `-nneg..npos`: least-squares over candidate scales -> signed `s`."
     vmax = _absmax_signed(x)[..., 0]
@@ -124,6 +153,7 @@ def _fit_sym(x, nneg: int, npos: int):
     err = ((s[..., None] * L - x) ** 2).sum(-1)
     return s.gather(0, err.argmin(0, keepdim=True))[0]
 
+
 def _grid(v, levels: int, lo: int = 0):
     "Quantize per-super-block values `v` `[n, S]` to integers in `lo..levels` on an fp16 step -> (int levels, fp32 step)."
     if lo == 0:
@@ -133,9 +163,15 @@ def _grid(v, levels: int, lo: int = 0):
     q = (v * _inv(d)[:, None]).round().clamp(lo, levels)
     return q, d
 
+
 def _requant(x, scale, offset, lo, hi):
     "Round `x` `[n, S, E]` to levels given the final per-sub-block `scale` and `offset` (x ~ scale*L - offset)."
-    return ((x + offset[..., None]) * _inv(scale)[..., None]).round().clamp(lo, hi).to(torch.uint8 if lo >= 0 else torch.int16)
+    return (
+        ((x + offset[..., None]) * _inv(scale)[..., None])
+        .round()
+        .clamp(lo, hi)
+        .to(torch.uint8 if lo >= 0 else torch.int16)
+    )
 
 # %% ../../nbs/45_gguf_quant.ipynb #fd124137
 def _pack_q4k_scales(sc, mn):
@@ -144,10 +180,12 @@ def _pack_q4k_scales(sc, mn):
     lo_mn = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
     return torch.cat([lo_sc, lo_mn, (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], -1)
 
+
 def _pack_nibbles_k(q):
     "`[n, 256]` 4-bit values -> 128 bytes in q4_k order."
     q = q.reshape(len(q), 4, 2, 32)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(q), 128)
+
 
 def _pack_crumbs(q):
     "`[n, 256]` 2-bit values -> 64 bytes: byte `32*h + l` holds elements `128*h + 32*j + l` at bits `2j`."
@@ -155,10 +193,12 @@ def _pack_crumbs(q):
     sh = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=q.device).view(1, 1, 4, 1)
     return (q << sh).sum(2, dtype=torch.uint8).reshape(len(q), 64)
 
+
 def _pack_bitplane(bit):
     "`[n, 256]` bits -> 32 bytes: byte `l` holds element `32*j + l` at bit `j`."
     sh = torch.arange(8, dtype=torch.uint8, device=bit.device).view(1, 8, 1)
     return (bit.reshape(len(bit), 8, 32) << sh).sum(1, dtype=torch.uint8)
+
 
 def _q_q2_k(x):
     n = len(x)
@@ -170,6 +210,7 @@ def _q_q2_k(x):
     sc = ls.to(torch.uint8) | (lm.to(torch.uint8) << 4)
     return torch.cat([sc, _pack_crumbs(L), _half_bytes(d), _half_bytes(dmin)], -1)
 
+
 def _q_q3_k(x):
     n = len(x)
     xs = x.reshape(n, 16, 16)
@@ -177,8 +218,11 @@ def _q_q3_k(x):
     L = (_requant(xs, d[:, None] * ls, torch.zeros_like(ls), -4, 3) + 4).to(torch.uint8).reshape(n, 256)
     sq = (ls + 32).to(torch.uint8)  # 0..63
     lo = (sq[:, :8] & 15) | ((sq[:, 8:] & 15) << 4)
-    hi = ((sq >> 4).reshape(n, 4, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=x.device).view(1, 4, 1)).sum(1, dtype=torch.uint8)
+    hi = (
+        (sq >> 4).reshape(n, 4, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=x.device).view(1, 4, 1)
+    ).sum(1, dtype=torch.uint8)
     return torch.cat([_pack_bitplane(L >> 2), _pack_crumbs(L & 3), lo, hi, _half_bytes(d)], -1)
+
 
 def _q_kaffine(x, nmax):
     n = len(x)
@@ -190,13 +234,16 @@ def _q_kaffine(x, nmax):
     head = torch.cat([_half_bytes(d), _half_bytes(dmin), _pack_q4k_scales(ls.to(torch.uint8), lm.to(torch.uint8))], -1)
     return head, L
 
+
 def _q_q4_k(x):
     head, L = _q_kaffine(x, 15)
     return torch.cat([head, _pack_nibbles_k(L)], -1)
 
+
 def _q_q5_k(x):
     head, L = _q_kaffine(x, 31)
     return torch.cat([head, _pack_bitplane(L >> 4), _pack_nibbles_k(L & 15)], -1)
+
 
 def _q_q6_k(x):
     n = len(x)
@@ -207,14 +254,27 @@ def _q_q6_k(x):
     ql = ((ql[:, :, 0] & 15) | ((ql[:, :, 1] & 15) << 4)).reshape(n, 128)
     return torch.cat([ql, _pack_crumbs(L >> 4), ls.to(torch.int8).view(torch.uint8), _half_bytes(d)], -1)
 
-_QUANT = {GT.Q4_0: _q_q4_0, GT.Q4_1: _q_q4_1, GT.Q5_0: _q_q5_0, GT.Q5_1: _q_q5_1, GT.Q8_0: _q_q8_0,
-          GT.Q2_K: _q_q2_k, GT.Q3_K: _q_q3_k, GT.Q4_K: _q_q4_k, GT.Q5_K: _q_q5_k, GT.Q6_K: _q_q6_k}
+
+_QUANT = {
+    GT.Q4_0: _q_q4_0,
+    GT.Q4_1: _q_q4_1,
+    GT.Q5_0: _q_q5_0,
+    GT.Q5_1: _q_q5_1,
+    GT.Q8_0: _q_q8_0,
+    GT.Q2_K: _q_q2_k,
+    GT.Q3_K: _q_q3_k,
+    GT.Q4_K: _q_q4_k,
+    GT.Q5_K: _q_q5_k,
+    GT.Q6_K: _q_q6_k,
+}
 
 # %% ../../nbs/45_gguf_quant.ipynb #2ca503cb
 def quantize(w: torch.Tensor, qtype, chunk_weights: int | None = None) -> torch.Tensor:
     "Float weights `[..., cols]` -> GGUF block bytes `uint8 [..., bytes_per_row]` of `qtype`."
     t = parse_qtype(qtype)
-    chunk_weights = chunk_weights or (1 << 23 if w.is_cuda else 1 << 20)  # the k-quant search holds ~21 copies of a chunk
+    chunk_weights = chunk_weights or (
+        1 << 23 if w.is_cuda else 1 << 20
+    )  # the k-quant search holds ~21 copies of a chunk
     qk, ts = GGML_QUANT_SIZES[t]
     cols = w.shape[-1]
     rows = w.reshape(-1, cols)
@@ -225,7 +285,7 @@ def quantize(w: torch.Tensor, qtype, chunk_weights: int | None = None) -> torch.
     out = torch.empty(len(blocks), ts, dtype=torch.uint8, device=w.device)
     step = max(1, chunk_weights // qk)
     for i in range(0, len(blocks), step):  # chunks of many blocks: bounds the candidate-search memory
-        out[i:i + step] = _QUANT[t](blocks[i:i + step])
+        out[i : i + step] = _QUANT[t](blocks[i : i + step])
     return out.reshape(*w.shape[:-1], nbpr)
 
 # %% ../../nbs/45_gguf_quant.ipynb #0a863e46
@@ -237,23 +297,43 @@ def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
 from .base import QuantLinear
 from .w4a16 import W4A16Linear
 
+
 class GGUFLinear(QuantLinear):
     "`y = x @ W.T + b` with `W` held as GGUF block bytes `qweight` `uint8 [out_features, bytes_per_row]` (or packed)."
-    def __init__(self, in_features: int, out_features: int | list[int], qtype, bias: bool = False, device=None,
-                 bias_dtype=torch.float32, shard_ids=None):
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        qtype,
+        bias: bool = False,
+        device=None,
+        bias_dtype=torch.float32,
+        shard_ids=None,
+    ):
         super().__init__(in_features, out_features, bias, shard_ids, device, bias_dtype)
         self.qtype = parse_qtype(qtype)
-        self.register_buffer('qweight', torch.zeros(self.output_size, bytes_per_row(self.qtype, in_features),
-                                                    dtype=torch.uint8, device=device))
+        self.register_buffer(
+            'qweight',
+            torch.zeros(self.output_size, bytes_per_row(self.qtype, in_features), dtype=torch.uint8, device=device),
+        )
         self.packed = None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, qtype, bias: torch.Tensor | None = None, out_features=None,
-                   shard_ids=None) -> 'GGUFLinear':
+    def from_float(
+        cls, weight: torch.Tensor, qtype, bias: torch.Tensor | None = None, out_features=None, shard_ids=None
+    ) -> 'GGUFLinear':
         "In-situ quantization of a float weight `[out, in]` (e.g. `nn.Linear.weight`)."
         out_f, in_f = weight.shape
-        m = cls(in_f, out_features or out_f, qtype, bias=bias is not None, device=weight.device,
-                bias_dtype=bias.dtype if bias is not None else torch.float32, shard_ids=shard_ids)
+        m = cls(
+            in_f,
+            out_features or out_f,
+            qtype,
+            bias=bias is not None,
+            device=weight.device,
+            bias_dtype=bias.dtype if bias is not None else torch.float32,
+            shard_ids=shard_ids,
+        )
         m.qweight.copy_(quantize(weight.detach(), m.qtype))
         m.set_bias(bias)
         return m
@@ -264,23 +344,33 @@ class GGUFLinear(QuantLinear):
         return cls.from_float(lin.weight, qtype, lin.bias, lin.output_sizes, lin.shard_ids)
 
     @classmethod
-    def from_gguf(cls, raw, qtype, shape, bias: torch.Tensor | None = None, out_features=None,
-                  shard_ids=None) -> 'GGUFLinear':
+    def from_gguf(
+        cls, raw, qtype, shape, bias: torch.Tensor | None = None, out_features=None, shard_ids=None
+    ) -> 'GGUFLinear':
         "From a GGUF tensor's bytes (any shape / numpy or torch) and its logical `shape` `(out, in)` (torch order)."
         out_f, in_f = shape
         raw = as_bytes(raw)
-        m = cls(in_f, out_features or out_f, qtype, bias=bias is not None, device=raw.device,
-                bias_dtype=bias.dtype if bias is not None else torch.float32, shard_ids=shard_ids)
+        m = cls(
+            in_f,
+            out_features or out_f,
+            qtype,
+            bias=bias is not None,
+            device=raw.device,
+            bias_dtype=bias.dtype if bias is not None else torch.float32,
+            shard_ids=shard_ids,
+        )
         m.qweight.copy_(raw.reshape(out_f, -1))
         m.set_bias(bias)
         return m
 
     @property
-    def packable(self) -> bool: return self.qtype in PACKED_TYPES
+    def packable(self) -> bool:
+        return self.qtype in PACKED_TYPES
 
     def pack(self) -> 'GGUFLinear':
         "Repack q4_0/q4_1/q4_k/q8_0 into the W4A16 layout (group 32) and drop the raw bytes; no-op otherwise."
-        if self.packed is not None or not self.packable: return self
+        if self.packed is not None or not self.packable:
+            return self
         q, s, o = gguf_levels(self.qweight, self.qtype)
         bits = 8 if self.qtype == GT.Q8_0 else 4
         self.packed = W4A16Linear.from_levels(q, s.T.half(), o.T.half(), group=32, bits=bits)
@@ -288,28 +378,38 @@ class GGUFLinear(QuantLinear):
         return self
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        if self.packed is not None: return self.packed.dequantize(dtype)
+        if self.packed is not None:
+            return self.packed.dequantize(dtype)
         return dequantize(self.qweight, self.qtype, (self.output_size, self.input_size), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None: return self._add_bias(self.packed(x))
+        if self.packed is not None:
+            return self._add_bias(self.packed(x))
         if x.is_cuda:
             from cvllm_lab.kernels.gguf_matmul import gguf_matmul
+
             return self._add_bias(gguf_matmul(x, self.qweight, self.qtype, self.output_size, self.input_size))
         return super().forward(x)
 
     def extra_repr(self):
-        return (f"in={self.input_size}, out={self.output_sizes}, qtype={self.qtype.name}"
-                f"{', packed' if self.packed is not None else ''}, bias={self.bias is not None}")
+        return (
+            f'in={self.input_size}, out={self.output_sizes}, qtype={self.qtype.name}'
+            f'{", packed" if self.packed is not None else ""}, bias={self.bias is not None}'
+        )
 
 # %% ../../nbs/45_gguf_quant.ipynb #0f9a0a50
-def shard_gguf_tensor(data: torch.Tensor, qtype, split: str, start: int, size: int, what: str = 'layer') -> torch.Tensor:
+def shard_gguf_tensor(
+    data: torch.Tensor, qtype, split: str, start: int, size: int, what: str = 'layer'
+) -> torch.Tensor:
     """This rank's part of GGUF block bytes `data` `[N, bytes_per_row]`: output rows `[start, start + size)`
     (`split='column'`) or the blocks of input columns `[start, start + size)` of every row (`'row'`)."""
-    if split == 'column': return data[start:start + size]
+    if split == 'column':
+        return data[start : start + size]
     t = parse_qtype(qtype)
     qk, ts = GGML_QUANT_SIZES[t]
     if start % qk or size % qk:
-        raise ValueError(f"{what}: input columns [{start}, {start + size}) cut a {t.name} block of {qk} weights "
-                         f"(one scale would straddle two ranks)")
-    return data[:, start // qk * ts:(start + size) // qk * ts]
+        raise ValueError(
+            f'{what}: input columns [{start}, {start + size}) cut a {t.name} block of {qk} weights '
+            f'(one scale would straddle two ranks)'
+        )
+    return data[:, start // qk * ts : (start + size) // qk * ts]

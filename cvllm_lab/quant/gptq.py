@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/gptq.html.md"""
 
 # %% ../../nbs/48_gptq.ipynb #89c7b043
 from __future__ import annotations
-import json, math, shutil
+import json
+import shutil
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
@@ -18,8 +19,15 @@ __all__ = ['LINEARS', 'DEFAULT_CALIBRATION', 'gptq_quantize_weight', 'dequantize
            'write_quantized_checkpoint', 'convert_checkpoint']
 
 # %% ../../nbs/48_gptq.ipynb #0a27c65f
-def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group: int = 128, sym: bool = True,
-                         damp: float = 0.01, block: int = 128):
+def gptq_quantize_weight(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    bits: int = 4,
+    group: int = 128,
+    sym: bool = True,
+    damp: float = 0.01,
+    block: int = 128,
+):
     "GPTQ levels for `W [N, K]` given the Hessian `H [K, K]` -> levels `uint8 [N, K]`, scales `fp16 [ng, N]`, zeros `uint8 [ng, N]`."
     W, H = W.detach().clone().float(), H.detach().clone().float()
     N, K = W.shape
@@ -42,14 +50,15 @@ def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group:
                 cur = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :G]
                 s, z = group_params(cur, bits, sym)
                 scales[:, col // G], zeros[:, col // G] = s[:, 0], z[:, 0]
-            w = W1[:, i:i + 1]
+            w = W1[:, i : i + 1]
             q = quantize_levels(w, s, z, bits)
             Q[:, col] = q[:, 0]
             err = (w - s * (q - z)) / Hinv1[i, i]
-            W1[:, i:] -= err * Hinv1[i:i + 1, i:]
+            W1[:, i:] -= err * Hinv1[i : i + 1, i:]
             Err1[:, i] = err[:, 0]
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     return Q.to(torch.uint8), scales.T.half().contiguous(), zeros.T.to(torch.uint8).contiguous()
+
 
 def dequantize_levels(q, scales, zeros, group: int = 128) -> torch.Tensor:
     "`scale * (q - zero)` -> `[N, K]` fp32."
@@ -60,18 +69,31 @@ def dequantize_levels(q, scales, zeros, group: int = 128) -> torch.Tensor:
     return s * (q.float() - z)
 
 # %% ../../nbs/48_gptq.ipynb #6c6527bb
-LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj', 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
-try: _ROOT = Path(__file__).resolve().parents[2]
-except NameError: _ROOT = Path.cwd().parent   # the notebook, run from nbs/
+LINEARS = (
+    'self_attn.q_proj',
+    'self_attn.k_proj',
+    'self_attn.v_proj',
+    'self_attn.o_proj',
+    'mlp.gate_proj',
+    'mlp.up_proj',
+    'mlp.down_proj',
+)
+try:
+    _ROOT = Path(__file__).resolve().parents[2]
+except NameError:
+    _ROOT = Path.cwd().parent  # the notebook, run from nbs/
 DEFAULT_CALIBRATION = _ROOT / 'data' / 'calibration.txt'
 
-def calibration_ids(text: str, tokenizer=None, vocab_size: int | None = None, seq_len: int = 512,
-                    max_tokens: int = 2048) -> torch.Tensor:
+
+def calibration_ids(
+    text: str, tokenizer=None, vocab_size: int | None = None, seq_len: int = 512, max_tokens: int = 2048
+) -> torch.Tensor:
     "Token ids `[n_seq, seq_len]` of `text` (the tokenizer's, or UTF-8 bytes mod `vocab_size` without one)."
     ids = tokenizer(text)['input_ids'] if tokenizer is not None else [b % vocab_size for b in text.encode()]
     ids = torch.tensor(ids[:max_tokens])
     n = max(1, len(ids) // seq_len)
-    return ids[:n * seq_len].view(n, -1) if len(ids) >= seq_len else ids[None]
+    return ids[: n * seq_len].view(n, -1) if len(ids) >= seq_len else ids[None]
+
 
 @torch.no_grad()
 def _hessians(model, layer, ids):
@@ -79,23 +101,38 @@ def _hessians(model, layer, ids):
     H, hooks = {}, []
     for name in LINEARS:
         mod = layer.get_submodule(name)
+
         def hook(m, inp, name=name):
             x = inp[0].reshape(-1, inp[0].shape[-1]).float()
             H[name] = H.get(name, 0) + 2 * x.T @ x
+
         hooks.append(mod.register_forward_pre_hook(hook))
     n = ids.numel()
     try:
-        for row in ids: model(row[None])
+        for row in ids:
+            model(row[None])
     finally:
-        for h in hooks: h.remove()
+        for h in hooks:
+            h.remove()
     return {k: v / n for k, v in H.items()}
 
+
 @torch.no_grad()
-def quantize_hf_model(model, ids=None, bits: int = 4, group: int = 128, sym: bool = True, algo: str = 'gptq',
-                      damp: float = 0.01, progress: bool = True) -> dict:
+def quantize_hf_model(
+    model,
+    ids=None,
+    bits: int = 4,
+    group: int = 128,
+    sym: bool = True,
+    algo: str = 'gptq',
+    damp: float = 0.01,
+    progress: bool = True,
+) -> dict:
     "Quantize a `transformers` causal LM's decoder linears in place (fake-quant); returns `{name: (q, scales, zeros)}`."
-    if algo not in ('gptq', 'rtn'): raise ValueError(f"algo must be 'gptq' or 'rtn', got {algo!r}")
-    if algo == 'gptq' and ids is None: raise ValueError("GPTQ needs calibration token ids")
+    if algo not in ('gptq', 'rtn'):
+        raise ValueError(f"algo must be 'gptq' or 'rtn', got {algo!r}")
+    if algo == 'gptq' and ids is None:
+        raise ValueError('GPTQ needs calibration token ids')
     out = {}
     layers = model.model.layers
     for li, layer in enumerate(tqdm(layers, desc=f'{algo.upper()} {bits}-bit', disable=not progress)):
@@ -103,25 +140,50 @@ def quantize_hf_model(model, ids=None, bits: int = 4, group: int = 128, sym: boo
         for name in LINEARS:
             lin = layer.get_submodule(name)
             W = lin.weight.float()
-            q, s, z = gptq_quantize_weight(W, H[name], bits, group, sym, damp) if algo == 'gptq' else quantize_rtn(W, bits, group, sym)
+            q, s, z = (
+                gptq_quantize_weight(W, H[name], bits, group, sym, damp)
+                if algo == 'gptq'
+                else quantize_rtn(W, bits, group, sym)
+            )
             out[f'model.layers.{li}.{name}'] = (q, s, z)
             lin.weight.copy_(dequantize_levels(q, s, z, group).to(lin.weight.dtype))
     return out
 
 # %% ../../nbs/48_gptq.ipynb #16007e39
-_EXTRA_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'generation_config.json',
-                'vocab.json', 'merges.txt', 'tokenizer.model', 'chat_template.jinja')
+_EXTRA_FILES = (
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+    'generation_config.json',
+    'vocab.json',
+    'merges.txt',
+    'tokenizer.model',
+    'chat_template.jinja',
+)
 
-def write_quantized_checkpoint(model, quantized: dict, dst, fmt: str = 'gptq', bits: int = 4, group: int = 128,
-                               sym: bool = True, src=None, dtype=torch.float16):
+
+def write_quantized_checkpoint(
+    model,
+    quantized: dict,
+    dst,
+    fmt: str = 'gptq',
+    bits: int = 4,
+    group: int = 128,
+    sym: bool = True,
+    src=None,
+    dtype=torch.float16,
+):
     "Save `model`'s tensors with `quantized` linears in GPTQ (v1; v2 when asymmetric) or AWQ format, plus configs."
-    if fmt not in ('gptq', 'awq'): raise ValueError(f"format must be 'gptq' or 'awq', got {fmt!r}")
-    dst = Path(dst); dst.mkdir(parents=True, exist_ok=True)
-    v2 = fmt == 'gptq' and not sym   # v1 stores zero - 1, which can't hold an asymmetric zero of 0
+    if fmt not in ('gptq', 'awq'):
+        raise ValueError(f"format must be 'gptq' or 'awq', got {fmt!r}")
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    v2 = fmt == 'gptq' and not sym  # v1 stores zero - 1, which can't hold an asymmetric zero of 0
     tensors = {}
     for k, v in model.state_dict().items():
         mod = k.rsplit('.', 1)[0]
-        if mod in quantized and k.endswith('.weight'): continue
+        if mod in quantized and k.endswith('.weight'):
+            continue
         tensors[k] = v.to(dtype) if v.is_floating_point() else v
     for mod, (q, s, z) in quantized.items():
         if fmt == 'gptq':
@@ -130,11 +192,22 @@ def write_quantized_checkpoint(model, quantized: dict, dst, fmt: str = 'gptq', b
         else:
             qw, qz, sc = levels_to_awq(q, s, z, bits)
             tensors.update({f'{mod}.qweight': qw, f'{mod}.qzeros': qz, f'{mod}.scales': sc})
-    if getattr(model.config, 'tie_word_embeddings', False): tensors.pop('lm_head.weight', None)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / 'model.safetensors'), metadata={'format': 'pt'})
+    if getattr(model.config, 'tie_word_embeddings', False):
+        tensors.pop('lm_head.weight', None)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(dst / 'model.safetensors'), metadata={'format': 'pt'}
+    )
     if fmt == 'gptq':
-        qc = {'quant_method': 'gptq', 'bits': bits, 'group_size': group, 'desc_act': False, 'sym': sym,
-              'true_sequential': True, 'damp_percent': 0.01, 'checkpoint_format': 'gptq_v2' if v2 else 'gptq'}
+        qc = {
+            'quant_method': 'gptq',
+            'bits': bits,
+            'group_size': group,
+            'desc_act': False,
+            'sym': sym,
+            'true_sequential': True,
+            'damp_percent': 0.01,
+            'checkpoint_format': 'gptq_v2' if v2 else 'gptq',
+        }
         (dst / 'quantize_config.json').write_text(json.dumps(qc, indent=2))
     else:
         qc = {'quant_method': 'awq', 'bits': bits, 'group_size': group, 'zero_point': not sym, 'version': 'gemm'}
@@ -144,21 +217,38 @@ def write_quantized_checkpoint(model, quantized: dict, dst, fmt: str = 'gptq', b
     (dst / 'config.json').write_text(json.dumps(cfg, indent=2))
     if src is not None:
         for f in _EXTRA_FILES:
-            if (Path(src) / f).exists(): shutil.copy(Path(src) / f, dst / f)
+            if (Path(src) / f).exists():
+                shutil.copy(Path(src) / f, dst / f)
     return dst
 
-def convert_checkpoint(src, dst, method: str = 'gptq', bits: int = 4, group: int = 128, sym: bool | None = None,
-                       algo: str = 'gptq', calibration=None, max_tokens: int = 2048, progress: bool = True):
+
+def convert_checkpoint(
+    src,
+    dst,
+    method: str = 'gptq',
+    bits: int = 4,
+    group: int = 128,
+    sym: bool | None = None,
+    algo: str = 'gptq',
+    calibration=None,
+    max_tokens: int = 2048,
+    progress: bool = True,
+):
     "Float HF folder `src` -> a GPTQ (`method='gptq'`) or AWQ checkpoint in `dst`, levels by `algo` (gptq or rtn)."
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if method not in ('gptq', 'awq'): raise ValueError(f"method must be 'gptq' or 'awq', got {method!r}")
-    if bits != 4: raise ValueError("only 4-bit checkpoints are written (the W4A16 kernels also take 8-bit GPTQ)")
+
+    if method not in ('gptq', 'awq'):
+        raise ValueError(f"method must be 'gptq' or 'awq', got {method!r}")
+    if bits != 4:
+        raise ValueError('only 4-bit checkpoints are written (the W4A16 kernels also take 8-bit GPTQ)')
     sym = (method == 'gptq') if sym is None else sym
     model = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32).eval()
     ids = None
     if algo == 'gptq':
-        try: tok = AutoTokenizer.from_pretrained(str(src))
-        except Exception: tok = None
+        try:
+            tok = AutoTokenizer.from_pretrained(str(src))
+        except Exception:
+            tok = None
         text = Path(calibration or DEFAULT_CALIBRATION).read_text()
         seq = min(512, getattr(model.config, 'max_position_embeddings', 512))
         ids = calibration_ids(text, tok, model.config.vocab_size, seq, max_tokens)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
 from ..kernels.fused_moe_w4a16 import fused_moe_w4a16, fused_moe_w4a16_ref, dequantize_experts_w4a16
-from ..kernels.gguf_layout import GT, parse_qtype, dequantize, QUANT_TYPES, block_info
+from ..kernels.gguf_layout import parse_qtype, dequantize, block_info
 from ..layers.linear import check_shard_alignment
 from ..layers.fused_moe import FusedMoE
 from .fp8 import quantize_fp8_block
@@ -31,14 +31,19 @@ def check_expert_shard(layer: FusedMoE, unit: int, name: str = 'experts'):
     if layer.tp_size > 1:
         check_shard_alignment(layer.full_intermediate_size, layer.tp_size, unit, f'{name}: expert intermediate size')
 
+
 def _swap_storage(layer: nn.Module, drop: tuple, buffers: dict):
     "Replace parameters `drop` of `layer` by `buffers` (name -> tensor)."
     for n in drop:
-        if hasattr(layer, n): delattr(layer, n)
-    for n, t in buffers.items(): layer.register_buffer(n, t)
+        if hasattr(layer, n):
+            delattr(layer, n)
+    for n, t in buffers.items():
+        layer.register_buffer(n, t)
+
 
 class Fp8MoEMethod:
     "Block-FP8 experts (e4m3, 128 x 128 blocks, one fp32 scale each, per expert), run by the fused kernel (W8A16)."
+
     @classmethod
     def quantize(cls, layer: FusedMoE, name: str = 'experts') -> FusedMoE:
         "In-situ: each expert's `w13`/`w2` -> e4m3 + block scales, stacked (at TP > 1: this rank's slice, whole blocks)."
@@ -53,22 +58,28 @@ class Fp8MoEMethod:
         return layer
 
     def weight_loader(self, layer, loaded, shard_id, expert_id=None):
-        raise NotImplementedError("loading FP8 expert checkpoints is not implemented: load the float checkpoint with quantization='fp8'")
+        raise NotImplementedError(
+            "loading FP8 expert checkpoints is not implemented: load the float checkpoint with quantization='fp8'"
+        )
 
-    def process_weights_after_loading(self, layer): pass
+    def process_weights_after_loading(self, layer):
+        pass
 
     def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
         w13, w2, s13, s2 = layer.w13_weight, layer.w2_weight, layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
-        if x.is_cuda: return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
+        if x.is_cuda:
+            return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
 
 # %% ../../nbs/41_quant_moe.ipynb #86b82b6b
 class GGUFMoEMethod:
     """Experts as GGUF block bytes: `w1_qweight`/`w3_qweight [E, I, bpr(H)]`, `w2_qweight [E, H, bpr(I)]`, each with
     its own GGML type (`qtypes`); run per used expert (see the table above)."""
+
     SHARDS = {'w1': 'w1_qweight', 'w3': 'w3_qweight', 'w2': 'w2_qweight'}
 
-    def __init__(self): self.qtypes: dict = {}
+    def __init__(self):
+        self.qtypes: dict = {}
 
     @classmethod
     def attach(cls, layer: FusedMoE) -> 'GGUFMoEMethod':
@@ -96,30 +107,44 @@ class GGUFMoEMethod:
     def weight_loader(self, layer: FusedMoE, loaded, shard_id: str, expert_id=None):
         "A GGUF tensor kept quantized (`GGUFRaw`: `data`, `qtype`, `shape`), stacked over the experts."
         if expert_id is not None or shard_id not in self.SHARDS:
-            raise ValueError(f"GGUF experts load stacked w1/w3/w2 tensors, got shard {shard_id!r} of expert {expert_id}")
-        E, H, I, F, r = (layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.full_intermediate_size,
-                         layer.tp_rank)
+            raise ValueError(
+                f'GGUF experts load stacked w1/w3/w2 tensors, got shard {shard_id!r} of expert {expert_id}'
+            )
+        E, H, I, F, r = (
+            layer.num_experts,
+            layer.hidden_size,
+            layer.intermediate_size,
+            layer.full_intermediate_size,
+            layer.tp_rank,
+        )
         rows, cols = (H, F) if shard_id == 'w2' else (F, H)
         if tuple(loaded.shape) != (E * rows, cols):
-            raise ValueError(f"GGUF experts {shard_id}: shape {tuple(loaded.shape)} != {(E * rows, cols)} (E={E})")
+            raise ValueError(f'GGUF experts {shard_id}: shape {tuple(loaded.shape)} != {(E * rows, cols)} (E={E})')
         t, data = parse_qtype(loaded.qtype), loaded.data.reshape(E, rows, -1)
-        if shard_id != 'w2': data = data[:, r * I:(r + 1) * I]          # this rank's rows of gate / up
-        elif layer.tp_size > 1:                                          # its columns of down: whole blocks of bytes
+        if shard_id != 'w2':
+            data = data[:, r * I : (r + 1) * I]  # this rank's rows of gate / up
+        elif layer.tp_size > 1:  # its columns of down: whole blocks of bytes
             check_expert_shard(layer, block_info(t)[0], 'GGUF experts')
             bpb = block_info(t)[1] * I // block_info(t)[0]
-            data = data[..., r * bpb:(r + 1) * bpb]
+            data = data[..., r * bpb : (r + 1) * bpb]
         layer.register_buffer(self.SHARDS[shard_id], data.contiguous())
         self.qtypes[shard_id] = t
         layer.loaded_shards |= {(e, shard_id) for e in range(E)}
 
-    def process_weights_after_loading(self, layer): pass
+    def process_weights_after_loading(self, layer):
+        pass
 
     def _matmul(self, layer, x, sid, e):
         "x @ W_e.T for expert e's shard `sid` (GGUF Triton matmul on CUDA; dequantized fp32 on CPU)."
         qw, t = getattr(layer, self.SHARDS[sid])[e], self.qtypes[sid]
-        N, K = (layer.hidden_size, layer.intermediate_size) if sid == 'w2' else (layer.intermediate_size, layer.hidden_size)
+        N, K = (
+            (layer.hidden_size, layer.intermediate_size)
+            if sid == 'w2'
+            else (layer.intermediate_size, layer.hidden_size)
+        )
         if x.is_cuda:
             from cvllm_lab.kernels.gguf_matmul import gguf_matmul
+
             return gguf_matmul(x, qw, t, N, K)
         return (x.float() @ dequantize(qw, t, (N, K)).T).to(x.dtype)
 
@@ -129,9 +154,12 @@ class GGUFMoEMethod:
 
     def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
         out = torch.zeros(x.shape[0], layer.hidden_size, dtype=torch.float32, device=x.device)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():   # no host sync: every expert, dense weights
-            dense = torch.zeros(x.shape[0], layer.num_experts, device=x.device).scatter_(1, topk_ids.long(), topk_weights.float())
-            for e in range(layer.num_experts): out += self._expert(layer, x, e) * dense[:, e:e + 1]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # no host sync: every expert, dense weights
+            dense = torch.zeros(x.shape[0], layer.num_experts, device=x.device).scatter_(
+                1, topk_ids.long(), topk_weights.float()
+            )
+            for e in range(layer.num_experts):
+                out += self._expert(layer, x, e) * dense[:, e : e + 1]
             return out.to(x.dtype)
         for e in torch.unique(topk_ids).tolist():
             t, j = torch.where(topk_ids == e)
@@ -141,10 +169,13 @@ class GGUFMoEMethod:
 # %% ../../nbs/41_quant_moe.ipynb #50f566ac
 _W4A16_BUFS = ('qweight', 'scales', 'offsets')
 
+
 class W4A16MoEMethod:
     """4-bit experts in the dense W4A16 layout, stacked (`w13_*`, `w2_*`: `qweight`, `scales`, `offsets`; see the
     table above); run by `fused_moe_w4a16` on CUDA, by its reference on CPU."""
-    def __init__(self, bits: int = 4, group: int = 128): self.bits, self.group = bits, group
+
+    def __init__(self, bits: int = 4, group: int = 128):
+        self.bits, self.group = bits, group
 
     @staticmethod
     def pack_experts(w, bits: int = 4, group: int = 128, sym: bool = True) -> dict:
@@ -153,20 +184,26 @@ class W4A16MoEMethod:
         return {n: torch.stack([getattr(p, n) for p in parts]) for n in _W4A16_BUFS}
 
     @classmethod
-    def quantize(cls, layer: FusedMoE, name: str = 'experts', bits: int = 4, group: int = 128, sym: bool = True) -> FusedMoE:
+    def quantize(
+        cls, layer: FusedMoE, name: str = 'experts', bits: int = 4, group: int = 128, sym: bool = True
+    ) -> FusedMoE:
         "In-situ: `w13`/`w2` -> stacked packed experts (at TP > 1: this rank's slice, refused unless whole groups)."
         check_expert_shard(layer, group, name)
         bufs = {}
         for n in ('w13', 'w2'):
-            for b, t in cls.pack_experts(getattr(layer, f'{n}_weight').data, bits, group, sym).items(): bufs[f'{n}_{b}'] = t
+            for b, t in cls.pack_experts(getattr(layer, f'{n}_weight').data, bits, group, sym).items():
+                bufs[f'{n}_{b}'] = t
         _swap_storage(layer, ('w13_weight', 'w2_weight'), bufs)
         layer.quant_method = cls(bits, group)
         return layer
 
     def weight_loader(self, layer, loaded, shard_id, expert_id=None):
-        raise NotImplementedError("loading GPTQ/AWQ expert checkpoints is not implemented: load the float checkpoint with quantization='w4a16'")
+        raise NotImplementedError(
+            "loading GPTQ/AWQ expert checkpoints is not implemented: load the float checkpoint with quantization='w4a16'"
+        )
 
-    def process_weights_after_loading(self, layer): pass
+    def process_weights_after_loading(self, layer):
+        pass
 
     def _args(self, layer):
         return [getattr(layer, f'{w}_{b}') for b in _W4A16_BUFS for w in ('w13', 'w2')]
@@ -174,8 +211,12 @@ class W4A16MoEMethod:
     def dequantize(self, layer, dtype=torch.float32):
         "The experts' float `w13 [E, 2I, H]`, `w2 [E, H, I]` (what the kernels compute with)."
         H, I = layer.hidden_size, layer.intermediate_size
-        return tuple(dequantize_experts_w4a16(*(getattr(layer, f'{w}_{b}') for b in _W4A16_BUFS), self.bits, self.group,
-                                              N, K, dtype) for w, N, K in (('w13', 2 * I, H), ('w2', H, I)))
+        return tuple(
+            dequantize_experts_w4a16(
+                *(getattr(layer, f'{w}_{b}') for b in _W4A16_BUFS), self.bits, self.group, N, K, dtype
+            )
+            for w, N, K in (('w13', 2 * I, H), ('w2', H, I))
+        )
 
     def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
         f = fused_moe_w4a16 if x.is_cuda else fused_moe_w4a16_ref
@@ -187,21 +228,33 @@ def quantize_moe(model: nn.Module, method) -> int:
     m = resolve_method(method) if isinstance(method, str) else method
     layers = [(n, l) for n, l in model.named_modules() if isinstance(l, FusedMoE) and l.quant_method is None]
     for n, l in layers:
-        if m in ('fp8', 'fp8_channel'): Fp8MoEMethod.quantize(l, n)   # experts: 128 x 128 blocks either way
-        elif m == 'w4a16': W4A16MoEMethod.quantize(l, n)
-        else: GGUFMoEMethod.quantize(l, m, n)
+        if m in ('fp8', 'fp8_channel'):
+            Fp8MoEMethod.quantize(l, n)  # experts: 128 x 128 blocks either way
+        elif m == 'w4a16':
+            W4A16MoEMethod.quantize(l, n)
+        else:
+            GGUFMoEMethod.quantize(l, m, n)
     return len(layers)
 
-GGUF_MOE_BLOCK = {'ffn_gate_inp': 'mlp.gate', 'ffn_gate_exps': 'mlp.experts.gate_proj',
-                  'ffn_up_exps': 'mlp.experts.up_proj', 'ffn_down_exps': 'mlp.experts.down_proj',
-                  'ffn_gate_shexp': 'mlp.shared_expert.gate_proj', 'ffn_up_shexp': 'mlp.shared_expert.up_proj',
-                  'ffn_down_shexp': 'mlp.shared_expert.down_proj', 'ffn_gate_inp_shexp': 'mlp.shared_expert_gate'}
+
+GGUF_MOE_BLOCK = {
+    'ffn_gate_inp': 'mlp.gate',
+    'ffn_gate_exps': 'mlp.experts.gate_proj',
+    'ffn_up_exps': 'mlp.experts.up_proj',
+    'ffn_down_exps': 'mlp.experts.down_proj',
+    'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
+    'ffn_up_shexp': 'mlp.shared_expert.up_proj',
+    'ffn_down_shexp': 'mlp.shared_expert.down_proj',
+    'ffn_gate_inp_shexp': 'mlp.shared_expert_gate',
+}
 GGUF_MOE_RAW_SUFFIXES = ('.experts.gate_proj.weight', '.experts.up_proj.weight', '.experts.down_proj.weight')
+
 
 def gguf_moe_name(name: str) -> str | None:
     "llama.cpp MoE tensor name -> our HF-style name (experts stacked: `...mlp.experts.gate_proj.weight`), else None."
     m = re.fullmatch(r'blk\.(\d+)\.(\w+)\.weight', name)
     return f'model.layers.{m[1]}.{GGUF_MOE_BLOCK[m[2]]}.weight' if m and m[2] in GGUF_MOE_BLOCK else None
+
 
 def gguf_moe_config_overrides(meta: dict) -> dict:
     """HF config fields an MoE GGUF file implies that `transformers`' GGUF config reader leaves at their defaults:
@@ -212,10 +265,16 @@ def gguf_moe_config_overrides(meta: dict) -> dict:
     get = lambda k: meta.get(f'{arch}.{k}')
     if arch in ('qwen2moe', 'qwen3moe'):
         out = {'moe_intermediate_size': get('expert_feed_forward_length')}
-        if arch == 'qwen3moe': out['norm_topk_prob'] = True
-        else: out['shared_expert_intermediate_size'] = get('expert_shared_feed_forward_length')
+        if arch == 'qwen3moe':
+            out['norm_topk_prob'] = True
+        else:
+            out['shared_expert_intermediate_size'] = get('expert_shared_feed_forward_length')
         return {k: v for k, v in out.items() if v is not None}
     if arch == 'llama' and (get('expert_count') or 0) > 0:
-        return {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral', 'num_local_experts': get('expert_count'),
-                'num_experts_per_tok': get('expert_used_count')}
+        return {
+            'architectures': ['MixtralForCausalLM'],
+            'model_type': 'mixtral',
+            'num_local_experts': get('expert_count'),
+            'num_experts_per_tok': get('expert_used_count'),
+        }
     return {}

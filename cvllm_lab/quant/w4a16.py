@@ -7,13 +7,10 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/w4a16.html.md"""
 # %% ../../nbs/46_w4a16.ipynb #db9e93ab
 from __future__ import annotations
 import torch
-import torch.nn.functional as F
-from torch import nn
 from ..layers.basic import Linear
 from .base import QuantLinear
 from ..kernels.w4a16_layout import TILE_K, padded_k, check_layout, dequantize_packed_ref
 from ..layers.linear import narrow_loaded
-
 
 # %% auto #0
 __all__ = ['AWQ_ORDER', 'pack_weights', 'unpack_weights', 'group_params', 'quantize_levels', 'quantize_rtn', 'W4A16Linear',
@@ -22,26 +19,29 @@ __all__ = ['AWQ_ORDER', 'pack_weights', 'unpack_weights', 'group_params', 'quant
 # %% ../../nbs/46_w4a16.ipynb #d8def9ae
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
     "int64 holding 32-bit patterns -> int32 with the same bits."
-    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
 
 def pack_weights(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
     "Integer levels `q [N, K]` (0 .. 2**bits-1) -> `qweight` `int32 [padded_k(K) * bits / 32, N]`."
     N, K = q.shape
     vpw, C, Kp = 32 // bits, 4 * bits, padded_k(K)
-    if int(q.min()) < 0 or int(q.max()) >= 1 << bits: raise ValueError(f"levels must be in 0..{(1 << bits) - 1}")
+    if int(q.min()) < 0 or int(q.max()) >= 1 << bits:
+        raise ValueError(f'levels must be in 0..{(1 << bits) - 1}')
     qp = torch.zeros(N, Kp, dtype=torch.int64, device=q.device)
     qp[:, :K] = q.to(torch.int64)
-    v = qp.view(N, Kp // TILE_K, vpw, C)                                   # k = t*128 + j*C + c
+    v = qp.view(N, Kp // TILE_K, vpw, C)  # k = t*128 + j*C + c
     sh = (torch.arange(vpw, device=q.device) * bits).view(1, 1, vpw, 1)
-    words = (v << sh).sum(2)                                               # [N, T, C]
+    words = (v << sh).sum(2)  # [N, T, C]
     return _to_int32(words.permute(1, 2, 0).reshape(Kp // vpw, N)).contiguous()
+
 
 def unpack_weights(qweight: torch.Tensor, bits: int, K: int) -> torch.Tensor:
     "Inverse of `pack_weights`: `uint8 [N, K]`."
     R, N = qweight.shape
     vpw, C = 32 // bits, 4 * bits
     sh = (torch.arange(vpw, device=qweight.device, dtype=torch.int32) * bits).view(1, vpw, 1, 1)
-    q = (qweight.view(-1, 1, C, N) >> sh) & ((1 << bits) - 1)               # [T, j, c, N]
+    q = (qweight.view(-1, 1, C, N) >> sh) & ((1 << bits) - 1)  # [T, j, c, N]
     return q.reshape(-1, N)[:K].T.to(torch.uint8).contiguous()
 
 # %% ../../nbs/46_w4a16.ipynb #0b54a8ee
@@ -59,9 +59,11 @@ def group_params(w: torch.Tensor, bits: int = 4, sym: bool = True):
     zero = torch.full_like(scale, (maxq + 1) // 2) if sym else (-xmin / scale).round().clamp(0, maxq)
     return scale, zero
 
+
 def quantize_levels(w, scale, zero, bits: int = 4):
     "Levels `clamp(round(w / scale) + zero, 0, 2**bits - 1)`."
     return (w.float() / scale).round().add(zero).clamp(0, (1 << bits) - 1)
+
 
 def quantize_rtn(w: torch.Tensor, bits: int = 4, group: int = 128, sym: bool = True):
     "Round-to-nearest: `w [N, K]` -> levels `uint8 [N, K]`, scales `fp16 [ng, N]`, integer zeros `uint8 [ng, N]`."
@@ -77,14 +79,25 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group: int = 128, sym: bool = T
 
 # %% ../../nbs/46_w4a16.ipynb #00fcebef
 def _shape_kw(shard_ids, bias):
-    return dict(shard_ids=shard_ids, bias=bias is not None,
-                bias_dtype=bias.dtype if bias is not None else torch.float32)
+    return dict(
+        shard_ids=shard_ids, bias=bias is not None, bias_dtype=bias.dtype if bias is not None else torch.float32
+    )
 
 # %% ../../nbs/46_w4a16.ipynb #076ee56e
 class W4A16Linear(QuantLinear):
     "`y = x @ W.T + b` with `W` in the packed layout: `qweight` int32, group-wise fp16 `scales` and `offsets`."
-    def __init__(self, in_features: int, out_features: int | list[int], group: int = 128, bits: int = 4,
-                 bias: bool = False, shard_ids=None, device=None, bias_dtype=torch.float32):
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        group: int = 128,
+        bits: int = 4,
+        bias: bool = False,
+        shard_ids=None,
+        device=None,
+        bias_dtype=torch.float32,
+    ):
         super().__init__(in_features, out_features, bias, shard_ids, device, bias_dtype)
         self.bits, self.group = bits, (-1 if group in (-1, None) else group)
         Kp, N = padded_k(in_features), self.output_size
@@ -93,7 +106,7 @@ class W4A16Linear(QuantLinear):
         self.register_buffer('scales', torch.zeros(ng, N, dtype=torch.float16, device=device))
         self.register_buffer('offsets', torch.zeros(ng, N, dtype=torch.float16, device=device))
         check_layout(self.qweight, self.scales, self.offsets, bits, self.group, N, in_features)
-        self.act = None   # 'silu_and_mul' after `fuse_silu_and_mul`
+        self.act = None  # 'silu_and_mul' after `fuse_silu_and_mul`
 
     @classmethod
     def from_levels(cls, q, scales, offsets, group=128, bits=4, bias=None, out_features=None, shard_ids=None):
@@ -101,14 +114,15 @@ class W4A16Linear(QuantLinear):
         N, K = q.shape
         m = cls(K, out_features or N, group, bits, device=q.device, **_shape_kw(shard_ids, bias))
         m.qweight.copy_(pack_weights(q, bits))
-        m.scales[:len(scales)] = scales.half()
-        m.offsets[:len(offsets)] = offsets.half()
+        m.scales[: len(scales)] = scales.half()
+        m.offsets[: len(offsets)] = offsets.half()
         m.set_bias(bias)
         return m
 
     @classmethod
-    def from_float(cls, weight, group: int = 128, bits: int = 4, sym: bool = True, bias=None, out_features=None,
-                   shard_ids=None):
+    def from_float(
+        cls, weight, group: int = 128, bits: int = 4, sym: bool = True, bias=None, out_features=None, shard_ids=None
+    ):
         "In-situ round-to-nearest quantization of a float weight `[out, in]`."
         q, s, z = quantize_rtn(weight.detach(), bits, group, sym)
         return cls.from_levels(q, s, (-s.float() * z.float()).half(), group, bits, bias, out_features, shard_ids)
@@ -119,8 +133,9 @@ class W4A16Linear(QuantLinear):
         return cls.from_float(lin.weight, group, bits, sym, lin.bias, lin.output_sizes, lin.shard_ids)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize_packed_ref(self.qweight, self.scales, self.offsets, self.bits, self.group,
-                                     self.output_size, self.input_size, dtype)
+        return dequantize_packed_ref(
+            self.qweight, self.scales, self.offsets, self.bits, self.group, self.output_size, self.input_size, dtype
+        )
 
     def fuse_silu_and_mul(self) -> 'W4A16Linear':
         """Make this merged gate/up layer (gate rows first, then as many up rows; no bias) return the MLP's
@@ -129,29 +144,48 @@ class W4A16Linear(QuantLinear):
         reordered rows."""
         N = self.output_size
         if self.act is not None or self.bias is not None or N % 2:
-            raise ValueError("fuse_silu_and_mul needs an unfused gate/up layer without bias and an even out size")
+            raise ValueError('fuse_silu_and_mul needs an unfused gate/up layer without bias and an even out size')
         perm = torch.stack([torch.arange(N // 2), torch.arange(N // 2, N)], 1).flatten().to(self.qweight.device)
-        for name in ('qweight', 'scales', 'offsets'): self._buffers[name] = self._buffers[name][:, perm].contiguous()
+        for name in ('qweight', 'scales', 'offsets'):
+            self._buffers[name] = self._buffers[name][:, perm].contiguous()
         self.act = 'silu_and_mul'
         return self
 
     def forward(self, x):
         if x.is_cuda:
             from cvllm_lab.kernels.w4a16 import w4a16_matmul
-            return self._add_bias(w4a16_matmul(x, self.qweight, self.scales, self.offsets, self.bits, self.group,
-                                               self.output_size, self.input_size, act=self.act, sym=self.is_sym()))
+
+            return self._add_bias(
+                w4a16_matmul(
+                    x,
+                    self.qweight,
+                    self.scales,
+                    self.offsets,
+                    self.bits,
+                    self.group,
+                    self.output_size,
+                    self.input_size,
+                    act=self.act,
+                    sym=self.is_sym(),
+                )
+            )
         y = super().forward(x)
-        if self.act is None: return y
+        if self.act is None:
+            return y
         from cvllm_lab.kernels.activation import silu_and_mul_ref
+
         return silu_and_mul_ref(y, interleaved=True)
 
     def can_add_into(self, x, act=None, dtype=None) -> bool:
         """Whether `add_into` takes a batch like `x` (its rows, dtype and device are read, not its width): one row
         on CUDA through the MMA kernel, no bias; `act` (x: gate/up sums to activate, into `dtype` where x is fp32)
         only in the interleaved layout of `fuse_silu_and_mul`."""
-        if self.bias is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1: return False
-        if act not in (None, 'silu_and_mul_interleaved'): return False
+        if self.bias is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
+            return False
+        if act not in (None, 'silu_and_mul_interleaved'):
+            return False
         from cvllm_lab.kernels.w4a16_mma import mma_supported
+
         return mma_supported(x, self.bits, self.group, self.output_size, self.input_size, dtype=dtype)
 
     def add_into(self, x, acc, zero=None, act=None, dtype=None, norm=None, rms=None) -> bool:
@@ -161,12 +195,27 @@ class W4A16Linear(QuantLinear):
         `dtype` as the kernel loads them. `zero`: zeroed by the kernel's programs too. `norm` / `rms`
         (`DeferredRMS`, as `linear_add_` takes them): `x` is an fp32 residual read as `weight * x`, its squares
         summed / the gate/up sums scaled by a norm's `1/rms` as they are loaded. False (nothing done) elsewhere."""
-        if not self.can_add_into(x, act, dtype): return False
+        if not self.can_add_into(x, act, dtype):
+            return False
         from cvllm_lab.kernels.w4a16_mma import w4a16_mma
-        w4a16_mma(x, self.qweight, self.scales, self.offsets, self.bits, self.group, self.output_size,
-                  self.input_size, sym=self.is_sym(), acc=acc, zero=zero, x_act='silu_and_mul' if act else None,
-                  dtype=dtype, norm=None if norm is None else (norm.weight, norm.ssq),
-                  x_rms=None if rms is None else rms.rms)
+
+        w4a16_mma(
+            x,
+            self.qweight,
+            self.scales,
+            self.offsets,
+            self.bits,
+            self.group,
+            self.output_size,
+            self.input_size,
+            sym=self.is_sym(),
+            acc=acc,
+            zero=zero,
+            x_act='silu_and_mul' if act else None,
+            dtype=dtype,
+            norm=None if norm is None else (norm.weight, norm.ssq),
+            x_rms=None if rms is None else rms.rms,
+        )
         return True
 
     def is_sym(self) -> bool:
@@ -177,40 +226,47 @@ class W4A16Linear(QuantLinear):
         return self._sym
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._sym = None   # new offsets: check again
+        self._sym = None  # new offsets: check again
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self):
-        return (f"in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, "
-                f"bias={self.bias is not None}" + (f", act={self.act}" if self.act else ""))
+        return (
+            f'in={self.input_size}, out={self.output_sizes}, bits={self.bits}, group={self.group}, '
+            f'bias={self.bias is not None}' + (f', act={self.act}' if self.act else '')
+        )
 
 # %% ../../nbs/46_w4a16.ipynb #c25f9510
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
+
 def _unpack_rows(packed, bits):
-    "`int32 [R, C]` -> `[R, C*vpw]`: field j of word c is element `c*vpw + j`."
-    vpw = 32 // bits
+    "`int32 [R, C]` -> `[R, C*vpw]` (`vpw = 32 // bits`): field j of word c is element `c*vpw + j`."
     sh = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
     return ((packed[..., None] >> sh) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], -1)
+
 
 def gptq_to_levels(qweight, qzeros, scales, g_idx=None, bits: int = 4, group: int = 128):
     "GPTQ v1 tensors -> levels `[N, K]`, fp16 `scales` and `offsets` `[ng, N]`."
     K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
     G = K if group in (-1, None) else group
     if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(K) // G):
-        raise NotImplementedError("GPTQ with act-order (desc_act: true, permuted g_idx) is not supported")
-    q = _unpack_rows(qweight.T.contiguous(), bits)                     # [N, K]
-    z = _unpack_rows(qzeros, bits)[:, :N].float() + 1                  # [ng, N], v1 stores zero - 1
+        raise NotImplementedError('GPTQ with act-order (desc_act: true, permuted g_idx) is not supported')
+    q = _unpack_rows(qweight.T.contiguous(), bits)  # [N, K]
+    z = _unpack_rows(qzeros, bits)[:, :N].float() + 1  # [ng, N], v1 stores zero - 1
     return q, scales.half(), (-scales.float() * z).half()
+
 
 def awq_to_levels(qweight, qzeros, scales, bits: int = 4):
     "AWQ (GEMM) tensors -> levels `[N, K]`, fp16 `scales` and `offsets` `[ng, N]`."
     inv = torch.argsort(torch.tensor(AWQ_ORDER))
+
     def cols(p):  # [R, N/8] -> [R, N] in natural column order
         u = _unpack_rows(p, bits).view(p.shape[0], -1, 8)
         return u[:, :, inv.to(p.device)].reshape(p.shape[0], -1)
+
     q, z = cols(qweight).T.contiguous(), cols(qzeros).float()
     return q, scales.half(), (-scales.float() * z).half()
+
 
 def _pack_rows(v, bits):
     "Inverse of `_unpack_rows`: `[R, C*vpw]` -> `int32 [R, C]`."
@@ -218,34 +274,55 @@ def _pack_rows(v, bits):
     sh = torch.arange(0, 32, bits, device=v.device)
     return _to_int32((v.long().reshape(*v.shape[:-1], -1, vpw) << sh).sum(-1))
 
+
 def levels_to_gptq(q, scales, zeros, bits: int = 4, group: int = 128):
     "Levels `[N, K]`, fp16 scales and integer zeros `[ng, N]` -> GPTQ v1 `qweight, qzeros, scales, g_idx`."
     N, K = q.shape
     G = K if group in (-1, None) else group
-    return (_pack_rows(q, bits).T.contiguous(), _pack_rows((zeros.long() - 1) & ((1 << bits) - 1), bits),
-            scales.half().contiguous(), (torch.arange(K) // G).to(torch.int32))
+    return (
+        _pack_rows(q, bits).T.contiguous(),
+        _pack_rows((zeros.long() - 1) & ((1 << bits) - 1), bits),
+        scales.half().contiguous(),
+        (torch.arange(K) // G).to(torch.int32),
+    )
+
 
 def levels_to_awq(q, scales, zeros, bits: int = 4):
     "Levels `[N, K]`, fp16 scales and integer zeros `[ng, N]` -> AWQ `qweight, qzeros, scales`."
     order = torch.tensor(AWQ_ORDER)
+
     def pack(v):  # [R, N] natural -> [R, N/8] AWQ order
         return _pack_rows(v.reshape(v.shape[0], -1, 8)[:, :, order].reshape(v.shape[0], -1), bits)
+
     return pack(q.T.contiguous()), pack(zeros), scales.half().contiguous()
 
 # %% ../../nbs/46_w4a16.ipynb #638f7cca
 @classmethod
-def _from_gptq(cls, qweight, qzeros, scales, g_idx=None, bits: int = 4, group: int = 128, bias=None,
-               out_features=None, shard_ids=None):
+def _from_gptq(
+    cls,
+    qweight,
+    qzeros,
+    scales,
+    g_idx=None,
+    bits: int = 4,
+    group: int = 128,
+    bias=None,
+    out_features=None,
+    shard_ids=None,
+):
     "From GPTQ v1 checkpoint tensors (`desc_act: false`)."
     q, s, o = gptq_to_levels(qweight, qzeros, scales, g_idx, bits, group)
     return cls.from_levels(q, s, o, group, bits, bias, out_features, shard_ids)
 
+
 @classmethod
-def _from_awq(cls, qweight, qzeros, scales, group: int = 128, bits: int = 4, bias=None, out_features=None,
-              shard_ids=None):
+def _from_awq(
+    cls, qweight, qzeros, scales, group: int = 128, bits: int = 4, bias=None, out_features=None, shard_ids=None
+):
     "From AWQ (GEMM) checkpoint tensors."
     q, s, o = awq_to_levels(qweight, qzeros, scales, bits)
     return cls.from_levels(q, s, o, group, bits, bias, out_features, shard_ids)
+
 
 W4A16Linear.from_gptq, W4A16Linear.from_awq = _from_gptq, _from_awq
 
@@ -253,23 +330,35 @@ W4A16Linear.from_gptq, W4A16Linear.from_awq = _from_gptq, _from_awq
 def _w4a16_units(method: str, suffix: str, split: str, bits: int, group: int):
     "(dim, elements per index) of a GPTQ/AWQ tensor along N (`split='column'`) or K (`'row'`); dim None: not split."
     vpw = 32 // bits
-    col = {'gptq': {'qweight': (1, 1), 'qzeros': (1, vpw), 'scales': (1, 1), 'g_idx': (None, 1)},
-           'awq': {'qweight': (1, vpw), 'qzeros': (1, vpw), 'scales': (1, 1)}}
-    row = {'gptq': {'qweight': (0, vpw), 'qzeros': (0, group), 'scales': (0, group), 'g_idx': (0, 1)},
-           'awq': {'qweight': (0, 1), 'qzeros': (0, group), 'scales': (0, group)}}
-    try: return (col if split == 'column' else row)[method][suffix]
-    except KeyError: raise ValueError(f"no {split} split of a {method} {suffix!r} tensor") from None
+    col = {
+        'gptq': {'qweight': (1, 1), 'qzeros': (1, vpw), 'scales': (1, 1), 'g_idx': (None, 1)},
+        'awq': {'qweight': (1, vpw), 'qzeros': (1, vpw), 'scales': (1, 1)},
+    }
+    row = {
+        'gptq': {'qweight': (0, vpw), 'qzeros': (0, group), 'scales': (0, group), 'g_idx': (0, 1)},
+        'awq': {'qweight': (0, 1), 'qzeros': (0, group), 'scales': (0, group)},
+    }
+    try:
+        return (col if split == 'column' else row)[method][suffix]
+    except KeyError:
+        raise ValueError(f'no {split} split of a {method} {suffix!r} tensor') from None
 
-def shard_w4a16_tensor(t, method: str, suffix: str, split: str, start: int, size: int, bits: int = 4,
-                       group: int = 128, what: str = 'layer') -> torch.Tensor:
+
+def shard_w4a16_tensor(
+    t, method: str, suffix: str, split: str, start: int, size: int, bits: int = 4, group: int = 128, what: str = 'layer'
+) -> torch.Tensor:
     """This rank's part of one GPTQ/AWQ checkpoint tensor `t` (a tensor or a lazy safetensors slice): output columns
     `[start, start + size)` (`split='column'`) or input rows (`'row'`), cut in the tensor's packed units; a row
     part of GPTQ's `g_idx` counts this rank's groups from 0."""
-    if split == 'row' and group in (-1, None): raise ValueError(f"{what}: one group over all of K cannot be split by rows")
+    if split == 'row' and group in (-1, None):
+        raise ValueError(f'{what}: one group over all of K cannot be split by rows')
     dim, per = _w4a16_units(method, suffix, split, bits, group)
-    if dim is None: return t if isinstance(t, torch.Tensor) else t[:]
+    if dim is None:
+        return t if isinstance(t, torch.Tensor) else t[:]
     if start % per or size % per:
-        raise ValueError(f"{what}: {'output columns' if split == 'column' else 'input rows'} [{start}, {start + size}) "
-                         f"cut a {method} {suffix} unit of {per} (a packed word or a group would straddle two ranks)")
+        raise ValueError(
+            f'{what}: {"output columns" if split == "column" else "input rows"} [{start}, {start + size}) '
+            f'cut a {method} {suffix} unit of {per} (a packed word or a group would straddle two ranks)'
+        )
     part = narrow_loaded(t, dim, start // per, size // per)
     return part - start // group if suffix == 'g_idx' else part

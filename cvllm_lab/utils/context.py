@@ -11,8 +11,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
 import torch
-from .kv_cache_spec import (KVCacheSpec, FullAttentionSpec, KVCacheGroupSpec,  # KVCacheGroupSpec: re-exported
-                                         layer_kv_cache_spec)
+from cvllm_lab.utils.kv_cache_spec import (
+    KVCacheSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,  # KVCacheGroupSpec: re-exported
+    layer_kv_cache_spec,
+)
 
 # %% auto #0
 __all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'DecodeSplit',
@@ -24,25 +28,28 @@ def to_device(a: np.ndarray, device) -> torch.Tensor:
     hold the host until the device reached it, so a step launched ahead could not be queued behind the running one
     (PyTorch's caching host allocator keeps the pinned block until its copy has run)."""
     t = torch.from_numpy(a)
-    if torch.device(device).type != 'cuda': return t.to(device)
+    if torch.device(device).type != 'cuda':
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
 
 @dataclass
 class PrefillMetadata:
     "The step's trailing run of prefills (sequences `seq_start ..`) for varlen FlashAttention."
+
     seq_start: int
-    token_start: int             # query_start_loc[seq_start]
-    query_lens: np.ndarray       # [n] host: new tokens of each sequence of the run
-    seq_lens: np.ndarray         # [n] host: its tokens in the cache after the step
-    cu_seqlens_q: torch.Tensor   # [n + 1] int32: query_start_loc[seq_start:] - token_start
+    token_start: int  # query_start_loc[seq_start]
+    query_lens: np.ndarray  # [n] host: new tokens of each sequence of the run
+    seq_lens: np.ndarray  # [n] host: its tokens in the cache after the step
+    cu_seqlens_q: torch.Tensor  # [n + 1] int32: query_start_loc[seq_start:] - token_start
     max_seqlen_q: int
-    head_max_query_len: int      # maxima of sequences 0 .. seq_start-1 (for the paged kernel)
+    head_max_query_len: int  # maxima of sequences 0 .. seq_start-1 (for the paged kernel)
     head_max_seq_len: int
-    fresh: bool = False          # no sequence of the run has cached tokens: its keys are exactly the step's rows
-    _keys: dict = field(default_factory=dict, repr=False)    # window -> keys(window)
-    _slots: dict = field(default_factory=dict, repr=False)   # (group, window) -> kv_slots
-    _rest: dict = field(default_factory=dict, repr=False)    # n -> rest(n)
-    memo: dict = field(default_factory=dict, repr=False)     # the step's decisions its layers share (`cudnn_shape_ready`)
+    fresh: bool = False  # no sequence of the run has cached tokens: its keys are exactly the step's rows
+    _keys: dict = field(default_factory=dict, repr=False)  # window -> keys(window)
+    _slots: dict = field(default_factory=dict, repr=False)  # (group, window) -> kv_slots
+    _rest: dict = field(default_factory=dict, repr=False)  # n -> rest(n)
+    memo: dict = field(default_factory=dict, repr=False)  # the step's decisions its layers share (`cudnn_shape_ready`)
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, seq_start: int, device='cpu') -> PrefillMetadata:
@@ -50,9 +57,17 @@ class PrefillMetadata:
         qsl, L = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
         q, t0 = np.diff(qsl), int(qsl[seq_start])
         cu = to_device((qsl[seq_start:] - t0).astype(np.int32), device)
-        return cls(seq_start, t0, q[seq_start:], L[seq_start:], cu, int(q[seq_start:].max()),
-                   int(q[:seq_start].max(initial=0)), int(L[:seq_start].max(initial=0)),
-                   bool((q[seq_start:] == L[seq_start:]).all()))
+        return cls(
+            seq_start,
+            t0,
+            q[seq_start:],
+            L[seq_start:],
+            cu,
+            int(q[seq_start:].max()),
+            int(q[:seq_start].max(initial=0)),
+            int(L[:seq_start].max(initial=0)),
+            bool((q[seq_start:] == L[seq_start:]).all()),
+        )
 
     def rest(self, n: int) -> tuple[torch.Tensor, int]:
         "`(cu_seqlens, max_seqlen)` of the run's sequences `n ..` on their own (from 0), once per step."
@@ -71,21 +86,23 @@ class PrefillMetadata:
             seq = np.repeat(np.arange(len(L)), lk)
             pos = np.arange(cu[-1]) - np.repeat(cu[:-1] - first, lk)
             n, nk = len(L) + 1, int(cu[-1])
-            dev = to_device(np.concatenate([cu, seq, pos]), self.cu_seqlens_q.device)   # one copy
-            self._keys[window] = (dev[:n].int(), int(lk.max()), dev[n:n + nk], dev[n + nk:])
+            dev = to_device(np.concatenate([cu, seq, pos]), self.cu_seqlens_q.device)  # one copy
+            self._keys[window] = (dev[:n].int(), int(lk.max()), dev[n : n + nk], dev[n + nk :])
         return self._keys[window]
 
     def kv_slots(self, block_tables: torch.Tensor, group: int, window: int | None, block_size: int) -> torch.Tensor:
         "The cache slot of each key of `keys(window)` in KV cache group `group` (`block_tables`: that group's, whole step)."
         if (group, window) not in self._slots:
             _, _, seq, pos = self.keys(window)
-            bt = block_tables[self.seq_start:]
+            bt = block_tables[self.seq_start :]
             self._slots[group, window] = bt[seq, pos // block_size].long() * block_size + pos % block_size
         return self._slots[group, window]
+
 
 @dataclass
 class ForwardContext:
     "Attention metadata of one forward step."
+
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -102,34 +119,44 @@ class ForwardContext:
     decodes: DecodeSplit | None = None
 
     @property
-    def num_seqs(self) -> int: return self.seq_lens.shape[0]
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
     def group_tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         "`(slot_mapping, block_tables)` of KV cache group `group` (all groups read the step's own pair when `kv_groups` is None)."
         return (self.slot_mapping, self.block_tables) if self.kv_groups is None else self.kv_groups[group]
 
+
 _CTX: ForwardContext | None = None
+
 
 def get_forward_context() -> ForwardContext:
     "The context of the step being run (error outside a step)."
-    if _CTX is None: raise RuntimeError("No forward context: run the model through the model runner")
+    if _CTX is None:
+        raise RuntimeError('No forward context: run the model through the model runner')
     return _CTX
+
 
 @contextmanager
 def set_forward_context(ctx: ForwardContext):
     "Make `ctx` visible to attention layers for the duration of a forward pass."
     global _CTX
     prev, _CTX = _CTX, ctx
-    try: yield ctx
-    finally: _CTX = prev
+    try:
+        yield ctx
+    finally:
+        _CTX = prev
 
 # %% ../../nbs/12_forward_context.ipynb #ae0f6459
 @dataclass
 class DecodeSplit:
     "The step's leading one-token sequences (decodes), for a paged-kernel call of their own apart from the rest."
+
     num_decodes: int
-    max_seq_len: int                      # the decodes' longest context
-    rest_query_start_loc: torch.Tensor    # [num_seqs - num_decodes + 1] int32: query_start_loc[num_decodes:] - num_decodes
+    max_seq_len: int  # the decodes' longest context
+    rest_query_start_loc: (
+        torch.Tensor
+    )  # [num_seqs - num_decodes + 1] int32: query_start_loc[num_decodes:] - num_decodes
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, device='cpu') -> DecodeSplit | None:
@@ -137,7 +164,8 @@ class DecodeSplit:
         qsl, L = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens)
         one = np.diff(qsl) == 1
         d = len(one) if one.all() else int(np.argmin(one))
-        if d == 0 or d == len(one): return None
+        if d == 0 or d == len(one):
+            return None
         return cls(d, int(L[:d].max()), to_device((qsl[d:] - d).astype(np.int32), device))
 
 # %% ../../nbs/12_forward_context.ipynb #bc033ab3
@@ -156,47 +184,80 @@ def kv_cache_groups(layers) -> list[KVCacheGroupSpec]:
     """vLLM's hybrid grouping: layers by KV cache spec (full, sliding window W, ...), each cut into groups of the same
     size (the smallest type's count; the largest's when within 1.25x), full attention first. One group (today's
     layout) when every layer has the same type, or the layers' caches differ in shape (they could not share tensors)."""
-    by_type: dict[KVCacheSpec, list[int]] = {}   # layers by spec (`12a_kv_cache_spec`): full, each window, ...
-    for i, a in enumerate(layers): by_type.setdefault(layer_kv_cache_spec(a), []).append(i)
-    uniform = len({(getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None), hasattr(a, 'kv_cache_shape'))
-                   for a in layers}) == 1 and not hasattr(layers[0], 'kv_cache_shape')
+    by_type: dict[KVCacheSpec, list[int]] = {}  # layers by spec (`12a_kv_cache_spec`): full, each window, ...
+    for i, a in enumerate(layers):
+        by_type.setdefault(layer_kv_cache_spec(a), []).append(i)
+    uniform = len(
+        {(getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None), hasattr(a, 'kv_cache_shape')) for a in layers}
+    ) == 1 and not hasattr(layers[0], 'kv_cache_shape')
     if len(by_type) == 1 or not uniform:
-        return [KVCacheGroupSpec(next(iter(by_type)) if len(by_type) == 1 else FullAttentionSpec(), tuple(range(len(layers))))]
+        return [
+            KVCacheGroupSpec(
+                next(iter(by_type)) if len(by_type) == 1 else FullAttentionSpec(), tuple(range(len(layers)))
+            )
+        ]
     lo, hi = min(map(len, by_type.values())), max(map(len, by_type.values()))
     size = hi if hi < 1.25 * lo else lo
-    order = lambda s: (not s.grows, s.frees_blocks, getattr(s, 'sliding_window', 0) or getattr(s, 'attention_chunk_size', 0))
-    return [KVCacheGroupSpec(s, tuple(ids[i:i + size])) for s in sorted(by_type, key=order)   # full attention first
-            for ids in [by_type[s]] for i in range(0, len(ids), size)]
+    order = lambda s: (
+        not s.grows,
+        s.frees_blocks,
+        getattr(s, 'sliding_window', 0) or getattr(s, 'attention_chunk_size', 0),
+    )
+    return [
+        KVCacheGroupSpec(s, tuple(ids[i : i + size]))
+        for s in sorted(by_type, key=order)  # full attention first
+        for ids in [by_type[s]]
+        for i in range(0, len(ids), size)
+    ]
+
 
 def kv_cache_bytes_per_token(layers, groups: list[KVCacheGroupSpec] | None = None, dtype=torch.float32) -> int:
     "Cache bytes one block slot costs over all of `bind_kv_cache`'s tensors (groups: one per layer of the largest group)."
-    if groups is None or len(groups) == 1: return sum(kv_bytes_per_token(a, dtype) for a in layers)
+    if groups is None or len(groups) == 1:
+        return sum(kv_bytes_per_token(a, dtype) for a in layers)
     return max(len(g.layers) for g in groups) * kv_bytes_per_token(layers[0], dtype)
+
 
 def _new_kv_cache(a, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     "One layer's `(kv_cache, kv_scale)` for `num_blocks` blocks (zeros: a never-written block reads as finite values)."
     fp8 = dtype == torch.float8_e4m3fn
-    if hasattr(a, 'kv_cache_shape'):   # a layer with its own layout (MLA's latent rows; FP8: one fp32 scale per row)
+    if hasattr(a, 'kv_cache_shape'):  # a layer with its own layout (MLA's latent rows; FP8: one fp32 scale per row)
         shape = a.kv_cache_shape(num_blocks, block_size)
-        return (torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None)
+        return (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None,
+        )
     shape = (2, num_blocks, block_size, a.num_kv_heads)
-    return (torch.zeros(*shape, a.head_dim, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None)
+    return (
+        torch.zeros(*shape, a.head_dim, dtype=dtype, device=device),
+        torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None,
+    )
 
-def bind_kv_cache(model, num_blocks: int, block_size: int = 16, dtype=torch.float32, device='cpu',
-                  groups: list[KVCacheGroupSpec] | None = None) -> list[torch.Tensor]:
+
+def bind_kv_cache(
+    model,
+    num_blocks: int,
+    block_size: int = 16,
+    dtype=torch.float32,
+    device='cpu',
+    groups: list[KVCacheGroupSpec] | None = None,
+) -> list[torch.Tensor]:
     """Allocate every attention layer's paged cache (and its per-token scales for an FP8 cache); returns the caches.
     With several KV cache `groups` the `j`-th layer of every group shares one tensor (`kv_cache_group` says whose table)."""
     layers = model.attention_layers()
     if groups is None or len(groups) == 1:
-        for a in layers: (a.kv_cache, a.kv_scale), a.kv_cache_group = _new_kv_cache(a, num_blocks, block_size, dtype, device), 0
+        for a in layers:
+            (a.kv_cache, a.kv_scale), a.kv_cache_group = _new_kv_cache(a, num_blocks, block_size, dtype, device), 0
         return [a.kv_cache for a in layers]
-    shared = [_new_kv_cache(layers[0], num_blocks, block_size, dtype, device) for _ in range(max(len(g.layers) for g in groups))]
+    shared = [
+        _new_kv_cache(layers[0], num_blocks, block_size, dtype, device)
+        for _ in range(max(len(g.layers) for g in groups))
+    ]
     for g, spec in enumerate(groups):
-        for j, li in enumerate(spec.layers): layers[li].kv_cache, layers[li].kv_scale = shared[j]; layers[li].kv_cache_group = g
+        for j, li in enumerate(spec.layers):
+            layers[li].kv_cache, layers[li].kv_scale = shared[j]
+            layers[li].kv_cache_group = g
     return [a.kv_cache for a in layers]
-
 
 # %% ../../nbs/12_forward_context.ipynb #97aa8351
 def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tuple[ForwardContext, int]:
@@ -204,10 +265,17 @@ def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tupl
     nblk = [-(-n // block_size) for n in lens]
     starts = [sum(nblk[:i]) for i in range(len(lens))]
     bt = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
-    for i, (s, n) in enumerate(zip(starts, nblk)): bt[i, :n] = torch.arange(s, s + n)
+    for i, (s, n) in enumerate(zip(starts, nblk)):
+        bt[i, :n] = torch.arange(s, s + n)
     slots = torch.cat([torch.arange(n) + s * block_size for s, n in zip(starts, lens)])
     qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    ctx = ForwardContext(slots.to(device), qsl.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
-                         bt.to(device), max(lens), max(lens))
-    ctx.prefill = PrefillMetadata.build(qsl, lens, 0, device)   # every sequence is a prefill
+    ctx = ForwardContext(
+        slots.to(device),
+        qsl.to(device),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        bt.to(device),
+        max(lens),
+        max(lens),
+    )
+    ctx.prefill = PrefillMetadata.build(qsl, lens, 0, device)  # every sequence is a prefill
     return ctx, sum(nblk)

@@ -17,6 +17,7 @@ __all__ = ['KVCacheSpec', 'FullAttentionSpec', 'MLAAttentionSpec', 'SlidingWindo
 @dataclass(frozen=True)
 class KVCacheSpec:
     "What a layer keeps per sequence; the base is full attention's rule: every earlier token stays visible."
+
     grows: ClassVar[bool] = True  # the block table grows with the tokens (False: one slot per sequence)
     frees_blocks: ClassVar[bool] = False  # blocks before every later query's window are given back (the null block)
     prefix_cacheable: ClassVar[bool] = True  # a cached prefix can stand in for computing it
@@ -39,33 +40,40 @@ class MLAAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     "A query at `p` sees the last `sliding_window` tokens, `p - W + 1 .. p`."
+
     sliding_window: int
     frees_blocks: ClassVar[bool] = True
 
-    def window_start(self, pos: int) -> int: return max(pos - self.sliding_window + 1, 0)
+    def window_start(self, pos: int) -> int:
+        return max(pos - self.sliding_window + 1, 0)
 
 
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(KVCacheSpec):
     "The sequence is cut into chunks of `attention_chunk_size`; a query sees the tokens of its own chunk up to itself."
+
     attention_chunk_size: int
     frees_blocks: ClassVar[bool] = True
 
-    def window_start(self, pos: int) -> int: return pos // self.attention_chunk_size * self.attention_chunk_size
+    def window_start(self, pos: int) -> int:
+        return pos // self.attention_chunk_size * self.attention_chunk_size
 
 
 @dataclass(frozen=True)
 class StateSpec(KVCacheSpec):
     "A recurrent or convolution state per sequence, rewritten every step: one slot, whatever the length."
+
     grows: ClassVar[bool] = False
     prefix_cacheable: ClassVar[bool] = False
 
-    def window_start(self, pos: int) -> int: return pos
+    def window_start(self, pos: int) -> int:
+        return pos
 
 # %% ../../nbs/12a_kv_cache_spec.ipynb #a3e3855b
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     "Layers that share one block table per sequence, and the spec they share (an int or None: a sliding window or full)."
+
     kv_cache_spec: KVCacheSpec
     layers: tuple[int, ...]  # indices into `model.attention_layers()`
 
@@ -81,8 +89,12 @@ class KVCacheGroupSpec:
 
 def layer_kv_cache_spec(layer) -> KVCacheSpec:
     "A layer's spec: its own `kv_cache_spec` if it declares one, else read off its attributes (window, latent layout)."
-    if (spec := getattr(layer, 'kv_cache_spec', None)) is not None: return spec
-    if hasattr(layer, 'kv_cache_shape'): return MLAAttentionSpec()
-    if w := getattr(layer, 'sliding_window', None): return SlidingWindowSpec(w)
-    if c := getattr(layer, 'attention_chunk_size', None): return ChunkedLocalAttentionSpec(c)
+    if (spec := getattr(layer, 'kv_cache_spec', None)) is not None:
+        return spec
+    if hasattr(layer, 'kv_cache_shape'):
+        return MLAAttentionSpec()
+    if w := getattr(layer, 'sliding_window', None):
+        return SlidingWindowSpec(w)
+    if c := getattr(layer, 'attention_chunk_size', None):
+        return ChunkedLocalAttentionSpec(c)
     return FullAttentionSpec()

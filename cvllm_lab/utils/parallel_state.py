@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/parallel_state.html.md"""
 
 # %% ../../nbs/13_parallel_state.ipynb #395b1ee1
 from __future__ import annotations
-import os, socket
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 import torch
@@ -23,16 +24,18 @@ __all__ = ['NVLS_OFF_ENV', 'DIST_TIMEOUT_S', 'disable_nvlink_multicast', 'DistIn
 # %% ../../nbs/13_parallel_state.ipynb #fe8aef53
 NVLS_OFF_ENV = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
 
+
 def disable_nvlink_multicast(environ: dict | None = None) -> dict:
     "Set the NVLink-multicast-off variables in `environ` (default `os.environ`); call it before any NCCL init."
     env = os.environ if environ is None else environ
-    env.update(NVLS_OFF_ENV)   # overrides a value inherited from the shell: multicast stays off
+    env.update(NVLS_OFF_ENV)  # overrides a value inherited from the shell: multicast stays off
     return env
 
 # %% ../../nbs/13_parallel_state.ipynb #a2c99111
 @dataclass
 class DistInit:
     "A process's place in the group: global rank, world size, rank on its host, and the rendezvous address."
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -43,103 +46,141 @@ class DistInit:
     def from_env(cls, environ: dict | None = None) -> DistInit | None:
         "torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; None when `WORLD_SIZE` is unset."
         env = os.environ if environ is None else environ
-        if 'WORLD_SIZE' not in env: return None
+        if 'WORLD_SIZE' not in env:
+            return None
         try:
-            return cls(int(env.get('RANK', 0)), int(env['WORLD_SIZE']), int(env.get('LOCAL_RANK', env.get('RANK', 0))),
-                       env.get('MASTER_ADDR', '127.0.0.1'), int(env.get('MASTER_PORT', 29500)))
-        except ValueError as e: raise ValueError(f"bad torchrun environment variable: {e}") from e
+            return cls(
+                int(env.get('RANK', 0)),
+                int(env['WORLD_SIZE']),
+                int(env.get('LOCAL_RANK', env.get('RANK', 0))),
+                env.get('MASTER_ADDR', '127.0.0.1'),
+                int(env.get('MASTER_PORT', 29500)),
+            )
+        except ValueError as e:
+            raise ValueError(f'bad torchrun environment variable: {e}') from e
 
     @property
     def init_method(self) -> str:
-        host = f'[{self.master_addr}]' if ':' in self.master_addr else self.master_addr   # IPv6 literal
+        host = f'[{self.master_addr}]' if ':' in self.master_addr else self.master_addr  # IPv6 literal
         return f'tcp://{host}:{self.master_port}'
+
 
 def free_port(host: str = '127.0.0.1') -> int:
     "A TCP port that is free on `host` now (for a one-host group's rendezvous)."
     with socket.socket() as s:
-        s.bind((host, 0)); return s.getsockname()[1]
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 # %% ../../nbs/13_parallel_state.ipynb #81694d14
 DIST_TIMEOUT_S = float(os.environ.get('CVLLM_LAB_DIST_TIMEOUT', 300))
 
-_TP_GROUP = None    # the TP group (the default group), None when not initialized
-_CPU_GROUP = None   # a gloo group over the same ranks, for host-side messages
+_TP_GROUP = None  # the TP group (the default group), None when not initialized
+_CPU_GROUP = None  # a gloo group over the same ranks, for host-side messages
 
-def model_parallel_is_initialized() -> bool: return _TP_GROUP is not None
 
-def get_tp_group(): return _TP_GROUP
-def get_cpu_group(): return _CPU_GROUP
+def model_parallel_is_initialized() -> bool:
+    return _TP_GROUP is not None
+
+
+def get_tp_group():
+    return _TP_GROUP
+
+
+def get_cpu_group():
+    return _CPU_GROUP
+
 
 def get_tensor_model_parallel_world_size() -> int:
     return 1 if _TP_GROUP is None else dist.get_world_size(_TP_GROUP)
 
+
 def get_tensor_model_parallel_rank() -> int:
     return 0 if _TP_GROUP is None else dist.get_rank(_TP_GROUP)
 
-def init_distributed(init: DistInit | None = None, device: str | torch.device = 'cpu', backend: str | None = None,
-                     timeout_s: float | None = None) -> bool:
+
+def init_distributed(
+    init: DistInit | None = None,
+    device: str | torch.device = 'cpu',
+    backend: str | None = None,
+    timeout_s: float | None = None,
+) -> bool:
     "Join the group `init` describes (default: torchrun's environment); False (nothing started) for a world of one."
     global _TP_GROUP, _CPU_GROUP
     init = init or DistInit.from_env()
-    if init is None or init.world_size == 1: return False
-    if _TP_GROUP is not None: raise RuntimeError("the distributed group is already initialized")
+    if init is None or init.world_size == 1:
+        return False
+    if _TP_GROUP is not None:
+        raise RuntimeError('the distributed group is already initialized')
     device = torch.device(device)
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     timeout = timedelta(seconds=timeout_s or DIST_TIMEOUT_S)
     if backend == 'nccl':
-        disable_nvlink_multicast()                       # before the first communicator exists
+        disable_nvlink_multicast()  # before the first communicator exists
         torch.cuda.set_device(device if device.index is not None else init.local_rank)
-    dist.init_process_group(backend, init_method=init.init_method, rank=init.rank, world_size=init.world_size,
-                            timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=init.init_method, rank=init.rank, world_size=init.world_size, timeout=timeout
+    )
     _TP_GROUP = dist.group.WORLD
     _CPU_GROUP = _TP_GROUP if backend == 'gloo' else dist.new_group(backend='gloo', timeout=timeout)
     return True
+
 
 def destroy_distributed(barrier_timeout_s: float = 10):
     """Leave the group (safe to call when none was started), after a barrier on the gloo group: gloo finishes a rank's
     last sends on its own threads, and a rank that tears down (or exits) with one still in flight aborts the process."""
     global _TP_GROUP, _CPU_GROUP
     if _TP_GROUP is not None:
-        try: dist.monitored_barrier(group=_CPU_GROUP, timeout=timedelta(seconds=barrier_timeout_s))
-        except RuntimeError: pass                          # a rank is gone: leave anyway
+        try:
+            dist.monitored_barrier(group=_CPU_GROUP, timeout=timedelta(seconds=barrier_timeout_s))
+        except RuntimeError:
+            pass  # a rank is gone: leave anyway
         dist.destroy_process_group()
     _TP_GROUP = _CPU_GROUP = None
 
 # %% ../../nbs/13_parallel_state.ipynb #d2bbc0ae
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     "Sum `x` over the TP group, in place; `x` itself at size 1."
-    if get_tensor_model_parallel_world_size() == 1: return x
+    if get_tensor_model_parallel_world_size() == 1:
+        return x
     dist.all_reduce(x, group=_TP_GROUP)
     return x
+
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     "Every rank's `x`, concatenated along `dim` in rank order; `x` itself at size 1."
     n = get_tensor_model_parallel_world_size()
-    if n == 1: return x
+    if n == 1:
+        return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=_TP_GROUP)
     return torch.cat(parts, dim)
 
+
 def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
     "Every rank's `x` concatenated along `dim` on rank `dst`, None on the others; `x` itself at size 1."
     n = get_tensor_model_parallel_world_size()
-    if n == 1: return x
+    if n == 1:
+        return x
     x, me = x.contiguous(), get_tensor_model_parallel_rank()
     parts = [torch.empty_like(x) for _ in range(n)] if me == dst else None
     dist.gather(x, parts, dst=dst, group=_TP_GROUP)
     return torch.cat(parts, dim) if me == dst else None
 
+
 def tensor_model_parallel_min(value: int) -> int:
     "The smallest of the ranks' `value`s (e.g. KV blocks that fit: every rank must use the same count); `value` at size 1."
-    if get_tensor_model_parallel_world_size() == 1: return value
-    t = torch.tensor([value], dtype=torch.long, device='cpu')   # the gloo group: a host tensor
+    if get_tensor_model_parallel_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device='cpu')  # the gloo group: a host tensor
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
     return int(t)
 
+
 def broadcast_object(obj=None, src: int = 0):
     "`obj` from rank `src` to every rank (over the gloo group); `obj` itself at size 1."
-    if get_tensor_model_parallel_world_size() == 1: return obj
+    if get_tensor_model_parallel_world_size() == 1:
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
     return box[0]
@@ -149,47 +190,66 @@ def parse_cpulist(s: str) -> set[int]:
     "A kernel CPU list (`'0-3,8,10-11'`) -> the set of CPU ids."
     out = set()
     for part in s.strip().split(','):
-        if not part: continue
+        if not part:
+            continue
         a, _, b = part.partition('-')
         out.update(range(int(a), int(b or a) + 1))
     return out
 
+
 def pci_numa_node(bus_id: str, sysfs: str = '/sys') -> int | None:
     "NUMA node of the PCI device `bus_id` (`'0000:1b:00.0'`), None when unknown."
     f = os.path.join(sysfs, 'bus/pci/devices', bus_id.lower(), 'numa_node')
-    try: node = int(open(f).read().strip())
-    except (OSError, ValueError): return None
+    try:
+        node = int(open(f).read().strip())
+    except (OSError, ValueError):
+        return None
     return node if node >= 0 else None
+
 
 def numa_node_cpus(node: int, sysfs: str = '/sys') -> set[int]:
     "The CPUs of NUMA node `node` (empty when the node is unknown)."
-    try: return parse_cpulist(open(os.path.join(sysfs, f'devices/system/node/node{node}/cpulist')).read())
-    except OSError: return set()
+    try:
+        return parse_cpulist(open(os.path.join(sysfs, f'devices/system/node/node{node}/cpulist')).read())
+    except OSError:
+        return set()
+
 
 def cuda_pci_bus_id(index: int) -> str | None:
     "PCI bus id of CUDA device `index` (as numbered under `CUDA_VISIBLE_DEVICES`), None without CUDA."
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count(): return None
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
     p = torch.cuda.get_device_properties(index)
-    if not hasattr(p, 'pci_bus_id'): return None
+    if not hasattr(p, 'pci_bus_id'):
+        return None
     return f'{getattr(p, "pci_domain_id", 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0'
 
-def worker_numa_node(rank: int, bus_id: str | None = None, environ: dict | None = None, sysfs: str = '/sys') -> int | None:
+
+def worker_numa_node(
+    rank: int, bus_id: str | None = None, environ: dict | None = None, sysfs: str = '/sys'
+) -> int | None:
     "The node a worker binds to: `MAP_NUMA_NODE[rank]` if given, else its GPU's node from sysfs, else None."
     env = os.environ if environ is None else environ
     if env.get('MAP_NUMA_NODE'):
         nodes = [int(v) for v in env['MAP_NUMA_NODE'].split(',')]
-        if rank >= len(nodes): raise ValueError(f"MAP_NUMA_NODE={env['MAP_NUMA_NODE']!r} names no node for rank {rank}")
+        if rank >= len(nodes):
+            raise ValueError(f'MAP_NUMA_NODE={env["MAP_NUMA_NODE"]!r} names no node for rank {rank}')
         return nodes[rank]
     return pci_numa_node(bus_id, sysfs) if bus_id else None
 
-def bind_to_gpu_numa_node(rank: int, bus_id: str | None = None, environ: dict | None = None, sysfs: str = '/sys',
-                          setaffinity=None) -> set[int] | None:
+
+def bind_to_gpu_numa_node(
+    rank: int, bus_id: str | None = None, environ: dict | None = None, sysfs: str = '/sys', setaffinity=None
+) -> set[int] | None:
     "Pin this process to its worker's NUMA node; returns the CPUs bound to, None when nothing was done."
     env = os.environ if environ is None else environ
-    if env.get('CVLLM_LAB_NUMA_BIND', '1') == '0' or not hasattr(os, 'sched_setaffinity'): return None
+    if env.get('CVLLM_LAB_NUMA_BIND', '1') == '0' or not hasattr(os, 'sched_setaffinity'):
+        return None
     node = worker_numa_node(rank, bus_id, env, sysfs)
-    if node is None: return None
+    if node is None:
+        return None
     cpus = numa_node_cpus(node, sysfs) & os.sched_getaffinity(0)
-    if not cpus: return None                                  # the node's CPUs are not ours to use: leave it
+    if not cpus:
+        return None  # the node's CPUs are not ours to use: leave it
     (setaffinity or os.sched_setaffinity)(0, cpus)
     return cpus

@@ -6,7 +6,9 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/loader.html.md"""
 
 # %% ../../nbs/40_loader.ipynb #7ab4df50
 from __future__ import annotations
-import json, os, re
+import json
+import os
+import re
 import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,81 +30,128 @@ __all__ = ['ModelSource', 'hub_snapshot', 'resolve_model_source', 'GGUFTensor', 
 @dataclass
 class ModelSource:
     "Where a model lives: a folder, and the GGUF file in it when the model is a GGUF."
+
     root: Path
     gguf_file: str | None = None
 
     @property
-    def is_gguf(self) -> bool: return self.gguf_file is not None
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
     @property
-    def name(self) -> str: return self.gguf_file or self.root.name
+    def name(self) -> str:
+        return self.gguf_file or self.root.name
+
 
 def hub_snapshot(model: str | Path, revision: str | None = None) -> Path | None:
     """The local snapshot folder of a Hugging Face hub model: a repo id (`org/name`) found in the local hub cache
     (`HF_HUB_CACHE`, never downloaded), or a cache folder `models--org--name` itself; None otherwise."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+
     p = Path(model)
-    if p.is_dir() and (p / 'snapshots').is_dir():          # a repo folder of the hub cache
+    if p.is_dir() and (p / 'snapshots').is_dir():  # a repo folder of the hub cache
         ref = p / 'refs' / (revision or 'main')
-        if ref.exists() and (p / 'snapshots' / ref.read_text().strip()).is_dir(): return p / 'snapshots' / ref.read_text().strip()
+        if ref.exists() and (p / 'snapshots' / ref.read_text().strip()).is_dir():
+            return p / 'snapshots' / ref.read_text().strip()
         snaps = sorted((d for d in (p / 'snapshots').iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
         return snaps[-1] if snaps else None
-    if p.exists() or str(model).count('/') != 1 or str(model).startswith(('/', '.')): return None
-    try: return Path(snapshot_download(str(model), revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError, OSError): return None
+    if p.exists() or str(model).count('/') != 1 or str(model).startswith(('/', '.')):
+        return None
+    try:
+        return Path(snapshot_download(str(model), revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
 
 def resolve_model_source(model: str | Path | None) -> ModelSource:
     "Turn a `model` argument (None, a .gguf file, a HF folder, or a hub id / hub cache folder) into a `ModelSource`."
     p = Path(model) if model else default_model_path()
-    if model: p = hub_snapshot(model) or p
-    if not p.exists(): raise FileNotFoundError(f"Model path {str(p)!r} does not exist and is not in the local hub cache (no model hub access: give a local folder, a .gguf file, or a cached repo id)")
+    if model:
+        p = hub_snapshot(model) or p
+    if not p.exists():
+        raise FileNotFoundError(
+            f'Model path {str(p)!r} does not exist and is not in the local hub cache (no model hub access: give a local folder, a .gguf file, or a cached repo id)'
+        )
     if p.is_file():
-        if p.suffix != '.gguf': raise ValueError(f"{p}: a model file must be a .gguf; for safetensors give the folder")
+        if p.suffix != '.gguf':
+            raise ValueError(f'{p}: a model file must be a .gguf; for safetensors give the folder')
         return ModelSource(p.parent, p.name)
-    if (p / 'config.json').exists(): return ModelSource(p)
+    if (p / 'config.json').exists():
+        return ModelSource(p)
     ggufs = sorted(p.glob('*.gguf'))
-    if len(ggufs) == 1: return ModelSource(p, ggufs[0].name)
-    raise FileNotFoundError(f"{p}: no config.json and {'several' if ggufs else 'no'} .gguf files; give the model file or a HF folder")
+    if len(ggufs) == 1:
+        return ModelSource(p, ggufs[0].name)
+    raise FileNotFoundError(
+        f'{p}: no config.json and {"several" if ggufs else "no"} .gguf files; give the model file or a HF folder'
+    )
 
 # %% ../../nbs/40_loader.ipynb #82aceb8d
 @dataclass
 class GGUFTensor:
     "One tensor of a GGUF file: `shape` in GGUF's order (columns first), `data` a read-only view of the mapped file."
+
     name: str
-    tensor_type: object          # gguf.GGMLQuantizationType
+    tensor_type: object  # gguf.GGMLQuantizationType
     shape: tuple
     data: np.ndarray
-    @property
-    def n_elements(self) -> int: return int(np.prod(self.shape))
 
-_GGUF_PLAIN = {'F16': np.float16, 'F32': np.float32, 'F64': np.float64, 'I8': np.int8, 'I16': np.int16, 'I32': np.int32, 'I64': np.int64}
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+_GGUF_PLAIN = {
+    'F16': np.float16,
+    'F32': np.float32,
+    'F64': np.float64,
+    'I8': np.int8,
+    'I16': np.int16,
+    'I32': np.int32,
+    'I64': np.int64,
+}
+
 
 def _gguf_table(path: Path) -> dict:
     """`{'arch', 'fields', 'tensors': [[name, type, shape, offset], ...]}` of a GGUF file: from the cache, else by `gguf`'s
     reader (then cached). `fields`: the metadata but its long arrays (the vocabulary and merges), as Python values."""
     import gguf
+
     cache = gguf_cache_dir(path, 'tensors') / 'tensors.json'
     try:
         table = json.loads(cache.read_text())
-        if {'arch', 'fields', 'tensors'} <= table.keys(): return table
-    except (OSError, ValueError): pass
-    try: reader = gguf.GGUFReader(str(path))
-    except Exception as e: raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+        if {'arch', 'fields', 'tensors'} <= table.keys():
+            return table
+    except (OSError, ValueError):
+        pass
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f'{path}: not a readable GGUF file ({e})') from e
     arch = reader.fields.get('general.architecture')
     long = lambda f: f.types and f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > 1024
-    table = {'arch': arch.contents() if arch else None,
-             'fields': {k: f.contents() for k, f in reader.fields.items() if not long(f)},
-             'tensors': [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]}
-    try:   # written whole, then renamed: processes loading the same file at once never read half a table
+    table = {
+        'arch': arch.contents() if arch else None,
+        'fields': {k: f.contents() for k, f in reader.fields.items() if not long(f)},
+        'tensors': [
+            [t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors
+        ],
+    }
+    try:  # written whole, then renamed: processes loading the same file at once never read half a table
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f'.{os.getpid()}.tmp'); tmp.write_text(json.dumps(table)); tmp.replace(cache)
-    except (OSError, TypeError, ValueError): pass   # no cache (read-only home, or a value JSON cannot hold): parse next time
+        tmp = cache.with_suffix(f'.{os.getpid()}.tmp')
+        tmp.write_text(json.dumps(table))
+        tmp.replace(cache)
+    except (OSError, TypeError, ValueError):
+        pass  # no cache (read-only home, or a value JSON cannot hold): parse next time
     return table
+
 
 def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
     "The GGUF architecture (`general.architecture`) and the tensors of the file at `path`, their data mapped, not read."
     import gguf
     from gguf.quants import quant_shape_to_byte_shape
+
     table = _gguf_table(path)
     mm = np.memmap(path, mode='r')
     out = []
@@ -111,10 +160,10 @@ def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
         dims, n = tuple(reversed(shape)), int(np.prod(shape))
         if qt.name in _GGUF_PLAIN:
             dt = np.dtype(_GGUF_PLAIN[qt.name])
-            data = mm[off:off + n * dt.itemsize].view(dt).reshape(dims)
-        else:   # block formats: the raw bytes, rows of blocks
+            data = mm[off : off + n * dt.itemsize].view(dt).reshape(dims)
+        else:  # block formats: the raw bytes, rows of blocks
             block, size = gguf.GGML_QUANT_SIZES[qt]
-            data = mm[off:off + n // block * size].reshape(quant_shape_to_byte_shape(dims, qt))
+            data = mm[off : off + n // block * size].reshape(quant_shape_to_byte_shape(dims, qt))
         out.append(GGUFTensor(name, qt, tuple(shape), data))
     return table['arch'], out
 
@@ -122,129 +171,201 @@ def gguf_tensors(path: Path) -> tuple[str | None, list[GGUFTensor]]:
 def _gguf_moe_overrides(path: Path) -> dict:
     "The MoE fields `transformers`' GGUF config reader leaves at defaults (expert width, top-k renormalization, Mixtral)."
     from cvllm_lab.quant.moe import gguf_moe_config_overrides
+
     fields = _gguf_table(path)['fields']
     return gguf_moe_config_overrides({k: v for k, v in fields.items() if 'expert' in k or k == 'general.architecture'})
+
 
 def _gguf_arch_config(path: Path):
     "The config of a GGUF arch `transformers` cannot read (DeepSeek's `deepseek2`: `models.deepseek_v2`), else None."
     table = _gguf_table(path)
-    if table['arch'] != 'deepseek2': return None
+    if table['arch'] != 'deepseek2':
+        return None
     from cvllm_lab.models.deepseek_v2 import deepseek_config_from_gguf
+
     return deepseek_config_from_gguf(table['fields'], [t[0] for t in table['tensors']])
+
 
 def load_hf_config(src: ModelSource, overrides: dict | None = None):
     "The model's HF config (from config.json or the GGUF metadata), with `overrides` applied."
     from transformers import AutoConfig
+
     try:
-        if src.is_gguf:   # reading GGUF metadata takes seconds: cache the config next to the cached tokenizer
+        if src.is_gguf:  # reading GGUF metadata takes seconds: cache the config next to the cached tokenizer
             cache = gguf_cache_dir(src.root / src.gguf_file, 'configs')
-            if (cache / 'config.json').exists(): cfg = AutoConfig.from_pretrained(str(cache))
+            if (cache / 'config.json').exists():
+                cfg = AutoConfig.from_pretrained(str(cache))
             else:
-                cfg = (_gguf_arch_config(src.root / src.gguf_file)
-                       or AutoConfig.from_pretrained(str(src.root), gguf_file=src.gguf_file))
-                for k, v in _gguf_moe_overrides(src.root / src.gguf_file).items(): setattr(cfg, k, v)
-                try: cfg.save_pretrained(str(cache))
-                except OSError: pass
-        else: cfg = AutoConfig.from_pretrained(str(src.root))
-    except Exception as e: raise ValueError(f"Cannot read the model config of {src.root / (src.gguf_file or 'config.json')}: {e}") from e
-    for k, v in (overrides or {}).items(): setattr(cfg, k, v)
+                cfg = _gguf_arch_config(src.root / src.gguf_file) or AutoConfig.from_pretrained(
+                    str(src.root), gguf_file=src.gguf_file
+                )
+                for k, v in _gguf_moe_overrides(src.root / src.gguf_file).items():
+                    setattr(cfg, k, v)
+                try:
+                    cfg.save_pretrained(str(cache))
+                except OSError:
+                    pass
+        else:
+            cfg = AutoConfig.from_pretrained(str(src.root))
+    except Exception as e:
+        raise ValueError(f'Cannot read the model config of {src.root / (src.gguf_file or "config.json")}: {e}') from e
+    for k, v in (overrides or {}).items():
+        setattr(cfg, k, v)
     return cfg
 
 # %% ../../nbs/40_loader.ipynb #21d66d33
 def _safetensors_files(root: Path) -> list[Path]:
     idx = root / 'model.safetensors.index.json'
     if idx.exists():
-        try: files = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
-        except Exception as e: raise ValueError(f"{idx}: unreadable index ({e})") from e
+        try:
+            files = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
+        except Exception as e:
+            raise ValueError(f'{idx}: unreadable index ({e})') from e
         missing = [f for f in files if not (root / f).exists()]
-        if missing: raise FileNotFoundError(f"{idx} lists shards that are missing: {missing}")
+        if missing:
+            raise FileNotFoundError(f'{idx} lists shards that are missing: {missing}')
         return [root / f for f in files]
     files = sorted(root.glob('*.safetensors'))
-    if not files: raise FileNotFoundError(f"{root}: no *.safetensors weights found")
+    if not files:
+        raise FileNotFoundError(f'{root}: no *.safetensors weights found')
     return files
+
 
 def iterate_safetensors(root: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     "`(name, tensor)` for every tensor of the folder's safetensors files."
     from safetensors import safe_open
+
     for f in tqdm(_safetensors_files(root), desc='Loading safetensors', disable=not progress):
         try:
             with safe_open(str(f), framework='pt') as fh:
-                for k in fh.keys(): yield k, fh.get_tensor(k)
+                for k in fh.keys():
+                    yield k, fh.get_tensor(k)
         except Exception as e:
-            if isinstance(e, (KeyError, ValueError)) and 'Checkpoint' in str(e): raise
-            raise ValueError(f"{f}: cannot read safetensors file ({e})") from e
+            if isinstance(e, (KeyError, ValueError)) and 'Checkpoint' in str(e):
+                raise
+            raise ValueError(f'{f}: cannot read safetensors file ({e})') from e
 
 # %% ../../nbs/40_loader.ipynb #0a231eb8
-_GGUF_NAMES = [(r'token_embd\.weight', 'model.embed_tokens.weight'), (r'output_norm\.weight', 'model.norm.weight'),
-               (r'output\.weight', 'lm_head.weight')]
-_GGUF_BLOCK = {'attn_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm',
-               'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
-               'attn_output': 'self_attn.o_proj', 'attn_q_norm': 'self_attn.q_norm', 'attn_k_norm': 'self_attn.k_norm',
-               'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj'}
+_GGUF_NAMES = [
+    (r'token_embd\.weight', 'model.embed_tokens.weight'),
+    (r'output_norm\.weight', 'model.norm.weight'),
+    (r'output\.weight', 'lm_head.weight'),
+]
+_GGUF_BLOCK = {
+    'attn_norm': 'input_layernorm',
+    'ffn_norm': 'post_attention_layernorm',
+    'attn_q': 'self_attn.q_proj',
+    'attn_k': 'self_attn.k_proj',
+    'attn_v': 'self_attn.v_proj',
+    'attn_output': 'self_attn.o_proj',
+    'attn_q_norm': 'self_attn.q_norm',
+    'attn_k_norm': 'self_attn.k_norm',
+    'ffn_gate': 'mlp.gate_proj',
+    'ffn_up': 'mlp.up_proj',
+    'ffn_down': 'mlp.down_proj',
+}
 # Gemma 2/3 blocks have four norms: llama.cpp's ffn_norm is the pre-feedforward one there
-_GGUF_GEMMA_BLOCK = {**_GGUF_BLOCK, 'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
-                     'post_ffw_norm': 'post_feedforward_layernorm'}
+_GGUF_GEMMA_BLOCK = {
+    **_GGUF_BLOCK,
+    'ffn_norm': 'pre_feedforward_layernorm',
+    'post_attention_norm': 'post_attention_layernorm',
+    'post_ffw_norm': 'post_feedforward_layernorm',
+}
 _GGUF_ARCH_BLOCK = {'gemma2': _GGUF_GEMMA_BLOCK, 'gemma3': _GGUF_GEMMA_BLOCK}
-_GGUF_NORM_PLUS_ONE = ('gemma', 'gemma2', 'gemma3')   # llama.cpp stores Gemma's norm weights as 1 + w
+_GGUF_NORM_PLUS_ONE = ('gemma', 'gemma2', 'gemma3')  # llama.cpp stores Gemma's norm weights as 1 + w
+
 
 def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     "llama.cpp tensor name -> HF name for GGUF architecture `arch` (None for tensors we don't use, e.g. `rope_freqs`)."
     for pat, hf in _GGUF_NAMES:
-        if re.fullmatch(pat, name): return hf
+        if re.fullmatch(pat, name):
+            return hf
     block = _GGUF_ARCH_BLOCK.get(arch, _GGUF_BLOCK)
     m = re.fullmatch(r'blk\.(\d+)\.(\w+)\.(weight|bias)', name)
-    if m and m[2] in block: return f'model.layers.{m[1]}.{block[m[2]]}.{m[3]}'
+    if m and m[2] in block:
+        return f'model.layers.{m[1]}.{block[m[2]]}.{m[3]}'
     return None
+
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     "Undo llama.cpp's Q/K row interleaving (its converter permutes rows for GGML's RoPE)."
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-_LINEAR_SUFFIXES = tuple(f'.{m}.weight' for m in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'))
 
-def iterate_gguf(path: Path, config, progress: bool = True, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+_LINEAR_SUFFIXES = tuple(
+    f'.{m}.weight' for m in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+)
+
+
+def iterate_gguf(
+    path: Path, config, progress: bool = True, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     "`(hf_name, dequantized tensor)` for every tensor of a GGUF file; `keep_quantized`: decoder linears as `GGUFRaw`."
     import gguf
-    from cvllm_lab.quant.gguf import QUANT_TYPES
+    from cvllm_lab.kernels.gguf_layout import QUANT_TYPES
     from cvllm_lab.quant.apply import GGUFRaw
     from cvllm_lab.quant.moe import gguf_moe_name, GGUF_MOE_RAW_SUFFIXES
+
     arch, tensors = gguf_tensors(path)
-    if arch == 'deepseek2':   # its names, kv_b halves and config: models/deepseek_v2.py
+    if arch == 'deepseek2':  # its names, kv_b halves and config: models/deepseek_v2.py
         from cvllm_lab.models.deepseek_v2 import iterate_deepseek_gguf
-        yield from iterate_deepseek_gguf(path, config, keep_quantized); return
+
+        yield from iterate_deepseek_gguf(path, config, keep_quantized)
+        return
     for t in tqdm(tensors, desc=f'Loading {path.name}', disable=not progress):
-        name = gguf_to_hf_name(t.name, arch) or gguf_moe_name(t.name)    # MoE experts come stacked [E, ...]
-        if name is None: continue
-        raw = keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_LINEAR_SUFFIXES + GGUF_MOE_RAW_SUFFIXES)
+        name = gguf_to_hf_name(t.name, arch) or gguf_moe_name(t.name)  # MoE experts come stacked [E, ...]
+        if name is None:
+            continue
+        raw = (
+            keep_quantized and t.tensor_type in QUANT_TYPES and name.endswith(_LINEAR_SUFFIXES + GGUF_MOE_RAW_SUFFIXES)
+        )
         try:
             if raw:
                 cols = int(t.shape[0])
-                w = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)  # a writable copy of the file map
-            else: w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        except Exception as e: raise ValueError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from e
-        if arch == 'llama' and t.name.endswith(('attn_q.weight', 'attn_k.weight')):  # row permutation: fine on block rows
+                w = (
+                    torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)
+                )  # a writable copy of the file map
+            else:
+                w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        except Exception as e:
+            raise ValueError(f'{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}') from e
+        if arch == 'llama' and t.name.endswith(
+            ('attn_q.weight', 'attn_k.weight')
+        ):  # row permutation: fine on block rows
             w = unpermute_qk(w, config.num_attention_heads if 'attn_q' in t.name else config.num_key_value_heads)
-        if arch in _GGUF_NORM_PLUS_ONE and name.endswith('norm.weight'): w = w - 1   # back to HF's w (as transformers does)
+        if arch in _GGUF_NORM_PLUS_ONE and name.endswith('norm.weight'):
+            w = w - 1  # back to HF's w (as transformers does)
         yield name, (GGUFRaw(w.contiguous(), t.tensor_type, (w.shape[0], cols)) if raw else w)
+
 
 def iterate_weights(src: ModelSource, config, progress: bool = True, keep_quantized: bool = False):
     "The model's tensors by HF name, whatever the format (`keep_quantized`: GGUF decoder linears as `GGUFRaw`)."
-    if src.is_gguf: return iterate_gguf(src.root / src.gguf_file, config, progress, keep_quantized)
+    if src.is_gguf:
+        return iterate_gguf(src.root / src.gguf_file, config, progress, keep_quantized)
     return iterate_safetensors(src.root, progress)
 
 # %% ../../nbs/40_loader.ipynb #9c8edaf1
 def checkpoint_quant_config(src: ModelSource, hf_config, quantization: str | None) -> dict | None:
     "The settings for a quantized load (`{'method': 'gptq'|'awq'|'fp8'|'gguf', ...}`), or None for a float load."
     from cvllm_lab.quant.apply import checkpoint_quantization
+
     q = quantization.lower() if isinstance(quantization, str) else quantization
     if q == 'gguf':
-        if not src.is_gguf: raise ValueError(f"quantization='gguf' needs a .gguf model, got {src.root}")
+        if not src.is_gguf:
+            raise ValueError(f"quantization='gguf' needs a .gguf model, got {src.root}")
         return {'method': 'gguf'}
     qcfg = checkpoint_quantization(src, hf_config)
     from cvllm_lab.quant.fp8 import FP8_METHODS
-    if qcfg and q not in (None, qcfg['method']) and not (q in ('marlin', 'w4a16') and qcfg['method'] in ('gptq', 'awq')) \
-            and not (q in FP8_METHODS and qcfg['method'] == 'fp8'):
-        raise ValueError(f"{src.root} is already quantized ({qcfg['method']}); quantization={quantization!r} cannot be applied to it")
+
+    if (
+        qcfg
+        and q not in (None, qcfg['method'])
+        and not (q in ('marlin', 'w4a16') and qcfg['method'] in ('gptq', 'awq'))
+        and not (q in FP8_METHODS and qcfg['method'] == 'fp8')
+    ):
+        raise ValueError(
+            f'{src.root} is already quantized ({qcfg["method"]}); quantization={quantization!r} cannot be applied to it'
+        )
     return qcfg
 
 # %% ../../nbs/40_loader.ipynb #882d241a
@@ -254,31 +375,43 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     prev = torch.get_default_dtype()
     torch.set_default_dtype(cfg.torch_dtype)
     try:
-        with torch.device(cfg.device): model = cls(hf_config, cfg.max_model_len, cfg.attention_backend)
-    finally: torch.set_default_dtype(prev)
-    check_tensor_parallel(model)          # at tensor parallel > 1: each layer built as this rank's shard, or refused
+        with torch.device(cfg.device):
+            model = cls(hf_config, cfg.max_model_len, cfg.attention_backend)
+    finally:
+        torch.set_default_dtype(prev)
+    check_tensor_parallel(model)  # at tensor parallel > 1: each layer built as this rank's shard, or refused
     tp = get_tensor_model_parallel_world_size()
     qcfg = None
     if cfg.load_format == 'dummy':
         g = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-        for p in model.parameters(): p.data.uniform_(-1e-3, 1e-3, generator=g)
+        for p in model.parameters():
+            p.data.uniform_(-1e-3, 1e-3, generator=g)
     else:
         src = src or resolve_model_source(cfg.model)
         qcfg = checkpoint_quant_config(src, hf_config, cfg.quantization)
-        if qcfg and tp > 1 and qcfg['method'] not in ('gptq', 'awq', 'fp8', 'gguf'):   # these load sharded (quant.apply)
-            raise NotImplementedError(f"a {qcfg['method']} checkpoint at tensor parallel {tp}: its quantized layers are "
-                                      f"not sharded yet; use tensor_parallel_size=1")
+        if qcfg and tp > 1 and qcfg['method'] not in ('gptq', 'awq', 'fp8', 'gguf'):  # these load sharded (quant.apply)
+            raise NotImplementedError(
+                f'a {qcfg["method"]} checkpoint at tensor parallel {tp}: its quantized layers are '
+                f'not sharded yet; use tensor_parallel_size=1'
+            )
         with torch.no_grad():
             if qcfg:
                 from cvllm_lab.quant.apply import load_quantized
-                load_quantized(model, iterate_weights(src, hf_config, progress, qcfg['method'] == 'gguf'), qcfg, progress)
-            else: model.load_weights(iterate_weights(src, hf_config, progress))
+
+                load_quantized(
+                    model, iterate_weights(src, hf_config, progress, qcfg['method'] == 'gguf'), qcfg, progress
+                )
+            else:
+                model.load_weights(iterate_weights(src, hf_config, progress))
     if cfg.quantization and not qcfg:
         from cvllm_lab.quant.apply import quantize_model
+
         quantize_model(model, cfg.quantization, progress)
         from cvllm_lab.quant.moe import quantize_moe
-        quantize_moe(model, cfg.quantization)          # the experts of MoE layers, in the same format
+
+        quantize_moe(model, cfg.quantization)  # the experts of MoE layers, in the same format
     if cfg.fuse_mlp_act and (cfg.quantization or qcfg):
         from cvllm_lab.quant.apply import fuse_mlp_act
-        fuse_mlp_act(model)   # CUDA: the packed gate/up GEMV writes silu(gate) * up
+
+        fuse_mlp_act(model)  # CUDA: the packed gate/up GEMV writes silu(gate) * up
     return model.eval()

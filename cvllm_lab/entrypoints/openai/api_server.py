@@ -6,7 +6,10 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/api_server.html.md"""
 
 # %% ../../../nbs/77_api_server.ipynb #f3ff6d75
 from __future__ import annotations
-import anyio, asyncio, json, logging, time
+import anyio
+import asyncio
+import logging
+import time
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,18 +26,49 @@ from ...tokenizer import apply_chat_template
 from ...engine.core import EngineCore
 from ...engine.input_processor import InputError, adapt_messages
 from ...engine.output_processor import RequestOutput, CompletionOutput
-from ...engine.async_llm_engine import AsyncLLM, EngineDeadError, EngineError, EngineObserver, RequestStream
-from .protocol import (
-    DEFAULT_MAX_N, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatMessageParam, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, NamedToolChoice, UsageInfo,
-    RequestBody, error_body, random_id, sse, to_sampling_kwargs, validation_error_body)
-from .request_checks import APIKey, BodyLimit
+from ...engine.async_llm_engine import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from cvllm_lab.entrypoints.openai.protocol import (
+    DEFAULT_MAX_N,
+    SSE_DONE,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageParam,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    NamedToolChoice,
+    UsageInfo,
+    random_id,
+    sse,
+    to_sampling_kwargs,
+)
+from cvllm_lab.entrypoints.openai.request_checks import (
+    APIKey,
+    BodyLimit,
+    RequestBody,
+    error_body,
+    validation_error_body,
+)
 from .reasoning import ReasoningParser
 from .tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, tool_choice_schema
 from .metrics import ServerMetrics
-from .streams import (ClientGone, SSEResponse, last_output, merge_streams, stream_error,
-                                                 unless_disconnected)
+from cvllm_lab.entrypoints.openai.streams import (
+    ClientGone,
+    SSEResponse,
+    last_output,
+    merge_streams,
+    stream_error,
+    unless_disconnected,
+)
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
@@ -43,32 +77,50 @@ __all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'TokenizeRequest', '
            'OpenAIServing', 'build_app']
 
 # %% ../../../nbs/77_api_server.ipynb #b2faf940
-STATIC_DIR = Path(__file__).parent / 'static' if '__file__' in globals() else Path('../cvllm_lab/entrypoints/openai/static')
+STATIC_DIR = (
+    Path(__file__).parent / 'static' if '__file__' in globals() else Path('../cvllm_lab/entrypoints/openai/static')
+)
+
 
 @dataclass
 class ServerConfig:
     "Settings of the HTTP layer (the engine has its own `EngineConfig`)."
-    served_model_names: list[str] = field(default_factory=list)  # the first is reported; empty: the model file/folder name
-    api_key: str | None = None            # require `Authorization: Bearer <key>` on /v1 and /tokenize, /detokenize
-    tool_parser: str | None = None        # --enforce-parser; None: picked from the chat template's markup
-    reasoning_parser: str | None = 'auto' # 'auto': on when the chat template knows <think>; None: off
-    max_gen_tokens: int | None = None     # cap on a request's max_tokens (candle-vllm's --max-gen-tokens)
+
+    served_model_names: list[str] = field(
+        default_factory=list
+    )  # the first is reported; empty: the model file/folder name
+    api_key: str | None = None  # require `Authorization: Bearer <key>` on /v1 and /tokenize, /detokenize
+    tool_parser: str | None = None  # --enforce-parser; None: picked from the chat template's markup
+    reasoning_parser: str | None = 'auto'  # 'auto': on when the chat template knows <think>; None: off
+    max_gen_tokens: int | None = None  # cap on a request's max_tokens (candle-vllm's --max-gen-tokens)
     max_n: int = DEFAULT_MAX_N
-    max_prompts: int = 64                 # prompts per /v1/completions request
+    max_prompts: int = 64  # prompts per /v1/completions request
     max_request_body_bytes: int = 16 << 20  # a larger body is a 413, refused before (or while) it is read
-    ui: bool = False                      # serve the chat page at /
-    torch_profiler_dir: str | None = None # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
-    torch_profiler_record_shapes: bool = False   # the traces carry each op's input shapes
+    ui: bool = False  # serve the chat page at /
+    torch_profiler_dir: str | None = (
+        None  # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
+    )
+    torch_profiler_record_shapes: bool = False  # the traces carry each op's input shapes
+
 
 class APIError(Exception):
     "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code or None; `headers`, e.g. Retry-After)."
-    def __init__(self, message: str, status: int = 400, type: str = 'BadRequestError', param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = 'BadRequestError',
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(str(self), self.type, self.param, self.code), self.status, headers=self.headers)
+
 
 class TokenizeRequest(RequestBody):
     model: str | None = None
@@ -78,6 +130,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
+
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
@@ -85,14 +138,20 @@ class DetokenizeRequest(RequestBody):
 # %% ../../../nbs/77_api_server.ipynb #0f244a94
 def pick_tool_parser(template: str | None) -> str:
     "The tool parser matching the markup a chat template teaches the model (hermes when it teaches none)."
-    for mark, name in (('<function=', 'qwen_coder'), ('<tool_call>', 'hermes'), ('[TOOL_CALLS]', 'mistral'),
-                       ('<|python_tag|>', 'llama')):
-        if mark in (template or ''): return name
+    for mark, name in (
+        ('<function=', 'qwen_coder'),
+        ('<tool_call>', 'hermes'),
+        ('[TOOL_CALLS]', 'mistral'),
+        ('<|python_tag|>', 'llama'),
+    ):
+        if mark in (template or ''):
+            return name
     return 'hermes'
 
 # %% ../../../nbs/77_api_server.ipynb #d027e8ef
 class OpenAIServing:
     "The request handlers: validate, build the prompt and sampling params, run, shape OpenAI responses."
+
     def __init__(self, aengine: AsyncLLM, cfg: ServerConfig):
         self.aengine, self.cfg = aengine, cfg
         eng, self.tok = aengine.info, aengine.tokenizer
@@ -102,20 +161,26 @@ class OpenAIServing:
         self.model_names = cfg.served_model_names or [Path(eng.src.gguf_file or eng.src.root.name).stem]
         self.model_name = self.model_names[0]
         self.tool_parser = cfg.tool_parser or pick_tool_parser(self.template)
-        if self.tool_parser not in TOOL_PARSERS: raise ValueError(f"Unknown tool parser {self.tool_parser!r}; choose from {sorted(TOOL_PARSERS)}")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f'Unknown tool parser {self.tool_parser!r}; choose from {sorted(TOOL_PARSERS)}')
         rp = cfg.reasoning_parser
         self.reasoning = ('qwen3' if '<think>' in self.template else None) if rp == 'auto' else rp
         self.max_n = max(1, min(cfg.max_n, eng.cfg.max_num_seqs))
         self.vocab_size, self.policy = eng.vocab_size, eng.cfg.scheduling_policy
         self.defaults = diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf)
         # no token spells more characters than the longest in the vocabulary, so a longer text can't fit the context
-        self.ip = aengine.input_processor   # the engine's one set of input rules and messages (57_input_processor)
+        self.ip = aengine.input_processor  # the engine's one set of input rules and messages (57_input_processor)
 
     def check(self, req):
         "What the request models can't know: the served model names and this server's largest `n`."
         if req.model is not None and req.model not in self.model_names:
-            raise APIError(f"The model {req.model!r} does not exist; this server serves {self.model_names}", param='model', code='model_not_found')
-        if not 1 <= getattr(req, 'n', 1) <= self.max_n: raise APIError(f"n must be between 1 and {self.max_n}, got {req.n}", param='n')
+            raise APIError(
+                f'The model {req.model!r} does not exist; this server serves {self.model_names}',
+                param='model',
+                code='model_not_found',
+            )
+        if not 1 <= getattr(req, 'n', 1) <= self.max_n:
+            raise APIError(f'n must be between 1 and {self.max_n}, got {req.n}', param='n')
 
     def input_error(self, e: InputError, param: str | None = None) -> APIError:
         "The input processor's refusal as a 400 in OpenAI's shape; `param` names the prompt's field (`messages` for chat)."
@@ -124,8 +189,11 @@ class OpenAIServing:
 # %% ../../../nbs/77_api_server.ipynb #fe2b3aee
 async def _profile_call(aengine: AsyncLLM, fn):
     "Run a profiler call in the engine core; starting twice or stopping an idle profiler is a 400."
-    try: return await aengine.call(fn)
-    except RuntimeError as e: raise APIError(str(e)) from None
+    try:
+        return await aengine.call(fn)
+    except RuntimeError as e:
+        raise APIError(str(e)) from None
+
 
 def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     "The FastAPI app serving `aengine` with OpenAI's API (plus vLLM's extras and the optional chat page)."
@@ -133,75 +201,122 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     srv = OpenAIServing(aengine, cfg)
     metrics = ServerMetrics(aengine, srv.model_name)
     aengine.observer = metrics
+
     async def lifespan(app):
         aengine.start()
-        async with anyio.create_task_group(): pass   # loads anyio's backend now, not in the first stream (SSEResponse)
+        async with anyio.create_task_group():
+            pass  # loads anyio's backend now, not in the first stream (SSEResponse)
         yield
         await aengine.shutdown()
+
     app = FastAPI(title='cvllm_lab OpenAI-compatible server', version=cvllm_lab.__version__, lifespan=lifespan)
     app.state.serving, app.state.metrics = srv, metrics
-    if cfg.api_key: app.add_middleware(APIKey, key=cfg.api_key)
+    if cfg.api_key:
+        app.add_middleware(APIKey, key=cfg.api_key)
     app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes)
 
     @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError): return e.response()
+    async def _api_error(request, e: APIError):
+        return e.response()
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e):
         bad = next((x for x in e.errors() if x.get('type') == 'json_invalid'), None)
-        if bad: return JSONResponse(error_body(f"Malformed JSON body: {bad.get('ctx', {}).get('error', '')}"), 400)
+        if bad:
+            return JSONResponse(error_body(f'Malformed JSON body: {bad.get("ctx", {}).get("error", "")}'), 400)
         return JSONResponse(validation_error_body(e.errors()), 400)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        kind = {404: 'NotFoundError', 405: 'MethodNotAllowed', 413: 'RequestTooLargeError'}.get(e.status_code, 'BadRequestError')
+        kind = {404: 'NotFoundError', 405: 'MethodNotAllowed', 413: 'RequestTooLargeError'}.get(
+            e.status_code, 'BadRequestError'
+        )
         return JSONResponse(error_body(str(e.detail), kind), e.status_code)
+
     @app.exception_handler(ClientGone)
-    async def _gone(request, e): return Response(status_code=499)
+    async def _gone(request, e):
+        return Response(status_code=499)
+
     @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request, e):   # the engine core is gone: the server can't serve, tell clients so
+    async def _engine_dead(request, e):  # the engine core is gone: the server can't serve, tell clients so
         return JSONResponse(error_body(str(e), 'ServiceUnavailable', code=503), 503)
+
     @app.exception_handler(EngineError)
     async def _engine_error(request, e):
         return JSONResponse(error_body(str(e), 'InternalServerError'), 500)
+
     @app.exception_handler(Exception)
     async def _internal(request, e):
-        log.exception("Unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"Internal server error: {e!r}", 'InternalServerError'), 500)
+        log.exception('Unhandled error on %s', request.url.path)
+        return JSONResponse(error_body(f'Internal server error: {e!r}', 'InternalServerError'), 500)
 
     @app.post('/v1/chat/completions')
-    async def chat(req: ChatCompletionRequest, request: Request): return await srv.chat(req, request)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        return await srv.chat(req, request)
+
     @app.post('/v1/completions')
-    async def completions(req: CompletionRequest, request: Request): return await srv.completion(req, request)
+    async def completions(req: CompletionRequest, request: Request):
+        return await srv.completion(req, request)
+
     @app.get('/v1/models')
     async def models():
-        return ModelList(data=[ModelCard(id=n, root=str(aengine.info.src.root / (aengine.info.src.gguf_file or '')),
-                                         max_model_len=srv.max_model_len) for n in srv.model_names]).model_dump()
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=n,
+                    root=str(aengine.info.src.root / (aengine.info.src.gguf_file or '')),
+                    max_model_len=srv.max_model_len,
+                )
+                for n in srv.model_names
+            ]
+        ).model_dump()
+
     @app.get('/health')
     async def health():
         if aengine.dead is not None or aengine.loop_stopped:
             return JSONResponse(error_body(f'The engine loop stopped: {aengine.dead!r}', 'ServiceUnavailable'), 503)
         return Response(status_code=200)
+
     @app.get('/version')
-    async def version(): return {'version': cvllm_lab.__version__}
+    async def version():
+        return {'version': cvllm_lab.__version__}
+
     @app.get('/metrics')
-    async def prometheus(): return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post('/tokenize')
-    async def tokenize(req: TokenizeRequest): return await srv.tokenize(req)
-    @app.post('/detokenize')
-    async def detokenize(req: DetokenizeRequest): return await srv.detokenize(req)
+    async def tokenize(req: TokenizeRequest):
+        return await srv.tokenize(req)
 
-    if cfg.torch_profiler_dir:   # vLLM's profiling routes (its VLLM_TORCH_PROFILER_DIR): the engine core's steps
+    @app.post('/detokenize')
+    async def detokenize(req: DetokenizeRequest):
+        return await srv.detokenize(req)
+
+    if cfg.torch_profiler_dir:  # vLLM's profiling routes (its VLLM_TORCH_PROFILER_DIR): the engine core's steps
+
         @app.post('/start_profile')
         async def start_profile():
-            await _profile_call(aengine, partial(EngineCore.start_profile, out_dir=cfg.torch_profiler_dir,
-                                                 record_shapes=cfg.torch_profiler_record_shapes))
+            await _profile_call(
+                aengine,
+                partial(
+                    EngineCore.start_profile,
+                    out_dir=cfg.torch_profiler_dir,
+                    record_shapes=cfg.torch_profiler_record_shapes,
+                ),
+            )
             return Response(status_code=200)
+
         @app.post('/stop_profile')
-        async def stop_profile(): return {'trace': await _profile_call(aengine, EngineCore.stop_profile)}
+        async def stop_profile():
+            return {'trace': await _profile_call(aengine, EngineCore.stop_profile)}
 
     if cfg.ui:
+
         @app.get('/', include_in_schema=False)
-        async def ui(): return FileResponse(STATIC_DIR / 'index.html', media_type='text/html')
+        async def ui():
+            return FileResponse(STATIC_DIR / 'index.html', media_type='text/html')
+
     return app
 
 # %% ../../../nbs/77_api_server.ipynb #46cfcbfd
@@ -209,30 +324,45 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
 def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple[str, list[int]]:
     "The prompt text and token ids of a chat request (blocking: the handlers run it in a worker thread)."
     try:  # the input processor's rendering: the offline LLM.chat renders a conversation the same way
-        self.ip.check_chars(sum(len(m.text) for m in req.messages), 'messages')   # before any templating
-        return self.ip.render_chat(req.template_messages(), req.template_tools(), req.add_generation_prompt,
-                                   req.continue_final_message, req.chat_template_kwargs)
-    except InputError as e: raise self.input_error(e, 'messages') from None
+        self.ip.check_chars(sum(len(m.text) for m in req.messages), 'messages')  # before any templating
+        return self.ip.render_chat(
+            req.template_messages(),
+            req.template_tools(),
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
+    except InputError as e:
+        raise self.input_error(e, 'messages') from None
 
 # %% ../../../nbs/77_api_server.ipynb #3abc9753
 @patch
 def sampling_params(self: OpenAIServing, req, n_prompt: int, param: str) -> SamplingParams:
     "The request's sampling fields, the model's defaults for the rest, `--max-gen-tokens` as a cap; no `max_tokens` past the context."
     mt_param = 'max_completion_tokens' if getattr(req, 'max_completion_tokens', None) else 'max_tokens'
-    try: room = self.ip.room(n_prompt, req.max_new_tokens, mt_param)
-    except InputError as e: raise self.input_error(e, param) from None
+    try:
+        room = self.ip.room(n_prompt, req.max_new_tokens, mt_param)
+    except InputError as e:
+        raise self.input_error(e, param) from None
     kw = to_sampling_kwargs(req, room, self.defaults, self.cfg.max_gen_tokens)
-    if kw['seed'] is not None: kw['seed'] %= 2**63
-    try: return SamplingParams(**kw)
-    except ValueError as e: raise APIError(str(e), param=str(e).split(' ', 1)[0] if str(e).split(' ', 1)[0] in kw else None) from None
+    if kw['seed'] is not None:
+        kw['seed'] %= 2**63
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split(' ', 1)[0] if str(e).split(' ', 1)[0] in kw else None) from None
 
 
 @patch
-def process(self: OpenAIServing, rid: str, prompt: str | None, ids: list[int], params: SamplingParams, priority: int,
-            param: str):
+def process(
+    self: OpenAIServing, rid: str, prompt: str | None, ids: list[int], params: SamplingParams, priority: int, param: str
+):
     "The input processor's one pass over a request (token ids, limits, sampling fields, priority), before any grammar is built."
-    try: return self.ip.process(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params, priority=priority)
-    except InputError as e: raise self.input_error(e, param) from None
+    try:
+        return self.ip.process(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params, priority=priority)
+    except InputError as e:
+        raise self.input_error(e, param) from None
+
 
 @patch
 async def logits_processors(self: OpenAIServing, req, tool_schema) -> list:
@@ -240,38 +370,68 @@ async def logits_processors(self: OpenAIServing, req, tool_schema) -> list:
     procs, bias, allowed = [], req.logit_bias_ids, req.allowed_token_ids
     for name, ids in (('logit_bias', bias), ('allowed_token_ids', allowed)):
         if bad := [t for t in ids or [] if t >= self.vocab_size]:
-            raise APIError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=name)
+            raise APIError(f'{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}', param=name)
     from cvllm_lab.entrypoints.openai.structured import TokenBiasProcessor, make_logits_processor
-    if bias or allowed: procs.append(TokenBiasProcessor(bias, allowed))
+
+    if bias or allowed:
+        procs.append(TokenBiasProcessor(bias, allowed))
     rf, st = req.response_format, req.structured
-    if tool_schema is None and st is None and (rf is None or rf.type == 'text'): return procs
-    param = 'tools' if tool_schema is not None else 'response_format' if st is None else \
-        'structured_outputs' if req.structured_outputs is not None else next(k for k in ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar') if getattr(req, k) is not None)
-    try: return procs + [await asyncio.to_thread(make_logits_processor, self.tok, rf, tool_schema, eos_token_ids=self.eos_token_ids, structured=st)]
-    except ValueError as e: raise APIError(str(e), param=param) from None
+    if tool_schema is None and st is None and (rf is None or rf.type == 'text'):
+        return procs
+    param = (
+        'tools'
+        if tool_schema is not None
+        else 'response_format'
+        if st is None
+        else 'structured_outputs'
+        if req.structured_outputs is not None
+        else next(
+            k for k in ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar') if getattr(req, k) is not None
+        )
+    )
+    try:
+        return procs + [
+            await asyncio.to_thread(
+                make_logits_processor, self.tok, rf, tool_schema, eos_token_ids=self.eos_token_ids, structured=st
+            )
+        ]
+    except ValueError as e:
+        raise APIError(str(e), param=param) from None
+
 
 @patch
 async def add(self: OpenAIServing, core_req, prompt: str | None, params: SamplingParams, procs: list) -> RequestStream:
     "Hand a processed request, with its logits processors, to the engine: a full queue is a 503 with Retry-After, the engine's ValueError a 400."
-    if procs: params = params.clone(logits_processors=procs)
-    try: return await self.aengine.add_core_request(core_req, prompt, params)
-    except QueueFullError as e: raise APIError(str(e), 503, 'ServiceUnavailableError', headers={'Retry-After': '1'}) from None
-    except InputError as e: raise APIError(str(e), param=e.param, code=e.code) from None
-    except ValueError as e: raise APIError(str(e)) from None
+    if procs:
+        params = params.clone(logits_processors=procs)
+    try:
+        return await self.aengine.add_core_request(core_req, prompt, params)
+    except QueueFullError as e:
+        raise APIError(str(e), 503, 'ServiceUnavailableError', headers={'Retry-After': '1'}) from None
+    except InputError as e:
+        raise APIError(str(e), param=e.param, code=e.code) from None
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
 
 @patch
 def usage(self: OpenAIServing, outs: list[RequestOutput]) -> UsageInfo:
-    return UsageInfo.make(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs),
-                          cached_tokens=sum(o.num_cached_tokens for o in outs))
+    return UsageInfo.make(
+        sum(len(o.prompt_token_ids) for o in outs),
+        sum(len(c.token_ids) for o in outs for c in o.outputs),
+        cached_tokens=sum(o.num_cached_tokens for o in outs),
+    )
 
 # %% ../../../nbs/77_api_server.ipynb #cc869a38
 @dataclass
 class _ChatCtx:
     "What shaping a chat request's output needs."
+
     req: ChatCompletionRequest
     prompt: str
     tool_parser: ToolParser | None
     reasoning: ReasoningParser | None
+
 
 @patch
 async def chat(self: OpenAIServing, req: ChatCompletionRequest, request: Request) -> Response:
@@ -281,55 +441,85 @@ async def chat(self: OpenAIServing, req: ChatCompletionRequest, request: Request
     parser = None
     if req.tools and req.tool_choice != 'none':
         parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
-    try: schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
-    except ValueError as e: raise APIError(str(e), param='tool_choice') from None
+    try:
+        schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
+    except ValueError as e:
+        raise APIError(str(e), param='tool_choice') from None
     rid = random_id('chatcmpl-')
-    core_req, _, params = self.process(rid, prompt, ids, self.sampling_params(req, len(ids), 'messages'), req.priority, 'messages')
-    procs = await self.logits_processors(req, schema)   # a grammar is built only for a request that passed every check
+    core_req, _, params = self.process(
+        rid, prompt, ids, self.sampling_params(req, len(ids), 'messages'), req.priority, 'messages'
+    )
+    procs = await self.logits_processors(req, schema)  # a grammar is built only for a request that passed every check
     reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
     ctx = _ChatCtx(req, prompt, parser, reasoning)
     stream = await self.add(core_req, prompt, params, procs)
-    if req.stream: return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
-    try: out = await unless_disconnected(request, last_output(stream))
-    finally: stream.close()
-    return JSONResponse(ChatCompletionResponse(id=rid, model=self.model_name, choices=[self.chat_choice(ctx, o) for o in out.outputs],
-                                               usage=self.usage([out])).model_dump(exclude_none=False))
+    if req.stream:
+        return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
+    try:
+        out = await unless_disconnected(request, last_output(stream))
+    finally:
+        stream.close()
+    return JSONResponse(
+        ChatCompletionResponse(
+            id=rid,
+            model=self.model_name,
+            choices=[self.chat_choice(ctx, o) for o in out.outputs],
+            usage=self.usage([out]),
+        ).model_dump(exclude_none=False)
+    )
 
 # %% ../../../nbs/77_api_server.ipynb #f870b670
 def _top(d: dict, k: int) -> list[tuple[str, float]]:
-    return [(v.decoded_token, v.logprob) for v in sorted((v for v in d.values() if v.rank is not None and v.rank <= k),
-                                                         key=lambda v: v.rank)[:k]]
+    return [
+        (v.decoded_token, v.logprob)
+        for v in sorted((v for v in d.values() if v.rank is not None and v.rank <= k), key=lambda v: v.rank)[:k]
+    ]
+
 
 @patch
 def chat_logprobs(self: OpenAIServing, token_ids, lps, k) -> ChatLogprobs:
     return ChatLogprobs.from_tokens([(d[t].decoded_token, d[t].logprob, _top(d, k)) for t, d in zip(token_ids, lps)])
 
+
 @patch
 def chat_choice(self: OpenAIServing, ctx: _ChatCtx, o: CompletionOutput) -> ChatChoice:
     reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
     calls = []
-    if ctx.tool_parser is not None: content, calls = ctx.tool_parser.extract(content or '')
+    if ctx.tool_parser is not None:
+        content, calls = ctx.tool_parser.extract(content or '')
     lp = self.chat_logprobs(o.token_ids, o.logprobs, ctx.req.top_logprobs or 0) if ctx.req.logprobs else None
-    return ChatChoice(index=o.index, message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
-                      logprobs=lp, finish_reason='tool_calls' if calls else o.finish_reason or 'stop', stop_reason=o.stop_reason)
+    return ChatChoice(
+        index=o.index,
+        message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
+        logprobs=lp,
+        finish_reason='tool_calls' if calls else o.finish_reason or 'stop',
+        stop_reason=o.stop_reason,
+    )
 
 # %% ../../../nbs/77_api_server.ipynb #0b8b0b43
 class _DeltaPipe:
     "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup."
+
     def __init__(self, ctx: _ChatCtx):
         self.r = ctx.reasoning.stream() if ctx.reasoning else None
         self.t = ctx.tool_parser.stream() if ctx.tool_parser else None
 
     def feed(self, text: str, final: bool) -> list[DeltaMessage]:
-        if self.r: ds = (self.r.feed(text) if text else []) + (self.r.finish() if final else [])
-        else: ds = [DeltaMessage(content=text)] if text else []
-        if self.t is None: return ds
+        if self.r:
+            ds = (self.r.feed(text) if text else []) + (self.r.finish() if final else [])
+        else:
+            ds = [DeltaMessage(content=text)] if text else []
+        if self.t is None:
+            return ds
         out = []
-        for d in ds: out += self.t.feed(d.content) if d.content is not None else [d]
+        for d in ds:
+            out += self.t.feed(d.content) if d.content is not None else [d]
         return out + (self.t.finish() if final else [])
 
     @property
-    def has_tool_calls(self) -> bool: return self.t is not None and self.t.has_tool_calls
+    def has_tool_calls(self) -> bool:
+        return self.t is not None and self.t.has_tool_calls
+
 
 @patch
 async def chat_events(self: OpenAIServing, ctx: _ChatCtx, stream: RequestStream, rid: str):
@@ -337,28 +527,51 @@ async def chat_events(self: OpenAIServing, ctx: _ChatCtx, stream: RequestStream,
     pipes, n_text, n_tok, done = [_DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
     usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     out = None
+
     def chunk(i, delta, logprobs=None, finish=None, stop_reason=None):
-        return sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, usage=self.usage([out]) if usage_each and out else None,
-                                       choices=[ChatChunkChoice(index=i, delta=delta, logprobs=logprobs,
-                                                                finish_reason=finish, stop_reason=stop_reason)]))
+        return sse(
+            ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=self.model_name,
+                usage=self.usage([out]) if usage_each and out else None,
+                choices=[
+                    ChatChunkChoice(
+                        index=i, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason
+                    )
+                ],
+            )
+        )
+
     try:
-        for i in range(n): yield chunk(i, DeltaMessage(role='assistant', content=''))
+        for i in range(n):
+            yield chunk(i, DeltaMessage(role='assistant', content=''))
         async for out in stream:
             for o in out.outputs:
                 i = o.index
-                if done[i]: continue
-                text, toks, lps = o.text[n_text[i]:], o.token_ids[n_tok[i]:], (o.logprobs or [])[n_tok[i]:]
+                if done[i]:
+                    continue
+                text, toks, lps = o.text[n_text[i] :], o.token_ids[n_tok[i] :], (o.logprobs or [])[n_tok[i] :]
                 n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
                 lp = self.chat_logprobs(toks, lps, req.top_logprobs or 0) if req.logprobs and toks else None
                 deltas = pipes[i].feed(text, o.finished)
-                for j, d in enumerate(deltas): yield chunk(i, d, lp if j == 0 else None)
-                if lp is not None and not deltas: yield chunk(i, DeltaMessage(), lp)
+                for j, d in enumerate(deltas):
+                    yield chunk(i, d, lp if j == 0 else None)
+                if lp is not None and not deltas:
+                    yield chunk(i, DeltaMessage(), lp)
                 if o.finished:
-                    yield chunk(i, DeltaMessage(), finish='tool_calls' if pipes[i].has_tool_calls else o.finish_reason,
-                                stop_reason=o.stop_reason)
+                    yield chunk(
+                        i,
+                        DeltaMessage(),
+                        finish='tool_calls' if pipes[i].has_tool_calls else o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
         if req.include_usage:
-            yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out])))
-    except Exception as e: yield stream_error(e)
+            yield sse(
+                ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out]))
+            )
+    except Exception as e:
+        yield stream_error(e)
     yield SSE_DONE
 
 # %% ../../../nbs/77_api_server.ipynb #8767e93c
@@ -368,34 +581,54 @@ def prompt_ids(self: OpenAIServing, prompts: list) -> list[tuple[str | None, lis
     out = []
     for p in prompts:
         try:
-            if isinstance(p, str): self.ip.check_chars(len(p), 'prompt')
+            if isinstance(p, str):
+                self.ip.check_chars(len(p), 'prompt')
             out.append(self.ip.tokenize(p))
-        except InputError as e: raise self.input_error(e) from None
+        except InputError as e:
+            raise self.input_error(e) from None
     return out
+
 
 @patch
 async def completion(self: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
     self.check(req)
     prompts = req.prompts()
     if len(prompts) * req.n > self.cfg.max_prompts:
-        raise APIError(f"At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}", param='prompt')
+        raise APIError(
+            f'At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}', param='prompt'
+        )
     rid, items = random_id('cmpl-'), []
     for k, (text, ids) in enumerate(await asyncio.to_thread(self.prompt_ids, prompts)):
-        items.append((text, *self.process(f'{rid}-{k}', text, ids, self.sampling_params(req, len(ids), 'prompt'), req.priority, 'prompt')))
+        items.append(
+            (
+                text,
+                *self.process(
+                    f'{rid}-{k}', text, ids, self.sampling_params(req, len(ids), 'prompt'), req.priority, 'prompt'
+                ),
+            )
+        )
     streams = []
     try:
-        for text, core_req, _, params in items: streams.append(await self.add(core_req, text, params, await self.logits_processors(req, None)))
+        for text, core_req, _, params in items:
+            streams.append(await self.add(core_req, text, params, await self.logits_processors(req, None)))
     except BaseException:
-        for s in streams: s.close()
+        for s in streams:
+            s.close()
         raise
     close = lambda: [s.close() for s in streams]
-    if req.stream: return SSEResponse(self.completion_events(req, items, streams, rid), on_close=close)
+    if req.stream:
+        return SSEResponse(self.completion_events(req, items, streams, rid), on_close=close)
+
     async def run():
         outs = [None] * len(streams)
-        async for k, out in merge_streams(streams): outs[k] = out
+        async for k, out in merge_streams(streams):
+            outs[k] = out
         return outs
-    try: outs = await unless_disconnected(request, run())
-    finally: close()
+
+    try:
+        outs = await unless_disconnected(request, run())
+    finally:
+        close()
     choices = []
     for k, out in enumerate(outs):
         echo = self.echo_text(items[k], out) if req.echo else ''
@@ -403,32 +636,53 @@ async def completion(self: OpenAIServing, req: CompletionRequest, request: Reque
             lp = None
             if req.logprobs is not None:
                 lp = self.completion_logprobs(o.token_ids, o.logprobs, req.logprobs, len(echo))
-                if req.echo: lp = self.merge_logprobs(self.echo_logprobs(out, req.logprobs), lp)
-            choices.append(CompletionChoice(index=k * req.n + o.index, text=echo + o.text, logprobs=lp,
-                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-    return JSONResponse(CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage(outs)).model_dump())
+                if req.echo:
+                    lp = self.merge_logprobs(self.echo_logprobs(out, req.logprobs), lp)
+            choices.append(
+                CompletionChoice(
+                    index=k * req.n + o.index,
+                    text=echo + o.text,
+                    logprobs=lp,
+                    finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason,
+                )
+            )
+    return JSONResponse(
+        CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage(outs)).model_dump()
+    )
 
 # %% ../../../nbs/77_api_server.ipynb #6b542934
 @patch
 def completion_logprobs(self: OpenAIServing, ids, lps, k, offset) -> CompletionLogprobs:
     ents = []
     for t, d in zip(ids, lps):
-        if d is None: ents.append((self.tok.decode([t]), None, None))
-        else: ents.append((d[t].decoded_token, d[t].logprob, _top(d, k)))
+        if d is None:
+            ents.append((self.tok.decode([t]), None, None))
+        else:
+            ents.append((d[t].decoded_token, d[t].logprob, _top(d, k)))
     return CompletionLogprobs.from_tokens(ents, offset)
+
 
 @patch
 def echo_text(self: OpenAIServing, item, out: RequestOutput) -> str:
     return item[0] if item[0] is not None else self.tok.decode(out.prompt_token_ids)
 
+
 @patch
 def echo_logprobs(self: OpenAIServing, out: RequestOutput, k: int) -> CompletionLogprobs:
-    return self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), k, 0)
+    return self.completion_logprobs(
+        out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), k, 0
+    )
+
 
 @patch_to(OpenAIServing, static_method=True)
 def merge_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
-                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+    return CompletionLogprobs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )
 
 # %% ../../../nbs/77_api_server.ipynb #81e0698c
 @patch
@@ -437,21 +691,32 @@ async def completion_events(self: OpenAIServing, req: CompletionRequest, items, 
     total = len(streams) * n
     n_text, n_tok, off, done, echoed = [0] * total, [0] * total, [0] * total, [False] * total, [False] * total
     last: dict[int, RequestOutput] = {}
+
     def chunk(i, text, lp=None, finish=None, stop_reason=None):
-        return sse(CompletionResponse(id=rid, created=created, model=self.model_name,
-                                      choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)]))
+        return sse(
+            CompletionResponse(
+                id=rid,
+                created=created,
+                model=self.model_name,
+                choices=[
+                    CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)
+                ],
+            )
+        )
+
     try:
         async for k, out in merge_streams(streams):
             for o in out.outputs:
                 i = k * n + o.index
-                if done[i]: continue
+                if done[i]:
+                    continue
                 if req.echo and not echoed[i]:
                     echoed[i] = True
                     e = self.echo_text(items[k], out)
                     elp = self.echo_logprobs(out, req.logprobs) if req.logprobs is not None else None
                     off[i] = elp.text_offset[-1] + len(elp.tokens[-1]) if elp else len(e)
                     yield chunk(i, e, elp)
-                text, toks, lps = o.text[n_text[i]:], o.token_ids[n_tok[i]:], (o.logprobs or [])[n_tok[i]:]
+                text, toks, lps = o.text[n_text[i] :], o.token_ids[n_tok[i] :], (o.logprobs or [])[n_tok[i] :]
                 n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
                 lp = None
                 if req.logprobs is not None and toks:
@@ -461,8 +726,13 @@ async def completion_events(self: OpenAIServing, req: CompletionRequest, items, 
                     yield chunk(i, text, lp, o.finish_reason, o.stop_reason)
             last[k] = out
         if req.include_usage:
-            yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage(list(last.values()))))
-    except Exception as e: yield stream_error(e)
+            yield sse(
+                CompletionResponse(
+                    id=rid, created=created, model=self.model_name, choices=[], usage=self.usage(list(last.values()))
+                )
+            )
+    except Exception as e:
+        yield stream_error(e)
     yield SSE_DONE
 
 # %% ../../../nbs/77_api_server.ipynb #94117b98
@@ -470,26 +740,35 @@ async def completion_events(self: OpenAIServing, req: CompletionRequest, items, 
 async def tokenize(self: OpenAIServing, req: TokenizeRequest):
     "vLLM's /tokenize: a prompt, or chat messages through the chat template -> token ids."
     self.check(req)
-    if (req.prompt is None) == (req.messages is None): raise APIError("Give exactly one of prompt and messages", param='prompt')
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError('Give exactly one of prompt and messages', param='prompt')
     return await asyncio.to_thread(self._tokenize, req)
+
 
 @patch
 def _tokenize(self: OpenAIServing, req: TokenizeRequest):
     if req.prompt is not None:
-        ids = self.tok(req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens).input_ids
+        ids = self.tok(
+            req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens
+        ).input_ids
     else:
         msgs = adapt_messages([m.template_dict() for m in req.messages], None, self.template)
-        try: text = apply_chat_template(self.tok, msgs, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e: raise APIError(f"Cannot apply the chat template: {e}", param='messages') from None
+        try:
+            text = apply_chat_template(self.tok, msgs, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:
+            raise APIError(f'Cannot apply the chat template: {e}', param='messages') from None
         ids = self.tok(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
     res = dict(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
-    if req.return_token_strs: res['token_strs'] = self.tok.convert_ids_to_tokens(ids)
+    if req.return_token_strs:
+        res['token_strs'] = self.tok.convert_ids_to_tokens(ids)
     return res
+
 
 @patch
 async def detokenize(self: OpenAIServing, req: DetokenizeRequest):
     "vLLM's /detokenize: token ids -> text."
     self.check(req)
     V = self.vocab_size
-    if bad := [t for t in req.tokens if not 0 <= t < V]: raise APIError(f"Token ids out of range [0, {V}): {bad[:5]}", param='tokens')
+    if bad := [t for t in req.tokens if not 0 <= t < V]:
+        raise APIError(f'Token ids out of range [0, {V}): {bad[:5]}', param='tokens')
     return {'prompt': self.tok.decode(req.tokens)}

@@ -16,41 +16,63 @@ __all__ = ['ServerMetrics']
 # %% ../../../nbs/75_metrics.ipynb #cb6368b6
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 
+
 class ServerMetrics(EngineObserver):
     "Prometheus metrics of one server: latency histograms fed by the engine loop, engine stats read at scrape time."
+
     def __init__(self, aengine: AsyncLLM, model_name: str):
         self.aengine, self.model_name, self.registry = aengine, model_name, CollectorRegistry()
-        h = lambda name, doc: Histogram(name, doc, ['model_name'], registry=self.registry, buckets=_LAT_BUCKETS).labels(model_name)
+        h = lambda name, doc: Histogram(name, doc, ['model_name'], registry=self.registry, buckets=_LAT_BUCKETS).labels(
+            model_name
+        )
         self.ttft = h('cvllm:time_to_first_token_seconds', 'Time from arrival to the first generated token.')
         self.itl = h('cvllm:inter_token_latency_seconds', 'Time between two generated tokens of a request.')
         self.e2e = h('cvllm:e2e_request_latency_seconds', 'Time from arrival to the last token of a finished request.')
-        self.success = Counter('cvllm:request_success', 'Requests that finished (stop or length); n samples count once.',
-                               ['model_name', 'finished_reason'], registry=self.registry)
+        self.success = Counter(
+            'cvllm:request_success',
+            'Requests that finished (stop or length); n samples count once.',
+            ['model_name', 'finished_reason'],
+            registry=self.registry,
+        )
         self.registry.register(self)
 
-    def first_token(self, ttft): self.ttft.observe(ttft)
+    def first_token(self, ttft):
+        self.ttft.observe(ttft)
+
     def tokens(self, itl, n):
-        for _ in range(n): self.itl.observe(itl)
+        for _ in range(n):
+            self.itl.observe(itl)
+
     def finished(self, output, e2e):
         self.e2e.observe(e2e)
         reason = next((o.finish_reason for o in output.outputs if o.finish_reason != 'abort'), None)
-        if reason is not None: self.success.labels(self.model_name, reason).inc()
+        if reason is not None:
+            self.success.labels(self.model_name, reason).inc()
 
     def collect(self):
         "Gauges and counters from the engine's latest stats (called by prometheus_client at scrape time)."
         s, c, m = self.aengine.stats, self.aengine.counters, [self.model_name]
-        for name, doc, v in (('num_requests_running', 'Sequences being generated.', s.get('num_running', 0)),
-                             ('num_requests_waiting', 'Sequences waiting to be scheduled.', s.get('num_waiting', 0)),
-                             ('kv_cache_usage_perc', 'Fraction of KV-cache blocks in use (1 = full).', s.get('kv_cache_usage', 0.0)),
-                             ('num_requests_in_flight', 'Requests accepted and not yet finished.', self.aengine.num_in_flight)):
-            g = GaugeMetricFamily(f'cvllm:{name}', doc, labels=['model_name']); g.add_metric(m, v); yield g
-        for name, doc, v in (('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.', s.get('prefix_cache_queries', 0)),
-                             ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.', s.get('prefix_cache_hits', 0)),
-                             ('prompt_tokens', 'Prompt tokens of accepted requests.', s.get('prompt_tokens', 0)),
-                             ('generation_tokens', 'Generated tokens.', s.get('generation_tokens', 0)),
-                             ('num_preemptions', 'Sequences preempted for lack of KV blocks.', s.get('num_preemptions', 0)),
-                             ('request_aborted', 'Requests aborted (client went away).', c['aborted']),
-                             ('engine_step_errors', 'Engine steps that raised.', c['step_errors'])):
-            k = CounterMetricFamily(f'cvllm:{name}', doc, labels=['model_name']); k.add_metric(m, v); yield k
+        for name, doc, v in (
+            ('num_requests_running', 'Sequences being generated.', s.get('num_running', 0)),
+            ('num_requests_waiting', 'Sequences waiting to be scheduled.', s.get('num_waiting', 0)),
+            ('kv_cache_usage_perc', 'Fraction of KV-cache blocks in use (1 = full).', s.get('kv_cache_usage', 0.0)),
+            ('num_requests_in_flight', 'Requests accepted and not yet finished.', self.aengine.num_in_flight),
+        ):
+            g = GaugeMetricFamily(f'cvllm:{name}', doc, labels=['model_name'])
+            g.add_metric(m, v)
+            yield g
+        for name, doc, v in (
+            ('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.', s.get('prefix_cache_queries', 0)),
+            ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.', s.get('prefix_cache_hits', 0)),
+            ('prompt_tokens', 'Prompt tokens of accepted requests.', s.get('prompt_tokens', 0)),
+            ('generation_tokens', 'Generated tokens.', s.get('generation_tokens', 0)),
+            ('num_preemptions', 'Sequences preempted for lack of KV blocks.', s.get('num_preemptions', 0)),
+            ('request_aborted', 'Requests aborted (client went away).', c['aborted']),
+            ('engine_step_errors', 'Engine steps that raised.', c['step_errors']),
+        ):
+            k = CounterMetricFamily(f'cvllm:{name}', doc, labels=['model_name'])
+            k.add_metric(m, v)
+            yield k
 
-    def render(self) -> bytes: return generate_latest(self.registry)
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -6,12 +6,27 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/protocol.html.md"""
 
 # %% ../../../nbs/70_protocol.ipynb #f581e43d
 from __future__ import annotations
-import json, math, re, time, uuid
+import json
+import math
+import time
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_serializer, model_validator)
-from .request_checks import (INT64, ErrorInfo, ErrorResponse, OpenAIBaseModel, RequestBody, StrictModel,
-                                                         StructuredOutputsParams, error_body, find_lone_surrogate, validation_error_body)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from cvllm_lab.entrypoints.openai.request_checks import (
+    INT64,
+    OpenAIBaseModel,
+    RequestBody,
+    StrictModel,
+    StructuredOutputsParams,
+)
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_N', 'TokenId', 'SAMPLING_DEFAULTS', 'FinishReason', 'CompletionChunk', 'SSE_DONE', 'FunctionCall',
@@ -26,66 +41,88 @@ __all__ = ['DEFAULT_MAX_N', 'TokenId', 'SAMPLING_DEFAULTS', 'FinishReason', 'Com
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
 DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
 
+
 class FunctionCall(StrictModel):
     "A function call made by the model; `arguments` is a JSON text."
+
     name: str
     arguments: str
 
-def random_id(prefix: str = "", n: int = 32) -> str:
+
+def random_id(prefix: str = '', n: int = 32) -> str:
     "`prefix` + `n` random hex digits."
     return prefix + uuid.uuid4().hex[:n]
 
+
 class ToolCall(StrictModel):
     "One tool call in an assistant message (request history or response)."
-    id: str = Field(default_factory=lambda: random_id("call_", 24))
-    type: Literal["function"] = "function"
+
+    id: str = Field(default_factory=lambda: random_id('call_', 24))
+    type: Literal['function'] = 'function'
     function: FunctionCall
 
+
 class TextPart(StrictModel):
-    type: Literal["text"] = "text"
+    type: Literal['text'] = 'text'
     text: str
+
 
 class ChatMessageParam(OpenAIBaseModel):
     "One message of a chat request."
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+
+    role: Literal['system', 'developer', 'user', 'assistant', 'tool']
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    @field_validator("content", mode="before")
+    @field_validator('content', mode='before')
     @classmethod
     def _text_only(cls, v):
-        if v is None or isinstance(v, str): return v
-        if not isinstance(v, list): raise ValueError("content must be a string or an array of content parts")
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError('content must be a string or an array of content parts')
         for p in v:
-            t = p.get("type") if isinstance(p, dict) else None
-            if t != "text":
-                raise ValueError(f"content part type {t!r} is not supported: this server accepts only text "
-                                 "content (a string or parts of type 'text')")
+            t = p.get('type') if isinstance(p, dict) else None
+            if t != 'text':
+                raise ValueError(
+                    f'content part type {t!r} is not supported: this server accepts only text '
+                    "content (a string or parts of type 'text')"
+                )
         return v
 
     @property
     def text(self) -> str:
         "The content as one string (text parts joined by newlines)."
-        if self.content is None: return ""
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        if self.content is None:
+            return ''
+        return self.content if isinstance(self.content, str) else '\n'.join(p.text for p in self.content)
 
     def template_dict(self) -> dict:
         "The message as chat templates expect it: string content, tool-call arguments parsed to dicts."
-        d = {"role": self.role, "content": self.text}
-        for k in ("name", "tool_call_id", "reasoning_content"):
-            if getattr(self, k) is not None: d[k] = getattr(self, k)
+        d = {'role': self.role, 'content': self.text}
+        for k in ('name', 'tool_call_id', 'reasoning_content'):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
         if self.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _loads_or_str(c.function.arguments)}}
-                               for c in self.tool_calls]
+            d['tool_calls'] = [
+                {
+                    'id': c.id,
+                    'type': 'function',
+                    'function': {'name': c.function.name, 'arguments': _loads_or_str(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return d
 
+
 def _loads_or_str(s: str):
-    try: return json.loads(s)
-    except ValueError: return s
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
 
 # %% ../../../nbs/70_protocol.ipynb #ce2dde18
 class FunctionDef(StrictModel):
@@ -94,52 +131,76 @@ class FunctionDef(StrictModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+
 class Tool(StrictModel):
     "A tool the model may call (only `function` tools exist)."
-    type: Literal["function"] = "function"
+
+    type: Literal['function'] = 'function'
     function: FunctionDef
+
 
 class FunctionName(StrictModel):
     name: str
 
+
 class NamedToolChoice(StrictModel):
     "`tool_choice` that forces one named function."
-    type: Literal["function"] = "function"
+
+    type: Literal['function'] = 'function'
     function: FunctionName
+
 
 class JsonSchemaFormat(StrictModel):
     "The `json_schema` member of `response_format`; the schema itself is under the key `schema`."
+
     model_config = ConfigDict(populate_by_name=True, strict=True, allow_inf_nan=False)
-    name: str = "response"
+    name: str = 'response'
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias='schema')
     strict: bool | None = None
 
+
 class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal['text', 'json_object', 'json_schema']
     json_schema: JsonSchemaFormat | None = None
 
-    @model_validator(mode="after")
+    @model_validator(mode='after')
     def _needs_schema(self):
-        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+        if self.type == 'json_schema' and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
         return self
+
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
-
 # %% ../../../nbs/70_protocol.ipynb #3115be6a
 TokenId = Annotated[int, Field(ge=0, lt=INT64)]
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_GUIDED = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar')
+
 
 class _SamplingRequest(RequestBody):
-    UNSUPPORTED: ClassVar[dict] = {   # vLLM/OpenAI fields that change the output and are not built: refused unless default
-        "use_beam_search": (None, False), "best_of": (None, 1), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
-        "bad_words": (None, []), "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "prompt_embeds": (None,),
-        "return_tokens_as_token_ids": (None, False), "spaces_between_special_tokens": (None, True), "guided_whitespace_pattern": (None,),
-        "functions": (None, []), "function_call": (None, "none"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"])}
+    UNSUPPORTED: ClassVar[
+        dict
+    ] = {  # vLLM/OpenAI fields that change the output and are not built: refused unless default
+        'use_beam_search': (None, False),
+        'best_of': (None, 1),
+        'length_penalty': (None, 1, 1.0),
+        'early_stopping': (None, False),
+        'bad_words': (None, []),
+        'truncate_prompt_tokens': (None,),
+        'logits_processors': (None, []),
+        'prompt_embeds': (None,),
+        'return_tokens_as_token_ids': (None, False),
+        'spaces_between_special_tokens': (None, True),
+        'guided_whitespace_pattern': (None,),
+        'functions': (None, []),
+        'function_call': (None, 'none'),
+        'prediction': (None,),
+        'audio': (None,),
+        'modalities': (None, ['text']),
+    }
     model: str | None = None
     n: int = 1
     temperature: float | None = Field(None, ge=0, le=2)
@@ -167,43 +228,49 @@ class _SamplingRequest(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None   # accepted and ignored: it names an implementation (ours is llguidance)
+    guided_decoding_backend: str | None = None  # accepted and ignored: it names an implementation (ours is llguidance)
     user: str | None = None
 
-    @field_validator("n")
+    @field_validator('n')
     @classmethod
     def _check_n(cls, v, info: ValidationInfo):
-        mx = (info.context or {}).get("max_n", INT64 - 1)
-        if not 1 <= v <= mx: raise ValueError(f"n must be between 1 and {mx}, got {v}")
+        mx = (info.context or {}).get('max_n', INT64 - 1)
+        if not 1 <= v <= mx:
+            raise ValueError(f'n must be between 1 and {mx}, got {v}')
         return v
 
-    @field_validator("stop", mode="before")
+    @field_validator('stop', mode='before')
     @classmethod
     def _check_stop(cls, v):
-        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)): return v
-        raise ValueError("stop must be a string or an array of strings")
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            return v
+        raise ValueError('stop must be a string or an array of strings')
 
-    @field_validator("logit_bias")
+    @field_validator('logit_bias')
     @classmethod
     def _check_logit_bias(cls, v):
         "Keys are token ids written as strings; biases are clamped to [-100, 100] as OpenAI and vLLM do."
-        if v is None: return v
+        if v is None:
+            return v
         out = {}
         for k, b in v.items():
-            if not k.isdigit() or int(k) >= INT64: raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not k.isdigit() or int(k) >= INT64:
+                raise ValueError(f'logit_bias keys must be token ids, got {k!r}')
             out[str(int(k))] = min(max(b, -100.0), 100.0)
         return out
 
-    @model_validator(mode="after")
+    @model_validator(mode='after')
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true")
+            raise ValueError('stream_options can only be set when stream is true')
         mx = self.max_new_tokens
         if mx is not None and self.min_tokens > mx:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({mx})")
-        given = [k for k in ("structured_outputs", *_GUIDED) if getattr(self, k) is not None]
-        if self.response_format is not None and self.response_format.type != "text": given.insert(0, "response_format")
-        if len(given) > 1: raise ValueError(f"give one way to constrain the output, not {' and '.join(given)}")
+            raise ValueError(f'min_tokens ({self.min_tokens}) must be <= max_tokens ({mx})')
+        given = [k for k in ('structured_outputs', *_GUIDED) if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type != 'text':
+            given.insert(0, 'response_format')
+        if len(given) > 1:
+            raise ValueError(f'give one way to constrain the output, not {" and ".join(given)}')
         return self
 
     @property
@@ -214,9 +281,11 @@ class _SamplingRequest(RequestBody):
     @property
     def structured(self) -> dict | None:
         "vLLM's structured outputs as `{kind: value}` (from `structured_outputs` or a `guided_*` field), or None."
-        if self.structured_outputs is not None: return self.structured_outputs.spec()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
         for k in _GUIDED:
-            if getattr(self, k) is not None: return {k.removeprefix("guided_"): getattr(self, k)}
+            if getattr(self, k) is not None:
+                return {k.removeprefix('guided_'): getattr(self, k)}
         return None
 
     @property
@@ -226,35 +295,40 @@ class _SamplingRequest(RequestBody):
 # %% ../../../nbs/70_protocol.ipynb #cbb6884b
 class ChatCompletionRequest(_SamplingRequest):
     "Body of `POST /v1/chat/completions`."
+
     messages: list[ChatMessageParam] = Field(min_length=1)
-    UNSUPPORTED: ClassVar[dict] = {**_SamplingRequest.UNSUPPORTED, "echo": (None, False), "prompt_logprobs": (None,)}
+    UNSUPPORTED: ClassVar[dict] = {**_SamplingRequest.UNSUPPORTED, 'echo': (None, False), 'prompt_logprobs': (None,)}
     max_tokens: int | None = Field(None, ge=1, lt=INT64)
     max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    @field_validator("tool_choice", mode="before")
+    @field_validator('tool_choice', mode='before')
     @classmethod
     def _check_tool_choice(cls, v):
-        if v is None or v in ("none", "auto", "required") or isinstance(v, dict): return v
-        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        if v is None or v in ('none', 'auto', 'required') or isinstance(v, dict):
+            return v
+        raise ValueError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
 
-    @model_validator(mode="after")
+    @model_validator(mode='after')
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true")
-        if self.tool_choice is None: self.tool_choice = "auto" if self.tools else "none"
+            raise ValueError('top_logprobs needs logprobs to be true')
+        if self.tool_choice is None:
+            self.tool_choice = 'auto' if self.tools else 'none'
         names = [t.function.name for t in self.tools or []]
-        if self.tool_choice == "required" and not names:
+        if self.tool_choice == 'required' and not names:
             raise ValueError('tool_choice "required" needs at least one tool in tools')
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+            raise ValueError(f'tool_choice names function {self.tool_choice.function.name!r}, which is not in tools')
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt can't both be true")
         return self
@@ -270,56 +344,76 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_tools(self) -> list[dict] | None:
         "Tools as plain dicts for `apply_chat_template(tools=...)`, or None (also when tool_choice is none)."
-        if not self.tools or self.tool_choice == "none": return None
+        if not self.tools or self.tool_choice == 'none':
+            return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 # %% ../../../nbs/70_protocol.ipynb #c1987b27
-def _is_ids(x) -> bool:   # token ids: ints (not bools) in [0, 2**63), checked at C speed (a prompt holds thousands)
+def _is_ids(x) -> bool:  # token ids: ints (not bools) in [0, 2**63), checked at C speed (a prompt holds thousands)
     return isinstance(x, list) and (not x or (set(map(type, x)) == {int} and min(x) >= 0 and max(x) < INT64))
+
 
 class CompletionRequest(_SamplingRequest):
     "Body of `POST /v1/completions`."
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(union_mode="left_to_right")   # ids first: no error per id
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        union_mode='left_to_right'
+    )  # ids first: no error per id
     max_tokens: int | None = Field(16, ge=1, lt=INT64)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
 
-    @field_validator("prompt", mode="before")
+    @field_validator('prompt', mode='before')
     @classmethod
     def _check_prompt(cls, v):
-        ok = (isinstance(v, str) or (isinstance(v, list) and len(v) > 0 and
-              (all(isinstance(s, str) for s in v) or _is_ids(v) or all(_is_ids(x) and x for x in v))))
-        if not ok: raise ValueError("prompt must be a string, an array of strings, an array of token ids (>= 0) "
-                                    "or an array of token-id arrays, and not empty")
+        ok = isinstance(v, str) or (
+            isinstance(v, list)
+            and len(v) > 0
+            and (all(isinstance(s, str) for s in v) or _is_ids(v) or all(_is_ids(x) and x for x in v))
+        )
+        if not ok:
+            raise ValueError(
+                'prompt must be a string, an array of strings, an array of token ids (>= 0) '
+                'or an array of token-id arrays, and not empty'
+            )
         return v
 
-    @field_validator("suffix")
+    @field_validator('suffix')
     @classmethod
     def _no_suffix(cls, v):
-        if v: raise ValueError("suffix is not supported by this server")
+        if v:
+            raise ValueError('suffix is not supported by this server')
         return v
 
     @property
-    def max_new_tokens(self) -> int | None: return self.max_tokens
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         "The prompts as a list: each a text or a list of token ids."
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)): return [p]
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
         return list(p)
 
 # %% ../../../nbs/70_protocol.ipynb #f5eb4a91
 SAMPLING_DEFAULTS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
 
-def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, default_max_tokens: int,
-                       defaults: dict | None = None, max_tokens_cap: int | None = None) -> dict:
+
+def to_sampling_kwargs(
+    request: ChatCompletionRequest | CompletionRequest,
+    default_max_tokens: int,
+    defaults: dict | None = None,
+    max_tokens_cap: int | None = None,
+) -> dict:
     "Keyword arguments for `SamplingParams` (vLLM names) from a validated request."
     dflt = {**SAMPLING_DEFAULTS, **(defaults or {})}
     pick = lambda k: dflt[k] if getattr(request, k) is None else getattr(request, k)
     want = request.max_new_tokens
-    max_tokens = min(default_max_tokens, dflt.get("max_tokens") or default_max_tokens) if want is None else want
-    if max_tokens_cap is not None: max_tokens = min(max_tokens, max_tokens_cap)
+    max_tokens = min(default_max_tokens, dflt.get('max_tokens') or default_max_tokens) if want is None else want
+    if max_tokens_cap is not None:
+        max_tokens = min(max_tokens, max_tokens_cap)
     if isinstance(request, ChatCompletionRequest):
         logprobs, prompt_logprobs = ((request.top_logprobs or 0) if request.logprobs else None), None
     else:
@@ -327,35 +421,55 @@ def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, defau
         prompt_logprobs = logprobs if request.echo and logprobs is not None else None
     stop = request.stop
     return dict(
-        n=request.n, temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
-        min_p=pick("min_p"), presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-        repetition_penalty=pick("repetition_penalty"), seed=request.seed,
-        stop=[stop] if isinstance(stop, str) else list(stop or []), stop_token_ids=list(request.stop_token_ids or []),
-        max_tokens=max_tokens, min_tokens=min(request.min_tokens, max_tokens), ignore_eos=request.ignore_eos,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output)
+        n=request.n,
+        temperature=pick('temperature'),
+        top_p=pick('top_p'),
+        top_k=max(pick('top_k'), 0),
+        min_p=pick('min_p'),
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=pick('repetition_penalty'),
+        seed=request.seed,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_token_ids=list(request.stop_token_ids or []),
+        max_tokens=max_tokens,
+        min_tokens=min(request.min_tokens, max_tokens),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
 
 # %% ../../../nbs/70_protocol.ipynb #02f79fcc
-FinishReason = Literal["stop", "length", "tool_calls"]
+FinishReason = Literal['stop', 'length', 'tool_calls']
 _MIN_LOGPROB = -9999.0
 
-def _finite(x: float) -> float: return x if math.isfinite(x) else _MIN_LOGPROB
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
 
 def _tok(t: str | bytes) -> tuple[str, list[int]]:
-    if isinstance(t, bytes): return t.decode("utf-8", errors="replace"), list(t)
-    return t, list(t.encode("utf-8"))
+    if isinstance(t, bytes):
+        return t.decode('utf-8', errors='replace'), list(t)
+    return t, list(t.encode('utf-8'))
+
 
 class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
 
-    @field_validator("logprob")
+    @field_validator('logprob')
     @classmethod
-    def _clamp(cls, v): return _finite(v)
+    def _clamp(cls, v):
+        return _finite(v)
+
 
 class ChatLogprobToken(TopLogprob):
     top_logprobs: list[TopLogprob] = []
+
 
 class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
@@ -364,11 +478,18 @@ class ChatLogprobs(BaseModel):
     @classmethod
     def from_tokens(cls, entries) -> ChatLogprobs:
         "From `(token, logprob, top)` entries; `top` is a dict or a list of `(token, logprob)`."
+
         def top_list(top):
             items = top.items() if isinstance(top, dict) else (top or [])
             return [TopLogprob(token=_tok(t)[0], logprob=lp, bytes=_tok(t)[1]) for t, lp in items]
-        return cls(content=[ChatLogprobToken(token=_tok(t)[0], bytes=_tok(t)[1], logprob=lp, top_logprobs=top_list(top))
-                            for t, lp, top in entries])
+
+        return cls(
+            content=[
+                ChatLogprobToken(token=_tok(t)[0], bytes=_tok(t)[1], logprob=lp, top_logprobs=top_list(top))
+                for t, lp, top in entries
+            ]
+        )
+
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
@@ -382,18 +503,25 @@ class CompletionLogprobs(BaseModel):
         r = cls()
         for t, lp, top in entries:
             s = _tok(t)[0]
-            r.tokens.append(s); r.text_offset.append(offset); offset += len(s)
+            r.tokens.append(s)
+            r.text_offset.append(offset)
+            offset += len(s)
             r.token_logprobs.append(None if lp is None else _finite(lp))
-            r.top_logprobs.append(None if top is None else {_tok(k)[0]: _finite(v) for k, v in
-                                                            (top.items() if isinstance(top, dict) else top)})
+            r.top_logprobs.append(
+                None
+                if top is None
+                else {_tok(k)[0]: _finite(v) for k, v in (top.items() if isinstance(top, dict) else top)}
+            )
         return r
 
 # %% ../../../nbs/70_protocol.ipynb #81e70816
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
+
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
+
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
@@ -403,64 +531,85 @@ class UsageInfo(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def make(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-             reasoning_tokens: int | None = None) -> UsageInfo:
+    def make(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
+    ) -> UsageInfo:
         "Usage with the total filled in."
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens),
-                   completion_tokens_details=None if reasoning_tokens is None else
-                   CompletionTokensDetails(reasoning_tokens=reasoning_tokens))
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=None
+            if reasoning_tokens is None
+            else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
+        )
 
 # %% ../../../nbs/70_protocol.ipynb #56476a5a
-def _now() -> int: return int(time.time())
+def _now() -> int:
+    return int(time.time())
+
 
 class _Sparse(BaseModel):
     "Dumps without its `None` fields, like OpenAI's stream deltas."
-    @model_serializer(mode="wrap")
+
+    @model_serializer(mode='wrap')
     def _drop_none(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
+
 class ChatMessage(BaseModel):
     "The assistant message of a non-streamed choice."
-    role: Literal["assistant"] = "assistant"
+
+    role: Literal['assistant'] = 'assistant'
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     refusal: str | None = None
 
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason = "stop"
+    finish_reason: FinishReason = 'stop'
     stop_reason: int | str | None = None
+
 
 class ChatCompletionResponse(BaseModel):
     "Body of a non-streamed chat completion."
-    id: str = Field(default_factory=lambda: random_id("chatcmpl-"))
-    object: Literal["chat.completion"] = "chat.completion"
+
+    id: str = Field(default_factory=lambda: random_id('chatcmpl-'))
+    object: Literal['chat.completion'] = 'chat.completion'
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
 
+
 class DeltaFunctionCall(_Sparse):
     name: str | None = None
     arguments: str | None = None
 
+
 class DeltaToolCall(_Sparse):
     index: int
     id: str | None = None
-    type: Literal["function"] | None = None
+    type: Literal['function'] | None = None
     function: DeltaFunctionCall | None = None
 
+
 class DeltaMessage(_Sparse):
-    role: Literal["assistant"] | None = None
+    role: Literal['assistant'] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
 
 class ChatChunkChoice(BaseModel):
     index: int
@@ -469,10 +618,12 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
+
 class ChatCompletionChunk(BaseModel):
     "One server-sent event of a streamed chat completion; all chunks of a stream share `id` and `created`."
+
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    object: Literal['chat.completion.chunk'] = 'chat.completion.chunk'
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChunkChoice] = []
@@ -483,38 +634,45 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal['stop', 'length'] | None = None
     stop_reason: int | str | None = None
+
 
 class CompletionResponse(BaseModel):
     "Body of a non-streamed completion, and of each chunk of a streamed one."
-    id: str = Field(default_factory=lambda: random_id("cmpl-"))
-    object: Literal["text_completion"] = "text_completion"
+
+    id: str = Field(default_factory=lambda: random_id('cmpl-'))
+    object: Literal['text_completion'] = 'text_completion'
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice] = []
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
 
+
 CompletionChunk = CompletionResponse
+
 
 class ModelCard(BaseModel):
     "One entry of `GET /v1/models`."
+
     id: str
-    object: Literal["model"] = "model"
+    object: Literal['model'] = 'model'
     created: int = Field(default_factory=_now)
-    owned_by: str = "cvllm_lab"
+    owned_by: str = 'cvllm_lab'
     root: str | None = None
     max_model_len: int | None = None
 
+
 class ModelList(BaseModel):
-    object: Literal["list"] = "list"
+    object: Literal['list'] = 'list'
     data: list[ModelCard] = []
 
 # %% ../../../nbs/70_protocol.ipynb #97f8058f
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = 'data: [DONE]\n\n'
+
 
 def sse(obj: BaseModel | dict) -> str:
     "One server-sent event carrying `obj` as JSON."
     s = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {s}\n\n"
+    return f'data: {s}\n\n'

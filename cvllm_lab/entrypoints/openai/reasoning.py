@@ -13,15 +13,21 @@ from .tool_parsers import _Trim, _find, _hold, _ws
 __all__ = ['REASONING_TAGS', 'ReasoningParser', 'StreamingReasoningParser']
 
 # %% ../../../nbs/72_reasoning.ipynb #ebdcff30
-REASONING_TAGS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>"), "think": ("<think>", "</think>")}
+REASONING_TAGS = {
+    'qwen3': ('<think>', '</think>'),
+    'deepseek_r1': ('<think>', '</think>'),
+    'think': ('<think>', '</think>'),
+}
+
 
 class ReasoningParser:
     "Splits `<think>` reasoning from the answer; `starts_in_reasoning` when the prompt already opened the block."
-    def __init__(self, start: str = "<think>", end: str = "</think>", starts_in_reasoning: bool = False):
+
+    def __init__(self, start: str = '<think>', end: str = '</think>', starts_in_reasoning: bool = False):
         self.start, self.end, self.starts_in_reasoning = start, end, starts_in_reasoning
 
     @classmethod
-    def for_prompt(cls, prompt: str, name: str = "qwen3") -> ReasoningParser:
+    def for_prompt(cls, prompt: str, name: str = 'qwen3') -> ReasoningParser:
         "A parser for the output of `prompt` (the rendered chat template): inside reasoning iff it ends with the open tag."
         start, end = REASONING_TAGS[name]
         return cls(start, end, starts_in_reasoning=prompt.rstrip().endswith(start))
@@ -29,25 +35,33 @@ class ReasoningParser:
     def scan(self, text: str, final: bool, memo: dict | None = None) -> tuple[str, str]:
         "`(reasoning, answer)` so far; while not `final` neither includes a tail that may still become a tag."
         i = _ws(text, 0)
-        if not final and self.start.startswith(text[i:]): return "", ""
-        if text.startswith(self.start, i): b = i + len(self.start)
-        elif self.starts_in_reasoning: b = 0
-        else: return "", text
+        if not final and self.start.startswith(text[i:]):
+            return '', ''
+        if text.startswith(self.start, i):
+            b = i + len(self.start)
+        elif self.starts_in_reasoning:
+            b = 0
+        else:
+            return '', text
         k = _find(text, self.end, b, memo)
-        if k < 0: return _hold(text[b:], (self.end,), final), ""
-        return text[b:k], text[k + len(self.end):]
+        if k < 0:
+            return _hold(text[b:], (self.end,), final), ''
+        return text[b:k], text[k + len(self.end) :]
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         "`(reasoning_content, content)` of a finished generation (None where empty)."
         r, a = self.scan(text, final=True)
         return r.strip() or None, a.strip() or None
 
-    def stream(self) -> StreamingReasoningParser: return StreamingReasoningParser(self)
+    def stream(self) -> StreamingReasoningParser:
+        return StreamingReasoningParser(self)
+
 
 class StreamingReasoningParser:
     "Turns streamed text into `reasoning_content` and `content` deltas."
+
     def __init__(self, parser: ReasoningParser):
-        self.parser, self.text, self._n, self._trims, self._memo = parser, "", [0, 0], [_Trim(), _Trim()], {}
+        self.parser, self.text, self._n, self._trims, self._memo = parser, '', [0, 0], [_Trim(), _Trim()], {}
 
     @property
     def reasoning_done(self) -> bool:
@@ -65,9 +79,10 @@ class StreamingReasoningParser:
 
     def _emit(self, parts) -> list[DeltaMessage]:
         out = []
-        for i, (part, key) in enumerate(zip(parts, ("reasoning_content", "content"))):
+        for i, (part, key) in enumerate(zip(parts, ('reasoning_content', 'content'))):
             if len(part) > self._n[i]:
-                piece = self._trims[i].push(part[self._n[i]:])
+                piece = self._trims[i].push(part[self._n[i] :])
                 self._n[i] = len(part)
-                if piece: out.append(DeltaMessage(**{key: piece}))
+                if piece:
+                    out.append(DeltaMessage(**{key: piece}))
         return out

@@ -6,7 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/request_checks.html.md"""
 
 # %% ../../../nbs/69_request_checks.ipynb #399be7b4
 from __future__ import annotations
-import hmac, re
+import hmac
+import re
 from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -18,137 +19,183 @@ __all__ = ['INT64', 'StrictModel', 'OpenAIBaseModel', 'fail', 'find_lone_surroga
            'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body', 'BodyLimit', 'APIKey']
 
 # %% ../../../nbs/69_request_checks.ipynb #0dfa59df
-INT64 = 2**63       # integers must fit in 64 bits (the engine keeps ids, seeds and top-k in int64 tensors)
+INT64 = 2**63  # integers must fit in 64 bits (the engine keeps ids, seeds and top-k in int64 tensors)
+
 
 class StrictModel(BaseModel):
     "Request-side models: JSON types as OpenAI checks them (no coercion of strings or bools), finite floats."
+
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
 
 class OpenAIBaseModel(StrictModel):
     "Base of request bodies: unknown fields are kept in `model_extra` instead of failing the request."
-    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True, allow_inf_nan=False)
+
+    model_config = ConfigDict(extra='allow', populate_by_name=True, strict=True, allow_inf_nan=False)
+
 
 def fail(loc: tuple, message: str, value=None):
     "Raise a pydantic `ValidationError` at `loc` (so the error's `param` names the field)."
-    err = PydanticCustomError("value_error", message)
-    raise ValidationError.from_exception_data("request", [InitErrorDetails(type=err, loc=loc, input=value)])
+    err = PydanticCustomError('value_error', message)
+    raise ValidationError.from_exception_data('request', [InitErrorDetails(type=err, loc=loc, input=value)])
+
 
 _SCALARS = {int, float, bool, type(None)}
+
 
 def find_lone_surrogate(x, loc: tuple = ()) -> tuple | None:
     "Where in a JSON value a string holds a lone UTF-16 surrogate (not encodable text), or None."
     if isinstance(x, str):
-        if x.isascii(): return None
-        try: x.encode("utf-8")
-        except UnicodeEncodeError: return loc
+        if x.isascii():
+            return None
+        try:
+            x.encode('utf-8')
+        except UnicodeEncodeError:
+            return loc
     elif isinstance(x, dict):
         for k, v in x.items():
             for hit in (find_lone_surrogate(k, loc), find_lone_surrogate(v, loc + (k,))):
-                if hit is not None: return hit
+                if hit is not None:
+                    return hit
     elif isinstance(x, list):
-        if set(map(type, x)) <= _SCALARS: return None   # e.g. token ids: no string in it (checked at C speed)
+        if set(map(type, x)) <= _SCALARS:
+            return None  # e.g. token ids: no string in it (checked at C speed)
         for i, v in enumerate(x):
-            if (hit := find_lone_surrogate(v, loc + (i,))) is not None: return hit
+            if (hit := find_lone_surrogate(v, loc + (i,))) is not None:
+                return hit
     return None
+
 
 class RequestBody(OpenAIBaseModel):
     "A whole request body: refuses lone surrogates anywhere in it, and the unsupported fields in `UNSUPPORTED`."
-    UNSUPPORTED: ClassVar[dict] = {}   # field -> the values that ask for the default (and are accepted)
 
-    @model_validator(mode="before")
+    UNSUPPORTED: ClassVar[dict] = {}  # field -> the values that ask for the default (and are accepted)
+
+    @model_validator(mode='before')
     @classmethod
     def _check_body(cls, data):
-        if not isinstance(data, dict): return data
+        if not isinstance(data, dict):
+            return data
         if (loc := find_lone_surrogate(data)) is not None:
-            fail(loc, "contains a lone UTF-16 surrogate, which is not valid Unicode text")
+            fail(loc, 'contains a lone UTF-16 surrogate, which is not valid Unicode text')
         for k, ok in cls.UNSUPPORTED.items():
-            if k in data and data[k] not in ok: fail((k,), f"{k}={data[k]!r} is not supported by this server", data[k])
+            if k in data and data[k] not in ok:
+                fail((k,), f'{k}={data[k]!r} is not supported by this server', data[k])
         return data
 
 # %% ../../../nbs/69_request_checks.ipynb #00eb8dcd
 class StructuredOutputsParams(StrictModel):
     "vLLM's `structured_outputs`: exactly one of a JSON schema, any JSON object, a regex, a choice of strings, a Lark grammar."
-    model_config = ConfigDict(populate_by_name=True, strict=True, allow_inf_nan=False, extra="forbid")
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+
+    model_config = ConfigDict(populate_by_name=True, strict=True, allow_inf_nan=False, extra='forbid')
+    json_: dict[str, Any] | str | None = Field(None, alias='json')
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
 
-    @model_validator(mode="after")
+    @model_validator(mode='after')
     def _one(self):
-        if len(self.spec()) != 1: raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar")
+        if len(self.spec()) != 1:
+            raise ValueError('structured_outputs takes exactly one of json, json_object, regex, choice, grammar')
         return self
 
     def spec(self) -> dict:
         "`{kind: value}` of the set field (the form `73_structured` builds a grammar from)."
-        d = {"json": self.json_, "json_object": self.json_object or None, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        d = {
+            'json': self.json_,
+            'json_object': self.json_object or None,
+            'regex': self.regex,
+            'choice': self.choice,
+            'grammar': self.grammar,
+        }
         return {k: v for k, v in d.items() if v is not None}
 
 # %% ../../../nbs/69_request_checks.ipynb #3af2e6f3
 class ErrorInfo(BaseModel):
     message: str
-    type: str = "BadRequestError"
+    type: str = 'BadRequestError'
     param: str | None = None
-    code: str | None = None   # OpenAI's machine-readable code ("context_length_exceeded", ...) or null
+    code: str | None = None  # OpenAI's machine-readable code ("context_length_exceeded", ...) or null
+
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
 
-def error_body(message: str, type: str = "BadRequestError", param: str | None = None, code: str | int | None = None) -> dict:
+
+def error_body(
+    message: str, type: str = 'BadRequestError', param: str | None = None, code: str | int | None = None
+) -> dict:
     "The JSON error body OpenAI clients understand (an HTTP status given as `code` is dropped: the response carries it)."
-    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
-                                         code=code if isinstance(code, str) else None)).model_dump()
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=type, param=param, code=code if isinstance(code, str) else None)
+    ).model_dump()
+
 
 _TAG = re.compile(r"[\[\]\- ,'\"]|^(str|int|float|bool|dict|list|none)$")  # pydantic's union-member tags
 
+
 def _loc(loc) -> str:
-    return ".".join(str(p) for p in loc if isinstance(p, int) or not _TAG.search(str(p)))
+    return '.'.join(str(p) for p in loc if isinstance(p, int) or not _TAG.search(str(p)))
+
 
 def validation_error_body(exc: ValidationError | list[dict]) -> dict:
     "A 400 error body for a request that failed validation (pydantic's error, or FastAPI's list); `param`: the first field."
     errs = exc.errors(include_url=False) if isinstance(exc, ValidationError) else list(exc)
-    errs = [dict(e, loc=tuple(e["loc"])[1:] if tuple(e["loc"])[:1] == ("body",) else tuple(e["loc"])) for e in errs]
+    errs = [dict(e, loc=tuple(e['loc'])[1:] if tuple(e['loc'])[:1] == ('body',) else tuple(e['loc'])) for e in errs]
     msgs = []
     for e in errs:
-        m = e["msg"].removeprefix("Value error, ")
-        where = _loc(e["loc"])
-        msgs.append(f"{where}: {m}" if where else m)
-    param = _loc(errs[0]["loc"]) if errs else None
-    return error_body("; ".join(dict.fromkeys(msgs)), param=param or None)
+        m = e['msg'].removeprefix('Value error, ')
+        where = _loc(e['loc'])
+        msgs.append(f'{where}: {m}' if where else m)
+    param = _loc(errs[0]['loc']) if errs else None
+    return error_body('; '.join(dict.fromkeys(msgs)), param=param or None)
 
 # %% ../../../nbs/69_request_checks.ipynb #8174a849
 class BodyLimit:
     "ASGI middleware: a request body over `limit` bytes is a 413, from `Content-Length` before reading, else while reading."
-    def __init__(self, app, limit: int): self.app, self.limit = app, limit
 
-    def message(self) -> str: return f"The request body is larger than this server's limit of {self.limit} bytes"
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def message(self) -> str:
+        return f"The request body is larger than this server's limit of {self.limit} bytes"
 
     async def __call__(self, scope, receive, send):
-        if scope['type'] != 'http': return await self.app(scope, receive, send)
+        if scope['type'] != 'http':
+            return await self.app(scope, receive, send)
         n = dict(scope['headers']).get(b'content-length', b'')
         if n.isdigit() and int(n) > self.limit:
             return await JSONResponse(error_body(self.message(), 'RequestTooLargeError'), 413)(scope, receive, send)
         seen = 0
+
         async def counted():
             nonlocal seen
             msg = await receive()
             seen += len(msg.get('body', b''))
-            if seen > self.limit: raise HTTPException(413, self.message())
+            if seen > self.limit:
+                raise HTTPException(413, self.message())
             return msg
+
         await self.app(scope, counted, send)
 
 # %% ../../../nbs/69_request_checks.ipynb #5ddd1929
 class APIKey:
     "ASGI middleware: `Authorization: Bearer <key>` on the API and profiling routes (not /health, /metrics, the UI)."
+
     PATHS = ('/v1', '/tokenize', '/detokenize', '/start_profile', '/stop_profile')
-    def __init__(self, app, key: str): self.app, self.key = app, key.encode()
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(self.PATHS):
             scheme, _, token = dict(scope['headers']).get(b'authorization', b'').partition(b' ')
             if scheme.lower() != b'bearer' or not hmac.compare_digest(token.strip(), self.key):
-                body = error_body('Invalid or missing API key (send "Authorization: Bearer <key>")', 'AuthenticationError',
-                                  code='invalid_api_key')
+                body = error_body(
+                    'Invalid or missing API key (send "Authorization: Bearer <key>")',
+                    'AuthenticationError',
+                    code='invalid_api_key',
+                )
                 return await JSONResponse(body, 401)(scope, receive, send)
         await self.app(scope, receive, send)

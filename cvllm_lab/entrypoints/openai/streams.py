@@ -6,13 +6,15 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/streams.html.md"""
 
 # %% ../../../nbs/76_streams.ipynb #cebf265f
 from __future__ import annotations
-import asyncio, logging
+import asyncio
+import logging
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from ...engine.async_llm_engine import EngineError, EngineDeadError, RequestStream
 from ...engine.llm_engine import RequestOutput
-from .protocol import error_body, sse
+from .protocol import sse
+from .request_checks import error_body
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
@@ -22,66 +24,100 @@ __all__ = ['log', 'SSEResponse', 'ClientGone', 'stream_error', 'unless_disconnec
 # %% ../../../nbs/76_streams.ipynb #dea53bf3
 class SSEResponse(StreamingResponse):
     "Server-sent events that stop (cancelling the generator) as soon as the client disconnects; `on_close` always runs."
+
     def __init__(self, content, on_close=None):
-        super().__init__(content, media_type='text/event-stream', headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'})
+        super().__init__(
+            content, media_type='text/event-stream', headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
             async with anyio.create_task_group() as tg:
+
                 async def run():
-                    try: await self.stream_response(send)
-                    except OSError: pass
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
                     tg.cancel_scope.cancel()
+
                 tg.start_soon(run)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
-            if self.on_close: self.on_close()
+            if self.on_close:
+                self.on_close()
 
-class ClientGone(Exception): pass
+
+class ClientGone(Exception):
+    pass
+
 
 def stream_error(e: Exception) -> str:
     "The last event of a stream that failed after it started (503 when the engine core is gone, else 500)."
-    if isinstance(e, EngineDeadError): return sse(error_body(str(e), 'ServiceUnavailable', code=503))
-    if not isinstance(e, EngineError): log.exception("Stream failed")
-    return sse(error_body(str(e) if isinstance(e, EngineError) else f"Internal server error: {e!r}", 'InternalServerError'))
+    if isinstance(e, EngineDeadError):
+        return sse(error_body(str(e), 'ServiceUnavailable', code=503))
+    if not isinstance(e, EngineError):
+        log.exception('Stream failed')
+    return sse(
+        error_body(str(e) if isinstance(e, EngineError) else f'Internal server error: {e!r}', 'InternalServerError')
+    )
+
 
 async def unless_disconnected(request: Request, coro):
     "Await `coro`; if the client disconnects first, cancel it and raise `ClientGone`."
+
     async def gone():
-        while (await request.receive())['type'] != 'http.disconnect': pass
+        while (await request.receive())['type'] != 'http.disconnect':
+            pass
+
     task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
-    try: await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not task.done(): task.cancel()
-    if task.cancelled(): raise ClientGone()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientGone()
     return task.result()
+
 
 async def last_output(stream: RequestStream) -> RequestOutput:
     out = None
-    async for out in stream: pass
+    async for out in stream:
+        pass
     return out
+
 
 async def merge_streams(streams: list[RequestStream]):
     "`(i, output)` from several streams as they arrive."
     if len(streams) == 1:
-        async for out in streams[0]: yield 0, out
+        async for out in streams[0]:
+            yield 0, out
         return
     q: asyncio.Queue = asyncio.Queue()
+
     async def pump(i, s):
         try:
-            async for out in s: q.put_nowait((i, out))
-        except Exception as e: q.put_nowait((i, e))
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:
+            q.put_nowait((i, e))
         q.put_nowait((i, None))
+
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(streams)
         while left:
             i, item = await q.get()
-            if item is None: left -= 1
-            elif isinstance(item, Exception): raise item
-            else: yield i, item
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
     finally:
-        for t in tasks: t.cancel()
+        for t in tasks:
+            t.cancel()

@@ -6,10 +6,12 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/structured.html.md"""
 
 # %% ../../../nbs/73_structured.ipynb #36b6592d
 from __future__ import annotations
-import json, logging
+import json
+import logging
 import numpy as np
 import torch
-import llguidance, llguidance.hf
+import llguidance
+import llguidance.hf
 from .protocol import ResponseFormat
 
 log = logging.getLogger(__name__)
@@ -21,9 +23,11 @@ __all__ = ['log', 'JSON_OBJECT_SCHEMA', 'STRUCTURED_KINDS', 'll_tokenizer', 'bou
 # %% ../../../nbs/73_structured.ipynb #1e01324f
 _LL_TOKENIZERS: dict = {}
 
+
 def ll_tokenizer(tokenizer, eos_token_ids: int | list[int] | None = None) -> llguidance.LLTokenizer:
     "llguidance's view of a Hugging Face fast tokenizer (cached per tokenizer and EOS set; building takes ~0.3 s)."
-    if isinstance(tokenizer, llguidance.LLTokenizer): return tokenizer
+    if isinstance(tokenizer, llguidance.LLTokenizer):
+        return tokenizer
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
     key = (id(tokenizer), tuple(eos))
     hit = _LL_TOKENIZERS.get(key)
@@ -31,82 +35,133 @@ def ll_tokenizer(tokenizer, eos_token_ids: int | list[int] | None = None) -> llg
         hit = _LL_TOKENIZERS[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, eos_token=eos or None))
     return hit[1]
 
+
 def _as_dict(x) -> dict | None:
     return x.model_dump(by_alias=True) if isinstance(x, ResponseFormat) else x
 
-_INT_BOUNDS = {"minimum": -(10**16 - 1), "maximum": 10**16 - 1}          # at most 16 digits, as llama.cpp
-_NUM_BOUNDS = {"minimum": -1e16, "maximum": 1e16, "multipleOf": 1e-10}   # 16 integral, at most 10 fractional digits
-_DATA_KEYS = ("const", "enum", "default", "examples")                   # values, not schemas: left alone
+
+_INT_BOUNDS = {'minimum': -(10**16 - 1), 'maximum': 10**16 - 1}  # at most 16 digits, as llama.cpp
+_NUM_BOUNDS = {'minimum': -1e16, 'maximum': 1e16, 'multipleOf': 1e-10}  # 16 integral, at most 10 fractional digits
+_DATA_KEYS = ('const', 'enum', 'default', 'examples')  # values, not schemas: left alone
+
 
 def bound_numbers(schema):
     "A copy of a JSON schema where every `integer`/`number` without bounds of its own gets bounded digits."
-    if isinstance(schema, list): return [bound_numbers(s) for s in schema]
-    if not isinstance(schema, dict): return schema
+    if isinstance(schema, list):
+        return [bound_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
     out = {k: v if k in _DATA_KEYS else bound_numbers(v) for k, v in schema.items()}
-    t = schema.get("type")
+    t = schema.get('type')
     types = t if isinstance(t, list) else [t]
-    if "integer" in types or "number" in types:
-        bounds = _NUM_BOUNDS if "number" in types else _INT_BOUNDS
-        if "minimum" not in schema and "exclusiveMinimum" not in schema: out["minimum"] = bounds["minimum"]
-        if "maximum" not in schema and "exclusiveMaximum" not in schema: out["maximum"] = bounds["maximum"]
-        if "multipleOf" in bounds and "multipleOf" not in schema: out["multipleOf"] = bounds["multipleOf"]
+    if 'integer' in types or 'number' in types:
+        bounds = _NUM_BOUNDS if 'number' in types else _INT_BOUNDS
+        if 'minimum' not in schema and 'exclusiveMinimum' not in schema:
+            out['minimum'] = bounds['minimum']
+        if 'maximum' not in schema and 'exclusiveMaximum' not in schema:
+            out['maximum'] = bounds['maximum']
+        if 'multipleOf' in bounds and 'multipleOf' not in schema:
+            out['multipleOf'] = bounds['multipleOf']
     return out
 
-_ANY = {"$ref": "#/$defs/value"}
-JSON_OBJECT_SCHEMA = bound_numbers({"type": "object", "additionalProperties": _ANY, "$defs": {"value": {"anyOf": [
-    {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
-    {"type": "array", "items": _ANY}, {"type": "object", "additionalProperties": _ANY}]}}})
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")   # vLLM's structured_outputs fields we build
+_ANY = {'$ref': '#/$defs/value'}
+JSON_OBJECT_SCHEMA = bound_numbers(
+    {
+        'type': 'object',
+        'additionalProperties': _ANY,
+        '$defs': {
+            'value': {
+                'anyOf': [
+                    {'type': 'string'},
+                    {'type': 'integer'},
+                    {'type': 'number'},
+                    {'type': 'boolean'},
+                    {'type': 'null'},
+                    {'type': 'array', 'items': _ANY},
+                    {'type': 'object', 'additionalProperties': _ANY},
+                ]
+            }
+        },
+    }
+)
+
+STRUCTURED_KINDS = ('json', 'json_object', 'regex', 'choice', 'grammar')  # vLLM's structured_outputs fields we build
+
 
 def _spec(response_format, tool_schema, structured) -> dict | None:
     "The one constraint of a request as `{kind: value}` (vLLM's structured_outputs form), or None."
     rf = _as_dict(response_format)
-    kind = (rf or {}).get("type", "text")
-    if kind == "json_schema":
-        schema = (rf.get("json_schema") or {}).get("schema")
-        if schema is None: raise ValueError("response_format json_schema needs json_schema.schema")
-        rf = {"json": schema}
-    elif kind == "json_object": rf = {"json_object": True}
-    elif kind == "text": rf = None
-    else: raise ValueError(f"unsupported response_format type {kind!r}")
+    kind = (rf or {}).get('type', 'text')
+    if kind == 'json_schema':
+        schema = (rf.get('json_schema') or {}).get('schema')
+        if schema is None:
+            raise ValueError('response_format json_schema needs json_schema.schema')
+        rf = {'json': schema}
+    elif kind == 'json_object':
+        rf = {'json_object': True}
+    elif kind == 'text':
+        rf = None
+    else:
+        raise ValueError(f'unsupported response_format type {kind!r}')
     given = [x for x in (rf, structured) if x]
     if tool_schema is not None:
-        if given: raise ValueError("response_format or structured outputs can't be combined with a tool_choice that forces a tool call")
-        return {"json": tool_schema}
-    if len(given) > 1: raise ValueError("give one of response_format and structured outputs (guided_*), not both")
+        if given:
+            raise ValueError(
+                "response_format or structured outputs can't be combined with a tool_choice that forces a tool call"
+            )
+        return {'json': tool_schema}
+    if len(given) > 1:
+        raise ValueError('give one of response_format and structured outputs (guided_*), not both')
     spec = {k: v for k, v in (given[0] if given else {}).items() if v is not None and v is not False}
     if len(spec) > 1 or (spec and next(iter(spec)) not in STRUCTURED_KINDS):
-        raise ValueError(f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got {sorted(spec)}")
+        raise ValueError(f'structured outputs take exactly one of {", ".join(STRUCTURED_KINDS)}; got {sorted(spec)}')
     return spec or None
 
-def grammar_for(response_format=None, tool_schema: dict | None = None, whitespace_flexible: bool = False,
-                structured: dict | None = None) -> str | None:
+
+def grammar_for(
+    response_format=None,
+    tool_schema: dict | None = None,
+    whitespace_flexible: bool = False,
+    structured: dict | None = None,
+) -> str | None:
     "The llguidance grammar for a request's `response_format`, forced-tool schema or vLLM structured outputs, or None."
     spec = _spec(response_format, tool_schema, structured)
-    if spec is None: return None
-    (kind, value), = spec.items()
-    if kind == "regex": return llguidance.LLMatcher.grammar_from_regex(value)
-    if kind == "grammar": return llguidance.LLMatcher.grammar_from_lark(value)
-    if kind == "choice":
-        if not value or not all(isinstance(c, str) and c for c in value): raise ValueError("choice needs non-empty strings")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
-    if kind == "json_object": schema = JSON_OBJECT_SCHEMA
+    if spec is None:
+        return None
+    ((kind, value),) = spec.items()
+    if kind == 'regex':
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == 'grammar':
+        return llguidance.LLMatcher.grammar_from_lark(value)
+    if kind == 'choice':
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError('choice needs non-empty strings')
+        return llguidance.LLMatcher.grammar_from_lark('start: ' + ' | '.join(json.dumps(c) for c in value))
+    if kind == 'json_object':
+        schema = JSON_OBJECT_SCHEMA
     else:
-        try: schema = json.loads(value) if isinstance(value, str) else value
-        except ValueError as e: raise ValueError(f"invalid JSON schema: {e}") from None
-    opts = {"whitespace_flexible": whitespace_flexible}
-    if not whitespace_flexible: opts.update(item_separator=", ", key_separator=": ")
-    try: return llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=opts)
-    except (ValueError, TypeError) as e: raise ValueError(f"invalid JSON schema: {e}") from None
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except ValueError as e:
+            raise ValueError(f'invalid JSON schema: {e}') from None
+    opts = {'whitespace_flexible': whitespace_flexible}
+    if not whitespace_flexible:
+        opts.update(item_separator=', ', key_separator=': ')
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=opts)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f'invalid JSON schema: {e}') from None
 
 # %% ../../../nbs/73_structured.ipynb #829f6c8e
 class GrammarLogitsProcessor:
     "Sets the logits of tokens the grammar disallows next to -inf; `(output_token_ids, logits_row) -> logits_row`."
+
     def __init__(self, ll_tok: llguidance.LLTokenizer, grammar: str):
         self.ll_tok, self.grammar = ll_tok, grammar
         self.matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
-        if self.matcher.is_error(): raise ValueError(f"invalid grammar: {self.matcher.get_error()}")
+        if self.matcher.is_error():
+            raise ValueError(f'invalid grammar: {self.matcher.get_error()}')
         self.tokens: list[int] = []
 
     def clone(self) -> GrammarLogitsProcessor:
@@ -117,15 +172,16 @@ class GrammarLogitsProcessor:
         n = len(self.tokens)
         if len(ids) < n or ids[:n] != self.tokens:
             k = 0
-            while k < min(n, len(ids)) and ids[k] == self.tokens[k]: k += 1
+            while k < min(n, len(ids)) and ids[k] == self.tokens[k]:
+                k += 1
             if not self.matcher.rollback(n - k) or self.matcher.is_error():
                 self.matcher = llguidance.LLMatcher(self.ll_tok, self.grammar, log_level=0)
                 self.matcher.consume_tokens(ids[:k])
             del self.tokens[k:]
-        new = ids[len(self.tokens):]
+        new = ids[len(self.tokens) :]
         if new:
             if not self.matcher.consume_tokens(new):
-                log.warning("grammar rejected generated tokens %s: %s", new, self.matcher.get_error())
+                log.warning('grammar rejected generated tokens %s: %s', new, self.matcher.get_error())
             self.tokens.extend(new)
 
     def allowed(self, n: int) -> np.ndarray:
@@ -134,7 +190,7 @@ class GrammarLogitsProcessor:
             ok = np.zeros(n, dtype=bool)
             ok[[t for t in self.ll_tok.eos_tokens if t < n]] = True
             return ok
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder='little')
         ok = np.zeros(n, dtype=bool)
         m = min(n, self.ll_tok.vocab_size)
         ok[:m] = bits[:m]
@@ -143,44 +199,60 @@ class GrammarLogitsProcessor:
     def __call__(self, output_token_ids, logits: torch.Tensor) -> torch.Tensor:
         self._sync(list(output_token_ids))
         bad = torch.from_numpy(~self.allowed(logits.shape[-1]))
-        return logits.masked_fill_(bad.to(logits.device, non_blocking=True), float("-inf"))
+        return logits.masked_fill_(bad.to(logits.device, non_blocking=True), float('-inf'))
 
     def is_terminated(self) -> bool:
         "True once the grammar is complete (only EOS may follow) or has failed."
         return self.matcher.is_stopped()
 
 # %% ../../../nbs/73_structured.ipynb #85962d14
-def make_logits_processor(tokenizer, response_format=None, tool_schema: dict | None = None, *,
-                          eos_token_ids: int | list[int] | None = None, whitespace_flexible: bool = False,
-                          structured: dict | None = None) -> GrammarLogitsProcessor | None:
+def make_logits_processor(
+    tokenizer,
+    response_format=None,
+    tool_schema: dict | None = None,
+    *,
+    eos_token_ids: int | list[int] | None = None,
+    whitespace_flexible: bool = False,
+    structured: dict | None = None,
+) -> GrammarLogitsProcessor | None:
     "A processor constraining the output to `response_format`, `tool_schema` or `structured`, or None if nothing is constrained."
     grammar = grammar_for(response_format, tool_schema, whitespace_flexible, structured)
-    if grammar is None: return None
+    if grammar is None:
+        return None
     ll_tok = ll_tokenizer(tokenizer, eos_token_ids)
     err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
-    what = "JSON schema" if tool_schema is not None or not structured or {"json", "json_object"} & set(structured) else \
-        next(k for k in STRUCTURED_KINDS if structured.get(k))
-    if err: raise ValueError(f"invalid {what}: {msgs[0] if msgs else 'unknown error'}")
+    what = (
+        'JSON schema'
+        if tool_schema is not None or not structured or {'json', 'json_object'} & set(structured)
+        else next(k for k in STRUCTURED_KINDS if structured.get(k))
+    )
+    if err:
+        raise ValueError(f'invalid {what}: {msgs[0] if msgs else "unknown error"}')
     return GrammarLogitsProcessor(ll_tok, grammar)
+
 
 class TokenBiasProcessor:
     "vLLM's `logit_bias` (added to those tokens' logits) and `allowed_token_ids` (every other token -inf); stateless."
+
     def __init__(self, logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None):
         self.bias = dict(logit_bias or {})
         self.allowed = sorted(set(allowed_token_ids)) if allowed_token_ids else None
-        self._dev = {}   # device -> (bias ids, bias values, allowed ids) tensors
+        self._dev = {}  # device -> (bias ids, bias values, allowed ids) tensors
 
     def _tensors(self, dev):
         if dev not in self._dev:
-            self._dev[dev] = (torch.tensor(list(self.bias), dtype=torch.long, device=dev),
-                              torch.tensor(list(self.bias.values()), dtype=torch.float32, device=dev),
-                              None if self.allowed is None else torch.tensor(self.allowed, dtype=torch.long, device=dev))
+            self._dev[dev] = (
+                torch.tensor(list(self.bias), dtype=torch.long, device=dev),
+                torch.tensor(list(self.bias.values()), dtype=torch.float32, device=dev),
+                None if self.allowed is None else torch.tensor(self.allowed, dtype=torch.long, device=dev),
+            )
         return self._dev[dev]
 
     def __call__(self, output_token_ids, logits: torch.Tensor) -> torch.Tensor:
         ids, vals, allowed = self._tensors(logits.device)
         if allowed is not None:
             keep = logits[..., allowed].clone()
-            logits.fill_(float("-inf"))[..., allowed] = keep
-        if len(ids): logits[..., ids] += vals.to(logits.dtype)
+            logits.fill_(float('-inf'))[..., allowed] = keep
+        if len(ids):
+            logits[..., ids] += vals.to(logits.dtype)
         return logits

@@ -6,28 +6,44 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/tool_parsers.html.md"""
 
 # %% ../../../nbs/71_tool_parsers.ipynb #db4de767
 from __future__ import annotations
-import ast, json, random, re, string
+import ast
+import json
+import random
+import re
+import string
 from dataclasses import dataclass
-from .protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                        NamedToolChoice, Tool, ToolCall, random_id)
+from cvllm_lab.entrypoints.openai.protocol import (
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    random_id,
+)
 
 # %% auto #0
 __all__ = ['TOOL_PARSERS', 'ToolParser', 'StreamingToolParser', 'HermesToolParser', 'QwenCoderToolParser', 'MistralToolParser',
            'LlamaToolParser', 'JsonToolParser', 'get_tool_parser', 'tool_choice_schema']
 
 # %% ../../../nbs/71_tool_parsers.ipynb #66f09ac1
-_WS = re.compile(r"\s*")
+_WS = re.compile(r'\s*')
 _STR = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _STR_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)
 _BRACKET = re.compile(r'[{}\[\]"]')
 _SCALAR = re.compile(r'[^,{}\[\]\s:"]*')
-_ARG_KEYS = ("arguments", "parameters")
+_ARG_KEYS = ('arguments', 'parameters')
 
-def _ws(s: str, i: int) -> int: return _WS.match(s, i).end()
+
+def _ws(s: str, i: int) -> int:
+    return _WS.match(s, i).end()
+
 
 def _value_end(s: str, i: int, final: bool, memo: dict | None = None) -> int | None:
     "End of the JSON value starting at `s[i]`, or None while `s` may still continue it."
-    if i >= len(s): return None
+    if i >= len(s):
+        return None
     if s[i] not in '"{[':
         e = _SCALAR.match(s, i).end()
         return e if e > i and (e < len(s) or final) else None
@@ -35,51 +51,73 @@ def _value_end(s: str, i: int, final: bool, memo: dict | None = None) -> int | N
     while True:
         if in_str:
             j = _STR_BODY.match(s, j).end()
-            if j >= len(s) or s[j] != '"': break      # the text ends inside the string (maybe after a backslash)
+            if j >= len(s) or s[j] != '"':
+                break  # the text ends inside the string (maybe after a backslash)
             j, in_str = j + 1, False
-            if depth == 0: return j
+            if depth == 0:
+                return j
             continue
         m = _BRACKET.search(s, j)
         if not m:
-            j = len(s); break
+            j = len(s)
+            break
         j = m.end()
-        if m.group() == '"': in_str = True; continue
-        depth += 1 if m.group() in "{[" else -1
-        if depth == 0: return j
-    if memo is not None: memo[i] = (j, depth, in_str)
+        if m.group() == '"':
+            in_str = True
+            continue
+        depth += 1 if m.group() in '{[' else -1
+        if depth == 0:
+            return j
+    if memo is not None:
+        memo[i] = (j, depth, in_str)
     return None
+
 
 def _find(s: str, sub: str, i: int, memo: dict | None = None) -> int:
     "`s.find(sub, i)`, resuming where a call on a shorter prefix of `s` stopped when given the same `memo`."
-    if memo is None: return s.find(sub, i)
+    if memo is None:
+        return s.find(sub, i)
     k = s.find(sub, memo.get((sub, i), i))
-    if k < 0: memo[(sub, i)] = max(i, len(s) - len(sub) + 1)
+    if k < 0:
+        memo[(sub, i)] = max(i, len(s) - len(sub) + 1)
     return k
+
 
 def _partial_marker_at(text: str, markers) -> int:
     "Where a tail of `text` that is a proper prefix of one of `markers` starts (`len(text)` if none)."
     cut = len(text)
     for m in markers:
         for k in range(min(len(m) - 1, len(text)), 0, -1):
-            if text.endswith(m[:k]): cut = min(cut, len(text) - k); break
+            if text.endswith(m[:k]):
+                cut = min(cut, len(text) - k)
+                break
     return cut
+
 
 def _hold(text: str, markers, final: bool) -> str:
     "`text` without a tail that may still become one of `markers` (all of it when `final`)."
-    return text if final else text[:_partial_marker_at(text, markers)]
+    return text if final else text[: _partial_marker_at(text, markers)]
+
 
 @dataclass
 class _Call:
     "A tool call as scanned so far: `name` once complete, `args` (JSON text) growing, `done` when closed."
+
     name: str | None = None
-    args: str = ""
+    args: str = ''
     done: bool = False
     id: str | None = None
 
+
 def _valid(c: _Call) -> bool:
-    if not (c.done and isinstance(c.name, str) and c.name): return False
-    try: json.loads(c.args); return True
-    except ValueError: return False
+    if not (c.done and isinstance(c.name, str) and c.name):
+        return False
+    try:
+        json.loads(c.args)
+        return True
+    except ValueError:
+        return False
+
 
 def _parse_call(s: str, i: int, final: bool, memo: dict | None = None) -> tuple[_Call | None, int | None]:
     """Scan the call object that starts at `s[i] == "{"`. Returns `(call, end)`: `end` is None while the
@@ -87,84 +125,111 @@ def _parse_call(s: str, i: int, final: bool, memo: dict | None = None) -> tuple[
     call, j, first, has_args = _Call(), i + 1, True, False
     while True:
         j = _ws(s, j)
-        if j >= len(s): return call, None
-        if s[j] == "}":
-            if call.name is None: return None, j + 1
-            if not has_args: call.args = "{}"
+        if j >= len(s):
+            return call, None
+        if s[j] == '}':
+            if call.name is None:
+                return None, j + 1
+            if not has_args:
+                call.args = '{}'
             call.done = True
             return call, j + 1
         if not first:
-            if s[j] != ",": return None, j
+            if s[j] != ',':
+                return None, j
             j = _ws(s, j + 1)
-            if j >= len(s): return call, None
-        if s[j] != '"': return None, j
+            if j >= len(s):
+                return call, None
+        if s[j] != '"':
+            return None, j
         m = _STR.match(s, j)
-        if not m: return call, None
+        if not m:
+            return call, None
         key = json.loads(m.group())
-        if first and key != "name" and key not in _ARG_KEYS: return None, j
+        if first and key != 'name' and key not in _ARG_KEYS:
+            return None, j
         first = False
         j = _ws(s, m.end())
-        if j >= len(s): return call, None
-        if s[j] != ":": return None, j
+        if j >= len(s):
+            return call, None
+        if s[j] != ':':
+            return None, j
         j = _ws(s, j + 1)
         e = _value_end(s, j, final, memo)
         if key in _ARG_KEYS:
             if e is None:
-                if j < len(s) and s[j] in "{[": call.args = s[j:]
+                if j < len(s) and s[j] in '{[':
+                    call.args = s[j:]
                 return call, None
             v = s[j:e]
             call.args, has_args = (json.loads(v) if v[0] == '"' else v), True
-        elif key == "name":
-            if e is None: return call, None
-            try: name = json.loads(s[j:e])
-            except ValueError: return None, e
-            if not isinstance(name, str): return None, e
+        elif key == 'name':
+            if e is None:
+                return call, None
+            try:
+                name = json.loads(s[j:e])
+            except ValueError:
+                return None, e
+            if not isinstance(name, str):
+                return None, e
             call.name = name
-        elif e is None: return call, None
+        elif e is None:
+            return call, None
         j = e
 
 # %% ../../../nbs/71_tool_parsers.ipynb #db70df55
 class _Trim:
     "Streams `text.strip()` of a text that arrives in pieces."
-    def __init__(self): self.started, self.held = False, ""
+
+    def __init__(self):
+        self.started, self.held = False, ''
+
     def push(self, s: str) -> str:
         if not self.started:
             s = s.lstrip()
-            if not s: return ""
+            if not s:
+                return ''
             self.started = True
         s = self.held + s
         body = s.rstrip()
-        self.held = s[len(body):]
+        self.held = s[len(body) :]
         return body
+
 
 class ToolParser:
     "Base of the tool-call parsers: a format implements `scan`; `tools` (OpenAI tool dicts or `Tool`s) are optional."
+
     markers: tuple[str, ...] = ()  # text that opens markup (held back while it may be arriving)
 
     def __init__(self, tools=None):
         self.tools = [t.model_dump() if isinstance(t, Tool) else t for t in tools or []]
-        self.schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
+        self.schemas = {t['function']['name']: t['function'].get('parameters') or {} for t in self.tools}
 
     def scan(self, text: str, final: bool, memo: dict | None = None) -> tuple[str, list[_Call]]:
         """Text outside tool-call markup and the calls so far (monotone while not `final`; only valid calls when
         `final`). `memo` is a dict the caller keeps while `text` grows, so that scans resume where they stopped."""
         raise NotImplementedError
 
-    def new_id(self) -> str: return random_id("call_", 24)
+    def new_id(self) -> str:
+        return random_id('call_', 24)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         "`(content, tool_calls)` of a finished generation."
         content, calls = self.scan(text, final=True)
-        return content.strip() or None, [ToolCall(id=c.id or self.new_id(), function=FunctionCall(name=c.name, arguments=c.args))
-                                         for c in calls]
+        return content.strip() or None, [
+            ToolCall(id=c.id or self.new_id(), function=FunctionCall(name=c.name, arguments=c.args)) for c in calls
+        ]
 
-    def stream(self) -> StreamingToolParser: return StreamingToolParser(self)
+    def stream(self) -> StreamingToolParser:
+        return StreamingToolParser(self)
+
 
 class StreamingToolParser:
     "Turns streamed text into OpenAI content and tool-call deltas, never emitting markup or part of it."
+
     def __init__(self, parser: ToolParser | str, tools=None):
         self.parser = get_tool_parser(parser, tools) if isinstance(parser, str) else parser
-        self.text, self._trim, self._n_content, self._sent, self._memo = "", _Trim(), 0, [], {}
+        self.text, self._trim, self._n_content, self._sent, self._memo = '', _Trim(), 0, [], {}
         self.tool_calls: list[ToolCall] = []
 
     def feed(self, delta_text: str) -> list[DeltaMessage]:
@@ -177,31 +242,51 @@ class StreamingToolParser:
         return self._emit(*self.parser.scan(self.text, True, self._memo))
 
     @property
-    def has_tool_calls(self) -> bool: return bool(self.tool_calls)
+    def has_tool_calls(self) -> bool:
+        return bool(self.tool_calls)
 
     def _emit(self, content: str, calls: list[_Call]) -> list[DeltaMessage]:
         out = []
         if len(content) > self._n_content:
-            piece = self._trim.push(content[self._n_content:])
+            piece = self._trim.push(content[self._n_content :])
             self._n_content = len(content)
-            if piece: out.append(DeltaMessage(content=piece))
+            if piece:
+                out.append(DeltaMessage(content=piece))
         for i, c in enumerate(calls):
             if i == len(self._sent):
-                if c.name is None: break
+                if c.name is None:
+                    break
                 tc = ToolCall(id=c.id or self.parser.new_id(), function=FunctionCall(name=c.name, arguments=c.args))
-                self.tool_calls.append(tc); self._sent.append(c.args)
-                out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tc.id, type="function",
-                                                                  function=DeltaFunctionCall(name=c.name, arguments=c.args))]))
+                self.tool_calls.append(tc)
+                self._sent.append(c.args)
+                out.append(
+                    DeltaMessage(
+                        tool_calls=[
+                            DeltaToolCall(
+                                index=i,
+                                id=tc.id,
+                                type='function',
+                                function=DeltaFunctionCall(name=c.name, arguments=c.args),
+                            )
+                        ]
+                    )
+                )
             elif c.args != self._sent[i] and c.args.startswith(self._sent[i]):
-                out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=DeltaFunctionCall(
-                    arguments=c.args[len(self._sent[i]):]))]))
+                out.append(
+                    DeltaMessage(
+                        tool_calls=[
+                            DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=c.args[len(self._sent[i]) :]))
+                        ]
+                    )
+                )
                 self._sent[i] = self.tool_calls[i].function.arguments = c.args
         return out
 
 # %% ../../../nbs/71_tool_parsers.ipynb #ba04c0fd
 class HermesToolParser(ToolParser):
-    "`<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>` (Hermes, Qwen2.5, Qwen3)."
-    start, end = "<tool_call>", "</tool_call>"
+    '`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen2.5, Qwen3).'
+
+    start, end = '<tool_call>', '</tool_call>'
     markers = (start,)
 
     def scan(self, text, final, memo=None):
@@ -209,87 +294,129 @@ class HermesToolParser(ToolParser):
         while True:
             k = _find(text, self.start, pos, memo)
             if k < 0:
-                content.append(_hold(text[pos:], self.markers, final)); break
+                content.append(_hold(text[pos:], self.markers, final))
+                break
             content.append(text[pos:k])
             j = _ws(text, k + len(self.start))
             if j >= len(text):
-                if final: content.append(text[k:])
+                if final:
+                    content.append(text[k:])
                 break
-            call, end = _parse_call(text, j, final, memo) if text[j] == "{" else (None, j)
+            call, end = _parse_call(text, j, final, memo) if text[j] == '{' else (None, j)
             if call is None or (final and (end is None or not _valid(call))):
-                content.append(text[k:]); break             # not a (complete) call: keep it as text
+                content.append(text[k:])
+                break  # not a (complete) call: keep it as text
             calls.append(call)
-            if end is None: break
+            if end is None:
+                break
             e = _ws(text, end)
-            if text.startswith(self.end, e): pos = e + len(self.end)
-            elif not final and self.end.startswith(text[e:]): break
-            else: pos = e
-        return "".join(content), calls
+            if text.startswith(self.end, e):
+                pos = e + len(self.end)
+            elif not final and self.end.startswith(text[e:]):
+                break
+            else:
+                pos = e
+        return ''.join(content), calls
 
 # %% ../../../nbs/71_tool_parsers.ipynb #4c330b14
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+_JSON_TYPES = {str: 'string', int: 'integer', float: 'number', bool: 'boolean', dict: 'object', list: 'array'}
+
 
 def _types(schema: dict) -> set[str]:
     "The JSON types a schema allows (from `type`, `anyOf`/`oneOf`, or the values of `enum`)."
-    t = schema.get("type")
+    t = schema.get('type')
     ts = set(t) if isinstance(t, list) else {t} if t else set()
-    for sub in schema.get("anyOf", []) + schema.get("oneOf", []): ts |= _types(sub)
-    if not ts and "enum" in schema: ts = {_JSON_TYPES.get(type(v), "null") for v in schema["enum"]}
+    for sub in schema.get('anyOf', []) + schema.get('oneOf', []):
+        ts |= _types(sub)
+    if not ts and 'enum' in schema:
+        ts = {_JSON_TYPES.get(type(v), 'null') for v in schema['enum']}
     return ts
+
 
 def _convert(value: str, schema: dict | None):
     "A `<parameter>` value converted to the JSON type its schema declares."
     ts = _types(schema or {})
     v = value.strip()
-    if "null" in ts and v.lower() in ("null", "none"): return None
-    if "string" in ts: return value
-    if "integer" in ts:
-        try: return int(v)
-        except ValueError: pass
-    if "number" in ts:
-        try: return int(v) if re.fullmatch(r"-?\d+", v) else float(v)
-        except ValueError: pass
-    if "boolean" in ts and v.lower() in ("true", "false"): return v.lower() == "true"
-    if ts and ts <= {"integer", "number", "boolean", "null"}: return value
-    try: return json.loads(v)
-    except ValueError: pass
-    try: return ast.literal_eval(v)
-    except (ValueError, SyntaxError, MemoryError, RecursionError): return value
+    if 'null' in ts and v.lower() in ('null', 'none'):
+        return None
+    if 'string' in ts:
+        return value
+    if 'integer' in ts:
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    if 'number' in ts:
+        try:
+            return int(v) if re.fullmatch(r'-?\d+', v) else float(v)
+        except ValueError:
+            pass
+    if 'boolean' in ts and v.lower() in ('true', 'false'):
+        return v.lower() == 'true'
+    if ts and ts <= {'integer', 'number', 'boolean', 'null'}:
+        return value
+    try:
+        return json.loads(v)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(v)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return value
+
 
 class QwenCoderToolParser(ToolParser):
     "`<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>` (Qwen3-Coder)."
-    wrap, wrap_end, fn, fn_end, par, par_end = "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>"
+
+    wrap, wrap_end, fn, fn_end, par, par_end = (
+        '<tool_call>',
+        '</tool_call>',
+        '<function=',
+        '</function>',
+        '<parameter=',
+        '</parameter>',
+    )
     markers = (wrap, fn)
 
     def _function(self, s, j, final, memo):
         "Scan one `<function=...>` element at `s[j]`: `(call, end)` as `_parse_call` returns."
         if not s.startswith(self.fn, j):
             return (_Call(), None) if not final and self.fn.startswith(s[j:]) else (None, j)
-        g = s.find(">", j)
-        if g < 0: return _Call(), None
-        call = _Call(name=s[j + len(self.fn):g].strip(), args="{")
-        props = self.schemas.get(call.name, {}).get("properties", {})
+        g = s.find('>', j)
+        if g < 0:
+            return _Call(), None
+        call = _Call(name=s[j + len(self.fn) : g].strip(), args='{')
+        props = self.schemas.get(call.name, {}).get('properties', {})
         j, n = g + 1, 0
         while True:
             j = _ws(s, j)
             if s.startswith(self.fn_end, j) or (final and j >= len(s)):
-                call.args += "}"; call.done = True
+                call.args += '}'
+                call.done = True
                 return call, min(j + len(self.fn_end), len(s))
             if s.startswith(self.par, j):
-                g = s.find(">", j)
-                if g < 0: return call, None
-                name, v0 = s[j + len(self.par):g].strip(), g + 1
+                g = s.find('>', j)
+                if g < 0:
+                    return call, None
+                name, v0 = s[j + len(self.par) : g].strip(), g + 1
                 ends = [e for e in (_find(s, self.par_end, v0, memo), _find(s, self.fn_end, v0, memo)) if e >= 0]
-                if not ends and not final: return call, None
+                if not ends and not final:
+                    return call, None
                 e = min(ends) if ends else len(s)
                 v = s[v0:e]
-                v = v[1:] if v.startswith("\n") else v
-                v = v[:-1] if v.endswith("\n") else v
-                call.args += (", " if n else "") + json.dumps(name) + ": " + json.dumps(_convert(v, props.get(name)), ensure_ascii=False)
+                v = v[1:] if v.startswith('\n') else v
+                v = v[:-1] if v.endswith('\n') else v
+                call.args += (
+                    (', ' if n else '')
+                    + json.dumps(name)
+                    + ': '
+                    + json.dumps(_convert(v, props.get(name)), ensure_ascii=False)
+                )
                 n += 1
                 j = e + len(self.par_end) if s.startswith(self.par_end, e) else e
                 continue
-            if not final and any(m.startswith(s[j:]) for m in (self.fn_end, self.par)): return call, None
+            if not final and any(m.startswith(s[j:]) for m in (self.fn_end, self.par)):
+                return call, None
             return None, j
 
     def scan(self, text, final, memo=None):
@@ -297,70 +424,94 @@ class QwenCoderToolParser(ToolParser):
         while True:
             ks = [k for k in (_find(text, m, pos, memo) for m in self.markers) if k >= 0]
             if not ks:
-                content.append(_hold(text[pos:], self.markers, final)); break
+                content.append(_hold(text[pos:], self.markers, final))
+                break
             k = min(ks)
             content.append(text[pos:k])
             wrapped = text.startswith(self.wrap, k)
             j = _ws(text, k + len(self.wrap)) if wrapped else k
             if j >= len(text):
-                if final: content.append(text[k:])
+                if final:
+                    content.append(text[k:])
                 break
             call, end = self._function(text, j, final, memo)
             if call is None or (final and not _valid(call)):
-                content.append(text[k:]); break
+                content.append(text[k:])
+                break
             calls.append(call)
-            if end is None: break
+            if end is None:
+                break
             e = _ws(text, end)
-            if wrapped and text.startswith(self.wrap_end, e): pos = e + len(self.wrap_end)
-            elif wrapped and not final and self.wrap_end.startswith(text[e:]): break
-            else: pos = e
-        return "".join(content), calls
+            if wrapped and text.startswith(self.wrap_end, e):
+                pos = e + len(self.wrap_end)
+            elif wrapped and not final and self.wrap_end.startswith(text[e:]):
+                break
+            else:
+                pos = e
+        return ''.join(content), calls
 
 # %% ../../../nbs/71_tool_parsers.ipynb #57c331a8
-_NAME = re.compile(r"[\w.\-]+")
+_NAME = re.compile(r'[\w.\-]+')
+
 
 def _call_list(s, j, final, calls, memo=None):
     "Scan a JSON list of calls at `s[j] == '['`, appending to `calls`: its end, None if incomplete, -1 if invalid."
     j, n = _ws(s, j + 1), 0
     while True:
-        if j >= len(s): return None
-        if s[j] == "]": return j + 1
+        if j >= len(s):
+            return None
+        if s[j] == ']':
+            return j + 1
         if n:
-            if s[j] != ",": return -1
+            if s[j] != ',':
+                return -1
             j = _ws(s, j + 1)
-            if j >= len(s): return None
-        if s[j] != "{": return -1
+            if j >= len(s):
+                return None
+        if s[j] != '{':
+            return -1
         call, end = _parse_call(s, j, final, memo)
-        if call is None or (final and (end is None or not _valid(call))): return -1
-        calls.append(call); n += 1
-        if end is None: return None
+        if call is None or (final and (end is None or not _valid(call))):
+            return -1
+        calls.append(call)
+        n += 1
+        if end is None:
+            return None
         j = _ws(s, end)
 
+
 class MistralToolParser(ToolParser):
-    "`[TOOL_CALLS][{\"name\": ..., \"arguments\": {...}}, ...]` or `[TOOL_CALLS]NAME[ARGS]{...}` (Mistral)."
-    start, args_tag, id_tag = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    '`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or `[TOOL_CALLS]NAME[ARGS]{...}` (Mistral).'
+
+    start, args_tag, id_tag = '[TOOL_CALLS]', '[ARGS]', '[CALL_ID]'
     markers = (start,)
 
-    def new_id(self) -> str: return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    def new_id(self) -> str:
+        return ''.join(random.choices(string.ascii_letters + string.digits, k=9))
 
     def _named(self, s, j, final, calls, memo=None):
         "Scan `NAME[CALL_ID]ID[ARGS]{...}` at `s[j]`, returning as `_call_list` does."
         a = _find(s, self.args_tag, j, memo)
-        if a < 0: return -1 if final else None
+        if a < 0:
+            return -1 if final else None
         name, _, cid = s[j:a].partition(self.id_tag)
         name, cid = name.strip(), cid.strip() or None
-        if not _NAME.fullmatch(name): return -1
+        if not _NAME.fullmatch(name):
+            return -1
         v = _ws(s, a + len(self.args_tag))
         e = _value_end(s, v, final, memo)
         call = _Call(name=name, id=cid)
         if e is None:
-            if final: return -1
-            if v < len(s) and s[v] in "{[": call.args = s[v:]
+            if final:
+                return -1
+            if v < len(s) and s[v] in '{[':
+                call.args = s[v:]
             calls.append(call)
             return None
         call.args = json.loads(s[v:e]) if s[v] == '"' else s[v:e]
         call.done = True
-        if final and not _valid(call): return -1
+        if final and not _valid(call):
+            return -1
         calls.append(call)
         return e
 
@@ -369,98 +520,146 @@ class MistralToolParser(ToolParser):
         while True:
             k = _find(text, self.start, pos, memo)
             if k < 0:
-                content.append(_hold(text[pos:], self.markers, final)); break
+                content.append(_hold(text[pos:], self.markers, final))
+                break
             content.append(text[pos:k])
             j = _ws(text, k + len(self.start))
             if j >= len(text):
-                if final: content.append(text[k:])
+                if final:
+                    content.append(text[k:])
                 break
             found = []
-            end = (_call_list if text[j] == "[" else self._named)(text, j, final, found, memo)
+            end = (_call_list if text[j] == '[' else self._named)(text, j, final, found, memo)
             if end == -1:
-                content.append(text[k:]); break
+                content.append(text[k:])
+                break
             calls += found
-            if end is None: break
+            if end is None:
+                break
             pos = end
-        return "".join(content), calls
+        return ''.join(content), calls
 
 # %% ../../../nbs/71_tool_parsers.ipynb #96cad116
 class LlamaToolParser(ToolParser):
-    "`<|python_tag|>{\"name\": ..., \"parameters\": {...}}; {...}` at the start of the output (Llama 3.1/3.2)."
-    tag = "<|python_tag|>"
+    '`<|python_tag|>{"name": ..., "parameters": {...}}; {...}` at the start of the output (Llama 3.1/3.2).'
+
+    tag = '<|python_tag|>'
     markers = (tag,)
 
-    def _known(self, name) -> bool: return not self.schemas or name in self.schemas
+    def _known(self, name) -> bool:
+        return not self.schemas or name in self.schemas
 
     def scan(self, text, final, memo=None):
         j = _ws(text, 0)
-        if not final and self.tag.startswith(text[j:]): return "", []
-        if text.startswith(self.tag, j): j = _ws(text, j + len(self.tag))
-        if j >= len(text): return ("" if not final else text[j:]), []
-        if text[j] != "{": return text, []
+        if not final and self.tag.startswith(text[j:]):
+            return '', []
+        if text.startswith(self.tag, j):
+            j = _ws(text, j + len(self.tag))
+        if j >= len(text):
+            return ('' if not final else text[j:]), []
+        if text[j] != '{':
+            return text, []
         calls = []
         while True:
             call, end = _parse_call(text, j, final, memo)
-            bad = (call is None or (call.name is not None and not self._known(call.name))
-                   or (final and (end is None or not _valid(call))))
-            if bad: return (text if not calls else text[j:]), calls
+            bad = (
+                call is None
+                or (call.name is not None and not self._known(call.name))
+                or (final and (end is None or not _valid(call)))
+            )
+            if bad:
+                return (text if not calls else text[j:]), calls
             calls.append(call)
-            if end is None: return "", calls
+            if end is None:
+                return '', calls
             j = _ws(text, end)
-            if j < len(text) and text[j] == ";":
+            if j < len(text) and text[j] == ';':
                 j = _ws(text, j + 1)
-                if j >= len(text): return "", calls
-                if text[j] == "{": continue
+                if j >= len(text):
+                    return '', calls
+                if text[j] == '{':
+                    continue
             return text[j:], calls
 
 # %% ../../../nbs/71_tool_parsers.ipynb #7ba3f890
 class JsonToolParser(ToolParser):
-    "The whole output is `{\"name\": ..., \"arguments\": {...}}` or a list of such objects."
+    'The whole output is `{"name": ..., "arguments": {...}}` or a list of such objects.'
+
     def scan(self, text, final, memo=None):
         j = _ws(text, 0)
-        if j >= len(text): return "", []
+        if j >= len(text):
+            return '', []
         calls = []
-        if text[j] == "[": end = _call_list(text, j, final, calls, memo)
-        elif text[j] == "{":
+        if text[j] == '[':
+            end = _call_list(text, j, final, calls, memo)
+        elif text[j] == '{':
             call, end = _parse_call(text, j, final, memo)
-            if call is None or (final and (end is None or not _valid(call))): end = -1
-            else: calls.append(call)
-        else: return text, []
-        if end == -1: return text, []
-        return ("" if end is None else text[end:]), calls
+            if call is None or (final and (end is None or not _valid(call))):
+                end = -1
+            else:
+                calls.append(call)
+        else:
+            return text, []
+        if end == -1:
+            return text, []
+        return ('' if end is None else text[end:]), calls
 
 # %% ../../../nbs/71_tool_parsers.ipynb #704aa6e9
-TOOL_PARSERS = {"json": JsonToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser,
-                "qwen_coder": QwenCoderToolParser, "qwen3_coder": QwenCoderToolParser, "mistral": MistralToolParser,
-                "llama": LlamaToolParser, "llama3_json": LlamaToolParser}
+TOOL_PARSERS = {
+    'json': JsonToolParser,
+    'hermes': HermesToolParser,
+    'qwen': HermesToolParser,
+    'qwen_coder': QwenCoderToolParser,
+    'qwen3_coder': QwenCoderToolParser,
+    'mistral': MistralToolParser,
+    'llama': LlamaToolParser,
+    'llama3_json': LlamaToolParser,
+}
+
 
 def get_tool_parser(name: str, tools=None) -> ToolParser:
     "The tool parser called `name`, knowing the request's `tools` (used for type conversion and name checks)."
-    if name not in TOOL_PARSERS: raise ValueError(f"unknown tool parser {name!r}; choose from {sorted(TOOL_PARSERS)}")
+    if name not in TOOL_PARSERS:
+        raise ValueError(f'unknown tool parser {name!r}; choose from {sorted(TOOL_PARSERS)}')
     return TOOL_PARSERS[name](tools)
 
 # %% ../../../nbs/71_tool_parsers.ipynb #24c318d6
-def _fn(t) -> dict: return (t.model_dump(exclude_none=True) if isinstance(t, Tool) else t)["function"]
+def _fn(t) -> dict:
+    return (t.model_dump(exclude_none=True) if isinstance(t, Tool) else t)['function']
+
 
 def tool_choice_schema(tools, tool_choice, parallel_tool_calls: bool = True) -> dict | None:
     "JSON schema that forces the output to be the tool call(s) `tool_choice` asks for, or None."
-    if isinstance(tool_choice, NamedToolChoice): tool_choice = tool_choice.model_dump()
-    if tool_choice in (None, "none", "auto"): return None
-    fns = {f["name"]: f for f in map(_fn, tools or [])}
+    if isinstance(tool_choice, NamedToolChoice):
+        tool_choice = tool_choice.model_dump()
+    if tool_choice in (None, 'none', 'auto'):
+        return None
+    fns = {f['name']: f for f in map(_fn, tools or [])}
     defs = {}
+
     def call_schema(f):
-        params = dict(f.get("parameters") or {"type": "object", "properties": {}})
-        defs.update(params.pop("$defs", {}))
-        return {"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]}, "arguments": params},
-                "required": ["name", "arguments"], "additionalProperties": False}
-    if tool_choice == "required":
-        if not fns: raise ValueError('tool_choice "required" needs at least one tool')
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [call_schema(f) for f in fns.values()]}}
-        if not parallel_tool_calls: schema["maxItems"] = 1
-    elif isinstance(tool_choice, dict) and tool_choice.get("type", "function") == "function":
-        name = tool_choice.get("function", {}).get("name")
-        if name not in fns: raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        params = dict(f.get('parameters') or {'type': 'object', 'properties': {}})
+        defs.update(params.pop('$defs', {}))
+        return {
+            'type': 'object',
+            'properties': {'name': {'type': 'string', 'enum': [f['name']]}, 'arguments': params},
+            'required': ['name', 'arguments'],
+            'additionalProperties': False,
+        }
+
+    if tool_choice == 'required':
+        if not fns:
+            raise ValueError('tool_choice "required" needs at least one tool')
+        schema = {'type': 'array', 'minItems': 1, 'items': {'anyOf': [call_schema(f) for f in fns.values()]}}
+        if not parallel_tool_calls:
+            schema['maxItems'] = 1
+    elif isinstance(tool_choice, dict) and tool_choice.get('type', 'function') == 'function':
+        name = tool_choice.get('function', {}).get('name')
+        if name not in fns:
+            raise ValueError(f'tool_choice names function {name!r}, which is not in tools')
         schema = call_schema(fns[name])
-    else: raise ValueError(f"unsupported tool_choice {tool_choice!r}")
-    if defs: schema["$defs"] = defs
+    else:
+        raise ValueError(f'unsupported tool_choice {tool_choice!r}')
+    if defs:
+        schema['$defs'] = defs
     return schema
