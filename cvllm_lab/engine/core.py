@@ -272,8 +272,8 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
 def abort_requests(self: EngineCore, request_ids):
     "Stop requests now and free their KV blocks."
     for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-        for r in self.parents.pop(rid, []):
-            self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+        kids = self.parents.pop(rid, [])
+        self.scheduler.finish_requests([r.request_id for r in kids], RequestStatus.FINISHED_ABORTED)
         self.sent.pop(rid, None)
     self._drop_stale_pending()
 

@@ -234,3 +234,11 @@ def finish(self: Scheduler, req: Request, status: RequestStatus):
         self.waiting.remove(req)
     self.kv.free(req)
     self.requests.pop(req.request_id, None)
+
+
+@patch
+def finish_requests(self: Scheduler, request_ids, status: RequestStatus):
+    "vLLM's batch form of `finish`: retire the requests with these ids; unknown or finished ones are skipped."
+    for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        if (r := self.requests.get(rid)) is not None:
+            self.finish(r, status)
