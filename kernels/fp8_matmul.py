@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.fp8_gemm import fp8_gemm, fp8_scaled_mm, gemm_bucket, scale_layout
+from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.fp8_layout import BLOCK, dequantize_fp8_block
+from cvllm_lab.kernels.matmul_invariant import matmul_invariant
 from cvllm_lab.kernels.split_k import batched_plan, m_bucket, split_for, split_k_workspace, store_out
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.tuned import configs_for
@@ -276,13 +278,18 @@ def fp8_matmul(x, weight, scale, N, K, backend=None, input_scale=None, scale_ub=
     (`torch._scaled_mm`), `w8a16` (`fp8_mm`, block layout, up to 128 rows). `backend` overrides the table.
     A checkpoint's activation scheme (channel layout): `input_scale`, a static per-tensor activation scale, or
     `scale_ub`, a bound on the per-token scales; either makes the W8A8 backends quantize x per token with it (the
-    GEMV rows keep x in 16 bits, as always)."""
+    GEMV rows keep x in 16 bits, as always). Batch-invariant mode (`batch_invariant`): `fp8_mm` (block layout) or
+    the weight dequantized into `matmul_invariant` (channel layout) at every M."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0:
         return x.new_empty(*lead, N)
     layout, _ = _check(weight, scale, N, K)
+    if batch_invariant() and backend is None:  # one kernel and one config at every M (no per-token activation scales)
+        if layout == 'block':
+            return fp8_mm(x2, weight, scale, N, K).reshape(*lead, N)
+        return matmul_invariant(x2, fp8_dequantize(weight, scale, x2.dtype)).reshape(*lead, N)
     if M <= configs_for('fp8_gemm', x.device)['dispatch'].get('gemv_max_m', 1) and backend is None:
         y = (
             torch.cat([fp8_gemv(r, weight, scale, N, K) for r in x2.split(1)])

@@ -37,6 +37,7 @@ __all__ = [
     'batch_invariant',
 ]
 from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
+from cvllm_lab.kernels.batch_invariant import batch_invariant, set_batch_invariant  # the mode's switch, kept here too
 
 
 @triton.jit
@@ -69,17 +70,6 @@ def store_out(y, optr, mask, wsp, cnt_ptr, SPLIT: tl.constexpr):
 
 
 _WS, _WS_ALL = {}, []
-_BATCH_INVARIANT = [False]
-
-
-def set_batch_invariant(on: bool):
-    "Batch-invariant mode for the split-K kernels of this process: no split-K, one row bucket for every M."
-    _BATCH_INVARIANT[0] = bool(on)
-
-
-def batch_invariant() -> bool:
-    "Whether `set_batch_invariant` turned the mode on."
-    return _BATCH_INVARIANT[0]
 
 
 def split_k_workspace(device, numel, ncounters):
@@ -120,7 +110,7 @@ def split_for(cfg, tiles, progs, multiple, device):
     """Splits of `tiles` K-tiles for a launch of `progs` programs per split: `cfg['split']` where it divides them
     into multiples of `multiple`, else enough to bring the grid near `cfg['target']` (default 2) programs per SM.
     Batch-invariant mode: 1."""
-    if _BATCH_INVARIANT[0]:
+    if batch_invariant():
         return 1
     if 'split' in cfg and tiles % cfg['split'] == 0 and (tiles // cfg['split']) % multiple == 0:
         return cfg['split']
@@ -129,7 +119,7 @@ def split_for(cfg, tiles, progs, multiple, device):
 
 def m_bucket(M):
     "The row bucket (16, 32, 64, 128) of the batched kernels' config tables (16 for every M in batch-invariant mode)."
-    if _BATCH_INVARIANT[0]:
+    if batch_invariant():
         return 16
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 

@@ -15,6 +15,7 @@ inner loop is one FMA per weight and the scales are applied once per group.
 | 2 .. `MM_MAX_M`, 4-bit, groups >= 128, 16-bit x | `_tc_kernel` (`w4a16_tc`) | tensor cores with the weights as the A operand, fields built by inline PTX straight into the MMA's registers (one instruction per weight; symmetric layers: `q - 8` with one more packed FMA per two weights, and no `sum(x)` or offsets): 16 rows cost what one does |
 | 2 .. `MM_MAX_M`, other formats | `_mm_kernel` (`w4a16_mm`) | one `tl.dot` per bit field with the exact `f`, scales on the group sums |
 | > `MM_MAX_M` (prefill) | `_dequant_kernel` (`w4a16_dequantize`) + cuBLAS | the dequantization is amortized over many rows |
+| any, batch-invariant mode | `_mm_kernel` (`w4a16_mm`), one config, no split-K | a row's sums do not depend on M (`batch_invariant`) |
 
 Split-K in all of them goes through the self-zeroing workspace of `split_k` (one launch per matmul). Tuned launch
 configurations are data: `configs/<kernel>/<device>.json` (`tuned`). The measurements behind the choices are in
@@ -24,6 +25,7 @@ configurations are data: `configs/<kernel>/<device>.json` (`tuned`). The measure
 import torch
 
 from cvllm_lab.kernels.activation import silu_and_mul
+from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.w4a16_gemv import w4a16_gemv
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_packed_ref, padded_k
 from cvllm_lab.kernels.w4a16_mm import tc_supported, w4a16_dequantize, w4a16_mm, w4a16_tc
@@ -56,12 +58,15 @@ def w4a16_matmul(x, qweight, scales, offsets, bits, group, N, K, act=None, sym=F
     `act='silu_and_mul'` (W's rows interleave gate and up): `[..., N / 2]`, fused into the M = 1 kernels and the
     tensor-core kernel.
     `sym`: `offsets == -8 * scales` (4-bit symmetric; the M = 1 kernels and the tensor-core kernel then skip the
-    offsets)."""
+    offsets). Batch-invariant mode: the `tl.dot` kernel at every M."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0:
         return x.new_empty(*lead, N // 2 if act else N)
+    if batch_invariant():  # one kernel (and, through `split_k`, one config) at every M
+        y = w4a16_mm(x2, qweight, scales, offsets, bits, group, N, K)
+        return (silu_and_mul(y, interleaved=True) if act else y).reshape(*lead, -1)
     if M == 1:
         one = w4a16_mma if mma_supported(x2, bits, group, N, K) else w4a16_gemv
         return one(x2, qweight, scales, offsets, bits, group, N, K, act=act, sym=sym).reshape(*lead, -1)

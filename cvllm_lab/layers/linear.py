@@ -8,6 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/parallel_linear.html.md"""
 from __future__ import annotations
 import torch
 import torch.nn.functional as F
+from ..kernels.batch_invariant import linear  # F.linear, or the batch-invariant matmul
 from torch import nn
 from cvllm_lab.utils.parallel_state import (
     get_tensor_model_parallel_rank,
@@ -103,7 +104,7 @@ class ColumnParallelLinear(Linear):
         super().weight_loader(param, part, None if len(self.output_sizes) == 1 else shard_id)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y) if self.gather_output and self.tp_size > 1 else y
 
     def extra_repr(self):
@@ -194,7 +195,7 @@ class RowParallelLinear(Linear):
     def forward(self, x):
         if not self.input_is_parallel:
             x = x.narrow(-1, *self.shard_range())
-        y = F.linear(x, self.weight, self.local_bias)
+        y = linear(x, self.weight, self.local_bias)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
 
     def extra_repr(self):
@@ -350,7 +351,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
         "`[T, V]` logits on rank 0 (every rank with `gather_to_all`), None on the others."
-        local = F.linear(hidden, self.weight, self.bias)
+        local = linear(hidden, self.weight, self.bias)
         if self.tp_size == 1:
             return local
         full = (tensor_model_parallel_all_gather if gather_to_all else tensor_model_parallel_gather)(local, dim=-1)

@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 import torch.nn.functional as F
+from ..kernels.batch_invariant import linear  # F.linear, or the batch-invariant matmul
 from fastcore.basics import patch
 from ..utils.context import ForwardContext, get_forward_context
 from ..utils.parallel_state import get_tensor_model_parallel_world_size
@@ -171,7 +172,7 @@ def forward_decompressed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContex
         from cvllm_lab.kernels.mla_decode import dequantize_latent
 
         lat = dequantize_latent(lat, self.kv_scale[used], q.dtype)
-    kv = F.linear(lat[..., :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(*lat.shape[:2], H, P + V)
+    kv = linear(lat[..., :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(*lat.shape[:2], H, P + V)
     D = max(P + R, V)  # paged attention's one head size
     k = torch.cat([kv[..., :P], lat[..., None, L:].expand(-1, -1, H, R)], -1)
     v = kv[..., P:]
@@ -310,7 +311,7 @@ def forward_split(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext) -> t
         )
         o[:ht] = self.forward_absorbed(q[:ht], head) if mq == 1 else self.forward_mixed(q[:ht], head)
     lat = self.kv_cache.view(-1, L + R).index_select(0, ctx.slot_mapping[ht:])  # the tail's rows, written this step
-    kv = F.linear(lat[:, :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(-1, H, P + V)
+    kv = linear(lat[:, :L], self.w_kv_b(q.dtype).reshape(H * (P + V), L)).view(-1, H, P + V)
     k = torch.cat([kv[..., :P], lat[:, None, L:].expand(-1, H, R)], -1)
     D = max(P + R, V)
     qt, v = q[ht:], kv[..., P:]

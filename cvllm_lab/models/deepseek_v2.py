@@ -13,7 +13,7 @@ from typing import Iterable
 import numpy as np
 import torch
 from torch import nn
-import torch.nn.functional as F
+from ..kernels.batch_invariant import linear  # F.linear, or the batch-invariant matmul
 from ..kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from ..layers.basic import RMSNorm
 from ..layers.fused_moe import FusedMoE
@@ -107,7 +107,7 @@ class DeepseekRouter(nn.Module):
             if getattr(self, '_w32_key', None) != key:
                 self._w32, self._w32_key = w.float(), key
             w = self._w32
-        return F.linear(x.float(), w)
+        return linear(x.float(), w)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -352,7 +352,7 @@ def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> It
     the quantized decoder linears as `GGUFRaw` (for `quant.apply.load_quantized`, as `weights.iterate_gguf` gives
     them); `kv_b_proj` (decode reads its per-head `W_UK` / `W_UV`) and the routed experts are dequantized."""
     import gguf
-    from cvllm_lab.quant.apply import GGUFRaw
+    from cvllm_lab.quant.checkpoint import GGUFRaw
     from cvllm_lab.kernels.gguf_layout import QUANT_TYPES
 
     reader = gguf.GGUFReader(str(path))

@@ -10,7 +10,7 @@ import itertools
 from typing import Iterable
 import torch
 from torch import nn
-import torch.nn.functional as F
+from ..kernels.batch_invariant import linear  # F.linear, or the batch-invariant matmul
 from fastcore.basics import patch
 from ..layers.basic import RMSNorm, SiluAndMul, Linear
 from ..layers.rotary import RotaryEmbedding
@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.compute_logits(hidden)
         e = self.model.embed_tokens  # tied: this rank's embedding rows are its LM-head rows
-        local = F.linear(hidden, e.weight)
+        local = linear(hidden, e.weight)
         if e.tp_size == 1:
             return local
         full = tensor_model_parallel_gather(local, dim=-1)

@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/w4a16.html.md"""
 # %% ../../nbs/46_w4a16.ipynb #db9e93ab
 from __future__ import annotations
 import torch
+from ..kernels.batch_invariant import batch_invariant
 from ..layers.basic import Linear
 from .base import QuantLinear
 from ..kernels.w4a16_layout import TILE_K, padded_k, check_layout, dequantize_packed_ref
@@ -180,8 +181,8 @@ class W4A16Linear(QuantLinear):
         """Whether `add_into` takes a batch like `x` (its rows, dtype and device are read, not its width): one row
         on CUDA through the MMA kernel, no bias; `act` (x: gate/up sums to activate, into `dtype` where x is fp32)
         only in the interleaved layout of `fuse_silu_and_mul`."""
-        if self.bias is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
-            return False
+        if self.bias is not None or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or batch_invariant():
+            return False  # batch-invariant mode: every M through `w4a16_matmul`'s one kernel
         if act not in (None, 'silu_and_mul_interleaved'):
             return False
         from cvllm_lab.kernels.w4a16_mma import mma_supported
