@@ -13,9 +13,9 @@ batched (M > 1) split-K kernel.
 
 Batch-invariant mode (`EngineConfig.batch_invariant`, vLLM's `VLLM_BATCH_INVARIANT`; the model runner calls
 `set_batch_invariant`): split-K is off (the fp32 atomic adds of a split sum in arrival order, and the number of
-splits follows the grid, so M; a caller's explicit `split_k` still wins) and every M takes the row bucket 16's config, so a row's K loop (tile sizes, order)
-does not depend on how many rows the call has. What it does not cover: which kernel runs (GEMV at one row, the
-batched kernels above; `fp8_matmul`'s backends by row bucket), attention and MoE kernels. Not measured on a GPU.
+splits follows the grid, so M; a caller's explicit `split_k` still wins) and every M takes the row bucket 16's
+config, so a row's K loop (tile sizes, order) does not depend on how many rows the call has. Which kernel runs at
+which M, attention and MoE: `batch_invariant.py`.
 """
 
 import torch
