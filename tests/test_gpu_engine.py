@@ -138,7 +138,7 @@ def test_no_compiles_after_start_up():
     prefills beside decodes, a prompt cached but for its last 3 tokens, long contexts (KV splits), greedy and sampled
     requests, prompt log-probs. Counts every binary the JIT holds for the attention and sampling kernels."""
     from cvllm_lab import LLM, SamplingParams
-    from cvllm_lab.kernels import paged_attention as pa, sampling as ks
+    from cvllm_lab.kernels import paged_attention_kernel as pak, sampling as ks
 
     _, d = _model('llama')
     llm = LLM(
@@ -152,7 +152,7 @@ def test_no_compiles_after_start_up():
         max_num_seqs=16,
         enable_prefix_caching=True,
     )
-    kernels = [pa._paged_attention_kernel, pa._merge_splits_kernel, ks._sample_kernel, ks._argmax_kernel]
+    kernels = [pak.paged_attention_kernel, pak.merge_splits_kernel, ks._sample_kernel, ks._argmax_kernel]
     count = lambda: [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
     before = count()
     g = torch.Generator().manual_seed(2)
@@ -182,7 +182,7 @@ def test_no_moe_compiles_after_start_up():
     nothing."""
     from helpers import tiny_qwen3_moe
     from cvllm_lab import LLM, SamplingParams
-    from cvllm_lab.kernels import fused_moe as fm, moe_sum, fused_moe_router as fr
+    from cvllm_lab.kernels import fused_moe_gemm as fg, moe_sum, fused_moe_router as fr
 
     _, _, d = tiny_qwen3_moe()
     llm = LLM(
@@ -195,7 +195,7 @@ def test_no_moe_compiles_after_start_up():
         max_num_batched_tokens=1024,
         max_num_seqs=16,
     )
-    kernels = [fm._fused_moe_kernel, moe_sum._moe_sum_kernel, fr._topk_softmax_kernel]
+    kernels = [fg._fused_moe_kernel, moe_sum._moe_sum_kernel, fr._topk_softmax_kernel]
     count = lambda: [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
     before = count()
     g = torch.Generator().manual_seed(3)

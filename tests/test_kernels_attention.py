@@ -12,7 +12,7 @@ bit for bit; attention over an FP8 cache is checked tightly against the fp32 ref
 import pytest
 import torch
 
-from cvllm_lab.kernels import paged_attention as pa
+from cvllm_lab.kernels import paged_attention as pa, paged_attention_kernel as pak
 from cvllm_lab.kernels.kv_cache import SCALE_MIN
 
 paged_attention, paged_attention_ref = pa.paged_attention, pa.paged_attention_ref
@@ -548,7 +548,7 @@ def test_cuda_step_sizes_do_not_recompile():
     compile a new binary in the middle of serving (0.5-0.9 s at the 8B shape). Sizes are `do_not_specialize` and
     compile-time sizes come from a fixed few, which the runner compiles at start-up (`warm_up_kernels`)."""
     torch.manual_seed(14)
-    kern = pa._paged_attention_kernel
+    kern = pak.paged_attention_kernel
     # mixed path: sequence counts and table widths of each residue class
     for i, (q_lens, ctx) in enumerate(
         (([300, 1, 1], [0, 40, 7]), ([17] * 16, [15] * 16), ([33], [1]), ([5, 90] * 8, [150] * 16))
@@ -563,7 +563,7 @@ def test_cuda_step_sizes_do_not_recompile():
         assert compiled_variants(kern) == n, (q_lens[:3], args[-1].shape)
     # the split-KV decode path: 1 to 17 sequences, 3 to 32 splits, one-token queries, then queries of 2 to 8 tokens
     # (a short last prefill chunk): one binary each for one-token and short queries, one merge binary for all
-    merge, seen, sizes = pa._merge_splits_kernel, None, ((3, 3), (16, 16), (1, 32), (17, 5))
+    merge, seen, sizes = pak.merge_splits_kernel, None, ((3, 3), (16, 16), (1, 32), (17, 5))
     # one-token queries take the tuned config of their batch bucket (`decode_config`; the runner's graph captures
     # compile each one); longer ones the single `default`
     tuned = {
