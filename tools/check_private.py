@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DIRS = ('cvllm_lab', 'kernels')
 SELFISH = {'self', 'cls'}
 
-ALLOWLIST: set[str] = {}
+ALLOWLIST: set[str] = set()
 
 
 def sources() -> dict[str, ast.Module]:
