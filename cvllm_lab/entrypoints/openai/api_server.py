@@ -9,11 +9,10 @@ from __future__ import annotations
 import anyio
 import asyncio
 import logging
-import time
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
-from fastcore.basics import patch, patch_to
+from fastcore.basics import patch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -25,32 +24,16 @@ from ...engine.scheduler import QueueFullError
 from ...tokenizer import apply_chat_template
 from ...engine.core import EngineCore
 from ...engine.input_processor import InputError, adapt_messages
-from ...engine.output_processor import RequestOutput, CompletionOutput
+from ...engine.output_processor import RequestOutput
 from ...engine.async_llm_engine import AsyncLLM, EngineDeadError, EngineError, RequestStream
 from cvllm_lab.entrypoints.openai.protocol import (
     DEFAULT_MAX_N,
-    SSE_DONE,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatMessage,
     ChatMessageParam,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    ModelCard,
-    ModelList,
-    NamedToolChoice,
-    UsageInfo,
-    random_id,
-    sse,
     to_sampling_kwargs,
 )
+from .response_models import ModelCard, ModelList, UsageInfo
 from cvllm_lab.entrypoints.openai.request_checks import (
     APIKey,
     BodyLimit,
@@ -58,23 +41,16 @@ from cvllm_lab.entrypoints.openai.request_checks import (
     error_body,
     validation_error_body,
 )
-from .reasoning import ReasoningParser
-from .tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, tool_choice_schema
+from .tool_parsers import TOOL_PARSERS
 from .metrics import ServerMetrics
-from cvllm_lab.entrypoints.openai.streams import (
-    ClientGone,
-    SSEResponse,
-    last_output,
-    merge_streams,
-    stream_error,
-    unless_disconnected,
-)
+from .streams import ClientGone
+from .serving_completions import APIError, CompletionHandlers
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
 # %% auto #0
-__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'APIError', 'TokenizeRequest', 'DetokenizeRequest', 'pick_tool_parser',
-           'OpenAIServing', 'build_app']
+__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'TokenizeRequest', 'DetokenizeRequest', 'pick_tool_parser', 'OpenAIServing',
+           'build_app']
 
 # %% ../../../nbs/77_api_server.ipynb #b2faf940
 STATIC_DIR = (
@@ -101,25 +77,6 @@ class ServerConfig:
         None  # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
     )
     torch_profiler_record_shapes: bool = False  # the traces carry each op's input shapes
-
-
-class APIError(Exception):
-    "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code or None; `headers`, e.g. Retry-After)."
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        type: str = 'BadRequestError',
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.type, self.param, self.code), self.status, headers=self.headers)
 
 
 class TokenizeRequest(RequestBody):
@@ -149,7 +106,7 @@ def pick_tool_parser(template: str | None) -> str:
     return 'hermes'
 
 # %% ../../../nbs/77_api_server.ipynb #d027e8ef
-class OpenAIServing:
+class OpenAIServing(CompletionHandlers):
     "The request handlers: validate, build the prompt and sampling params, run, shape OpenAI responses."
 
     def __init__(self, aengine: AsyncLLM, cfg: ServerConfig):
@@ -421,319 +378,6 @@ def usage(self: OpenAIServing, outs: list[RequestOutput]) -> UsageInfo:
         sum(len(c.token_ids) for o in outs for c in o.outputs),
         cached_tokens=sum(o.num_cached_tokens for o in outs),
     )
-
-# %% ../../../nbs/77_api_server.ipynb #cc869a38
-@dataclass
-class _ChatCtx:
-    "What shaping a chat request's output needs."
-
-    req: ChatCompletionRequest
-    prompt: str
-    tool_parser: ToolParser | None
-    reasoning: ReasoningParser | None
-
-
-@patch
-async def chat(self: OpenAIServing, req: ChatCompletionRequest, request: Request) -> Response:
-    self.check(req)
-    prompt, ids = await asyncio.to_thread(self.render, req)
-    forced = req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice)
-    parser = None
-    if req.tools and req.tool_choice != 'none':
-        parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
-    try:
-        schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
-    except ValueError as e:
-        raise APIError(str(e), param='tool_choice') from None
-    rid = random_id('chatcmpl-')
-    core_req, _, params = self.process(
-        rid, prompt, ids, self.sampling_params(req, len(ids), 'messages'), req.priority, 'messages'
-    )
-    procs = await self.logits_processors(req, schema)  # a grammar is built only for a request that passed every check
-    reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
-    ctx = _ChatCtx(req, prompt, parser, reasoning)
-    stream = await self.add(core_req, prompt, params, procs)
-    if req.stream:
-        return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
-    try:
-        out = await unless_disconnected(request, last_output(stream))
-    finally:
-        stream.close()
-    return JSONResponse(
-        ChatCompletionResponse(
-            id=rid,
-            model=self.model_name,
-            choices=[self.chat_choice(ctx, o) for o in out.outputs],
-            usage=self.usage([out]),
-        ).model_dump(exclude_none=False)
-    )
-
-# %% ../../../nbs/77_api_server.ipynb #f870b670
-def _top(d: dict, k: int) -> list[tuple[str, float]]:
-    return [
-        (v.decoded_token, v.logprob)
-        for v in sorted((v for v in d.values() if v.rank is not None and v.rank <= k), key=lambda v: v.rank)[:k]
-    ]
-
-
-@patch
-def chat_logprobs(self: OpenAIServing, token_ids, lps, k) -> ChatLogprobs:
-    return ChatLogprobs.from_tokens([(d[t].decoded_token, d[t].logprob, _top(d, k)) for t, d in zip(token_ids, lps)])
-
-
-@patch
-def chat_choice(self: OpenAIServing, ctx: _ChatCtx, o: CompletionOutput) -> ChatChoice:
-    reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
-    calls = []
-    if ctx.tool_parser is not None:
-        content, calls = ctx.tool_parser.extract(content or '')
-    lp = self.chat_logprobs(o.token_ids, o.logprobs, ctx.req.top_logprobs or 0) if ctx.req.logprobs else None
-    return ChatChoice(
-        index=o.index,
-        message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
-        logprobs=lp,
-        finish_reason='tool_calls' if calls else o.finish_reason or 'stop',
-        stop_reason=o.stop_reason,
-    )
-
-# %% ../../../nbs/77_api_server.ipynb #0b8b0b43
-class _DeltaPipe:
-    "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup."
-
-    def __init__(self, ctx: _ChatCtx):
-        self.r = ctx.reasoning.stream() if ctx.reasoning else None
-        self.t = ctx.tool_parser.stream() if ctx.tool_parser else None
-
-    def feed(self, text: str, final: bool) -> list[DeltaMessage]:
-        if self.r:
-            ds = (self.r.feed(text) if text else []) + (self.r.finish() if final else [])
-        else:
-            ds = [DeltaMessage(content=text)] if text else []
-        if self.t is None:
-            return ds
-        out = []
-        for d in ds:
-            out += self.t.feed(d.content) if d.content is not None else [d]
-        return out + (self.t.finish() if final else [])
-
-    @property
-    def has_tool_calls(self) -> bool:
-        return self.t is not None and self.t.has_tool_calls
-
-
-@patch
-async def chat_events(self: OpenAIServing, ctx: _ChatCtx, stream: RequestStream, rid: str):
-    req, created, n = ctx.req, int(time.time()), ctx.req.n
-    pipes, n_text, n_tok, done = [_DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
-    usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    out = None
-
-    def chunk(i, delta, logprobs=None, finish=None, stop_reason=None):
-        return sse(
-            ChatCompletionChunk(
-                id=rid,
-                created=created,
-                model=self.model_name,
-                usage=self.usage([out]) if usage_each and out else None,
-                choices=[
-                    ChatChunkChoice(
-                        index=i, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason
-                    )
-                ],
-            )
-        )
-
-    try:
-        for i in range(n):
-            yield chunk(i, DeltaMessage(role='assistant', content=''))
-        async for out in stream:
-            for o in out.outputs:
-                i = o.index
-                if done[i]:
-                    continue
-                text, toks, lps = o.text[n_text[i] :], o.token_ids[n_tok[i] :], (o.logprobs or [])[n_tok[i] :]
-                n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                lp = self.chat_logprobs(toks, lps, req.top_logprobs or 0) if req.logprobs and toks else None
-                deltas = pipes[i].feed(text, o.finished)
-                for j, d in enumerate(deltas):
-                    yield chunk(i, d, lp if j == 0 else None)
-                if lp is not None and not deltas:
-                    yield chunk(i, DeltaMessage(), lp)
-                if o.finished:
-                    yield chunk(
-                        i,
-                        DeltaMessage(),
-                        finish='tool_calls' if pipes[i].has_tool_calls else o.finish_reason,
-                        stop_reason=o.stop_reason,
-                    )
-        if req.include_usage:
-            yield sse(
-                ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out]))
-            )
-    except Exception as e:
-        yield stream_error(e)
-    yield SSE_DONE
-
-# %% ../../../nbs/77_api_server.ipynb #8767e93c
-@patch
-def prompt_ids(self: OpenAIServing, prompts: list) -> list[tuple[str | None, list[int]]]:
-    "`(text, token ids)` of each prompt; a text too long for the context whatever its tokens is refused first (blocking: run in a thread)."
-    out = []
-    for p in prompts:
-        try:
-            if isinstance(p, str):
-                self.ip.check_chars(len(p), 'prompt')
-            out.append(self.ip.tokenize(p))
-        except InputError as e:
-            raise self.input_error(e) from None
-    return out
-
-
-@patch
-async def completion(self: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
-    self.check(req)
-    prompts = req.prompts()
-    if len(prompts) * req.n > self.cfg.max_prompts:
-        raise APIError(
-            f'At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}', param='prompt'
-        )
-    rid, items = random_id('cmpl-'), []
-    for k, (text, ids) in enumerate(await asyncio.to_thread(self.prompt_ids, prompts)):
-        items.append(
-            (
-                text,
-                *self.process(
-                    f'{rid}-{k}', text, ids, self.sampling_params(req, len(ids), 'prompt'), req.priority, 'prompt'
-                ),
-            )
-        )
-    streams = []
-    try:
-        for text, core_req, _, params in items:
-            streams.append(await self.add(core_req, text, params, await self.logits_processors(req, None)))
-    except BaseException:
-        for s in streams:
-            s.close()
-        raise
-    close = lambda: [s.close() for s in streams]
-    if req.stream:
-        return SSEResponse(self.completion_events(req, items, streams, rid), on_close=close)
-
-    async def run():
-        outs = [None] * len(streams)
-        async for k, out in merge_streams(streams):
-            outs[k] = out
-        return outs
-
-    try:
-        outs = await unless_disconnected(request, run())
-    finally:
-        close()
-    choices = []
-    for k, out in enumerate(outs):
-        echo = self.echo_text(items[k], out) if req.echo else ''
-        for o in out.outputs:
-            lp = None
-            if req.logprobs is not None:
-                lp = self.completion_logprobs(o.token_ids, o.logprobs, req.logprobs, len(echo))
-                if req.echo:
-                    lp = self.merge_logprobs(self.echo_logprobs(out, req.logprobs), lp)
-            choices.append(
-                CompletionChoice(
-                    index=k * req.n + o.index,
-                    text=echo + o.text,
-                    logprobs=lp,
-                    finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason,
-                )
-            )
-    return JSONResponse(
-        CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage(outs)).model_dump()
-    )
-
-# %% ../../../nbs/77_api_server.ipynb #6b542934
-@patch
-def completion_logprobs(self: OpenAIServing, ids, lps, k, offset) -> CompletionLogprobs:
-    ents = []
-    for t, d in zip(ids, lps):
-        if d is None:
-            ents.append((self.tok.decode([t]), None, None))
-        else:
-            ents.append((d[t].decoded_token, d[t].logprob, _top(d, k)))
-    return CompletionLogprobs.from_tokens(ents, offset)
-
-
-@patch
-def echo_text(self: OpenAIServing, item, out: RequestOutput) -> str:
-    return item[0] if item[0] is not None else self.tok.decode(out.prompt_token_ids)
-
-
-@patch
-def echo_logprobs(self: OpenAIServing, out: RequestOutput, k: int) -> CompletionLogprobs:
-    return self.completion_logprobs(
-        out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), k, 0
-    )
-
-
-@patch_to(OpenAIServing, static_method=True)
-def merge_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(
-        text_offset=a.text_offset + b.text_offset,
-        token_logprobs=a.token_logprobs + b.token_logprobs,
-        tokens=a.tokens + b.tokens,
-        top_logprobs=a.top_logprobs + b.top_logprobs,
-    )
-
-# %% ../../../nbs/77_api_server.ipynb #81e0698c
-@patch
-async def completion_events(self: OpenAIServing, req: CompletionRequest, items, streams, rid: str):
-    created, n = int(time.time()), req.n
-    total = len(streams) * n
-    n_text, n_tok, off, done, echoed = [0] * total, [0] * total, [0] * total, [False] * total, [False] * total
-    last: dict[int, RequestOutput] = {}
-
-    def chunk(i, text, lp=None, finish=None, stop_reason=None):
-        return sse(
-            CompletionResponse(
-                id=rid,
-                created=created,
-                model=self.model_name,
-                choices=[
-                    CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)
-                ],
-            )
-        )
-
-    try:
-        async for k, out in merge_streams(streams):
-            for o in out.outputs:
-                i = k * n + o.index
-                if done[i]:
-                    continue
-                if req.echo and not echoed[i]:
-                    echoed[i] = True
-                    e = self.echo_text(items[k], out)
-                    elp = self.echo_logprobs(out, req.logprobs) if req.logprobs is not None else None
-                    off[i] = elp.text_offset[-1] + len(elp.tokens[-1]) if elp else len(e)
-                    yield chunk(i, e, elp)
-                text, toks, lps = o.text[n_text[i] :], o.token_ids[n_tok[i] :], (o.logprobs or [])[n_tok[i] :]
-                n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                lp = None
-                if req.logprobs is not None and toks:
-                    lp = self.completion_logprobs(toks, lps, req.logprobs, off[i])
-                    off[i] = lp.text_offset[-1] + len(lp.tokens[-1])
-                if text or lp is not None or o.finished:
-                    yield chunk(i, text, lp, o.finish_reason, o.stop_reason)
-            last[k] = out
-        if req.include_usage:
-            yield sse(
-                CompletionResponse(
-                    id=rid, created=created, model=self.model_name, choices=[], usage=self.usage(list(last.values()))
-                )
-            )
-    except Exception as e:
-        yield stream_error(e)
-    yield SSE_DONE
 
 # %% ../../../nbs/77_api_server.ipynb #94117b98
 @patch

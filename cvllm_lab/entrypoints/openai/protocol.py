@@ -1,4 +1,4 @@
-"""Pydantic models for OpenAI's chat completions and completions APIs (requests, responses, stream chunks, errors), and the map from a request to `SamplingParams` keywords.
+"""Pydantic models for the request bodies of OpenAI's chat completions and completions APIs (messages, tools, sampling fields, strict types), and the map from a request to `SamplingParams` keywords.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/protocol.html.md"""
 
@@ -7,17 +7,13 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/protocol.html.md"""
 # %% ../../../nbs/70_protocol.ipynb #f581e43d
 from __future__ import annotations
 import json
-import math
-import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from cvllm_lab.entrypoints.openai.request_checks import (
@@ -29,14 +25,9 @@ from cvllm_lab.entrypoints.openai.request_checks import (
 )
 
 # %% auto #0
-__all__ = ['DEFAULT_MAX_N', 'TokenId', 'SAMPLING_DEFAULTS', 'FinishReason', 'CompletionChunk', 'SSE_DONE', 'FunctionCall',
-           'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam', 'FunctionDef', 'Tool', 'FunctionName',
-           'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions', 'ChatCompletionRequest',
-           'CompletionRequest', 'to_sampling_kwargs', 'TopLogprob', 'ChatLogprobToken', 'ChatLogprobs',
-           'CompletionLogprobs', 'PromptTokensDetails', 'CompletionTokensDetails', 'UsageInfo', 'ChatMessage',
-           'ChatChoice', 'ChatCompletionResponse', 'DeltaFunctionCall', 'DeltaToolCall', 'DeltaMessage',
-           'ChatChunkChoice', 'ChatCompletionChunk', 'CompletionChoice', 'CompletionResponse', 'ModelCard', 'ModelList',
-           'sse']
+__all__ = ['DEFAULT_MAX_N', 'TokenId', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart',
+           'ChatMessageParam', 'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat',
+           'ResponseFormat', 'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
 
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
 DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
@@ -440,239 +431,3 @@ def to_sampling_kwargs(
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
     )
-
-# %% ../../../nbs/70_protocol.ipynb #02f79fcc
-FinishReason = Literal['stop', 'length', 'tool_calls']
-_MIN_LOGPROB = -9999.0
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else _MIN_LOGPROB
-
-
-def _tok(t: str | bytes) -> tuple[str, list[int]]:
-    if isinstance(t, bytes):
-        return t.decode('utf-8', errors='replace'), list(t)
-    return t, list(t.encode('utf-8'))
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-    @field_validator('logprob')
-    @classmethod
-    def _clamp(cls, v):
-        return _finite(v)
-
-
-class ChatLogprobToken(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprobToken] | None = None
-    refusal: list[ChatLogprobToken] | None = None
-
-    @classmethod
-    def from_tokens(cls, entries) -> ChatLogprobs:
-        "From `(token, logprob, top)` entries; `top` is a dict or a list of `(token, logprob)`."
-
-        def top_list(top):
-            items = top.items() if isinstance(top, dict) else (top or [])
-            return [TopLogprob(token=_tok(t)[0], logprob=lp, bytes=_tok(t)[1]) for t, lp in items]
-
-        return cls(
-            content=[
-                ChatLogprobToken(token=_tok(t)[0], bytes=_tok(t)[1], logprob=lp, top_logprobs=top_list(top))
-                for t, lp, top in entries
-            ]
-        )
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = []
-    token_logprobs: list[float | None] = []
-    tokens: list[str] = []
-    top_logprobs: list[dict[str, float] | None] = []
-
-    @classmethod
-    def from_tokens(cls, entries, offset: int = 0) -> CompletionLogprobs:
-        "From `(token, logprob, top)` entries (logprob/top may be None, e.g. an echoed first prompt token)."
-        r = cls()
-        for t, lp, top in entries:
-            s = _tok(t)[0]
-            r.tokens.append(s)
-            r.text_offset.append(offset)
-            offset += len(s)
-            r.token_logprobs.append(None if lp is None else _finite(lp))
-            r.top_logprobs.append(
-                None
-                if top is None
-                else {_tok(k)[0]: _finite(v) for k, v in (top.items() if isinstance(top, dict) else top)}
-            )
-        return r
-
-# %% ../../../nbs/70_protocol.ipynb #81e70816
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None
-
-    @classmethod
-    def make(
-        cls,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cached_tokens: int | None = None,
-        reasoning_tokens: int | None = None,
-    ) -> UsageInfo:
-        "Usage with the total filled in."
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens),
-            completion_tokens_details=None
-            if reasoning_tokens is None
-            else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
-        )
-
-# %% ../../../nbs/70_protocol.ipynb #56476a5a
-def _now() -> int:
-    return int(time.time())
-
-
-class _Sparse(BaseModel):
-    "Dumps without its `None` fields, like OpenAI's stream deltas."
-
-    @model_serializer(mode='wrap')
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatMessage(BaseModel):
-    "The assistant message of a non-streamed choice."
-
-    role: Literal['assistant'] = 'assistant'
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    refusal: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason = 'stop'
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    "Body of a non-streamed chat completion."
-
-    id: str = Field(default_factory=lambda: random_id('chatcmpl-'))
-    object: Literal['chat.completion'] = 'chat.completion'
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class DeltaFunctionCall(_Sparse):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_Sparse):
-    index: int
-    id: str | None = None
-    type: Literal['function'] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class DeltaMessage(_Sparse):
-    role: Literal['assistant'] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    "One server-sent event of a streamed chat completion; all chunks of a stream share `id` and `created`."
-
-    id: str
-    object: Literal['chat.completion.chunk'] = 'chat.completion.chunk'
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice] = []
-    usage: UsageInfo | None = None
-
-# %% ../../../nbs/70_protocol.ipynb #59dd6f36
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal['stop', 'length'] | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    "Body of a non-streamed completion, and of each chunk of a streamed one."
-
-    id: str = Field(default_factory=lambda: random_id('cmpl-'))
-    object: Literal['text_completion'] = 'text_completion'
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice] = []
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-CompletionChunk = CompletionResponse
-
-
-class ModelCard(BaseModel):
-    "One entry of `GET /v1/models`."
-
-    id: str
-    object: Literal['model'] = 'model'
-    created: int = Field(default_factory=_now)
-    owned_by: str = 'cvllm_lab'
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal['list'] = 'list'
-    data: list[ModelCard] = []
-
-# %% ../../../nbs/70_protocol.ipynb #97f8058f
-SSE_DONE = 'data: [DONE]\n\n'
-
-
-def sse(obj: BaseModel | dict) -> str:
-    "One server-sent event carrying `obj` as JSON."
-    s = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
-    return f'data: {s}\n\n'

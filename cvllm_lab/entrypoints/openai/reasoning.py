@@ -6,8 +6,8 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/reasoning.html.md"""
 
 # %% ../../../nbs/72_reasoning.ipynb #6b6b6b41
 from __future__ import annotations
-from .protocol import DeltaMessage
-from .tool_parsers import _Trim, _find, _hold, _ws
+from .response_models import DeltaMessage
+from .markup_scan import Trim as _Trim, find as _find, hold as _hold, ws as _ws
 
 # %% auto #0
 __all__ = ['REASONING_TAGS', 'ReasoningParser', 'StreamingReasoningParser']

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from ...engine.async_llm_engine import EngineError, EngineDeadError, RequestStream
 from ...engine.llm_engine import RequestOutput
-from .protocol import sse
+from .response_models import sse
 from .request_checks import error_body
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')

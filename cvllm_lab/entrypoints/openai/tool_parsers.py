@@ -6,196 +6,36 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/tool_parsers.html.md"""
 
 # %% ../../../nbs/71_tool_parsers.ipynb #db4de767
 from __future__ import annotations
-import ast
 import json
 import random
 import re
 import string
-from dataclasses import dataclass
 from cvllm_lab.entrypoints.openai.protocol import (
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
     Tool,
     ToolCall,
     random_id,
 )
+from .response_models import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from cvllm_lab.entrypoints.openai.markup_scan import (
+    Call,
+    Trim,
+    call_list,
+    convert,
+    find,
+    hold,
+    parse_call,
+    valid,
+    value_end,
+    ws,
+)
 
 # %% auto #0
 __all__ = ['TOOL_PARSERS', 'ToolParser', 'StreamingToolParser', 'HermesToolParser', 'QwenCoderToolParser', 'MistralToolParser',
            'LlamaToolParser', 'JsonToolParser', 'get_tool_parser', 'tool_choice_schema']
 
-# %% ../../../nbs/71_tool_parsers.ipynb #66f09ac1
-_WS = re.compile(r'\s*')
-_STR = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_STR_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)
-_BRACKET = re.compile(r'[{}\[\]"]')
-_SCALAR = re.compile(r'[^,{}\[\]\s:"]*')
-_ARG_KEYS = ('arguments', 'parameters')
-
-
-def _ws(s: str, i: int) -> int:
-    return _WS.match(s, i).end()
-
-
-def _value_end(s: str, i: int, final: bool, memo: dict | None = None) -> int | None:
-    "End of the JSON value starting at `s[i]`, or None while `s` may still continue it."
-    if i >= len(s):
-        return None
-    if s[i] not in '"{[':
-        e = _SCALAR.match(s, i).end()
-        return e if e > i and (e < len(s) or final) else None
-    j, depth, in_str = memo.get(i, (i, 0, False)) if memo is not None else (i, 0, False)
-    while True:
-        if in_str:
-            j = _STR_BODY.match(s, j).end()
-            if j >= len(s) or s[j] != '"':
-                break  # the text ends inside the string (maybe after a backslash)
-            j, in_str = j + 1, False
-            if depth == 0:
-                return j
-            continue
-        m = _BRACKET.search(s, j)
-        if not m:
-            j = len(s)
-            break
-        j = m.end()
-        if m.group() == '"':
-            in_str = True
-            continue
-        depth += 1 if m.group() in '{[' else -1
-        if depth == 0:
-            return j
-    if memo is not None:
-        memo[i] = (j, depth, in_str)
-    return None
-
-
-def _find(s: str, sub: str, i: int, memo: dict | None = None) -> int:
-    "`s.find(sub, i)`, resuming where a call on a shorter prefix of `s` stopped when given the same `memo`."
-    if memo is None:
-        return s.find(sub, i)
-    k = s.find(sub, memo.get((sub, i), i))
-    if k < 0:
-        memo[(sub, i)] = max(i, len(s) - len(sub) + 1)
-    return k
-
-
-def _partial_marker_at(text: str, markers) -> int:
-    "Where a tail of `text` that is a proper prefix of one of `markers` starts (`len(text)` if none)."
-    cut = len(text)
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), 0, -1):
-            if text.endswith(m[:k]):
-                cut = min(cut, len(text) - k)
-                break
-    return cut
-
-
-def _hold(text: str, markers, final: bool) -> str:
-    "`text` without a tail that may still become one of `markers` (all of it when `final`)."
-    return text if final else text[: _partial_marker_at(text, markers)]
-
-
-@dataclass
-class _Call:
-    "A tool call as scanned so far: `name` once complete, `args` (JSON text) growing, `done` when closed."
-
-    name: str | None = None
-    args: str = ''
-    done: bool = False
-    id: str | None = None
-
-
-def _valid(c: _Call) -> bool:
-    if not (c.done and isinstance(c.name, str) and c.name):
-        return False
-    try:
-        json.loads(c.args)
-        return True
-    except ValueError:
-        return False
-
-
-def _parse_call(s: str, i: int, final: bool, memo: dict | None = None) -> tuple[_Call | None, int | None]:
-    """Scan the call object that starts at `s[i] == "{"`. Returns `(call, end)`: `end` is None while the
-    object is incomplete; `call` is None when the object is not a tool call."""
-    call, j, first, has_args = _Call(), i + 1, True, False
-    while True:
-        j = _ws(s, j)
-        if j >= len(s):
-            return call, None
-        if s[j] == '}':
-            if call.name is None:
-                return None, j + 1
-            if not has_args:
-                call.args = '{}'
-            call.done = True
-            return call, j + 1
-        if not first:
-            if s[j] != ',':
-                return None, j
-            j = _ws(s, j + 1)
-            if j >= len(s):
-                return call, None
-        if s[j] != '"':
-            return None, j
-        m = _STR.match(s, j)
-        if not m:
-            return call, None
-        key = json.loads(m.group())
-        if first and key != 'name' and key not in _ARG_KEYS:
-            return None, j
-        first = False
-        j = _ws(s, m.end())
-        if j >= len(s):
-            return call, None
-        if s[j] != ':':
-            return None, j
-        j = _ws(s, j + 1)
-        e = _value_end(s, j, final, memo)
-        if key in _ARG_KEYS:
-            if e is None:
-                if j < len(s) and s[j] in '{[':
-                    call.args = s[j:]
-                return call, None
-            v = s[j:e]
-            call.args, has_args = (json.loads(v) if v[0] == '"' else v), True
-        elif key == 'name':
-            if e is None:
-                return call, None
-            try:
-                name = json.loads(s[j:e])
-            except ValueError:
-                return None, e
-            if not isinstance(name, str):
-                return None, e
-            call.name = name
-        elif e is None:
-            return call, None
-        j = e
-
 # %% ../../../nbs/71_tool_parsers.ipynb #db70df55
-class _Trim:
-    "Streams `text.strip()` of a text that arrives in pieces."
-
-    def __init__(self):
-        self.started, self.held = False, ''
-
-    def push(self, s: str) -> str:
-        if not self.started:
-            s = s.lstrip()
-            if not s:
-                return ''
-            self.started = True
-        s = self.held + s
-        body = s.rstrip()
-        self.held = s[len(body) :]
-        return body
-
-
 class ToolParser:
     "Base of the tool-call parsers: a format implements `scan`; `tools` (OpenAI tool dicts or `Tool`s) are optional."
 
@@ -205,7 +45,7 @@ class ToolParser:
         self.tools = [t.model_dump() if isinstance(t, Tool) else t for t in tools or []]
         self.schemas = {t['function']['name']: t['function'].get('parameters') or {} for t in self.tools}
 
-    def scan(self, text: str, final: bool, memo: dict | None = None) -> tuple[str, list[_Call]]:
+    def scan(self, text: str, final: bool, memo: dict | None = None) -> tuple[str, list[Call]]:
         """Text outside tool-call markup and the calls so far (monotone while not `final`; only valid calls when
         `final`). `memo` is a dict the caller keeps while `text` grows, so that scans resume where they stopped."""
         raise NotImplementedError
@@ -229,7 +69,7 @@ class StreamingToolParser:
 
     def __init__(self, parser: ToolParser | str, tools=None):
         self.parser = get_tool_parser(parser, tools) if isinstance(parser, str) else parser
-        self.text, self._trim, self._n_content, self._sent, self._memo = '', _Trim(), 0, [], {}
+        self.text, self._trim, self._n_content, self._sent, self._memo = '', Trim(), 0, [], {}
         self.tool_calls: list[ToolCall] = []
 
     def feed(self, delta_text: str) -> list[DeltaMessage]:
@@ -245,7 +85,7 @@ class StreamingToolParser:
     def has_tool_calls(self) -> bool:
         return bool(self.tool_calls)
 
-    def _emit(self, content: str, calls: list[_Call]) -> list[DeltaMessage]:
+    def _emit(self, content: str, calls: list[Call]) -> list[DeltaMessage]:
         out = []
         if len(content) > self._n_content:
             piece = self._trim.push(content[self._n_content :])
@@ -292,24 +132,24 @@ class HermesToolParser(ToolParser):
     def scan(self, text, final, memo=None):
         content, calls, pos = [], [], 0
         while True:
-            k = _find(text, self.start, pos, memo)
+            k = find(text, self.start, pos, memo)
             if k < 0:
-                content.append(_hold(text[pos:], self.markers, final))
+                content.append(hold(text[pos:], self.markers, final))
                 break
             content.append(text[pos:k])
-            j = _ws(text, k + len(self.start))
+            j = ws(text, k + len(self.start))
             if j >= len(text):
                 if final:
                     content.append(text[k:])
                 break
-            call, end = _parse_call(text, j, final, memo) if text[j] == '{' else (None, j)
-            if call is None or (final and (end is None or not _valid(call))):
+            call, end = parse_call(text, j, final, memo) if text[j] == '{' else (None, j)
+            if call is None or (final and (end is None or not valid(call))):
                 content.append(text[k:])
                 break  # not a (complete) call: keep it as text
             calls.append(call)
             if end is None:
                 break
-            e = _ws(text, end)
+            e = ws(text, end)
             if text.startswith(self.end, e):
                 pos = e + len(self.end)
             elif not final and self.end.startswith(text[e:]):
@@ -319,52 +159,6 @@ class HermesToolParser(ToolParser):
         return ''.join(content), calls
 
 # %% ../../../nbs/71_tool_parsers.ipynb #4c330b14
-_JSON_TYPES = {str: 'string', int: 'integer', float: 'number', bool: 'boolean', dict: 'object', list: 'array'}
-
-
-def _types(schema: dict) -> set[str]:
-    "The JSON types a schema allows (from `type`, `anyOf`/`oneOf`, or the values of `enum`)."
-    t = schema.get('type')
-    ts = set(t) if isinstance(t, list) else {t} if t else set()
-    for sub in schema.get('anyOf', []) + schema.get('oneOf', []):
-        ts |= _types(sub)
-    if not ts and 'enum' in schema:
-        ts = {_JSON_TYPES.get(type(v), 'null') for v in schema['enum']}
-    return ts
-
-
-def _convert(value: str, schema: dict | None):
-    "A `<parameter>` value converted to the JSON type its schema declares."
-    ts = _types(schema or {})
-    v = value.strip()
-    if 'null' in ts and v.lower() in ('null', 'none'):
-        return None
-    if 'string' in ts:
-        return value
-    if 'integer' in ts:
-        try:
-            return int(v)
-        except ValueError:
-            pass
-    if 'number' in ts:
-        try:
-            return int(v) if re.fullmatch(r'-?\d+', v) else float(v)
-        except ValueError:
-            pass
-    if 'boolean' in ts and v.lower() in ('true', 'false'):
-        return v.lower() == 'true'
-    if ts and ts <= {'integer', 'number', 'boolean', 'null'}:
-        return value
-    try:
-        return json.loads(v)
-    except ValueError:
-        pass
-    try:
-        return ast.literal_eval(v)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return value
-
-
 class QwenCoderToolParser(ToolParser):
     "`<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>` (Qwen3-Coder)."
 
@@ -379,17 +173,17 @@ class QwenCoderToolParser(ToolParser):
     markers = (wrap, fn)
 
     def _function(self, s, j, final, memo):
-        "Scan one `<function=...>` element at `s[j]`: `(call, end)` as `_parse_call` returns."
+        "Scan one `<function=...>` element at `s[j]`: `(call, end)` as `parse_call` returns."
         if not s.startswith(self.fn, j):
-            return (_Call(), None) if not final and self.fn.startswith(s[j:]) else (None, j)
+            return (Call(), None) if not final and self.fn.startswith(s[j:]) else (None, j)
         g = s.find('>', j)
         if g < 0:
-            return _Call(), None
-        call = _Call(name=s[j + len(self.fn) : g].strip(), args='{')
+            return Call(), None
+        call = Call(name=s[j + len(self.fn) : g].strip(), args='{')
         props = self.schemas.get(call.name, {}).get('properties', {})
         j, n = g + 1, 0
         while True:
-            j = _ws(s, j)
+            j = ws(s, j)
             if s.startswith(self.fn_end, j) or (final and j >= len(s)):
                 call.args += '}'
                 call.done = True
@@ -399,7 +193,7 @@ class QwenCoderToolParser(ToolParser):
                 if g < 0:
                     return call, None
                 name, v0 = s[j + len(self.par) : g].strip(), g + 1
-                ends = [e for e in (_find(s, self.par_end, v0, memo), _find(s, self.fn_end, v0, memo)) if e >= 0]
+                ends = [e for e in (find(s, self.par_end, v0, memo), find(s, self.fn_end, v0, memo)) if e >= 0]
                 if not ends and not final:
                     return call, None
                 e = min(ends) if ends else len(s)
@@ -410,7 +204,7 @@ class QwenCoderToolParser(ToolParser):
                     (', ' if n else '')
                     + json.dumps(name)
                     + ': '
-                    + json.dumps(_convert(v, props.get(name)), ensure_ascii=False)
+                    + json.dumps(convert(v, props.get(name)), ensure_ascii=False)
                 )
                 n += 1
                 j = e + len(self.par_end) if s.startswith(self.par_end, e) else e
@@ -422,26 +216,26 @@ class QwenCoderToolParser(ToolParser):
     def scan(self, text, final, memo=None):
         content, calls, pos = [], [], 0
         while True:
-            ks = [k for k in (_find(text, m, pos, memo) for m in self.markers) if k >= 0]
+            ks = [k for k in (find(text, m, pos, memo) for m in self.markers) if k >= 0]
             if not ks:
-                content.append(_hold(text[pos:], self.markers, final))
+                content.append(hold(text[pos:], self.markers, final))
                 break
             k = min(ks)
             content.append(text[pos:k])
             wrapped = text.startswith(self.wrap, k)
-            j = _ws(text, k + len(self.wrap)) if wrapped else k
+            j = ws(text, k + len(self.wrap)) if wrapped else k
             if j >= len(text):
                 if final:
                     content.append(text[k:])
                 break
             call, end = self._function(text, j, final, memo)
-            if call is None or (final and not _valid(call)):
+            if call is None or (final and not valid(call)):
                 content.append(text[k:])
                 break
             calls.append(call)
             if end is None:
                 break
-            e = _ws(text, end)
+            e = ws(text, end)
             if wrapped and text.startswith(self.wrap_end, e):
                 pos = e + len(self.wrap_end)
             elif wrapped and not final and self.wrap_end.startswith(text[e:]):
@@ -454,32 +248,6 @@ class QwenCoderToolParser(ToolParser):
 _NAME = re.compile(r'[\w.\-]+')
 
 
-def _call_list(s, j, final, calls, memo=None):
-    "Scan a JSON list of calls at `s[j] == '['`, appending to `calls`: its end, None if incomplete, -1 if invalid."
-    j, n = _ws(s, j + 1), 0
-    while True:
-        if j >= len(s):
-            return None
-        if s[j] == ']':
-            return j + 1
-        if n:
-            if s[j] != ',':
-                return -1
-            j = _ws(s, j + 1)
-            if j >= len(s):
-                return None
-        if s[j] != '{':
-            return -1
-        call, end = _parse_call(s, j, final, memo)
-        if call is None or (final and (end is None or not _valid(call))):
-            return -1
-        calls.append(call)
-        n += 1
-        if end is None:
-            return None
-        j = _ws(s, end)
-
-
 class MistralToolParser(ToolParser):
     '`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or `[TOOL_CALLS]NAME[ARGS]{...}` (Mistral).'
 
@@ -490,17 +258,17 @@ class MistralToolParser(ToolParser):
         return ''.join(random.choices(string.ascii_letters + string.digits, k=9))
 
     def _named(self, s, j, final, calls, memo=None):
-        "Scan `NAME[CALL_ID]ID[ARGS]{...}` at `s[j]`, returning as `_call_list` does."
-        a = _find(s, self.args_tag, j, memo)
+        "Scan `NAME[CALL_ID]ID[ARGS]{...}` at `s[j]`, returning as `call_list` does."
+        a = find(s, self.args_tag, j, memo)
         if a < 0:
             return -1 if final else None
         name, _, cid = s[j:a].partition(self.id_tag)
         name, cid = name.strip(), cid.strip() or None
         if not _NAME.fullmatch(name):
             return -1
-        v = _ws(s, a + len(self.args_tag))
-        e = _value_end(s, v, final, memo)
-        call = _Call(name=name, id=cid)
+        v = ws(s, a + len(self.args_tag))
+        e = value_end(s, v, final, memo)
+        call = Call(name=name, id=cid)
         if e is None:
             if final:
                 return -1
@@ -510,7 +278,7 @@ class MistralToolParser(ToolParser):
             return None
         call.args = json.loads(s[v:e]) if s[v] == '"' else s[v:e]
         call.done = True
-        if final and not _valid(call):
+        if final and not valid(call):
             return -1
         calls.append(call)
         return e
@@ -518,18 +286,18 @@ class MistralToolParser(ToolParser):
     def scan(self, text, final, memo=None):
         content, calls, pos = [], [], 0
         while True:
-            k = _find(text, self.start, pos, memo)
+            k = find(text, self.start, pos, memo)
             if k < 0:
-                content.append(_hold(text[pos:], self.markers, final))
+                content.append(hold(text[pos:], self.markers, final))
                 break
             content.append(text[pos:k])
-            j = _ws(text, k + len(self.start))
+            j = ws(text, k + len(self.start))
             if j >= len(text):
                 if final:
                     content.append(text[k:])
                 break
             found = []
-            end = (_call_list if text[j] == '[' else self._named)(text, j, final, found, memo)
+            end = (call_list if text[j] == '[' else self._named)(text, j, final, found, memo)
             if end == -1:
                 content.append(text[k:])
                 break
@@ -550,31 +318,31 @@ class LlamaToolParser(ToolParser):
         return not self.schemas or name in self.schemas
 
     def scan(self, text, final, memo=None):
-        j = _ws(text, 0)
+        j = ws(text, 0)
         if not final and self.tag.startswith(text[j:]):
             return '', []
         if text.startswith(self.tag, j):
-            j = _ws(text, j + len(self.tag))
+            j = ws(text, j + len(self.tag))
         if j >= len(text):
             return ('' if not final else text[j:]), []
         if text[j] != '{':
             return text, []
         calls = []
         while True:
-            call, end = _parse_call(text, j, final, memo)
+            call, end = parse_call(text, j, final, memo)
             bad = (
                 call is None
                 or (call.name is not None and not self._known(call.name))
-                or (final and (end is None or not _valid(call)))
+                or (final and (end is None or not valid(call)))
             )
             if bad:
                 return (text if not calls else text[j:]), calls
             calls.append(call)
             if end is None:
                 return '', calls
-            j = _ws(text, end)
+            j = ws(text, end)
             if j < len(text) and text[j] == ';':
-                j = _ws(text, j + 1)
+                j = ws(text, j + 1)
                 if j >= len(text):
                     return '', calls
                 if text[j] == '{':
@@ -586,15 +354,15 @@ class JsonToolParser(ToolParser):
     'The whole output is `{"name": ..., "arguments": {...}}` or a list of such objects.'
 
     def scan(self, text, final, memo=None):
-        j = _ws(text, 0)
+        j = ws(text, 0)
         if j >= len(text):
             return '', []
         calls = []
         if text[j] == '[':
-            end = _call_list(text, j, final, calls, memo)
+            end = call_list(text, j, final, calls, memo)
         elif text[j] == '{':
-            call, end = _parse_call(text, j, final, memo)
-            if call is None or (final and (end is None or not _valid(call))):
+            call, end = parse_call(text, j, final, memo)
+            if call is None or (final and (end is None or not valid(call))):
                 end = -1
             else:
                 calls.append(call)
