@@ -12,7 +12,8 @@ launch:
 | quantized matmuls' split-K and row buckets (`split_k`) | split-K by grid size, config by row bucket | no split-K, one config |
 | W4A16's kernel by rows (`w4a16`) | MMA / GEMV at one row, tensor-core or `tl.dot` kernel to 128, dequantize + cuBLAS above | the `tl.dot` kernel at every M |
 | paged attention (`paged_attention`) | split-KV for decode batches, by batch size; FlashAttention for fresh prompts | one pass over the keys in order, every row on the paged kernel |
-| fused MoE (`fused_moe`) | config by token bucket, a decode kernel for few tokens | one config, the grouped kernel |
+| fused MoE (`fused_moe`) | config by token bucket, a decode kernel for few tokens | one config, the grouped kernel, no atomics |
+| MLA (`mla_decode`, the MLA layer) | absorbed decode rows, decompressed prefill rows; split-KV by batch size | every row as a one-query sequence on the absorbed path, no split; `bmm` per head |
 
 The CPU fast path has its own invariant kernels (`cvllm_lab.quant.cpu`), switched by the same field.
 """
@@ -20,7 +21,7 @@ The CPU fast path has its own invariant kernels (`cvllm_lab.quant.cpu`), switche
 import torch
 import torch.nn.functional as F
 
-__all__ = ['set_batch_invariant', 'batch_invariant', 'linear']
+__all__ = ['set_batch_invariant', 'batch_invariant', 'linear', 'bmm']
 
 _ON = [False]
 
@@ -42,3 +43,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
         return matmul_invariant(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    "`torch.bmm`, except on CUDA in batch-invariant mode: `matmul_invariant` per batch entry (an MLA layer's heads)."
+    if not (_ON[0] and a.is_cuda):
+        return torch.bmm(a, b, out=out)
+    from cvllm_lab.kernels.matmul_invariant import matmul_invariant
+
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2]) if out is None else out
+    for h in range(a.shape[0]):
+        out[h] = matmul_invariant(a[h], b[h].transpose(0, 1))
+    return out

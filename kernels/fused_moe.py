@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.activation import silu_and_mul
+from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.fused_moe_align import moe_align_block_size_grid
 from cvllm_lab.kernels.fused_moe_decode import fused_moe_decode
 from cvllm_lab.kernels.fused_moe_gemm import grouped_gemm
@@ -90,6 +91,9 @@ ALIGN_ONE_PROGRAM_MAX = (
 FP8_BLOCK = 128
 
 
+BATCH_INVARIANT_BUCKET = 16  # the bucket whose default config batch-invariant mode runs at every token count
+
+
 def m_bucket(num_tokens: int) -> int:
     "The config bucket of `num_tokens`: the smallest of `M_BUCKETS` >= it, else the largest."
     return next((b for b in M_BUCKETS if b >= num_tokens), M_BUCKETS[-1])
@@ -98,8 +102,13 @@ def m_bucket(num_tokens: int) -> int:
 def get_config(
     num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int, device: torch.device | str = 'cpu'
 ) -> dict:
-    "The launch config for `num_tokens` tokens at this expert shape: a tuned shape row, else the bucket's default."
+    """The launch config for `num_tokens` tokens at this expert shape: a tuned shape row, else the bucket's default;
+    batch-invariant mode (`batch_invariant`): bucket `BATCH_INVARIANT_BUCKET`'s default for every count."""
     tables = configs_for('fused_moe', torch.device(device))
+    if batch_invariant():  # one tiling at every token count; no decode GEMVs, no atomic adds (summed in arrival order)
+        row = dict(tables['interpret'] if _INTERPRET else tables['default'][BATCH_INVARIANT_BUCKET])
+        row.pop('decode', None)
+        return {**row, 'ATOMIC': 0}
     if _INTERPRET:
         return dict(tables['interpret'])
     b = m_bucket(num_tokens)

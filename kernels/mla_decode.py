@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.kv_cache import FP8_DTYPE, _FP8_MAX, _SCALE_MIN, _round_to_e4m3, quantize_kv_ref
+from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.tuned import configs_for
 
 __all__ = [
@@ -363,6 +364,8 @@ def decode_config(num_seqs: int, device: torch.device) -> dict:
     if _INTERPRET or device.type != 'cuda':
         return T['interpret']
     table = T['default']
+    if batch_invariant():  # one config for every batch (the smallest bucket's)
+        return table[min(table)]
     return table[max([b for b in table if b <= num_seqs], default=min(table))]
 
 
@@ -390,7 +393,7 @@ def mla_decode(
     [num_blocks, block_size, L + R]` of q's dtype or FP8 (with `kv_scale [num_blocks, block_size]`) -> `[B, H, L]`.
     `max_seq_len` (an upper bound, read on the host;
     computed with a sync when None) sets the number of KV splits; `num_kv_splits` overrides it, `config` the tuned
-    launch config (`decode_config`)."""
+    launch config (`decode_config`). Batch-invariant mode: one config, no split."""
     B, H, L = q_nope.shape
     R = q_pe.shape[-1]
     _, page, W = kv_cache.shape
@@ -408,7 +411,8 @@ def mla_decode(
     block_h = 16 if H <= 16 or fp32 else 32
     head_blocks = triton.cdiv(H, block_h)
     block_l = triton.next_power_of_2(L)
-    splits = num_kv_splits or _num_splits(q_nope, B, head_blocks, max_seq_len, cfg)
+    # batch-invariant mode: no split-KV (the split count follows the batch size)
+    splits = num_kv_splits or (1 if batch_invariant() else _num_splits(q_nope, B, head_blocks, max_seq_len, cfg))
     tile_n = min(cfg['tile_n'], 16) if fp32 or block_l > 512 else cfg['tile_n']  # fp32 tiles: registers
     if splits > 1:
         part_m = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)

@@ -43,6 +43,7 @@ import math
 import torch
 import triton
 
+from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.tuned import configs_for
 from cvllm_lab.kernels.kv_cache import (
     FP8_DTYPE,
@@ -250,7 +251,10 @@ def paged_attention(
     `max_query_len` / `max_seq_len` are upper bounds read on the host (computed from the tensors, with a
     device sync, when None): they pick the decode path and the number of KV splits, so pass static values
     when capturing CUDA graphs. `num_kv_splits` overrides the split count of the decode path, `config` its tuned
-    launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`)."""
+    launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`).
+    Batch-invariant mode (`batch_invariant`): the prefill path for every batch, so a row's keys are summed in the same
+    tiles, in the same order, whatever the batch and the chunking (`kv_start` is tile-aligned; masked tiles add
+    exact zeros)."""
     T, H, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -273,7 +277,8 @@ def paged_attention(
     dot_f32 = _INTERPRET and q.dtype == torch.bfloat16
     precision = 'ieee' if fp32 or dot_f32 else 'tf32'  # 'tf32' is ignored for 16-bit inputs
     qk_scale = scale * math.log2(math.e)
-    decode = max_query_len <= DECODE_MAX_QUERY_LEN
+    # batch-invariant mode: every row on the one-pass path (no split-KV by batch size, one tile for every batch)
+    decode = max_query_len <= DECODE_MAX_QUERY_LEN and not batch_invariant()
     if decode:
         # two compile-time query tiles only (one token, or up to DECODE_MAX_QUERY_LEN): a step's last short prefill
         # chunk, or a prompt cached but for a few tokens, must not compile a new binary mid-serving

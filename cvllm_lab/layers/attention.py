@@ -57,6 +57,8 @@ class Attention(nn.Module):
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap  # soft-cap: Gemma 2
         cfg = get_current_engine_config()  # the engine's switches, read once, at build (`00_config`)
         self.flash_prefill, self.cudnn_prefill = cfg.flash_prefill, cfg.cudnn_prefill
+        if cfg.batch_invariant:  # every row on the paged kernel: a prompt's rows attend alike, cached prefix or not
+            self.flash_prefill = self.cudnn_prefill = False
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None  # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]

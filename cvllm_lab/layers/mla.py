@@ -10,7 +10,8 @@ import math
 import torch
 from torch import nn
 import torch.nn.functional as F
-from ..kernels.batch_invariant import linear  # F.linear, or the batch-invariant matmul
+from ..kernels.batch_invariant import bmm, linear  # torch's, or the batch-invariant matmul
+from ..config import get_current_engine_config
 from fastcore.basics import patch
 from ..utils.context import ForwardContext, get_forward_context
 from ..utils.parallel_state import get_tensor_model_parallel_world_size
@@ -96,6 +97,8 @@ class MLAAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale = None  # FP8 cache only: fp32 [num_blocks, block_size], one per latent row
         self._w_kv_b = None  # (key, dequantized kv_b_proj weight) when kv_b_proj is quantized
+        # batch-invariant mode (`EngineConfig.batch_invariant`): every row on the absorbed path (`forward_rows`)
+        self.batch_invariant = get_current_engine_config().batch_invariant
         self.set_backend(backend)
 
     def set_backend(self, name: str):
@@ -203,7 +206,7 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | 
     P, V = self.qk_nope_head_dim, self.v_head_dim
     w = self.w_kv_b(q.dtype)
     w_uk, w_uv = w[:, :P], w[:, P:]  # [H, P, L], [H, V, L]
-    q_lat = torch.bmm(q[..., :P].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
+    q_lat = bmm(q[..., :P].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
     o_lat = self._decode_fn(
         q_lat,
         q[..., P:],
@@ -215,7 +218,7 @@ def forward_absorbed(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | 
         kv_scale=self.kv_scale,
     )
     o = q.new_empty(q.shape[0], self.num_heads, V)  # [B, H, V], so o_proj reads a view
-    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
     return o
 
 
@@ -269,7 +272,9 @@ def forward(self: MLAAttention, positions: torch.Tensor, h: torch.Tensor) -> tor
     else:
         q, kv_c, k_pe = self.project(positions, h)
         self._cache_fn(kv_c, k_pe, self.kv_cache, ctx.slot_mapping, self.kv_scale)
-    if ctx.max_query_len == 1:
+    if self.batch_invariant:
+        o = self.forward_rows(q)
+    elif ctx.max_query_len == 1:
         o = self.forward_absorbed(q)
     elif ctx.prefill is not None and self._prefill_ok(q):
         o = self.forward_split(q, ctx)
@@ -328,3 +333,26 @@ def forward_split(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext) -> t
         ot = self.prefill_fn(qt.contiguous(), k, v, cu, cu, int(lens.max()), int(lens.max()), self.scale)
     o[ht:] = ot[..., :V]
     return o
+
+# %% ../../nbs/26_mla.ipynb #b2073aae
+@patch
+def forward_rows(self: MLAAttention, q: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    """Batch-invariant mode: every row of the step (default: the current one) as a one-query sequence over its own
+    prefix, on the absorbed path, so a row's arithmetic does not depend on the step's other rows, on how its prompt
+    was chunked, or on whether its prefix came from the cache. Slower for prefill (no K/V decompressed once and
+    shared by a chunk's rows); `[T, H, V]`."""
+    ctx = ctx or get_forward_context()
+    T, dev = q.shape[0], q.device
+    qsl = ctx.query_start_loc.long()
+    n = qsl[1:] - qsl[:-1]
+    seq = torch.repeat_interleave(torch.arange(n.numel(), device=dev), n, output_size=T)
+    lens = ctx.seq_lens.long()[seq] - (qsl[seq + 1] - 1 - torch.arange(T, device=dev))  # row i sees positions < len
+    rows = ForwardContext(
+        ctx.slot_mapping,
+        torch.arange(T + 1, dtype=torch.int32, device=dev),
+        lens.to(torch.int32),
+        ctx.block_tables[seq],
+        1,
+        ctx.max_seq_len,
+    )
+    return self.forward_absorbed(q, rows)
