@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as GT, GGML_QUANT_SIZES
 
+from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.gguf_layout import dequantize, parse_qtype
 from cvllm_lab.kernels.gguf_tiles import dequant_tile
 from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
@@ -337,13 +338,16 @@ GEMV_MAX_M, MM_MAX_M = 4, 64
 
 
 def gguf_matmul(x, qweight, qtype, N, K):
-    "`x` `[..., K]` @ dequant(qweight `uint8 [N, bytes_per_row]`).T -> `[..., N]` in x's dtype, picking a kernel by M."
+    """`x` `[..., K]` @ dequant(qweight `uint8 [N, bytes_per_row]`).T -> `[..., N]` in x's dtype, picking a kernel by M
+    (batch-invariant mode: `gguf_mm` unsplit at every M)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M == 0:
         return x.new_empty(*lead, N)
-    if M <= GEMV_MAX_M:
+    if batch_invariant():  # one kernel, one tile, no split-K (its fp32 atomics add in arrival order) at every M
+        y = gguf_mm(x2, qweight, qtype, N, K, split_k=1)
+    elif M <= GEMV_MAX_M:
         y = gguf_gemv(x2, qweight, qtype, N, K)
     elif M <= MM_MAX_M:
         y = gguf_mm(x2, qweight, qtype, N, K)

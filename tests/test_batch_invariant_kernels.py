@@ -153,3 +153,18 @@ def test_fused_moe_invariant_interp(invariant):
     y = _rows_same_at_every_m(lambda r: fused_moe(x[r], w13, w2, tw[r], ids[r]), T, (1, 2, 5, 9))
     ref = fused_moe_ref(x, w13, w2, tw, ids)
     assert (y.float() - ref.float()).abs().max().item() < 1e-2 * ref.float().abs().max().item()
+
+
+@pytest.mark.interp
+def test_gguf_matmul_invariant_interp(invariant):
+    "GGUF weights in batch-invariant mode: `gguf_mm` without split-K at every M (no GEMV for the first 4 rows)."
+    from cvllm_lab.kernels.gguf_layout import parse_qtype
+    from cvllm_lab.kernels.gguf_matmul import gguf_matmul, gguf_matmul_ref
+    from cvllm_lab.quant.gguf import random_blocks
+
+    t, N, K = parse_qtype('q4k'), 32, 256
+    w = random_blocks(t, N, K, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(12, K, generator=torch.Generator().manual_seed(10)).half()
+    y = _rows_same_at_every_m(lambda r: gguf_matmul(x[r], w, t, N, K), len(x), (1, 2, 5, 9))
+    ref = gguf_matmul_ref(x, w, t, N, K)
+    assert (y.float() - ref.float()).abs().max().item() < 1e-2 * ref.float().abs().max().item()
