@@ -10,6 +10,8 @@ launch:
 |---|---|---|
 | dense matmuls (`linear`, the layers' `F.linear`) | cuBLAS, whose kernel follows M | `matmul_invariant`: one tiling for every M |
 | quantized matmuls' split-K and row buckets (`split_k`) | split-K by grid size, config by row bucket | no split-K, one config |
+| GGUF matmuls (`gguf_matmul`) | GEMV to 4 rows, `tl.dot` kernel to 64, dequantize + cuBLAS above | the `tl.dot` kernel, unsplit |
+| FP8 matmuls (`fp8_matmul`) | GEMV at one row, tuned backend by row bucket | `fp8_mm` (block scales) or the dequantized weight in `matmul_invariant` |
 | W4A16's kernel by rows (`w4a16`) | MMA / GEMV at one row, tensor-core or `tl.dot` kernel to 128, dequantize + cuBLAS above | the `tl.dot` kernel at every M |
 | paged attention (`paged_attention`) | split-KV for decode batches, by batch size; FlashAttention for fresh prompts | one pass over the keys in order, every row on the paged kernel |
 | fused MoE (`fused_moe`) | config by token bucket, a decode kernel for few tokens | one config, the grouped kernel, no atomics |
