@@ -98,7 +98,7 @@ ENV_VARS = [
         env_bool,
         "default of `EngineConfig.batch_invariant` (vLLM's "
         "`VLLM_BATCH_INVARIANT`: a request's output does not depend on the rest of the batch, chunking or the prefix "
-        'cache; CPU fast path and GPU split-K, notebooks 42 and 50)',
+        'cache; the CPU fast path, notebook 42; the GPU kernels, kernels/batch_invariant.py)',
         'config',
     ),
     EnvVar(
