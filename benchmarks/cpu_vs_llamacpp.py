@@ -14,7 +14,7 @@ import torch
 from cvllm_lab import LLM
 from cvllm_lab.bench.offline import bench_offline, device_name
 from cvllm_lab.config import default_model_path
-from cvllm_lab.quant.cpu import CPUDecoderLayer
+from cvllm_lab.quant.cpu_layer import CPUDecoderLayer
 
 
 def llamacpp_decode(llm, P: int, O: int, rng) -> float:

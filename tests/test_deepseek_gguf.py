@@ -260,7 +260,7 @@ def test_yarn_metadata_round_trip(tmp_path):
 def test_keep_quantized_linears(tmp_path, v3):
     """`keep_quantized`: the Q8_0 decoder linears load as `GGUFLinear` through `quant.apply.load_quantized` (V3's
     q_a / kv_a halves as one merged layer), `kv_b_proj` and the experts float, and the logits equal the float load's."""
-    from cvllm_lab.quant.apply import load_quantized
+    from cvllm_lab.quant.checkpoint import load_quantized
     from cvllm_lab.quant.gguf import GGUFLinear
 
     hf, d = tiny_hf(v3, seed=3)

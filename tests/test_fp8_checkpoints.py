@@ -281,7 +281,7 @@ def test_deepseek_v3_block_fp8(tmp_path, monkeypatch):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM as HFDeepseekV3
     from cvllm_lab.kernels.fused_moe import fused_moe
     from cvllm_lab.models.deepseek_v2 import DeepseekV3ForCausalLM
-    from cvllm_lab.quant.apply import Fp8CheckpointMoEMethod
+    from cvllm_lab.quant.checkpoint import Fp8CheckpointMoEMethod
 
     cfg = DeepseekV3Config(
         vocab_size=V,

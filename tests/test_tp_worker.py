@@ -27,9 +27,9 @@ from cvllm_lab.engine.worker import (
     MultiprocExecutor,
     Worker,
     WorkerError,
-    runner_view,
     worker_busy_loop,
 )
+from cvllm_lab.engine.step_message import runner_view
 from cvllm_lab.sampling_params import SamplingParams
 from cvllm_lab.utils import parallel_state as ps
 

@@ -1,4 +1,4 @@
-"""Owns the model and the KV cache tensors: sizes the cache, turns a `SchedulerOutput` into flat forward inputs and a forward context, runs the model, and samples.
+"""Owns the model and the KV cache tensors: sizes the cache, turns a `SchedulerOutput` into flat forward inputs and a forward context, runs the model, and samples (the inputs and CUDA graphs: `50a_input_batch`).
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 
@@ -6,47 +6,44 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 
 # %% ../../nbs/50_model_runner.ipynb #f3766157
 from __future__ import annotations
-import contextlib
-import itertools
 import os
 from dataclasses import dataclass, field, replace
-import numpy as np
 import torch
 from fastcore.basics import patch
-from ..kernels.tuned import configs_for
 from ..config import EngineConfig, set_current_engine_config
 from ..kernels.paged_attention import DECODE_MAX_QUERY_LEN
 from cvllm_lab.utils.context import (
     ForwardContext,
     PrefillMetadata,
     DecodeSplit,
-    to_device,
     KVCacheGroupSpec,
     bind_kv_cache,
     kv_cache_bytes_per_token,
     kv_cache_groups,
     set_forward_context,
 )
-from .request import PLACEHOLDER, Request
+from .request import Request
 from .scheduler import SchedulerOutput
+from cvllm_lab.engine.input_batch import (
+    PREFILL_SPLIT_MIN_TOKENS,
+    DecodeGraphs,
+    InputBatch,
+    StepInputs,
+    placeholder_rows,
+)
 from ..sampling_params import SamplingParams
 from ..layers.sampler import Sampler, row_argmax, topk_logprobs
 from ..layers.attention import cudnn_plans_at_once
 from ..weights.loader import load_model, ModelSource, resolve_model_source
-from ..quant.cpu import CPUInt4Linear, cpu_fast_path, cpu_threads
+from ..quant.cpu import CPUInt4Linear, cpu_threads
+from ..quant.cpu_layer import cpu_fast_path
 
 # %% auto #0
-__all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'InputBatch', 'ModelRunnerOutput',
-           'StepHandle', 'placeholder_rows', 'blas_backend', 'blas_for_rows']
+__all__ = ['CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-# a chunk over cached tokens this short stays on the paged kernel: longer ones would take the step's decode rows
-# off the kernel's decode path (its split-KV path serves queries of up to `DECODE_MAX_QUERY_LEN`, 8, tokens)
-PREFILL_SPLIT_MIN_TOKENS = 9
-
-
-class ModelRunner:
-    "Runs the model for scheduled batches over a paged KV cache."
+class ModelRunner(StepInputs, DecodeGraphs):
+    "Runs the model for scheduled batches over a paged KV cache (a step's inputs and decode graphs: notebook 50a)."
 
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
@@ -58,7 +55,7 @@ class ModelRunner:
             self.setup_cpu()
         self.sampler = Sampler()
         self.block_size = cfg.block_size
-        # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, below)
+        # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, notebook 50a)
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
         self.keep_rows = cfg.keep_rows  # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
@@ -134,7 +131,7 @@ def _load(self: ModelRunner, src: ModelSource | None, progress: bool = True) -> 
 
 @patch
 def setup_cpu(self: ModelRunner):
-    """Threads from the cores we may use, the CPU layers of notebook 42, and a GGUF model's LM head as q8_0 in int4
+    """Threads from the cores we may use, the CPU layers of notebooks 42 and 42a, and a GGUF model's LM head as q8_0 in int4
     halves where the model declares a plain one (`supports_cpu_lm_head`: `compute_logits` is a matmul by `logits_weight()`)."""
     if 'OMP_NUM_THREADS' not in os.environ:
         torch.set_num_threads(cpu_threads())
@@ -207,159 +204,6 @@ def profile_run(self: ModelRunner):
     for a in self.model.attention_layers():
         a.kv_cache = a.kv_scale = None
     torch.cuda.synchronize()
-
-# %% ../../nbs/50_model_runner.ipynb #dd529c99
-@dataclass(slots=True)
-class InputBatch:
-    "The host side of one step: flat token rows, their attention metadata, and the rows that need logits."
-
-    # built positionally, in field order: a keyword call costs more on the per-step host path
-    input_ids: np.ndarray | torch.Tensor  # [num_tokens] int64
-    positions: np.ndarray | torch.Tensor  # [num_tokens] int64
-    slot_mapping: np.ndarray | torch.Tensor  # [num_tokens] int64: KV slot of each row
-    query_start_loc: np.ndarray | torch.Tensor  # [num_reqs + 1] int32: first row of each request
-    seq_lens: np.ndarray | torch.Tensor  # [num_reqs] int32: tokens in the cache after the step
-    block_tables: np.ndarray | torch.Tensor  # [num_reqs, max_blocks] int32, zero-padded
-    max_query_len: int
-    max_seq_len: int
-    sample_rows: list[int] | slice  # rows to sample (`slice(None)`: every row)
-    sample_reqs: list[Request]  # the request of each sampled row
-    prompt_logprobs: list[tuple[Request, list[int], list[int]]]  # (request, rows, the prompt tokens they predict)
-    # first sequence of the step's trailing run of prefills for FlashAttention (`prefill_metadata`); None: no run
-    prefill_start: int | None = None
-    # KV cache groups 1.. (group 0's are `slot_mapping` and `block_tables`): (slot_mapping, block_tables) each
-    group_tables: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = field(default_factory=list)
-    sample_index: torch.Tensor | None = None  # `sample_rows` on the device (set by `_upload`)
-    rows_kept: bool = False  # the forward returned only the sampled rows (`_forward`)
-    # async scheduling of a mixed step: (rows whose input is a placeholder, their index in the last step's tokens)
-    prev_rows: tuple[np.ndarray, np.ndarray] | None = None
-
-    @property
-    def sample_at(self):
-        "The rows of the step's hidden states to sample, as an index: on the device once uploaded."
-        if self.rows_kept:
-            return slice(None)
-        return self.sample_rows if self.sample_index is None else self.sample_index
-
-# %% ../../nbs/50_model_runner.ipynb #d74792fd
-@patch
-def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
-    "Flat token batch, positions, attention metadata, and which rows need logits (numpy over the step's rows)."
-    reqs = so.scheduled
-    if so.total_num_scheduled_tokens == len(reqs) and all(
-        r.prompt_logprobs is None and r.num_computed_tokens + 1 == r.num_tokens for r in reqs
-    ):
-        return self._prepare_decode(so)
-    more = self._more_groups(so)
-    bs, B = self.block_size, len(reqs)
-    cs = [r.num_computed_tokens for r in reqs]
-    ns = [so.num_scheduled_tokens[r.request_id] for r in reqs]
-    qsl = np.zeros(B + 1, dtype=np.int32)
-    np.cumsum(ns, out=qsl[1:])
-    T, seq_lens = int(qsl[-1]), np.add(cs, ns, dtype=np.int32)
-    ids = np.fromiter(
-        itertools.chain.from_iterable(r.all_token_ids[c : c + n] for r, c, n in zip(reqs, cs, ns)),
-        dtype=np.int64,
-        count=T,
-    )
-    row_req = np.repeat(np.arange(B), ns)  # each row's request
-    pos = np.arange(T, dtype=np.int64) + np.repeat(np.subtract(cs, qsl[:-1], dtype=np.int64), ns)
-    blk, off = pos // bs, pos % bs
-    slot_of = lambda bt: bt[row_req, blk].astype(np.int64) * bs + off  # block_table[p // bs] * bs + p % bs
-    bt = _table_array([so.block_tables[r.request_id] for r in reqs])
-    groups = [(slot_of(g), g) for g in (_table_array([tabs[r.request_id] for r in reqs]) for tabs in more)]
-    sample_rows, sample_reqs, plp = [], [], []
-    for r, c, n, start in zip(reqs, cs, ns, qsl.tolist()):
-        if r.prompt_logprobs is not None:  # position p predicts prompt token p+1
-            ps = range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))
-            if ps:
-                plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
-        if c + n == r.num_tokens:
-            sample_rows.append(start + n - 1)
-            sample_reqs.append(r)
-    L = seq_lens.tolist()
-    s, keys = B, 0  # back over the prefills at the end of the step that may run on FlashAttention
-    while (
-        s
-        and ns[s - 1] >= min(L[s - 1], self.prefill_split_min_tokens)
-        and keys + L[s - 1] <= self.prefill_split_max_keys
-    ):
-        s -= 1
-        keys += L[s]
-    return InputBatch(
-        ids,
-        pos,
-        slot_of(bt),
-        qsl,
-        seq_lens,
-        bt,
-        max(ns),
-        max(L),
-        sample_rows,
-        sample_reqs,
-        plp,
-        s if s < B else None,
-        groups,
-    )
-
-
-def _table_array(tabs: list[list[int]]) -> np.ndarray:
-    "Block tables as one int32 array, zero-padded (block 0: never read past a sequence's length)."
-    bt = np.zeros((len(tabs), max(map(len, tabs))), dtype=np.int32)
-    for i, t in enumerate(tabs):
-        bt[i, : len(t)] = t
-    return bt
-
-
-@patch
-def _more_groups(self: ModelRunner, so: SchedulerOutput) -> list[dict[str, list[int]]]:
-    "The step's block tables of KV cache groups 1.. (none with one group); an error if the scheduler's groups are not ours."
-    if len(so.group_block_tables) != (len(self.kv_cache_groups) if len(self.kv_cache_groups) > 1 else 0):
-        raise ValueError(
-            f'The scheduler gives {len(so.group_block_tables) or 1} block tables per request, this model has '
-            f"{len(self.kv_cache_groups)} KV cache groups: build the KVCacheManager with the runner's kv_cache_groups"
-        )
-    return so.group_block_tables[1:]
-
-# %% ../../nbs/50_model_runner.ipynb #e805c385
-@patch
-def prefill_metadata(self: ModelRunner, b: InputBatch) -> PrefillMetadata | None:
-    "The step's trailing run of prefills, for attention layers that run them on FlashAttention (`22_attention`)."
-    if b.prefill_start is None:
-        return None
-    windows = {a.sliding_window for a in self.model.attention_layers() if getattr(a, 'prefill_fn', None) is not None}
-    if not windows:
-        return None
-    p = PrefillMetadata.build(b.query_start_loc, b.seq_lens, b.prefill_start, self.device)
-    for w in windows:
-        p.keys(w)  # the host-to-device copies before the forward, not inside a layer
-    return p
-
-# %% ../../nbs/50_model_runner.ipynb #b2687b71
-@patch
-def _prepare_decode(self: ModelRunner, so: SchedulerOutput) -> InputBatch:
-    "Fast path of `prepare_inputs` for a batch where every request decodes one token."
-    bs, reqs = self.block_size, so.scheduled
-    cs = [r.num_computed_tokens for r in reqs]
-    tabs = [so.block_tables[r.request_id] for r in reqs]
-    slots = lambda tabs: np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64)
-    groups = [(slots(ts), _table_array(ts)) for ts in ([g[r.request_id] for r in reqs] for g in self._more_groups(so))]
-    B, pos = len(reqs), np.array(cs, dtype=np.int64)  # numpy, not torch: a step's host work is on the critical path
-    return InputBatch(
-        np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64),
-        pos,
-        slots(tabs),
-        np.arange(B + 1, dtype=np.int32),
-        (pos + 1).astype(np.int32),
-        _table_array(tabs),
-        1,
-        max(cs) + 1,
-        slice(None),
-        reqs,
-        [],
-        None,
-        groups,
-    )  # every row samples: no index tensor (its H2D copy would sync)
 
 # %% ../../nbs/50_model_runner.ipynb #2cc0dcdf
 @dataclass
@@ -437,50 +281,6 @@ def _forward(
     return h
 
 
-def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
-    """`parts` flattened into one array of `dtype`, each from a 16-byte boundary (the alignment Triton specializes
-    pointers on: a view of the device copy must not make a kernel compile again); with each part's offset."""
-    a, offs, n = 16 // np.dtype(dtype).itemsize, [], 0
-    for x in parts:
-        offs.append(n)
-        n += -(-x.size // a) * a
-    out = np.zeros(n, dtype=dtype)
-    for x, o in zip(parts, offs):
-        out[o : o + x.size] = x.ravel()
-    return out, offs
-
-
-@patch
-def _upload(self: ModelRunner, b: InputBatch) -> tuple:
-    """The step's arrays on the device in two host-to-device copies, one of int64 rows (ids, positions, slots, the
-    rows to sample, `prev_rows`) and one of int32 metadata (query_start_loc, seq_lens, block tables), through pinned
-    memory (`to_device`: the host does not wait for the device, so a step launched ahead queues behind the running
-    one). Sets `b.sample_index`, the sampled rows as a device tensor."""
-    samp = np.asarray([] if isinstance(b.sample_rows, slice) else b.sample_rows, dtype=np.int64)
-    prev = list(b.prev_rows) if b.prev_rows is not None else []
-    ints = [b.input_ids, b.positions, b.slot_mapping, *[s for s, _ in b.group_tables], samp, *prev]
-    meta = [b.query_start_loc, b.seq_lens, b.block_tables, *[t for _, t in b.group_tables]]
-    (hi, hoffs), (hm, moffs) = _packed(ints, np.int64), _packed(meta, np.int32)
-    di, dm = to_device(hi, self.device), to_device(hm, self.device)
-    ids, pos, slots, *gslots, si = [di[o : o + x.size] for x, o in zip(ints, hoffs)][: len(ints) - len(prev)]
-    if prev:
-        b.prev_rows = tuple(di[o : o + x.size] for x, o in zip(prev, hoffs[-2:]))
-    qsl, seq_lens, bt, *gtabs = [dm[o : o + x.size].view(x.shape) for x, o in zip(meta, moffs)]
-    if samp.size:
-        b.sample_index = si
-    return ids, pos, slots, qsl, seq_lens, bt, list(zip(gslots, gtabs))
-
-
-def placeholder_rows(so: SchedulerOutput, b: InputBatch, prev_reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-    "The rows of step `so` whose token is a placeholder, and the index of each one's request in `prev_reqs`."
-    at = {id(r): i for i, r in enumerate(prev_reqs)}
-    ends = np.asarray(b.query_start_loc[1:], dtype=np.int64) - 1  # a placeholder is a request's last token
-    pick = [(ends[i], at[id(r)]) for i, r in enumerate(so.scheduled) if r.has_placeholder and id(r) in at]
-    rows, src = (np.asarray(x, dtype=np.int64) for x in zip(*pick)) if pick else (np.zeros(0, np.int64),) * 2
-    assert (np.asarray(b.input_ids)[rows] == PLACEHOLDER).all(), "a placeholder row must be its request's last"
-    return rows, src
-
-
 @patch
 @torch.inference_mode()
 def launch(
@@ -526,114 +326,6 @@ def launch(
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     "Run one scheduled step, sample, and wait for the tokens."
     return self.launch(so).result()
-
-# %% ../../nbs/50_model_runner.ipynb #35fb1778
-@patch
-def graph_sizes(self: ModelRunner) -> list[int]:
-    "Batch-size buckets that get a CUDA graph: 1, 2, 4, 8, then steps of 8 up to `max_num_seqs`."
-    m = self.cfg.max_num_seqs
-    return sorted({s for s in [1, 2, 4, 8] + list(range(16, m + 1, 8)) if s <= m} | {m})
-
-# %% ../../nbs/50_model_runner.ipynb #95be7158
-@contextlib.contextmanager
-def blas_backend(name: str | None):
-    "Matmuls in this block, and the graphs captured in it, use BLAS library `name` ('cublas', 'cublaslt'); None: as is."
-    if name is None:
-        yield
-        return
-    prev = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(prev)
-
-
-def blas_for_rows(bs: int, cublaslt_rows: list[int]) -> str | None:
-    "'cublaslt' for a row count in the inclusive range `cublaslt_rows` (`[lo, hi]`; empty: none), else None."
-    return 'cublaslt' if cublaslt_rows and cublaslt_rows[0] <= bs <= cublaslt_rows[1] else None
-
-
-@patch
-def graph_blas(self: ModelRunner, bs: int) -> str | None:
-    "The BLAS library to capture the decode graph of `bs` rows with (`configs/blas_decode` of this GPU), or None."
-    if self.device.type != 'cuda':
-        return None
-    return blas_for_rows(bs, configs_for('blas_decode', self.device)['default']['cublaslt_rows'])
-
-
-@patch
-@torch.inference_mode()
-def capture_cudagraphs(self: ModelRunner, progress: bool = True):
-    "Capture one decode graph per bucket over persistent input buffers."
-    sizes, dev = self.graph_sizes(), self.device
-    n, nblk = sizes[-1], -(-self.cfg.max_model_len // self.block_size)
-    G = len(self.kv_cache_groups)
-    # graph inputs: rows of one int64 buffer (ids, positions, slots, seq_lens, then the slots of KV cache groups 1..)
-    # filled by one pinned copy per step; the block tables of every group in one int32 buffer
-    self.g_in = torch.tensor([[0], [0], [-1], [1]] + [[-1]] * (G - 1), device=dev).repeat(1, n)
-    self.g_ids, self.g_pos, self.g_slots = self.g_in[0], self.g_in[1], self.g_in[2]
-    self.g_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # the kernels' int32, one cast per step
-    self.g_bt = torch.zeros(G, n, nblk, dtype=torch.int32, device=dev)
-    self.g_qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-    self.g_staging = torch.zeros(3 + G, n, dtype=torch.long).pin_memory()
-    self.g_bt_staging = torch.zeros(G, n, nblk, dtype=torch.int32).pin_memory()
-    self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()  # cheap host writes
-    self.g_hidden, self.g_hidden_short, pool = {}, {}, None
-    from tqdm.auto import tqdm
-    from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
-
-    self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
-    todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
-    todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
-    for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
-        ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs], self.g_bt[0, :bs], 1, L)
-        if G > 1:
-            ctx.kv_groups = [(self.g_in[2 if g == 0 else 3 + g, :bs], self.g_bt[g, :bs]) for g in range(G)]
-        with blas_backend(self.graph_blas(bs)), set_forward_context(ctx):
-            for _ in range(2):
-                self.model(self.g_ids[:bs], self.g_pos[:bs])  # warm-up (Triton autotune/compile)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                h = self.model(self.g_ids[:bs], self.g_pos[:bs])
-        pool = g.pool()
-        if L == self.cfg.max_model_len:
-            self.graphs[bs], self.g_hidden[bs] = g, h
-        else:
-            self.short_graphs[bs], self.g_hidden_short[bs] = g, h
-    torch.cuda.synchronize()
-
-
-@patch
-def _run_graph(self: ModelRunner, b: InputBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    "Replay the smallest bucket that holds the batch (its short-context graph if it has one and the batch fits)."
-    B = len(b.input_ids)
-    bs = next(s for s in sorted(self.graphs) if s >= B)
-    short = bs in self.short_graphs and b.max_seq_len <= self.short_len
-    st, w = self.g_staging_np, b.block_tables.shape[1]
-    st[0, :B] = b.input_ids
-    st[1, :B] = b.positions
-    st[2, :B] = b.slot_mapping
-    st[3, :B] = b.seq_lens
-    st[0, B:bs] = 0
-    st[2, B:bs] = -1
-    st[3, B:bs] = 1  # padding rows: token 0, write nothing, attend to 1 slot
-    self.g_bt_staging_np[0, :B, :w] = b.block_tables
-    for g, (slots, bt) in enumerate(b.group_tables, 1):  # KV cache groups 1.. (none for most models)
-        st[3 + g, :B] = slots
-        st[3 + g, B:bs] = -1
-        self.g_bt_staging_np[g, :B, :w] = bt
-    self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)  # two pinned copies, one cast
-    self.g_bt[:, :B, :w].copy_(self.g_bt_staging[:, :B, :w], non_blocking=True)
-    self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
-    if prev_tokens is not None:
-        self.g_ids[:B].copy_(prev_tokens)  # async scheduling: ids from the last step
-    if short:
-        self.short_graphs[bs].replay()
-        return self.g_hidden_short[bs][:B]
-    self.graphs[bs].replay()
-    return self.g_hidden[bs][:B]
 
 # %% ../../nbs/50_model_runner.ipynb #26bb5d28
 # each warm-up step: the (cached, new) tokens of each sequence; whether it asks for prompt log-probs (eager decode);

@@ -1,4 +1,4 @@
-"""Tensor-parallel execution across processes: the engine schedules once, `StepEncoder` turns each `SchedulerOutput` into a small `StepMessage` (new requests, new tokens, new block ids), the executor sends it to every worker, each `Worker` rebuilds the same `SchedulerOutput` (`RequestMirror`) and runs its model runner on its shard; rank 0's sampled tokens come back. A worker that fails, dies or hangs becomes a `WorkerError` after a timeout, never a silent hang.
+"""Tensor-parallel execution across processes: the engine schedules once, `StepEncoder` turns each `SchedulerOutput` into a small `StepMessage` (new requests, new tokens, new block ids; notebook 56a), the executor sends it to every worker, each `Worker` rebuilds the same `SchedulerOutput` (`RequestMirror`) and runs its model runner on its shard; rank 0's sampled tokens come back. A worker that fails, dies or hangs becomes a `WorkerError` after a timeout, never a silent hang.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/worker.html.md"""
 
@@ -14,16 +14,14 @@ import pickle
 import time
 import traceback
 import multiprocessing as mp
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Callable
 import torch
 from fastcore.basics import patch
 import cvllm_lab.envs as envs
-from ..sampling_params import SamplingParams
-from .request import Request, RequestStatus
 from .scheduler import SchedulerOutput
 from .model_runner import ModelRunner, ModelRunnerOutput, StepHandle
+from .step_message import RequestMirror, StepEncoder, StepMessage
 from cvllm_lab.utils.parallel_state import (
     DistInit,
     init_distributed,
@@ -39,120 +37,8 @@ from cvllm_lab.utils.parallel_state import (
 )
 
 # %% auto #0
-__all__ = ['STEP_TIMEOUT_S', 'NewRequestData', 'StepMessage', 'StepEncoder', 'RequestMirror', 'runner_view', 'Worker',
-           'WorkerError', 'worker_main', 'MultiprocExecutor', 'DriverExecutor', 'worker_busy_loop', 'TPModelRunner',
-           'make_tp_runner', 'make_executor']
-
-# %% ../../nbs/56_worker.ipynb #8ee422c2
-@dataclass(slots=True)
-class NewRequestData:
-    "A request the workers have not seen: its prompt and sampling settings (and the GPU sampler's seed)."
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    sample_seed: int
-
-
-@dataclass(slots=True)
-class StepMessage:
-    "One step for the workers; the lists after `new_reqs` are per scheduled request, in batch order."
-
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    req_ids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)  # tokens appended since the last message
-    num_computed_tokens: list[int] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # block ids appended to its table
-    replaced: list[str] = field(default_factory=list)  # tables sent whole (after a preemption)
-    prompt_lp_done: dict[str, int] = field(default_factory=dict)  # len(prompt_logprobs) of requests that want them
-    finished_req_ids: list[str] = field(default_factory=list)
-
-
-class StepEncoder:
-    "Engine side: `SchedulerOutput` -> the `StepMessage` of what the workers do not have yet."
-
-    def __init__(self):
-        self.sent: dict[str, list] = {}  # req_id -> [request, tokens sent, table list, blocks sent]
-
-    def encode(self, so: SchedulerOutput) -> StepMessage:
-        m = StepMessage()
-        for rid in [rid for rid, s in self.sent.items() if s[0].is_finished]:
-            del self.sent[rid]
-            m.finished_req_ids.append(rid)
-        for r in so.scheduled:
-            rid, s = r.request_id, self.sent.get(r.request_id)
-            if s is None:
-                m.new_reqs.append(NewRequestData(rid, r.prompt_token_ids, r.sampling_params, r.sample_seed))
-                s = self.sent[rid] = [r, r.num_prompt_tokens, None, 0]
-            n_real = r.num_tokens - r.has_placeholder
-            m.new_token_ids.append(r.all_token_ids[s[1] : n_real])
-            s[1] = n_real
-            bt = so.block_tables[r.request_id]
-            if bt is not s[2] or len(bt) < s[3]:  # a new table (first time, or after a preemption)
-                if s[2] is not None:
-                    m.replaced.append(rid)
-                s[2], s[3] = bt, 0
-            m.new_block_ids.append(list(bt[s[3] :]))
-            s[3] = len(bt)
-            m.req_ids.append(rid)
-            m.num_computed_tokens.append(r.num_computed_tokens)
-            m.num_scheduled_tokens.append(so.num_scheduled_tokens[rid])
-            if r.prompt_logprobs is not None:
-                m.prompt_lp_done[rid] = len(r.prompt_logprobs)
-        return m
-
-# %% ../../nbs/56_worker.ipynb #e050901f
-class RequestMirror:
-    "Worker side: the requests as the engine has them, rebuilt from `StepMessage`s."
-
-    def __init__(self, block_size: int = 16):
-        self.block_size, self.reqs, self.tables = block_size, {}, {}
-
-    def apply(self, m: StepMessage) -> SchedulerOutput:
-        "Update the mirrored requests and return this step's `SchedulerOutput`."
-        for rid in m.finished_req_ids:
-            self.reqs.pop(rid, None)
-            self.tables.pop(rid, None)
-        for d in m.new_reqs:
-            r = Request(d.req_id, d.prompt_token_ids, d.sampling_params, (), self.block_size)
-            r.sample_seed, r.status = d.sample_seed, RequestStatus.RUNNING
-            self.reqs[d.req_id], self.tables[d.req_id] = r, []
-        for rid in m.replaced:
-            self.tables[rid] = []
-        so = SchedulerOutput()
-        for rid, toks, c, n, blocks in zip(
-            m.req_ids, m.new_token_ids, m.num_computed_tokens, m.num_scheduled_tokens, m.new_block_ids
-        ):
-            r, t = self.reqs[rid], self.tables[rid]
-            if toks:
-                r.output_token_ids += toks
-                r.all_token_ids += toks
-            r.num_computed_tokens = c
-            t += blocks
-            if rid in m.prompt_lp_done:
-                r.prompt_logprobs += [None] * (m.prompt_lp_done[rid] - len(r.prompt_logprobs))
-            so.scheduled.append(r)
-            so.num_scheduled_tokens[rid] = n
-            so.block_tables[rid] = t
-        return so
-
-# %% ../../nbs/56_worker.ipynb #66c2d668
-def runner_view(so: SchedulerOutput) -> list[tuple]:
-    "What a model runner reads of a `SchedulerOutput`, per scheduled request (to compare two of them)."
-    return [
-        (
-            r.request_id,
-            list(r.all_token_ids),
-            r.num_computed_tokens,
-            so.num_scheduled_tokens[r.request_id],
-            list(so.block_tables[r.request_id]),
-            r.sampling_params.seed,
-            r.sample_seed,
-            None if r.prompt_logprobs is None else len(r.prompt_logprobs),
-        )
-        for r in so.scheduled
-    ]
+__all__ = ['STEP_TIMEOUT_S', 'Worker', 'WorkerError', 'worker_main', 'MultiprocExecutor', 'DriverExecutor', 'worker_busy_loop',
+           'TPModelRunner', 'make_tp_runner', 'make_executor']
 
 # %% ../../nbs/56_worker.ipynb #9d2733ef
 class Worker:

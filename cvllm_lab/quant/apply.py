@@ -1,4 +1,4 @@
-"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`) and the loading of quantized checkpoints (GPTQ, AWQ, FP8 in its block, per-channel and per-tensor layouts, GGUF kept quantized) into the same layers, MoE experts included for block-FP8.
+"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`), the method names (`METHODS`, `resolve_method`), and the walk over a model's decoder linears that loading quantized checkpoints into the same layers (notebook 47a) shares.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 
@@ -6,30 +6,19 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 
 # %% ../../nbs/47_quant_apply.ipynb #e5e73a9d
 from __future__ import annotations
-import json
-from dataclasses import dataclass
-from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 from ..layers.basic import Linear, SiluAndMul
-from ..layers.fused_moe import FusedMoE, expert_shard
 from ..kernels.gguf_layout import GT, QUANT_TYPES, parse_qtype, block_info
 from .gguf import GGUFLinear
 from .base import QuantLinear, quantize_parallel
-from .gguf import shard_gguf_tensor
-from .w4a16 import shard_w4a16_tensor
-from ..layers.linear import RowParallelLinear, like_parallel
-from .w4a16 import W4A16Linear, gptq_to_levels, awq_to_levels
-from ..kernels.fp8_layout import BLOCK
-from ..kernels.fused_moe import fused_moe, fused_moe_ref
-from .fp8 import FP8Linear, FP8_METHODS, fp8_checkpoint_config, fp8_shard_tensors
+from .w4a16 import W4A16Linear
+from .fp8 import FP8Linear
 
 # %% auto #0
-__all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'QUANT_SUFFIXES', 'FP8_DTYPES', 'EXPERT_SUFFIXES',
-           'KV_SCALE_SUFFIXES', 'resolve_method', 'gguf_type_for', 'quantize_linear', 'quantize_model', 'fuse_mlp_act',
-           'ConcatLinear', 'normalize_quant_config', 'checkpoint_quantization', 'GGUFRaw', 'finalize_collector',
-           'Fp8CheckpointMoEMethod', 'load_quantized']
+__all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'resolve_method', 'gguf_type_for', 'quantize_linear',
+           'decoder_linears', 'replace_module', 'quantize_model', 'fuse_mlp_act']
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
@@ -88,7 +77,8 @@ def quantize_linear(lin: Linear, method, pack: bool = False, name: str = 'layer'
         return quantize_parallel(lin, make, unit, name, col_unit=128 if m == 'fp8' else 1)
 
 
-def _targets(model: nn.Module) -> list[tuple[str, Linear]]:
+def decoder_linears(model: nn.Module) -> list[tuple[str, Linear]]:
+    "The float `Linear`s to quantize, `(name, layer)`: the decoder's (`model.model.layers`), or all but `lm_head`."
     root = model.model.layers if hasattr(model, 'model') and hasattr(model.model, 'layers') else model
     prefix = 'model.layers.' if root is not model else ''
     return [
@@ -98,7 +88,8 @@ def _targets(model: nn.Module) -> list[tuple[str, Linear]]:
     ]
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module):
+def replace_module(model: nn.Module, name: str, new: nn.Module):
+    "Put `new` in `model` at the dotted path `name`."
     parent, _, child = name.rpartition('.')
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
@@ -106,12 +97,12 @@ def _replace(model: nn.Module, name: str, new: nn.Module):
 def quantize_model(model: nn.Module, method: str, progress: bool = True, pack: bool | None = None) -> nn.Module:
     "Replace every decoder `Linear` of `model` in place by its quantized version (`method`: see `METHODS`)."
     m = resolve_method(method)
-    targets = _targets(model)
+    targets = decoder_linears(model)
     if pack is None:
         pack = any(l.weight.is_cuda for _, l in targets)
     for i in tqdm(range(len(targets)), desc=f'Quantizing to {method}', disable=not progress):
         (name, lin), targets[i] = targets[i], None  # drop our reference: the float weight is freed right away
-        _replace(model, name, quantize_linear(lin, m, pack, name))
+        replace_module(model, name, quantize_linear(lin, m, pack, name))
         del lin
     if pack and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -141,419 +132,3 @@ def fuse_mlp_act(model: nn.Module, cpu: bool = False) -> int:
             mod.act = nn.Identity()
             n += 1
     return n
-
-# %% ../../nbs/47_quant_apply.ipynb #13f6557b
-class ConcatLinear(QuantLinear):
-    "A merged layer held as consecutive parts (each a layer over some of its shards); `y = cat(part(x)) + b`."
-
-    def __init__(
-        self,
-        parts: list[nn.Module],
-        in_features: int,
-        out_features: list[int],
-        shard_ids=None,
-        bias: torch.Tensor | None = None,
-    ):
-        super().__init__(
-            in_features,
-            out_features,
-            bias is not None,
-            shard_ids,
-            None if bias is None else bias.device,
-            torch.float32 if bias is None else bias.dtype,
-        )
-        self.parts = nn.ModuleList(parts)
-        self.set_bias(bias)
-
-    def dequantize(self, dtype=torch.float32):
-        return torch.cat([_dequant(p, dtype) for p in self.parts], 0)
-
-    def forward(self, x):
-        return self._add_bias(torch.cat([p(x) for p in self.parts], -1))
-
-
-def _dequant(m, dtype):
-    return m.dequantize(dtype) if isinstance(m, QuantLinear) else m.weight.to(dtype)
-
-# %% ../../nbs/47_quant_apply.ipynb #f2a9de82
-def _as_dict(qc):
-    if qc is None or isinstance(qc, dict):
-        return qc
-    return qc.to_dict() if hasattr(qc, 'to_dict') else dict(vars(qc))
-
-
-def normalize_quant_config(qc: dict) -> dict:
-    """Normalize a checkpoint quantization config to `{method: gptq|awq, bits, group, sym, zero_plus_one}` or, for
-    the FP8 methods, `{method: 'fp8', weights, activations, scale_ub}` (`fp8_checkpoint_config`)."""
-    method = str(qc.get('quant_method', 'gptq')).lower()
-    if method == 'gptq':
-        bits, group = int(qc.get('bits', 4)), int(qc.get('group_size', 128))
-        if qc.get('desc_act'):
-            raise NotImplementedError('GPTQ with desc_act (act-order) is not supported; requantize with desc_act=false')
-        if bits not in (4, 8):
-            raise NotImplementedError(f'GPTQ with {bits} bits is not supported (4 or 8)')
-        fmt = str(qc.get('checkpoint_format', 'gptq')).lower()
-        return dict(
-            method='gptq', bits=bits, group=group, sym=bool(qc.get('sym', True)), zero_plus_one=fmt != 'gptq_v2'
-        )
-    if method == 'awq':
-        bits, group = int(qc.get('bits', qc.get('w_bit', 4))), int(qc.get('group_size', qc.get('q_group_size', 128)))
-        version = str(qc.get('version', 'gemm')).lower()
-        if bits != 4 or version != 'gemm':
-            raise NotImplementedError(f'AWQ {version} with {bits} bits is not supported (4-bit GEMM only)')
-        return dict(method='awq', bits=4, group=group, sym=not qc.get('zero_point', True))
-    if method in FP8_METHODS:
-        return fp8_checkpoint_config(qc)
-    raise NotImplementedError(
-        f'checkpoint quantization {method!r} is not supported (gptq, awq, {", ".join(FP8_METHODS)})'
-    )
-
-
-def checkpoint_quantization(src, hf_config=None) -> dict | None:
-    "The normalized quantization settings of a HF checkpoint folder `src` (a `ModelSource`), or None."
-    if getattr(src, 'is_gguf', False):
-        return None
-    qc = _as_dict(getattr(hf_config, 'quantization_config', None))
-    if qc is None:
-        root = Path(getattr(src, 'root', src))
-        for f in (root / 'quantize_config.json', root / 'config.json'):
-            if f.exists():
-                d = json.loads(f.read_text())
-                qc = d if f.name == 'quantize_config.json' else d.get('quantization_config')
-                if qc:
-                    break
-    return normalize_quant_config(qc) if qc else None
-
-# %% ../../nbs/47_quant_apply.ipynb #462bff81
-@dataclass
-class GGUFRaw:
-    "A GGUF tensor kept quantized: block bytes `data` `uint8 [rows, bytes_per_row]`, its type and torch shape."
-
-    data: torch.Tensor
-    qtype: GT
-    shape: tuple
-
-
-QUANT_SUFFIXES = (
-    'weight',
-    'qweight',
-    'qzeros',
-    'scales',
-    'g_idx',
-    'weight_scale_inv',
-    'weight_scale',
-    'input_scale',
-)  # what a collector takes
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-
-
-class _Collector(QuantLinear):
-    "Stands in for a `Linear` while a quantized checkpoint loads: owns the bias, gathers each shard's tensors."
-
-    def __init__(self, lin: Linear):
-        b = lin.bias
-        super().__init__(
-            lin.input_size,
-            lin.output_sizes,
-            b is not None,
-            lin.shard_ids,
-            lin.weight.device,
-            b.dtype if b is not None else torch.float32,
-        )
-        self.dtype, self.device = lin.weight.dtype, lin.weight.device
-        self.got: dict = {}
-        # a tensor-parallel layer (keep its shard only), held outside the module tree: its float weight is not loaded
-        self.__dict__['parallel'] = lin if getattr(lin, 'tp_size', 1) > 1 else None
-        self.name, self.qcfg = 'layer', None
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        "The bias: this rank's part, as the parallel layer's own loader cuts it."
-        if self.parallel is None:
-            return super().weight_loader(param, loaded, shard_id)
-        self.parallel.weight_loader(param, loaded, shard_id)
-
-    def _shard(self, shard, suffix, t):
-        "This rank's part of a checkpoint tensor, cut along its packed layout (whole words, groups, blocks)."
-        lin, qc = self.parallel, self.qcfg
-        split = 'row' if isinstance(lin, RowParallelLinear) else 'column'
-        start, size = lin.shard_range() if split == 'row' else lin.shard_range(shard)
-        if suffix in ('qweight', 'qzeros', 'scales', 'g_idx'):
-            part = shard_w4a16_tensor(t, qc['method'], suffix, split, start, size, qc['bits'], qc['group'], self.name)
-        elif isinstance(t, GGUFRaw):
-            data = shard_gguf_tensor(t.data, t.qtype, split, start, size, self.name)
-            return GGUFRaw(data.clone(), t.qtype, (data.shape[0], t.shape[1] if split == 'column' else size))
-        elif qc['method'] == 'fp8' and suffix in ('weight', 'weight_scale_inv', 'weight_scale', 'input_scale'):
-            part = _shard_fp8(t, suffix, split, start, size, self.name)
-        elif suffix == 'weight' and t.is_floating_point() and t.dtype not in FP8_DTYPES:
-            part = t.narrow(0 if split == 'column' else 1, start, size)
-        else:
-            raise NotImplementedError(
-                f'{self.name}: {suffix} tensors of a {qc["method"]} checkpoint are not sharded '
-                f'at tensor parallel {lin.tp_size}; use tensor_parallel_size=1'
-            )
-        return part.clone(memory_format=torch.contiguous_format)  # its own storage: the full tensor can go
-
-    def add(self, shard, suffix, tensor):
-        if shard is None and len(self.output_sizes) > 1:
-            raise ValueError('a merged layer needs per-shard tensors')
-        if self.parallel is not None:
-            tensor = self._shard(shard, suffix, tensor)
-        if isinstance(tensor, torch.Tensor):
-            tensor = tensor.to(self.device)
-        else:
-            tensor.data = tensor.data.to(self.device)  # GGUFRaw
-        self.got.setdefault(shard, {})[suffix] = tensor
-
-
-def _shard_fp8(t, suffix, split, start, size, name):
-    """This rank's part of an FP8 checkpoint tensor: the e4m3 weight's rows (column-parallel) or columns
-    (row-parallel); 128 x 128 block scales in whole blocks (refused, naming the layer, where a shard would cut
-    one); per-channel scales by row (kept whole when the rows are not split); per-tensor and input scales whole."""
-    dim = 0 if split == 'column' else 1
-    if suffix == 'input_scale' or t.numel() == 1:
-        return t
-    if suffix == 'weight':
-        return t.narrow(dim, start, size)
-    if suffix == 'weight_scale_inv' and t.ndim == 2 and t.shape[1] > 1:
-        if start % BLOCK or size % BLOCK:
-            raise ValueError(
-                f'{name}: rows/columns {start}..{start + size} of this rank cut a {BLOCK} x {BLOCK} FP8 block: '
-                f'use a smaller tensor-parallel size'
-            )
-        return t.narrow(dim, start // BLOCK, size // BLOCK)
-    return t.narrow(0, start, size) if split == 'column' else t  # per-channel [N] / [N, 1]
-
-
-def _shard_payload(sid, t: dict, qcfg):
-    "One shard's tensors -> (kind, key, data); consecutive shards of equal (kind, key) are merged by rows."
-    if 'qweight' in t:
-        if qcfg['method'] == 'gptq':
-            q, s, o = gptq_to_levels(
-                t['qweight'], t['qzeros'], t['scales'], t.get('g_idx'), qcfg['bits'], qcfg['group']
-            )
-            if not qcfg.get('zero_plus_one', True):
-                o = (o.float() + s.float()).half()  # gptq_v2 stores the zero as is
-        elif qcfg['method'] == 'awq':
-            q, s, o = awq_to_levels(t['qweight'], t['qzeros'], t['scales'])
-        else:
-            raise ValueError(f'shard {sid!r}: qweight in a {qcfg["method"]} checkpoint')
-        return 'w4a16', (qcfg['bits'], qcfg['group']), (q, s, o)
-    w = t.get('weight')
-    if w is None:
-        raise ValueError(f'shard {sid!r}: no weight among {sorted(t)}')
-    if not isinstance(w, torch.Tensor):
-        return 'gguf', w.qtype, w.data  # GGUFRaw
-    if w.dtype in FP8_DTYPES:
-        if qcfg['method'] != 'fp8':
-            raise ValueError(f'shard {sid!r}: an FP8 weight in a {qcfg["method"]} checkpoint')
-        layout, data = fp8_shard_tensors(t, qcfg, f'shard {sid!r}')
-        return 'fp8', layout, data
-    return 'float', None, w
-
-
-def _build(kind, key, datas, in_features, device, dtype, qcfg):
-    "One layer from the row-concatenation of same-kind shard payloads."
-    if kind == 'w4a16':
-        (bits, group), q = key, torch.cat([d[0] for d in datas], 0)
-        s, o = torch.cat([d[1] for d in datas], 1), torch.cat([d[2] for d in datas], 1)
-        return W4A16Linear.from_levels(q, s, o, group=group, bits=bits)
-    if kind == 'gguf':
-        raw = torch.cat(datas, 0)
-        return GGUFLinear.from_gguf(raw, key, (raw.shape[0], in_features))
-    if kind == 'fp8':
-        return FP8Linear.from_shards(key, datas, qcfg)
-    w = torch.cat(datas, 0).to(device=device, dtype=dtype)
-    lin = Linear(in_features, w.shape[0]).to(device)
-    lin.weight.data = w
-    return lin
-
-
-def finalize_collector(col: _Collector, qcfg: dict, pack: bool = False) -> nn.Module:
-    "The final layer for a filled collector (one quantized layer, or a `ConcatLinear` of parts); a row-parallel shard with its all-reduce."
-    layer = _finalize(col, qcfg, pack)
-    return layer if col.parallel is None else like_parallel(col.parallel, layer)
-
-
-def _finalize(col: _Collector, qcfg: dict, pack: bool = False) -> nn.Module:
-    sids = col.shard_ids if len(col.output_sizes) > 1 else [None]
-    missing = [s for s in sids if s not in col.got]
-    if missing:
-        raise ValueError(f'checkpoint has no tensors for shard(s) {missing} of a {col.output_sizes} layer')
-    runs = []  # runs of consecutive shards with the same (kind, key) and compatible rows
-    for sid, size in zip(sids, col.output_sizes):
-        kind, key, data = _shard_payload(sid, col.got[sid], qcfg)
-        fp8_split = (
-            key == 'block' and runs and runs[-1][0] == 'fp8' and sum(runs[-1][3]) % BLOCK
-        )  # blocks need whole 128-row runs
-        if runs and runs[-1][:2] == (kind, key) and not fp8_split:
-            runs[-1][2].append(data)
-            runs[-1][3].append(size)
-        else:
-            runs.append((kind, key, [data], [size]))
-    parts = [_build(k, key, ds, col.input_size, col.device, col.dtype, qcfg) for k, key, ds, _ in runs]
-    for p in parts:
-        if isinstance(p, GGUFLinear) and pack:
-            p.pack()
-    bias = col.bias.data if col.bias is not None else None
-    if len(parts) == 1:
-        p = parts[0]
-        if not isinstance(p, QuantLinear):  # all shards float: a plain Linear again
-            lin = Linear(col.input_size, col.output_sizes, bias is not None, col.shard_ids).to(
-                device=col.device, dtype=col.dtype
-            )
-            lin.weight.data.copy_(p.weight)
-            if bias is not None:
-                lin.bias.data.copy_(bias)
-            return lin
-        p.output_sizes, p.shard_ids = list(col.output_sizes), list(col.shard_ids)
-        if bias is not None:
-            p.bias = nn.Parameter(bias.clone(), requires_grad=False)
-        return p.to(col.device)
-    return ConcatLinear(parts, col.input_size, col.output_sizes, col.shard_ids, bias).to(col.device)
-
-# %% ../../nbs/47_quant_apply.ipynb #73a5c5a0
-EXPERT_SUFFIXES = ('weight', 'weight_scale_inv', 'weight_scale', 'input_scale')
-
-
-def _fp8_expert(model, moe: dict, name: str, t) -> tuple | None:
-    """(layer path, expert, shard, suffix) for a per-expert tensor of an FP8 checkpoint (`...experts.3.gate_proj.
-    weight` in e4m3 or its scale) that belongs to one of `model`'s `FusedMoE` layers (`moe`); None for anything else
-    (float experts go to the model's own loader)."""
-    for src_, dst in getattr(model, 'ckpt_module_names', {}).items():
-        name = name.replace(src_, dst)
-    base, _, suffix = name.rpartition('.')
-    hit = expert_shard(base + '.weight') if suffix in EXPERT_SUFFIXES else None
-    if hit is None or hit[0] not in moe or hit[1] is None:
-        return None
-    if suffix == 'weight' and t.dtype not in FP8_DTYPES:
-        return None
-    if suffix == 'weight' and t.dtype != torch.float8_e4m3fn:
-        raise NotImplementedError(f'{name}: {t.dtype} experts (float8_e4m3fn only)')
-    return hit + (suffix,)
-
-
-class Fp8CheckpointMoEMethod:
-    """Block-FP8 experts loaded from a checkpoint: the storage of `quant.moe.Fp8MoEMethod` (e4m3 `w13_weight [E, 2I, H]`,
-    `w2_weight [E, H, I]`, per-expert 128 x 128 `w13_weight_scale_inv`, `w2_weight_scale_inv`), run the same way (the
-    fused kernel on CUDA, W8A16; the reference on CPU), filled per expert by `_load_fp8_expert`."""
-
-    @classmethod
-    def attach(cls, layer: FusedMoE):
-        "Give a float `FusedMoE` zeroed e4m3 weights and unit block scales, to be filled."
-        E, H, I, dev = layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.w13_weight.device
-        if I % BLOCK:
-            raise NotImplementedError(
-                f'FP8 experts of width {I}: gate and up rows need their own 128-row blocks (a multiple of {BLOCK})'
-            )
-        if layer.tp_size > 1:
-            raise NotImplementedError(
-                f'FP8 checkpoint experts at tensor parallel {layer.tp_size} are not sharded yet; use tensor_parallel_size=1'
-            )
-        e4, f32, hb = dict(dtype=torch.float8_e4m3fn, device=dev), dict(dtype=torch.float32, device=dev), -(-H // BLOCK)
-        for n in ('w13_weight', 'w2_weight'):
-            delattr(layer, n)
-        for n, t in {
-            'w13_weight': torch.zeros(E, 2 * I, H, **e4),
-            'w2_weight': torch.zeros(E, H, I, **e4),
-            'w13_weight_scale_inv': torch.ones(E, 2 * I // BLOCK, hb, **f32),
-            'w2_weight_scale_inv': torch.ones(E, hb, I // BLOCK, **f32),
-        }.items():
-            layer.register_buffer(n, t)
-        layer.quant_method = cls()
-
-    def weight_loader(self, layer, loaded, shard_id, expert_id=None):
-        raise ValueError(
-            f'FP8 experts load per expert (`experts.E.gate_proj.weight` + its scale), got shard {shard_id!r} of expert {expert_id}'
-        )
-
-    def process_weights_after_loading(self, layer):
-        pass
-
-    def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
-        w13, w2, s13, s2 = layer.w13_weight, layer.w2_weight, layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
-        run = fused_moe if x.is_cuda else fused_moe_ref
-        return run(x, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
-
-
-def _load_fp8_expert(layer: FusedMoE, e: int, sid: str, suffix: str, t: torch.Tensor, scaled: set):
-    """Copy expert `e`'s shard `sid` (`w1` gate, `w3` up, `w2` down) e4m3 weight or scale into the stacked buffers.
-    A block scale is copied; a per-tensor one fills the shard's blocks (exact); a per-channel one is refused (it
-    would need requantizing); `input_scale` is not needed (the fused kernel keeps activations in 16 bits)."""
-    if suffix == 'input_scale':
-        return
-    if layer.quant_method is None:
-        Fp8CheckpointMoEMethod.attach(layer)
-    I = layer.intermediate_size
-    rows = slice(None) if sid == 'w2' else slice(0, I) if sid == 'w1' else slice(I, 2 * I)
-    if suffix == 'weight':
-        dst = (layer.w2_weight if sid == 'w2' else layer.w13_weight)[e, rows]
-        if dst.shape != t.shape:
-            raise ValueError(f'expert {e} {sid}: weight of shape {tuple(t.shape)} != {tuple(dst.shape)}')
-        dst.copy_(t)
-        layer.loaded_shards.add((e, sid))
-        return
-    srows = rows if sid == 'w2' else slice(rows.start // BLOCK, rows.stop // BLOCK)
-    dst = (layer.w2_weight_scale_inv if sid == 'w2' else layer.w13_weight_scale_inv)[e, srows]
-    if t.numel() == 1:
-        dst.fill_(t.float().item())
-    elif t.shape == dst.shape:
-        dst.copy_(t.float())
-    else:
-        raise NotImplementedError(
-            f'expert {e} {sid}: a {suffix} of shape {tuple(t.shape)}; FP8 experts take 128 x 128 '
-            f'block scales {tuple(dst.shape)} or one per-tensor value (per-channel would need requantizing)'
-        )
-    scaled.add((e, sid))
-
-
-#| export
-def _route(model, name: str):
-    "HF tensor name -> (module path, shard id, suffix) through the model's packed-modules mapping."
-    shard = None
-    for src, (dst, sid) in getattr(model, 'packed_modules_mapping', {}).items():
-        if f'.{src}.' in name:
-            name, shard = name.replace(f'.{src}.', f'.{dst}.'), sid
-            break
-    path, _, suffix = name.rpartition('.')
-    return path, shard, suffix
-
-
-KV_SCALE_SUFFIXES = ('.k_scale', '.v_scale', '.kv_scale', '.q_scale', '.prob_scale')  # FP8 attention/KV scales
-
-
-def load_quantized(model: nn.Module, weights, qcfg: dict, progress: bool = True, pack: bool | None = None) -> nn.Module:
-    """Load a quantized checkpoint's `(name, tensor)` stream into `model`, decoder linears becoming quantized layers
-    (and, for FP8, per-expert e4m3 expert tensors filling `Fp8CheckpointMoEMethod` layers: `_fp8_expert`)."""
-    targets = _targets(model)
-    if pack is None:
-        pack = any(l.weight.is_cuda for _, l in targets)
-    cols = {}
-    for name, lin in targets:
-        cols[name] = _Collector(lin)
-        cols[name].name, cols[name].qcfg = name, qcfg
-        _replace(model, name, cols[name])
-    moe = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)} if qcfg['method'] == 'fp8' else {}
-    scaled = {}  # FP8 expert layer path -> {(expert, shard) whose scale loaded}
-
-    def rest():
-        for name, t in weights:
-            if qcfg['method'] == 'fp8' and name.endswith(KV_SCALE_SUFFIXES):
-                continue  # our FP8 KV cache sets its own
-            if hit := _fp8_expert(model, moe, name, t):
-                _load_fp8_expert(moe[hit[0]], *hit[1:], t, scaled.setdefault(hit[0], set()))
-                continue
-            path, shard, suffix = _route(model, name)
-            if path in cols and suffix in QUANT_SUFFIXES:
-                cols[path].add(shard, suffix, t)
-            elif not isinstance(t, torch.Tensor):
-                raise ValueError(f'{name}: a quantized GGUF tensor for a layer that is not a decoder linear')
-            else:
-                yield name, t
-
-    model.load_weights(rest())
-    for path, got in scaled.items():
-        if missing := moe[path].loaded_shards - got:
-            raise ValueError(f'{path}: FP8 expert weights without scales, e.g. {sorted(missing)[:4]}')
-    for name, col in tqdm(cols.items(), desc=f'Building {qcfg["method"]} layers', disable=not progress):
-        _replace(model, name, finalize_collector(col, qcfg, pack))
-    return model

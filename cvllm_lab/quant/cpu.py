@@ -1,4 +1,4 @@
-"""On CPU, decode reads every weight once per step: the embedded SmolLM2 Q4_1 GGUF's decoder linears stay 4-bit and run in PyTorch's CPU int4 kernel (`CPUInt4Linear`, the GGUF levels repacked exactly), the tied LM head runs as two 4-bit halves of its q8_0 blocks, a decode step's RoPE rows and KV slots are worked out once and shared by all layers (`CPURotary`, `CPUDecodeAttention`), and a Llama block decodes in about 30 ops instead of 80 (`CPUDecoderLayer`: the norm folded into the matmul's input and output, q and k rotated together); `cpu_fast_path` applies them to a loaded model.
+"""On CPU, decode reads every weight once per step: the embedded SmolLM2 Q4_1 GGUF's decoder linears stay 4-bit and run in PyTorch's CPU int4 kernel (`CPUInt4Linear`, the GGUF levels repacked exactly), the tied LM head runs as two 4-bit halves of its q8_0 blocks, a decode step's RoPE rows and KV slots are worked out once and shared by all layers (`CPURotary`, `CPUDecodeAttention`), and batch-invariant attention computes each query row the same way whatever else the step holds (`invariant_attention`). The Llama block that decodes on these layers in about 30 ops, and `cpu_fast_path`, which applies all of it to a loaded model, are notebook `42a_cpu_layer`'s.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/cpu_linear.html.md"""
 
@@ -11,19 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..layers.rotary import RotaryEmbedding
-from ..layers.attention import Attention
-from ..layers.basic import RMSNorm, SiluAndMul
-from ..utils.context import get_forward_context
 from ..kernels.gguf_layout import GT, gguf_levels
 from ..kernels.paged_attention import paged_attention_ref, reshape_and_cache_ref
 from .base import QuantLinear
 from .gguf import GGUFLinear, quantize
 
 # %% auto #0
-__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'MIRROR_BYTES', 'MIRROR_DTYPE', 'MIRROR_HEADROOM', 'DENSE_BYTES',
-           'cpu_threads', 'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary', 'decode_attention',
-           'CPUDecodeAttention', 'invariant_plan', 'invariant_attention', 'CPUDecodeStep', 'CPUDecoderLayer',
-           'cpu_fast_path']
+__all__ = ['INT4_GROUPS', 'DENSE_ROWS', 'CPU_KV_DTYPES', 'cpu_threads', 'pack_bf16', 'dense_linear', 'CPUInt4Linear', 'CPURotary',
+           'decode_attention', 'CPUDecodeAttention', 'invariant_plan', 'invariant_attention']
 
 # %% ../../nbs/42_cpu_linear.ipynb #bdc03d6b
 def cpu_threads() -> int:
@@ -158,7 +153,7 @@ class CPURotary(nn.Module):
         self.inner, self.head_dim = rotary, rotary.head_dim
         self._key = self._cs = None
 
-    def _cos_sin(self, positions):
+    def cos_sin(self, positions):
         if not _same(self._key, positions):  # a new step
             c, s = self.inner.cos_sin_cache[positions].chunk(2, -1)
             self._key, self._cs = (
@@ -168,7 +163,7 @@ class CPURotary(nn.Module):
         return self._cs
 
     def forward(self, positions, q, k):
-        cos, sin = self._cos_sin(positions)
+        cos, sin = self.cos_sin(positions)
         T, h = q.shape[0], self.head_dim // 2
 
         def rot(x):
@@ -326,294 +321,3 @@ def invariant_attention(q, kc, vc, plan, scale) -> torch.Tensor:
         o = torch.bmm(torch.softmax(s, -1), v).view(n, Hkv, bs, G, D).transpose(1, 2).reshape(n * bs, H, D)
         out[rows] = o  # row T takes whatever comes last: it is dropped
     return out[:T]
-
-# %% ../../nbs/42_cpu_linear.ipynb #eba27e01
-MIRROR_BYTES = 256 << 20  # the most the decode K/V mirrors of one `CPUDecodeStep` may hold (all its layers)
-MIRROR_DTYPE = torch.bfloat16  # the mirrors' dtype, whatever the cache's: attention reads half an fp32 cache's bytes
-MIRROR_HEADROOM = 32  # rows a mirror holds past the longest sequence when it is made or grown
-
-
-class CPUDecodeStep:
-    """What every layer of a decode step shares, worked out once (by the first layer): RoPE rows as `[T, 1, 2, D/2]`,
-    the cache slots, and the keys each sequence reads with the padding mask. One sequence on consecutive blocks reads
-    a slice of the cache. Several read a *mirror*: per layer a `[2, B, Hkv, cap, D]` copy of the batch's K/V, filled
-    by one gather when the batch changes and then extended by the step's new row per sequence, as long as the same
-    sequences decode one token a step (same block tables, every length + 1); else one gather of whole blocks. A full
-    mirror grows by `MIRROR_HEADROOM` rows or more: one contiguous copy into a longer one, not a gather again.
-    A mirror holds `MIRROR_DTYPE` (bf16) rows, so the decode matmuls read half the bytes of an fp32 cache and run in
-    bf16. It is read whole, `cap` keys with the padding mask over the tail: bf16 batched matmuls over evenly spaced
-    `[L, D]` slices of it (a batch stride of `cap D`) take a slower CPU BLAS path than whole contiguous matrices
-    (`results/NOTES.md`). One step is one `ForwardContext` object."""
-
-    def __init__(self, rotary: CPURotary):
-        self.rotary, self.ctx, self.positions, self.num_layers = rotary, None, None, 0
-        self.mirrors, self.mode, self.mlen, self.mbt = {}, None, None, None
-
-    def prepare(self, ctx, positions, block_size: int, row_bytes: int = 0) -> bool:
-        """Work out the step's shared pieces if `ctx` is a new step; whether the lean path takes it. `row_bytes`: one
-        token's K and V in one layer's mirror (0: no mirror)."""
-        if ctx is self.ctx and positions is self.positions:
-            return self.ok
-        self.ctx, self.positions = ctx, positions
-        slots, bt = ctx.slot_mapping.long(), ctx.block_tables
-        B = bt.shape[0]
-        self.ok = ctx.max_query_len == 1 and B == positions.shape[0] and bool((slots >= 0).all())
-        if not self.ok:
-            self.mode, self.mlen, self.mirrors = None, None, {}
-            return False
-        cos, sin = self.rotary._cos_sin(positions)
-        self.cos, self.sin, self.slots = cos.view(B, 1, 2, -1), sin.view(B, 1, 2, -1), slots
-        nblk = -(-ctx.max_seq_len // block_size)
-        ids = bt[:, :nblk].long()
-        self.mode = None
-        if B == 1:
-            L, b0 = int(ctx.seq_lens[0]), int(ids[0, 0])
-            self.span = (b0, b0 + nblk, L) if torch.equal(ids[0], torch.arange(b0, b0 + nblk)) else None
-            self.L, self.mask, self.mlen, self.mirrors = L, None, None, {}
-        else:
-            self.span, self.L = None, nblk * block_size
-            self._plan_mirror(ctx.seq_lens.long(), ids, block_size, row_bytes)
-            W = self.cap if self.mode else self.L  # the keys attention reads: a whole mirror, or the gathered blocks
-            self.mask = (torch.arange(W) < self.seq[:, None])[:, None, None]
-        self.pad = None if self.mask is None else ~self.mask
-        self.blocks = None if self.span else ids.reshape(-1)
-        return True
-
-    def _plan_mirror(self, seq, ids, block_size: int, row_bytes: int):
-        """`mode`: 'append' when this step continues the mirrored batch, 'grow' when it does but a mirror is full,
-        'fill' when a new mirror is needed; None when the mirrors would not fit `MIRROR_BYTES`."""
-        self.seq, prev, longest = seq, self.mlen, int(seq.max())
-        same = (
-            prev is not None
-            and prev.shape == seq.shape
-            and torch.equal(seq, prev + 1)
-            and torch.equal(ids[:, : self.mbt.shape[1]], self.mbt)
-        )
-        if same and longest <= self.cap:
-            self.mode = 'append'
-        else:
-            self.cap = -(-(longest + MIRROR_HEADROOM) // block_size) * block_size
-            fits = 0 < len(seq) * self.cap * row_bytes * max(1, self.num_layers) <= MIRROR_BYTES
-            self.mode = ('grow' if same else 'fill') if fits else None
-            if self.mode != 'grow':
-                self.mirrors = {}
-        self.mlen, self.mbt = (seq, ids) if self.mode else (None, None)
-        self.rows = None  # where this step's new rows go in a mirror (`keys_values` works it out once per step)
-
-    def keys_values(self, kv: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
-        """`kv` `[2, blocks, block_size, Hkv, D]` (this step's rows written) -> this step's K and V, `[B, Hkv, L, D]`
-        each (a mirror: `[B, Hkv, cap, D]`, zeros past each sequence); `k`, `v` `[B, Hkv D]`: the step's new rows,
-        which extend the mirror."""
-        B, Hkv, D = self.slots.shape[0], kv.shape[3], kv.shape[4]
-        if self.span:
-            a, b, L = self.span
-            kv = kv[:, a:b].reshape(2, 1, -1, Hkv, D)[:, :, :L]
-            return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-        if self.mode is not None:
-            m = self.mirrors.get(kv.data_ptr())
-            if self.mode == 'grow' and m is not None and m.shape[1:3] == (B, Hkv) and m.shape[3] < self.cap:
-                m = torch.cat([m, m.new_zeros(2, B, Hkv, self.cap - m.shape[3], D)], 3)  # the rows so far, then zeros
-                self.mirrors[kv.data_ptr()] = m
-            if self.mode != 'fill' and k is not None and m is not None and m.shape[1:] == (B, Hkv, self.cap, D):
-                if self.rows is None:  # row (b, h, len_b - 1) of the mirror's `[B Hkv cap, D]` rows
-                    self.rows = (
-                        (torch.arange(B)[:, None] * Hkv + torch.arange(Hkv)) * self.cap + self.seq[:, None] - 1
-                    ).view(-1)
-                flat = m.view(2, -1, D)
-                flat[0].index_copy_(0, self.rows, k.reshape(-1, D).to(m.dtype))
-                flat[1].index_copy_(0, self.rows, v.reshape(-1, D).to(m.dtype))
-                return m[0], m[1]
-            g = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, : self.L]
-            m = kv.new_zeros(
-                2, B, Hkv, self.cap, D, dtype=MIRROR_DTYPE
-            )  # zeros: no NaN in the masked tail (0 x NaN in P V)
-            m[:, :, :, : self.L].copy_(g.transpose(2, 3))
-            self.mirrors[kv.data_ptr()] = m
-            return m[0], m[1]
-        kv = kv.view(2, kv.shape[1], -1).index_select(1, self.blocks).view(2, B, -1, Hkv, D)[:, :, : self.L]
-        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-
-
-class CPUDecoderLayer(nn.Module):
-    """A Llama pre-norm decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`: the same
-    modules) with a lean decode path on the CPU layers: each RMSNorm's row scale `1 / rms` is applied to the bf16
-    matmul's output (`(x w) W^T / rms` = `norm(x) W^T`, so the norm is 3 small ops and the input's one bf16 cast), q and
-    k rotate together as `[T, H + Hkv, 2, D/2]`, and the step's metadata comes from a shared `CPUDecodeStep`. Other
-    steps (prefill, mixed batches) run the layer's own `forward`. `invariant` (batch-invariant mode: the layer's
-    attention kernels, a `CPUDecodeAttention(batch_invariant=True)`): every row of every step takes the same math
-    (`forward_rows`) and `invariant_attention`."""
-
-    def __init__(self, layer: nn.Module, step: CPUDecodeStep, invariant: CPUDecodeAttention | None = None):
-        super().__init__()
-        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
-        self.post_attention_layernorm, self.mlp, self.step, self.invariant = (
-            layer.post_attention_layernorm,
-            layer.mlp,
-            step,
-            invariant,
-        )
-        step.num_layers += 1
-        self._fallback = type(layer).forward
-        H = self.input_layernorm.weight.shape[0]
-        for n in (
-            'input_layernorm',
-            'post_attention_layernorm',
-        ):  # w sqrt(H): the scale goes in as 1 / sqrt(sum x^2 + H eps)
-            norm = getattr(self, n)
-            self.register_buffer(n + '_w', norm.weight.detach().float() * H**0.5, persistent=False)
-        self.eps_h = (self.input_layernorm.eps * H, self.post_attention_layernorm.eps * H)
-
-    @staticmethod
-    def fits(layer: nn.Module) -> bool:
-        """Whether `layer` declares `supports_cpu_fast_path` (its `forward` is the Llama pre-norm block this layer
-        computes: `LlamaDecoderLayer` and subclasses that keep its forward) and sits on the CPU fast path's layers."""
-        if not getattr(layer, 'supports_cpu_fast_path', False):
-            return False
-        a, mlp = layer.self_attn, layer.mlp
-        lins = [
-            getattr(a, 'qkv_proj', None),
-            getattr(a, 'o_proj', None),
-            getattr(mlp, 'gate_up_proj', None),
-            getattr(mlp, 'down_proj', None),
-        ]
-        return (
-            all(type(l) is CPUInt4Linear and l.bias is None and l.repeat == 1 for l in lins)
-            and type(layer.input_layernorm) is RMSNorm
-            and type(layer.post_attention_layernorm) is RMSNorm
-            and getattr(a, 'q_norm', 1) is None
-            and isinstance(a.rotary_emb, CPURotary)
-            and type(mlp.act) is SiluAndMul
-            and isinstance(a.attn, Attention)
-            and a.attn.backend == 'torch'
-            and a.attn.sliding_window is None
-            and getattr(a.attn, 'logits_soft_cap', None) is None
-        )
-
-    def _norm_mm(self, x, w, eps_h, lin):
-        "`norm(x) W^T` in fp32: the matmul of bf16 `x w`, then its rows scaled by `1 / rms(x)`."
-        f = torch.rsqrt(torch.linalg.vecdot(x, x).add_(eps_h))[:, None]
-        return lin.mm((x * w).to(torch.bfloat16)) * f
-
-    def forward_rows(self, positions, h, residual):
-        "Any step, row by row the same: the lean math, K/V and attention through the attention layer's kernels."
-        a, att, ctx = self.self_attn, self.self_attn.attn, get_forward_context()
-        kv, T, H, Hkv, D, n = att.kv_cache, h.shape[0], a.H, a.Hkv, a.D, ctx.num_seqs
-        cos, sin = (t.view(T, 1, 2, -1) for t in a.rotary_emb._cos_sin(positions))
-        residual = h.float() if residual is None else h + residual
-        qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)
-        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
-        qk = torch.addcmul(qk * cos, qk.flip(2), sin).view(T, H + Hkv, D)
-        slots, bt = ctx.group_tables(att.kv_cache_group)
-        self.invariant.cache(qk[:, H:], qkv[:, (H + Hkv) * D :].view(T, Hkv, D), kv[0], kv[1], slots)
-        o = self.invariant.attn(
-            qk[:, :H],
-            kv[0],
-            kv[1],
-            ctx.query_start_loc[: n + 1],
-            ctx.seq_lens[:n],
-            bt[:n],
-            att.scale,
-            max_query_len=ctx.max_query_len,
-            max_seq_len=ctx.max_seq_len,
-        )
-        residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
-        gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
-        I = gu.shape[1] // 2
-        return self.mlp.down_proj.mm((F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)), residual
-
-    def forward(self, positions, h, residual):
-        a, att = self.self_attn, self.self_attn.attn
-        kv = att.kv_cache
-        if (
-            self.invariant is not None
-            and kv is not None
-            and att.kv_scale is None
-            and kv.dtype in CPU_KV_DTYPES
-            and h.dtype in (torch.float32, torch.bfloat16)
-        ):
-            return self.forward_rows(positions, h, residual)
-        if (
-            kv is None
-            or att.kv_scale is not None
-            or kv.dtype not in CPU_KV_DTYPES
-            or h.dtype not in (torch.float32, torch.bfloat16)
-            or not self.step.prepare(
-                get_forward_context(), positions, kv.shape[2], 2 * kv[0, 0, 0].numel() * MIRROR_DTYPE.itemsize
-            )
-        ):
-            return self._fallback(self, positions, h, residual)
-        st, T, H, Hkv, D = self.step, h.shape[0], a.H, a.Hkv, a.D
-        residual = h.float() if residual is None else h + residual
-        qkv = self._norm_mm(residual, self.input_layernorm_w, self.eps_h[0], a.qkv_proj)  # [T, (H + 2 Hkv) D] fp32
-        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, 2, D // 2)
-        qk = torch.addcmul(qk * st.cos, qk.flip(2), st.sin).view(T, H + Hkv, D)  # NeoX RoPE on q and k at once
-        k, v = (
-            qk[:, H:].to(kv.dtype).reshape(T, -1),
-            qkv[:, (H + Hkv) * D :].to(kv.dtype),
-        )  # the cache's dtype; a mirror casts to its own
-        flat = kv.view(2, -1, Hkv * D)
-        flat[0].index_copy_(0, st.slots, k)
-        flat[1].index_copy_(0, st.slots, v)
-        o = decode_attention(qk[:, :H].view(T, Hkv, H // Hkv, D), *st.keys_values(kv, k, v), st.mask, st.pad, att.scale)
-        residual = a.o_proj.mm(o.reshape(T, H * D).to(torch.bfloat16)) + residual
-        gu = self._norm_mm(residual, self.post_attention_layernorm_w, self.eps_h[1], self.mlp.gate_up_proj)
-        I = gu.shape[1] // 2
-        return self.mlp.down_proj.mm((F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)), residual
-
-# %% ../../nbs/42_cpu_linear.ipynb #9691f3bd
-def _replace(model: nn.Module, name: str, new: nn.Module):
-    parent, _, child = name.rpartition('.')
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-DENSE_BYTES = 1 << 30  # auto `dense`: keep bf16 copies for prefill when they take at most this much
-
-
-def cpu_fast_path(model: nn.Module, dense: bool | None = None, batch_invariant: bool = False) -> dict:
-    """Put a loaded CPU model on the CPU kernels, in place: q4_0/q4_1/q4_k `GGUFLinear`s become `CPUInt4Linear`s
-    (the same weights; with bf16 copies for prefill if `dense`, by default when those fit in `DENSE_BYTES`), the shared
-    NeoX RoPE becomes a `CPURotary`, torch-backend attention layers share one `CPUDecodeAttention`, and Llama blocks
-    on these layers become `CPUDecoderLayer`s (one `CPUDecodeStep` per RoPE). `batch_invariant`: no bf16 copies,
-    `CPUDecoderLayer`s take every step alike, attention through `invariant_attention`: a row's numbers do not depend on the step.
-    Returns how many linears, RoPE users and attention layers were changed."""
-    n = dict(linears=0, rotary=0, attention=0)
-    todo = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, GGUFLinear)
-        and m.packed is None
-        and m.qtype in (GT.Q4_0, GT.Q4_1, GT.Q4_K)
-        and CPUInt4Linear.fits(m.output_size, m.input_size)
-    ]
-    if batch_invariant:
-        dense = False
-    elif dense is None:
-        dense = sum(2 * m.output_size * m.input_size for _, m in todo) <= DENSE_BYTES
-    for name, m in todo:
-        _replace(model, name, CPUInt4Linear.from_gguf(m, dense))
-        n['linears'] += 1
-    rot = {}
-    for m in model.modules():
-        r = getattr(m, 'rotary_emb', None)
-        if isinstance(r, RotaryEmbedding) and r.is_neox and r.rotary_dim == r.head_dim:
-            m.rotary_emb = rot.setdefault(id(r), CPURotary(r))
-            n['rotary'] += 1
-    path, took = CPUDecodeAttention(batch_invariant), set()
-    for m in model.modules():
-        if isinstance(m, Attention) and m.supports_cpu_decode_attention and m.backend == 'torch':
-            m.set_kernels(path.cache, path.attn)
-            n['attention'] += 1
-            took.add(id(m))
-    steps = {}
-    for name, m in [
-        (name, m)
-        for name, m in model.named_modules()
-        if CPUDecoderLayer.fits(m) and (not batch_invariant or id(m.self_attn.attn) in took)
-    ]:
-        r = m.self_attn.rotary_emb
-        _replace(
-            model,
-            name,
-            CPUDecoderLayer(m, steps.setdefault(id(r), CPUDecodeStep(r)), path if batch_invariant else None),
-        )
-    return n

@@ -303,7 +303,7 @@ def iterate_gguf(
     "`(hf_name, dequantized tensor)` for every tensor of a GGUF file; `keep_quantized`: decoder linears as `GGUFRaw`."
     import gguf
     from cvllm_lab.kernels.gguf_layout import QUANT_TYPES
-    from cvllm_lab.quant.apply import GGUFRaw
+    from cvllm_lab.quant.checkpoint import GGUFRaw
     from cvllm_lab.quant.moe import gguf_moe_name, GGUF_MOE_RAW_SUFFIXES
 
     arch, tensors = gguf_tensors(path)
@@ -347,7 +347,7 @@ def iterate_weights(src: ModelSource, config, progress: bool = True, keep_quanti
 # %% ../../nbs/40_loader.ipynb #9c8edaf1
 def checkpoint_quant_config(src: ModelSource, hf_config, quantization: str | None) -> dict | None:
     "The settings for a quantized load (`{'method': 'gptq'|'awq'|'fp8'|'gguf', ...}`), or None for a float load."
-    from cvllm_lab.quant.apply import checkpoint_quantization
+    from cvllm_lab.quant.checkpoint import checkpoint_quantization
 
     q = quantization.lower() if isinstance(quantization, str) else quantization
     if q == 'gguf':
@@ -396,7 +396,7 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
             )
         with torch.no_grad():
             if qcfg:
-                from cvllm_lab.quant.apply import load_quantized
+                from cvllm_lab.quant.checkpoint import load_quantized
 
                 load_quantized(
                     model, iterate_weights(src, hf_config, progress, qcfg['method'] == 'gguf'), qcfg, progress
