@@ -6,7 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/kv_cache_manager.html.md"""
 
 # %% ../../nbs/10_kv_cache_manager.ipynb #0e1f0d37
 from __future__ import annotations
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from fastcore.basics import patch
 from .request import Request
 from ..utils.kv_cache_spec import KVCacheGroupSpec, FullAttentionSpec
@@ -36,6 +36,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+        num_state_slots: int | None = None,
     ):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.specs = [g.kv_cache_spec for g in kv_cache_groups] if kv_cache_groups else [FullAttentionSpec()]
@@ -44,6 +45,11 @@ class KVCacheManager:
         self.num_groups = len(self.specs)
         self.windowed = [g for g, s in enumerate(self.specs) if s.frees_blocks]  # give back blocks before their window
         self.states = [g for g, s in enumerate(self.specs) if not s.grows]  # one slot per request
+        # state slots apart from the blocks (`num_state_slots`): a request's one slot id serves every state group, and
+        # the runner sizes its state tensors by the slots, not by the blocks; None: a slot is a block of the pool
+        self.num_state_slots = num_state_slots if self.states else None
+        self.free_slots = deque(range(num_state_slots)) if self.num_state_slots else None
+        self.req_slot: dict[str, int] = {}
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # a windowed group's table entries before its window point at the null block: never written, kept zero
         self.null_block = self.blocks[0] if self.windowed else None
@@ -129,19 +135,26 @@ def allocate_slots(
         self._free_skipped_blocks(rid, num_computed)
     blocks = self.req_blocks[0].setdefault(rid, [])
     need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hit)  # per growing group (equally long tables)
-    slots = [g for g in self.states if not self.req_blocks[g].get(rid)]  # state groups: a slot at the first allocation
+    slots = [
+        g for g in self.states if not self.req_block_ids[g].get(rid)
+    ]  # state groups: a slot at the first allocation
     if need <= 0 and not hit and not slots:  # fast path (most decode steps): the last block has room
         if self.enable_caching:
             self._register_full_blocks(req, num_computed + num_new_tokens)
         return True
     hits = new_computed_blocks or [()] * self.num_groups
-    needs = [max(need, 0) if s.grows else int(g in slots) for g, s in enumerate(self.specs)]
+    pooled = self.free_slots is not None  # state slots from their own pool, not blocks
+    needs = [max(need, 0) if s.grows else int(g in slots and not pooled) for g, s in enumerate(self.specs)]
     # cached hits sitting in the free queue come back out of it
     reviving = sum(b.ref_cnt == 0 and b is not self.null_block for h in hits for b in h)
-    if sum(needs) > self.num_free_blocks - reviving:
+    if sum(needs) > self.num_free_blocks - reviving or (pooled and slots and not self.free_slots):
         if not blocks:
             del self.req_blocks[0][rid]
         return False
+    if pooled and slots:
+        self.req_slot[rid] = slot = self.free_slots.popleft()
+        for g in self.states:
+            self.req_block_ids[g][rid] = [slot]
     for g in range(self.num_groups):
         blocks = self.req_blocks[g].setdefault(rid, [])
         for b in hits[g]:
@@ -210,7 +223,9 @@ def _register_full_blocks(self: KVCacheManager, req: Request, num_tokens: int):
 
 @patch
 def free(self: KVCacheManager, req: Request):
-    "Release all of the request's blocks (tail first, so its prefix stays cached longest)."
+    "Release all of the request's blocks (tail first, so its prefix stays cached longest) and its state slot."
+    if (slot := self.req_slot.pop(req.request_id, None)) is not None:
+        self.free_slots.append(slot)
     for g in range(self.num_groups):
         self.req_block_ids[g].pop(req.request_id, None)
         for b in reversed(self.req_blocks[g].pop(req.request_id, [])):
