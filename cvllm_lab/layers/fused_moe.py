@@ -10,6 +10,7 @@ import re
 import torch
 from torch import nn
 from fastcore.basics import patch
+from ..kernels.batch_invariant import linear
 from ..kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from .linear import _tp, divide, loaded_shape, narrow_loaded
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
@@ -134,4 +135,4 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, reduce_results)
 
     def forward(self, x):
-        return self.experts(x, self.gate(x))
+        return self.experts(x, linear(x, self.gate.weight))  # `linear`: batch-invariant mode's matmul on GPU

@@ -13,6 +13,7 @@ from torch import nn
 from fastcore.basics import patch
 from ..layers.basic import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..kernels.batch_invariant import linear
 from ..layers.fused_moe import FusedMoE, SparseMoeBlock, expert_shard
 from .llama import LlamaForCausalLM, LlamaDecoderLayer, LlamaAttention, LlamaMLP
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
@@ -133,7 +134,7 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
     def forward(self, x):
         # the per-token gate scales this rank's partial sum: the all-reduce of the total is the block's output
-        out = super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = super().forward(x) + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return tensor_model_parallel_all_reduce(out) if self.experts.tp_size > 1 else out
 
 
