@@ -349,7 +349,7 @@ def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> It
     """`(checkpoint name, dequantized tensor)` of a llama.cpp `deepseek2` file, for `load_weights`: names by
     `deepseek_gguf_names`, `attn_k_b` / `attn_v_b` merged into `kv_b_proj` (unless the file also has `attn_kv_b`),
     tensors we don't use (`rope_freqs`, MTP layers) skipped. `config` defaults to the file's own. `keep_quantized`:
-    the quantized decoder linears as `GGUFRaw` (for `quant.apply.load_quantized`, as `weights.iterate_gguf` gives
+    the quantized decoder linears as `GGUFRaw` (for `quant.checkpoint.load_quantized`, as `weights.iterate_gguf` gives
     them); `kv_b_proj` (decode reads its per-head `W_UK` / `W_UV`) and the routed experts are dequantized."""
     import gguf
     from cvllm_lab.quant.checkpoint import GGUFRaw

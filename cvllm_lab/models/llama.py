@@ -132,7 +132,7 @@ class LlamaDecoderLayer(nn.Module):
 
     prunes_rows = True  # `forward` takes `keep`
     supports_fp32_stream = True  # `forward_acc` computes `forward` on an fp32 residual stream (`fp32_stream`)
-    supports_cpu_fast_path = True  # `CPUDecoderLayer` computes `forward` on the CPU kernels (notebook 42)
+    supports_cpu_fast_path = True  # `CPUDecoderLayer` computes `forward` on the CPU kernels (notebook 42a)
     defer_norms = False  # `EngineConfig.defer_norms`, read when built (`defers_norms`)
 
     def __init_subclass__(cls, **kw):
