@@ -24,7 +24,8 @@ handed to `tl.dot` in x's dtype against the `[BLOCK_M, C]` slice of the rows: on
 Few tokens (`T <= DECODE_MAX_T`) take the decode path instead, two GEMV launches over only the selected experts
 as in `fused_moe_decode` (no alignment, no padding rows): launch 1 one program per (column block, assignment)
 writing `silu(g) * u`, launch 2 one per (column block, expert split, token) summing its experts' router-weighted
-down outputs in registers (splits meet in `split_k`'s self-zeroing workspace).
+down outputs in registers (splits meet in `split_k`'s self-zeroing workspace). Those kernels and their launches are
+in `fused_moe_w4a16_decode`; this module holds the configs, the reference, the grouped kernel and the entry point.
 
 Launch sizes are data, `CONFIGS` (first guesses keyed by the token count; tune on the GPU), overridable per call.
 `fused_moe_w4a16_ref` is the plain-PyTorch reference: each used expert dequantized by `dequantize_packed_ref`,
@@ -37,8 +38,8 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.fused_moe import moe_align_block_size
+from cvllm_lab.kernels.fused_moe_w4a16_decode import group_sb, w4a16_moe_decode
 from cvllm_lab.kernels.moe_sum import moe_sum
-from cvllm_lab.kernels.split_k import split_k_workspace, store_out
 from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout, dequantize_packed_ref
 
@@ -124,13 +125,6 @@ def fused_moe_w4a16_ref(
 # ------------------------------------------------------------------------------------------------ kernels
 
 
-@triton.jit
-def _group_sb(s_ptrs, o_ptrs, go, NW, BITS: tl.constexpr):
-    "The group's `S = 2**BITS scale` and `B = offset - S` (fp32 `[BLOCK_N]`): `W = S f + B` for `f = field_f`."
-    s = tl.load(s_ptrs + go * NW).to(tl.float32) * (1 << BITS)
-    return s, tl.load(o_ptrs + go * NW).to(tl.float32) - s
-
-
 @triton.jit(do_not_specialize=['num_valid'])
 def _w4a16_moe_kernel(
     a_ptr,
@@ -191,15 +185,15 @@ def _w4a16_moe_kernel(
         if ACT:
             words2 = tl.load(w_ptrs + t * C * NW + N)  # the up columns
         if G >= TK:  # one scale group for the whole K-tile
-            s, b = _group_sb(s_ptrs, o_ptrs, (t * TK) // G, NW, BITS)
+            s, b = group_sb(s_ptrs, o_ptrs, (t * TK) // G, NW, BITS)
             if ACT:
-                s2, b2 = _group_sb(s_ptrs + N, o_ptrs + N, (t * TK) // G, NW, BITS)
+                s2, b2 = group_sb(s_ptrs + N, o_ptrs + N, (t * TK) // G, NW, BITS)
         for j in tl.static_range(FIELDS):
             k0 = t * TK + j * C
             if G < TK:
-                s, b = _group_sb(s_ptrs, o_ptrs, k0 // G, NW, BITS)
+                s, b = group_sb(s_ptrs, o_ptrs, k0 // G, NW, BITS)
                 if ACT:
-                    s2, b2 = _group_sb(s_ptrs + N, o_ptrs + N, k0 // G, NW, BITS)
+                    s2, b2 = group_sb(s_ptrs + N, o_ptrs + N, k0 // G, NW, BITS)
             if EVEN_K:
                 a = tl.load(a_ptrs + k0)
             else:
@@ -217,152 +211,6 @@ def _w4a16_moe_kernel(
         c_ptr + assign[:, None] * stride_cm + offs_n[None, :],
         acc.to(c_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
-    )
-
-
-@triton.jit
-def _gemv_tile(
-    acc,
-    xp,
-    words,
-    s,
-    b,
-    t,
-    K,
-    ONE,
-    BITS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    G: tl.constexpr,
-    s_ptrs,
-    o_ptrs,
-    NW,
-    XSCALE,
-):
-    "acc [C, BN] += W_e[n, k].T * x[k] * XSCALE over the K-tile `t` (fields of `words`, dequantized in fp32)."
-    C: tl.constexpr = 4 * BITS
-    rc = tl.arange(0, C)
-    for j in tl.static_range(32 // BITS):
-        k0 = t * TK + j * C
-        if G < TK:
-            s, b = _group_sb(s_ptrs, o_ptrs, k0 // G, NW, BITS)
-        if EVEN_K:
-            xv = tl.load(xp + k0 + rc).to(tl.float32)
-        else:
-            xv = tl.load(xp + k0 + rc, mask=k0 + rc < K, other=0.0).to(tl.float32)
-        acc += (field_f(words, j, BITS, ONE) * s[None, :] + b[None, :]) * (xv * XSCALE)[:, None]
-    return acc
-
-
-@triton.jit
-def _w4a16_gemv_act_kernel(
-    x_ptr,
-    qw_ptr,
-    s_ptr,
-    o_ptr,
-    ids_ptr,
-    out_ptr,
-    I,
-    K,
-    NW,
-    ONE,
-    stride_xm,
-    stride_om,
-    stride_qe,
-    stride_se,
-    TOP_K: tl.constexpr,
-    BITS: tl.constexpr,
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    "out[a, n] = silu(gate_e[n] . x[a // TOP_K]) * (up_e[n] . x[a // TOP_K]) for BN columns n, e = ids[a]."
-    C: tl.constexpr = 4 * BITS
-    a = tl.program_id(1)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    cols = rn % I
-    rc = tl.arange(0, C)
-    e = tl.load(ids_ptr + a).to(tl.int64)
-    wp = qw_ptr + e * stride_qe + rc[:, None] * NW + cols[None, :]
-    sp = s_ptr + e * stride_se + cols
-    op = o_ptr + e * stride_se + cols
-    xp = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
-    acc_g = tl.zeros([C, BN], dtype=tl.float32)
-    acc_u = tl.zeros([C, BN], dtype=tl.float32)
-    s = tl.zeros([BN], dtype=tl.float32)
-    b = s
-    s2 = s
-    b2 = s
-    for t in range(0, tl.cdiv(K, TK)):
-        if G >= TK:
-            s, b = _group_sb(sp, op, (t * TK) // G, NW, BITS)
-            s2, b2 = _group_sb(sp + I, op + I, (t * TK) // G, NW, BITS)
-        g = tl.load(wp + t * C * NW, eviction_policy='evict_first')
-        u = tl.load(wp + t * C * NW + I, eviction_policy='evict_first')
-        acc_g = _gemv_tile(acc_g, xp, g, s, b, t, K, ONE, BITS, EVEN_K, G, sp, op, NW, 1.0)
-        acc_u = _gemv_tile(acc_u, xp, u, s2, b2, t, K, ONE, BITS, EVEN_K, G, sp + I, op + I, NW, 1.0)
-    gate = tl.sum(acc_g, axis=0)
-    y = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=0)
-    tl.store(out_ptr + a.to(tl.int64) * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < I)
-
-
-@triton.jit
-def _w4a16_gemv_down_kernel(
-    a_ptr,
-    qw_ptr,
-    s_ptr,
-    o_ptr,
-    ids_ptr,
-    tw_ptr,
-    out_ptr,
-    ws_ptr,
-    cnt_ptr,
-    N,
-    K,
-    ONE,
-    stride_am,
-    stride_om,
-    stride_qe,
-    stride_se,
-    TOP_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BITS: tl.constexpr,
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """out[t, n] = sum over this split's experts j of tw[t, j] * (down_e[n] . inter[t * TOP_K + j]) for BN columns
-    n; the SPLIT programs of a (token, column block) add up in the `split_k` workspace."""
-    C: tl.constexpr = 4 * BITS
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    t = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    nmask = rn < N
-    cols = rn % N
-    rc = tl.arange(0, C)
-    acc = tl.zeros([C, BN], dtype=tl.float32)
-    s = tl.zeros([BN], dtype=tl.float32)
-    b = s
-    for jj in range(TOP_K // SPLIT):
-        a = t * TOP_K + pid_s * (TOP_K // SPLIT) + jj
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        wt = tl.load(tw_ptr + a)
-        wp = qw_ptr + e * stride_qe + rc[:, None] * N + cols[None, :]
-        sp = s_ptr + e * stride_se + cols
-        op = o_ptr + e * stride_se + cols
-        xp = a_ptr + a.to(tl.int64) * stride_am
-        for kt in range(0, tl.cdiv(K, TK)):
-            if G >= TK:
-                s, b = _group_sb(sp, op, (kt * TK) // G, N, BITS)
-            words = tl.load(wp + kt * C * N, eviction_policy='evict_first')
-            acc = _gemv_tile(acc, xp, words, s, b, kt, K, ONE, BITS, EVEN_K, G, sp, op, N, wt)
-    store_out(
-        tl.sum(acc, axis=0),
-        out_ptr + t.to(tl.int64) * stride_om + rn,
-        nmask,
-        ws_ptr + t * N + rn,
-        cnt_ptr + t * tl.num_programs(0) + pid_n,
-        SPLIT,
     )
 
 
@@ -410,62 +258,6 @@ def _grouped(
     return out
 
 
-def _decode(x, w13, w2, tw, ids, bits, G, H, I, c):
-    "The two GEMV launches of the decode path (`c`: a `decode` config)."
-    T, k = ids.shape
-    inter = x.new_empty(T * k, I)
-    _w4a16_gemv_act_kernel[(triton.cdiv(I, c['BN1']), T * k)](
-        x,
-        *w13,
-        ids,
-        inter,
-        I,
-        H,
-        2 * I,
-        F32_ONE,
-        x.stride(0),
-        inter.stride(0),
-        w13[0].stride(0),
-        w13[1].stride(0),
-        TOP_K=k,
-        BITS=bits,
-        G=G,
-        BN=c['BN1'],
-        EVEN_K=H % TILE_K == 0,
-        num_warps=c['W1'],
-        num_stages=1,
-    )
-    split = c['SPLIT2'] if k % c['SPLIT2'] == 0 else 1
-    out = x.new_empty(T, H)
-    n_blocks = triton.cdiv(H, c['BN2'])
-    ws, cnt = split_k_workspace(x.device, T * H, T * n_blocks)
-    _w4a16_gemv_down_kernel[(n_blocks, split, T)](
-        inter,
-        *w2,
-        ids,
-        tw,
-        out,
-        ws,
-        cnt,
-        H,
-        I,
-        F32_ONE,
-        inter.stride(0),
-        out.stride(0),
-        w2[0].stride(0),
-        w2[1].stride(0),
-        TOP_K=k,
-        SPLIT=split,
-        BITS=bits,
-        G=G,
-        BN=c['BN2'],
-        EVEN_K=I % TILE_K == 0,
-        num_warps=c['W2'],
-        num_stages=1,
-    )
-    return out
-
-
 def fused_moe_w4a16(
     x,
     w13_qweight,
@@ -505,7 +297,7 @@ def fused_moe_w4a16(
     tw, ids = tw.contiguous(), topk_ids.contiguous()
     cfg = {**w4a16_moe_config(T), **(config or {})}
     if cfg.get('decode') and T <= DECODE_MAX_T:
-        return _decode(x, w13, w2, tw, ids, bits, G, H, I, cfg['decode'])
+        return w4a16_moe_decode(x, w13, w2, tw, ids, bits, G, H, I, cfg['decode'])
     sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, cfg['BLOCK_M'], E)
     n = T * k
     inter = x.new_empty(n, I)

@@ -13,15 +13,22 @@ What each switch does, and why:
 - `PF`: the next iteration's words are loaded before this one's math (register prefetch), iterations in pairs with
   the words in two alternating register sets, so no copy of the prefetched words is needed.
 - `EVEN_N`: columns that divide evenly load without masks (no predicates, no zeroed targets).
-- `SLOT` (4-bit, groups >= 64, chosen in `_gemv_tile`): fields where they lie in the word (`field_slot`).
+- `SLOT` (4-bit, groups >= 64, chosen in `gemv_tile`): fields where they lie in the word (`field_slot`).
 - `RS` (4-bit, groups >= 64, `NH = 2`, `TPI = 1`): the K-tile's 16 word rows as two `[8, BN/2]` halves that a
-  thread chains into one sum (`_gemv_tile_rs`): half the scale updates and accumulators.
+  thread chains into one sum (`gemv_tile_rs`): half the scale updates and accumulators.
 - `SYM` (4-bit, groups >= 64; the caller vouches `offsets == -8 * scales`): the sums start at
   `-sum(x (2**E + 8))`, so neither `sum x` nor the offsets are in the loop.
 - `PDL`: the first iteration's words (weights, which no kernel writes) are loaded before `pdl_wait`, so the weight
   stream starts while the previous kernel finishes (`pdl`).
 - `ACT`: W's rows interleave gate and up; the epilogue writes `silu(gate) * up` from the fp32 sums (one kernel
   less per MLP).
+
+This module holds the kernel, its epilogue and the launcher with its config choice. One iteration's word loads
+and their hand-over to the tile math are in `w4a16_gemv_iter`, one K-tile's math in `w4a16_gemv_tile`; the data
+flow per program:
+
+    words  --`gemv_words`-->  registers  --`gemv_iter`-->  `gemv_tile` / `gemv_tile_rs` (x, scales)  -->  acc, acc2
+    acc, acc2  --`_gemv_end`: sum over rows (split-K: the workspace, the last program)-->  `_gemv_put`  -->  out
 
 Launch configurations per shape are tuned data (`configs/w4a16_gemv/`, loaded by `tuned`); `maxnreg` caps the
 registers per thread (ptxas schedules differently under a cap, and more programs fit per SM).
@@ -34,7 +41,8 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_add, split_for, split_k_workspace, split_take
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.w4a16_fields import F32_ONE, field_f, field_slot, x_slot, x_start, x_unslot
+from cvllm_lab.kernels.w4a16_fields import F32_ONE
+from cvllm_lab.kernels.w4a16_gemv_iter import gemv_iter, gemv_words
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
 
 __all__ = ['w4a16_gemv']
@@ -104,448 +112,6 @@ def _gemv_end(
 
 
 @triton.jit
-def _scale_rows(s_ptr, o_ptr, idx, nmask, BITS: tl.constexpr, EVEN_N: tl.constexpr, SLOT: tl.constexpr):
-    """`S = 2**BITS * scale` and `B = offset - S` (fp32) of the columns at `idx` of one scale row (SLOT: the sums
-    are `sum x q` without `1`s, so `S = scale`, `B = offset`)."""
-    if EVEN_N:
-        s = tl.load(s_ptr + idx).to(tl.float32)
-        o = tl.load(o_ptr + idx).to(tl.float32)
-    else:
-        s = tl.load(s_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + idx, mask=nmask, other=0.0).to(tl.float32)
-    if not SLOT:
-        s = s * (1 << BITS)
-        o = o - s
-    return s, o
-
-
-@triton.jit
-def _gemv_x(xb, kb, rc, K, J: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
-    "The `[C]` x values of bit field `J` of a K-tile (x at `xb`, the tile at `kb`), kept in cache (`evict_last`)."
-    if EVEN_K:
-        return tl.load(xb + J * C, eviction_policy='evict_last')
-    else:
-        return tl.load(xb + J * C, mask=(kb + J * C + rc) < K, other=0.0, eviction_policy='evict_last')
-
-
-@triton.jit
-def _x_field(xb, kb, rc, K, J: tl.constexpr, EVEN_K: tl.constexpr):
-    "4-bit field `J`'s x values of a K-tile (`_gemv_x`), scaled for `field_slot` (`x_slot`)."
-    return x_slot(_gemv_x(xb, kb, rc, K, J, 16, EVEN_K), J)
-
-
-@triton.jit
-def _gemv_tile(
-    acc,
-    acc2,
-    words,
-    words2,
-    xb,
-    s_ptr,
-    o_ptr,
-    sp,
-    rn,
-    rc,
-    nmask,
-    nmask2,
-    kb,
-    K,
-    ONE,
-    BITS: tl.constexpr,
-    G: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    NH: tl.constexpr,
-    BNH: tl.constexpr,
-    SYM: tl.constexpr = False,
-):
-    """acc[C, BNH] += the products of one K-tile: `words` [C, BNH], x at `xb` (+ field offsets), scale rows from
-    `sp`; with NH = 2 also acc2 for `words2`, the columns BNH further on, with the same x values (each thread holds
-    the same rows of both, so one x load and conversion serves 8 columns instead of 4). SYM (4-bit, groups >= 64):
-    offsets are -8 scale, folded into the sums' start (`x_start`)."""
-    C: tl.constexpr = 4 * BITS
-    GW: tl.constexpr = G if G < 128 else 128  # K-width of one scale group inside a tile
-    JPG: tl.constexpr = GW // C  # bit fields per scale group
-    NG: tl.constexpr = 128 // GW  # scale groups per tile
-    SLOT: tl.constexpr = BITS == 4 and JPG > 2  # fields where they lie (`field_slot`), x scaled to match
-    for gi in tl.static_range(NG):
-        row = (kb + gi * GW) // G * sp
-        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, BITS, EVEN_N, SLOT)
-        s2, o2 = s, o
-        if NH == 2:
-            s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, BITS, EVEN_N, SLOT)
-        if SLOT:  # x sums first (the loads below are the same, CSE'd): xs = sum x, xsp = sum x * 2**E
-            for jj in tl.static_range(JPG):
-                xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
-                if jj == 0:
-                    if not SYM:
-                        xs = x_unslot(xq, gi * JPG + jj)
-                    xsp = x_start(xq, gi * JPG + jj, SYM)
-                else:
-                    if not SYM:
-                        xs += x_unslot(xq, gi * JPG + jj)
-                    xsp += x_start(xq, gi * JPG + jj, SYM)
-            tf = tl.zeros_like(acc) - xsp[:, None]
-            tf2 = tf
-            for jj in tl.static_range(JPG):
-                xq = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
-                tf += field_slot(words, gi * JPG + jj, ONE) * xq[:, None]
-                if NH == 2:
-                    tf2 += field_slot(words2, gi * JPG + jj, ONE) * xq[:, None]
-        else:
-            for jj in tl.static_range(JPG):
-                xj = _gemv_x(xb, kb, rc, K, gi * JPG + jj, C, EVEN_K).to(tl.float32)
-                f = field_f(words, gi * JPG + jj, BITS, ONE)
-                f2 = f
-                if NH == 2:
-                    f2 = field_f(words2, gi * JPG + jj, BITS, ONE)
-                if JPG <= 2:  # small groups: dequantize each weight (2 FFMAs) instead of per-group partial sums
-                    acc += (f * s[None, :] + o[None, :]) * xj[:, None]
-                    if NH == 2:
-                        acc2 += (f2 * s2[None, :] + o2[None, :]) * xj[:, None]
-                else:
-                    if jj == 0:
-                        tf = f * xj[:, None]
-                        tf2 = f2 * xj[:, None]
-                        xs = xj
-                    else:
-                        tf += f * xj[:, None]
-                        if NH == 2:
-                            tf2 += f2 * xj[:, None]
-                        xs += xj
-        if JPG > 2:
-            acc += tf * s[None, :]  # two separate updates: two FFMAs, not FMUL + FFMA + FADD
-            if not (SLOT and SYM):
-                acc += xs[:, None] * o[None, :]
-            if NH == 2:
-                acc2 += tf2 * s2[None, :]
-                if not (SLOT and SYM):
-                    acc2 += xs[:, None] * o2[None, :]
-    return acc, acc2
-
-
-@triton.jit
-def _gemv_tile_rs(
-    acc,
-    acc2,
-    wa,
-    wb,
-    wa2,
-    wb2,
-    xb,
-    s_ptr,
-    o_ptr,
-    sp,
-    rn,
-    rc,
-    nmask,
-    nmask2,
-    kb,
-    K,
-    ONE,
-    G: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    BNH: tl.constexpr,
-    SYM: tl.constexpr,
-):
-    """`_gemv_tile` for 4-bit groups >= 64 with NH = 2, the K-tile's 16 word rows as two `[8, BNH]` halves (`wa`:
-    rows 0-7, `wb`: 8-15; `wa2`, `wb2` the columns BNH further on): a thread holds one row of each half and chains
-    both into one `[8, BNH]` sum per column tile, so the per-group scale updates and the accumulators are half
-    of `_gemv_tile`'s (fields as `field_slot`)."""
-    GW: tl.constexpr = G if G < 128 else 128
-    JPG: tl.constexpr = GW // 16
-    NG: tl.constexpr = 128 // GW
-    for gi in tl.static_range(NG):
-        row = (kb + gi * GW) // G * sp
-        s, o = _scale_rows(s_ptr, o_ptr, row + rn, nmask, 4, EVEN_N, True)
-        s2, o2 = _scale_rows(s_ptr, o_ptr, row + BNH + rn, nmask2, 4, EVEN_N, True)
-        for jj in tl.static_range(JPG):  # x sums first (the loads below are the same, CSE'd)
-            xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
-            xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
-            if jj == 0:
-                xsp = x_start(xa, gi * JPG + jj, SYM) + x_start(xc, gi * JPG + jj, SYM)
-                if not SYM:
-                    xs = x_unslot(xa, gi * JPG + jj) + x_unslot(xc, gi * JPG + jj)
-            else:
-                xsp += x_start(xa, gi * JPG + jj, SYM) + x_start(xc, gi * JPG + jj, SYM)
-                if not SYM:
-                    xs += x_unslot(xa, gi * JPG + jj) + x_unslot(xc, gi * JPG + jj)
-        tf = tl.zeros_like(acc) - xsp[:, None]
-        tf2 = tf
-        for jj in tl.static_range(JPG):
-            xa = _x_field(xb, kb, rc, K, gi * JPG + jj, EVEN_K)
-            xc = _x_field(xb + 8, kb + 8, rc, K, gi * JPG + jj, EVEN_K)
-            tf += field_slot(wa, gi * JPG + jj, ONE) * xa[:, None]
-            tf += field_slot(wb, gi * JPG + jj, ONE) * xc[:, None]
-            tf2 += field_slot(wa2, gi * JPG + jj, ONE) * xa[:, None]
-            tf2 += field_slot(wb2, gi * JPG + jj, ONE) * xc[:, None]
-        acc += tf * s[None, :]
-        acc2 += tf2 * s2[None, :]
-        if not SYM:
-            acc += xs[:, None] * o[None, :]
-            acc2 += xs[:, None] * o2[None, :]
-    return acc, acc2
-
-
-@triton.jit
-def _wload(ptr, mask, EVEN_N: tl.constexpr):
-    "One word tile, streamed (`evict_first`); unmasked when the columns divide evenly (no predicates, no zeroing)."
-    if EVEN_N:
-        return tl.load(ptr, eviction_policy='evict_first')
-    return tl.load(ptr, mask=mask[None, :], other=0, eviction_policy='evict_first')
-
-
-@triton.jit
-def _gemv_words(
-    wp,
-    t,
-    N,
-    nmask,
-    nmask2,
-    C: tl.constexpr,
-    TPI: tl.constexpr,
-    NH: tl.constexpr,
-    BNH: tl.constexpr,
-    RS: tl.constexpr = False,
-    EVEN_N: tl.constexpr = False,
-):
-    """The word tiles `[C, BNH]` of one iteration: K-tiles t .. t + TPI - 1 (NH = 1), or (K-tile, column half)
-    (t, 0), (t, 1), (t + 1, 0), (t + 1, 1) (NH = 2, TPI <= 2); unused slots repeat the first ones. RS: the
-    `[C / 2, BNH]` row halves (rows, columns) (0, 0), (1, 0), (0, 1), (1, 1) of K-tile t."""
-    if RS:
-        w0 = _wload(wp + t * C * N, nmask, EVEN_N)
-        w1 = _wload(wp + t * C * N + C // 2 * N, nmask, EVEN_N)
-        w2 = _wload(wp + t * C * N + BNH, nmask2, EVEN_N)
-        w3 = _wload(wp + t * C * N + C // 2 * N + BNH, nmask2, EVEN_N)
-        return w0, w1, w2, w3
-    w0 = _wload(wp + t * C * N, nmask, EVEN_N)
-    w1 = w0
-    if NH == 2:
-        w1 = _wload(wp + t * C * N + BNH, nmask2, EVEN_N)
-    w2 = w0
-    w3 = w1
-    if NH == 1:
-        if TPI > 1:
-            w1 = _wload(wp + (t + 1) * C * N, nmask, EVEN_N)
-        if TPI > 2:
-            w2 = _wload(wp + (t + 2) * C * N, nmask, EVEN_N)
-            w3 = _wload(wp + (t + 3) * C * N, nmask, EVEN_N)
-    else:
-        if TPI > 1:
-            w2 = _wload(wp + (t + 1) * C * N, nmask, EVEN_N)
-            w3 = _wload(wp + (t + 1) * C * N + BNH, nmask2, EVEN_N)
-    return w0, w1, w2, w3
-
-
-@triton.jit
-def _gemv_iter(
-    acc,
-    acc2,
-    w0,
-    w1,
-    w2,
-    w3,
-    t,
-    x_ptr,
-    s_ptr,
-    o_ptr,
-    N,
-    rn,
-    rc,
-    nmask,
-    nmask2,
-    K,
-    ONE,
-    BITS: tl.constexpr,
-    G: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    TPI: tl.constexpr,
-    NH: tl.constexpr,
-    BNH: tl.constexpr,
-    RS: tl.constexpr = False,
-    SYM: tl.constexpr = False,
-):
-    "acc (and acc2) += the products of one iteration's word tiles (`_gemv_words`)."
-    if RS:
-        acc, acc2 = _gemv_tile_rs(
-            acc,
-            acc2,
-            w0,
-            w1,
-            w2,
-            w3,
-            x_ptr + t * 128 + rc,
-            s_ptr,
-            o_ptr,
-            N,
-            rn,
-            rc,
-            nmask,
-            nmask2,
-            t * 128,
-            K,
-            ONE,
-            G,
-            EVEN_K,
-            EVEN_N,
-            BNH,
-            SYM,
-        )
-    elif NH == 1:
-        acc, acc2 = _gemv_tile(
-            acc,
-            acc2,
-            w0,
-            w0,
-            x_ptr + t * 128 + rc,
-            s_ptr,
-            o_ptr,
-            N,
-            rn,
-            rc,
-            nmask,
-            nmask2,
-            t * 128,
-            K,
-            ONE,
-            BITS,
-            G,
-            EVEN_K,
-            EVEN_N,
-            NH,
-            BNH,
-            SYM,
-        )
-        if TPI > 1:
-            acc, acc2 = _gemv_tile(
-                acc,
-                acc2,
-                w1,
-                w1,
-                x_ptr + (t + 1) * 128 + rc,
-                s_ptr,
-                o_ptr,
-                N,
-                rn,
-                rc,
-                nmask,
-                nmask2,
-                (t + 1) * 128,
-                K,
-                ONE,
-                BITS,
-                G,
-                EVEN_K,
-                EVEN_N,
-                NH,
-                BNH,
-                SYM,
-            )
-        if TPI > 2:
-            acc, acc2 = _gemv_tile(
-                acc,
-                acc2,
-                w2,
-                w2,
-                x_ptr + (t + 2) * 128 + rc,
-                s_ptr,
-                o_ptr,
-                N,
-                rn,
-                rc,
-                nmask,
-                nmask2,
-                (t + 2) * 128,
-                K,
-                ONE,
-                BITS,
-                G,
-                EVEN_K,
-                EVEN_N,
-                NH,
-                BNH,
-                SYM,
-            )
-            acc, acc2 = _gemv_tile(
-                acc,
-                acc2,
-                w3,
-                w3,
-                x_ptr + (t + 3) * 128 + rc,
-                s_ptr,
-                o_ptr,
-                N,
-                rn,
-                rc,
-                nmask,
-                nmask2,
-                (t + 3) * 128,
-                K,
-                ONE,
-                BITS,
-                G,
-                EVEN_K,
-                EVEN_N,
-                NH,
-                BNH,
-                SYM,
-            )
-    else:
-        acc, acc2 = _gemv_tile(
-            acc,
-            acc2,
-            w0,
-            w1,
-            x_ptr + t * 128 + rc,
-            s_ptr,
-            o_ptr,
-            N,
-            rn,
-            rc,
-            nmask,
-            nmask2,
-            t * 128,
-            K,
-            ONE,
-            BITS,
-            G,
-            EVEN_K,
-            EVEN_N,
-            NH,
-            BNH,
-            SYM,
-        )
-        if TPI > 1:
-            acc, acc2 = _gemv_tile(
-                acc,
-                acc2,
-                w2,
-                w3,
-                x_ptr + (t + 1) * 128 + rc,
-                s_ptr,
-                o_ptr,
-                N,
-                rn,
-                rc,
-                nmask,
-                nmask2,
-                (t + 1) * 128,
-                K,
-                ONE,
-                BITS,
-                G,
-                EVEN_K,
-                EVEN_N,
-                NH,
-                BNH,
-                SYM,
-            )
-    return acc, acc2
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -578,7 +144,7 @@ def _gemv_kernel(
     next iteration's words are loaded before this one's math, iterations in pairs so that the two register sets
     alternate instead of being copied (the last pair re-reads its own tiles: L2 hits; an odd count ends with one).
     With PDL the first iteration's words are loaded before waiting for the previous kernel (`pdl_wait`).
-    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`_gemv_tile_rs`). SYM (4-bit, groups >= 64):
+    RS (4-bit, groups >= 64, NH = 2, TPI = 1): the tiles as row halves (`gemv_tile_rs`). SYM (4-bit, groups >= 64):
     the offsets are -8 scale and are not read (`x_start`)."""
     tl.static_assert(TPI == 1 or TPI == 2 or TPI == 4)
     tl.static_assert(NH == 1 or (NH == 2 and TPI <= 2))
@@ -600,12 +166,12 @@ def _gemv_kernel(
     t0 = pid_k * TPS
     ts = t0
     if PF or PDL:
-        n0, n1, n2, n3 = _gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+        n0, n1, n2, n3 = gemv_words(wp, t0, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
     pdl_wait(PDL)  # the words above are weights; x and the outputs come after the wait
     pdl_launch(PDL)
     if PDL:
         if not PF:  # peel the first iteration: its words are in flight already
-            acc, acc2 = _gemv_iter(
+            acc, acc2 = gemv_iter(
                 acc,
                 acc2,
                 n0,
@@ -637,8 +203,8 @@ def _gemv_kernel(
     if PF:  # iterations in pairs, the words ping-ponged between two register sets (no copies of a rotation)
         last = t0 + TPS - TPI
         for t in range(ts, last, 2 * TPI):
-            m0, m1, m2, m3 = _gemv_words(wp, t + TPI, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
-            acc, acc2 = _gemv_iter(
+            m0, m1, m2, m3 = gemv_words(wp, t + TPI, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+            acc, acc2 = gemv_iter(
                 acc,
                 acc2,
                 n0,
@@ -666,10 +232,10 @@ def _gemv_kernel(
                 RS,
                 SYM,
             )
-            n0, n1, n2, n3 = _gemv_words(
+            n0, n1, n2, n3 = gemv_words(
                 wp, tl.minimum(t + 2 * TPI, last), N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N
             )  # the last pair re-reads its own tile (L2 hits)
-            acc, acc2 = _gemv_iter(
+            acc, acc2 = gemv_iter(
                 acc,
                 acc2,
                 m0,
@@ -698,7 +264,7 @@ def _gemv_kernel(
                 SYM,
             )
         if (TPS // TPI) % 2 == 1:  # an odd count: the last iteration, its words loaded by the last pair (or above)
-            acc, acc2 = _gemv_iter(
+            acc, acc2 = gemv_iter(
                 acc,
                 acc2,
                 n0,
@@ -728,8 +294,8 @@ def _gemv_kernel(
             )
     else:
         for t in range(ts, t0 + TPS, TPI):
-            w0, w1, w2, w3 = _gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
-            acc, acc2 = _gemv_iter(
+            w0, w1, w2, w3 = gemv_words(wp, t, N, nmask, nmask2, C, TPI, NH, BNH, RS, EVEN_N)
+            acc, acc2 = gemv_iter(
                 acc,
                 acc2,
                 w0,
@@ -789,7 +355,7 @@ def w4a16_gemv(
     programmatic dependent launch (default: `pdl_on`). `act='silu_and_mul'`: W's rows interleave gate and up;
     returns `silu(gate) * up` `[1, N / 2]` from the kernel's epilogue. `nh=2`: the program's `bn` columns as two
     tiles that share their x loads (K-tiles per iteration at most 2). `maxnreg`: a register cap per thread (more
-    programs per SM, at the price of spills). `rs`: row halves (`_gemv_tile_rs`; default: where it applies).
+    programs per SM, at the price of spills). `rs`: row halves (`gemv_tile_rs`; default: where it applies).
     `sym`: the caller vouches that `offsets == -8 * scales` (symmetric 4-bit); used where the kernel takes the fields
     in place (4-bit, groups >= 64), which then reads no offsets."""
     assert x.shape == (1, K), x.shape

@@ -32,7 +32,8 @@ weight (the GEMV: ~3), so the kernel waits on memory, not on issue.
 A program owns `NH * num_warps * 32` columns and a run of K-tiles; the next K-tile's words and scales are loaded
 before this one's MMAs, and split-K programs meet in the self-zeroing workspace of `split_k`, or, given an fp32
 accumulator (`acc`: a residual stream the products are added to), add their partial sums straight into it. The
-register-level pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`.
+register-level pieces (PTX, and their emulation under the Triton interpreter) are in `w4a16_frag`, one K-tile's
+loads and MMAs in `w4a16_mma_tile`; this module holds the kernel with its stores and the launcher.
 
 Two more inputs serve the fp32 residual stream of a decode step (`LlamaDecoderLayer.forward_acc`), where every
 matmul adds into fp32 sums and no kernel sits between them: `x_act` takes x as a fused gate/up layer's fp32 sums
@@ -55,146 +56,13 @@ import triton.language as tl
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.split_k import split_for, split_k_workspace
 from cvllm_lab.kernels.tuned import configs_for
-from cvllm_lab.kernels.w4a16_frag import _b_regs, _epilogue, _mma_ones, _mma_pair, _silu_mul, _silu_mul_scaled
 from cvllm_lab.kernels.w4a16_layout import TILE_K, check_layout
+from cvllm_lab.kernels.w4a16_mma_tile import tile_math, tile_weights, x_runs
 
 __all__ = ['MMA_MAX_M', 'mma_supported', 'w4a16_mma']
 from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
 MMA_MAX_M = 8
-
-
-@triton.jit
-def _tile_words(wp, T, N, nmask, EVEN_N: tl.constexpr):
-    "The 4 word rows (`4t + i`, i = 0..3) of K-tile T of this thread's 4 columns (16 bytes each)."
-    p = wp + (T * 16).to(tl.int64) * N
-    if EVEN_N:
-        return tl.load(p), tl.load(p + N), tl.load(p + 2 * N), tl.load(p + 3 * N)
-    else:
-        return (
-            tl.load(p, mask=nmask, other=0),
-            tl.load(p + N, mask=nmask, other=0),
-            tl.load(p + 2 * N, mask=nmask, other=0),
-            tl.load(p + 3 * N, mask=nmask, other=0),
-        )
-
-
-@triton.jit
-def _tile_scales(sp, op, T, N, col, nmask, G: tl.constexpr, SYM: tl.constexpr):
-    "K-tile T's scales (and offsets; SYM: the scales again, unread) of the 4 columns `col`."
-    grp = (T * 128) // G
-    sc = tl.load(sp + grp * N + col, mask=nmask, other=0.0)
-    if SYM:
-        return sc, sc
-    else:
-        return sc, tl.load(op + grp * N + col, mask=nmask, other=0.0)
-
-
-@triton.jit
-def _tile_weights(
-    wpA,
-    wpB,
-    sp,
-    op,
-    T,
-    N,
-    colA,
-    colB,
-    nmA,
-    nmB,
-    G: tl.constexpr,
-    NH: tl.constexpr,
-    SYM: tl.constexpr,
-    EVEN_N: tl.constexpr,
-):
-    "K-tile T's words, scales and offsets of the thread's word tensors A and B (NH = 1: A's again, unused)."
-    a0, a1, a2, a3 = _tile_words(wpA, T, N, nmA, EVEN_N)
-    scA, ofA = _tile_scales(sp, op, T, N, colA, nmA, G, SYM)
-    b0, b1, b2, b3, scB, ofB = a0, a1, a2, a3, scA, ofA
-    if NH == 2:
-        b0, b1, b2, b3 = _tile_words(wpB, T, N, nmB, EVEN_N)
-        scB, ofB = _tile_scales(sp, op, T, N, colB, nmB, G, SYM)
-    return a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB
-
-
-@triton.jit
-def _x_run(
-    xp,
-    gp,
-    k,
-    K,
-    s,
-    EVEN_K: tl.constexpr,
-    ACT_X: tl.constexpr,
-    RMS_X: tl.constexpr,
-    NORM_X: tl.constexpr,
-    F16: tl.constexpr,
-):
-    """x[k] for an [R, 4] run of K indices `k`, and (NORM_X) the run's squares. ACT_X: x is `silu(s gate) * s up` of
-    fp32 gate/up sums at `2k`, `2k + 1` (interleaved pairs; RMS_X: `s` [R, 4] is the rows' 1/rms), computed here and
-    rounded to the MMA's 16-bit type, as an activation kernel would. NORM_X: x is an fp32 residual row and the input
-    `g[k] * x[k]` (`gp`: an RMSNorm's weight), rounded the same way; its 1/rms is left to the sums' consumer."""
-    if ACT_X:
-        p = xp[:, :, None] + 2 * k[:, :, None] + tl.arange(0, 2)[None, None, :]  # [R, 4, 2]: 32 contiguous bytes
-        if EVEN_K:
-            gate, up = tl.split(tl.load(p))
-        else:
-            gate, up = tl.split(tl.load(p, mask=(k < K)[:, :, None], other=0.0))
-        if RMS_X:
-            y = _silu_mul_scaled(gate, up, s)
-        else:
-            y = _silu_mul(gate, up)
-        sq = y
-    elif NORM_X:
-        if EVEN_K:
-            xv = tl.load(xp + k)
-            gv = tl.load(gp + k)
-        else:
-            xv = tl.load(xp + k, mask=k < K, other=0.0)
-            gv = tl.load(gp + k, mask=k < K, other=0.0)
-        y = xv * gv.to(tl.float32)
-        sq = xv * xv
-    else:
-        if EVEN_K:
-            y = tl.load(xp + k)
-        else:
-            y = tl.load(xp + k, mask=k < K, other=0.0)
-        sq = y
-    if F16:
-        return y.to(tl.float16), sq
-    else:
-        return y.to(tl.bfloat16), sq
-
-
-@triton.jit
-def _x_runs(
-    xp,
-    gp,
-    xk,
-    T,
-    K,
-    s,
-    sq,
-    EVEN_K: tl.constexpr,
-    ACT_X: tl.constexpr,
-    RMS_X: tl.constexpr,
-    NORM_X: tl.constexpr,
-    F16: tl.constexpr,
-):
-    """x[T*128 + j*16 + 4t + (0 .. 3)] for j = 0 .. 7: eight [R, 4] runs (16-bit x: one 8-byte load each);
-    `xk` = 4t + (0 .. 3). NORM_X: `sq` plus the runs' squares (the residual's sum of squares, per lane)."""
-    k = T * 128 + xk
-    x0, q0 = _x_run(xp, gp, k, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x1, q1 = _x_run(xp, gp, k + 16, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x2, q2 = _x_run(xp, gp, k + 32, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x3, q3 = _x_run(xp, gp, k + 48, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x4, q4 = _x_run(xp, gp, k + 64, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x5, q5 = _x_run(xp, gp, k + 80, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x6, q6 = _x_run(xp, gp, k + 96, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    x7, q7 = _x_run(xp, gp, k + 112, K, s, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-    if NORM_X:
-        sq += ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
-    return x0, x1, x2, x3, x4, x5, x6, x7, sq
 
 
 @triton.jit
@@ -220,67 +88,6 @@ def _zero_part(z_ptr, ZN, BLOCK: tl.constexpr):
     for i in range(lo, hi, BLOCK):
         o = i + tl.arange(0, BLOCK)
         tl.store(z_ptr + o, tl.zeros([BLOCK], dtype=tl.float32), mask=o < hi)
-
-
-@triton.jit
-def _row_step(wA, wB, xa, xb, dA0, dA1, dB0, dB1, sx, F16: tl.constexpr, NH: tl.constexpr):
-    "One word row: `sum x` and the MMAs of the thread's word tensors."
-    sx = _mma_ones(xa, xb, sx, F16)
-    dA0, dA1 = _mma_pair(wA, xa, xb, dA0, dA1, F16)
-    if NH == 2:
-        dB0, dB1 = _mma_pair(wB, xa, xb, dB0, dB1, F16)
-    return dA0, dA1, dB0, dB1, sx
-
-
-@triton.jit
-def _tile_math(
-    a0,
-    a1,
-    a2,
-    a3,
-    b0,
-    b1,
-    b2,
-    b3,
-    scA,
-    ofA,
-    scB,
-    ofB,
-    x0,
-    x1,
-    x2,
-    x3,
-    x4,
-    x5,
-    x6,
-    x7,
-    tA0,
-    tA1,
-    tB0,
-    tB1,
-    F16: tl.constexpr,
-    NH: tl.constexpr,
-    SYM: tl.constexpr,
-):
-    "One K-tile: its 4 word rows through the MMAs, then its scales on the totals."
-    z = tl.zeros_like(tA0)
-    dA0, dA1, dB0, dB1, sx = z, z, z, z, z
-    dA0, dA1, dB0, dB1, sx = _row_step(
-        a0, b0, _b_regs(x0, x4, x1, x5, 0), _b_regs(x2, x6, x3, x7, 0), dA0, dA1, dB0, dB1, sx, F16, NH
-    )
-    dA0, dA1, dB0, dB1, sx = _row_step(
-        a1, b1, _b_regs(x0, x4, x1, x5, 1), _b_regs(x2, x6, x3, x7, 1), dA0, dA1, dB0, dB1, sx, F16, NH
-    )
-    dA0, dA1, dB0, dB1, sx = _row_step(
-        a2, b2, _b_regs(x0, x4, x1, x5, 2), _b_regs(x2, x6, x3, x7, 2), dA0, dA1, dB0, dB1, sx, F16, NH
-    )
-    dA0, dA1, dB0, dB1, sx = _row_step(
-        a3, b3, _b_regs(x0, x4, x1, x5, 3), _b_regs(x2, x6, x3, x7, 3), dA0, dA1, dB0, dB1, sx, F16, NH
-    )
-    tA0, tA1 = _epilogue(dA0, dA1, sx, scA, ofA, tA0, tA1, F16, SYM)
-    if NH == 2:
-        tB0, tB1 = _epilogue(dB0, dB1, sx, scB, ofB, tB0, tB1, F16, SYM)
-    return tA0, tA1, tB0, tB1
 
 
 @triton.jit
@@ -372,7 +179,7 @@ def _mma_kernel(
     the splits; ACC: every program adds its sums into `out_ptr`, an fp32 accumulator, instead). Per K-tile: the
     next tile's words and scales are loaded into registers, then this tile's x and MMAs run. The first tile's words
     load before `pdl_wait` (weights, which no kernel writes). ACT_X: x is fp32 gate/up pairs, activated on load
-    (`_x_run`; RMS_X: scaled by `rsqrt(ssq[m] * inv_n + eps)` first); ZERO: the programs also zero the `ZN` floats at
+    (`x_runs`; RMS_X: scaled by `rsqrt(ssq[m] * inv_n + eps)` first); ZERO: the programs also zero the `ZN` floats at
     `z_ptr` between them. NORM_X: x is an fp32 residual, the input `g * x` (`g_ptr`: an RMSNorm's weight), and the
     programs of column block 0 add the rows' sums of squares into `ssq` (`_ssq_add`) for the consumer's 1/rms."""
     R: tl.constexpr = NW * 32
@@ -394,7 +201,7 @@ def _mma_kernel(
     xk = 4 * tq + e
     t0 = tl.program_id(1) * TPS
     last = t0 + TPS - 1
-    a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = _tile_weights(
+    a0, a1, a2, a3, b0, b1, b2, b3, scA, ofA, scB, ofB = tile_weights(
         wpA, wpB, s_ptr, o_ptr, t0, N, colA, colB, nmA, nmB, G, NH, SYM, EVEN_N
     )
     pdl_wait(PDL)
@@ -408,11 +215,11 @@ def _mma_kernel(
     tA0, tA1, tB0, tB1, sq = z, z, z, z, z
     for T in range(t0, t0 + TPS):
         Tn = tl.minimum(T + 1, last)  # the last tile re-reads itself (L2 hits)
-        c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = _tile_weights(
+        c0, c1, c2, c3, d0, d1, d2, d3, scC, ofC, scD, ofD = tile_weights(
             wpA, wpB, s_ptr, o_ptr, Tn, N, colA, colB, nmA, nmB, G, NH, SYM, EVEN_N
         )
-        x0, x1, x2, x3, x4, x5, x6, x7, sq = _x_runs(xp, g_ptr, xk, T, K, s, sq, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
-        tA0, tA1, tB0, tB1 = _tile_math(
+        x0, x1, x2, x3, x4, x5, x6, x7, sq = x_runs(xp, g_ptr, xk, T, K, s, sq, EVEN_K, ACT_X, RMS_X, NORM_X, F16)
+        tA0, tA1, tB0, tB1 = tile_math(
             a0,
             a1,
             a2,
