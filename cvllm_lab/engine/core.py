@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/engine_core.html.md"""
 # %% ../../nbs/53_engine_core.ipynb #206bdca4
 from __future__ import annotations
 import io
+import logging
 import os
 import pickle
 import sys
@@ -26,6 +27,8 @@ from .async_scheduler import AsyncScheduler
 from .model_runner import ModelRunner
 from .worker import make_executor
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
+
+_log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['EngineCoreInput', 'EngineCoreRequest', 'EngineCoreAbort', 'EngineCoreStop', 'EngineCoreCall', 'EngineCoreShutdown',
@@ -174,11 +177,18 @@ class EngineCore:
                 f'max_model_len={cfg.max_model_len}: give it more memory or lower max_model_len'
             )
         # one block table per KV cache group of the model (sliding-window layers); an executor (tensor parallel) has one
+        # a hybrid model's state layers (Gated DeltaNet): one state slot per running sequence, apart from the blocks
+        slots = getattr(self.runner, 'num_state_slots', None)
+        if slots and cfg.enable_prefix_caching:
+            _log.info(
+                'Prefix caching is off for this model: its state layers keep no per-block state to resume a prefix from'
+            )
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             cfg.block_size,
-            cfg.enable_prefix_caching,
+            cfg.enable_prefix_caching and not slots,
             getattr(self.runner, 'kv_cache_groups', None),
+            num_state_slots=slots,
         )
         # steps are launched ahead only while cfg.async_scheduling holds (read every step)
         self.scheduler = AsyncScheduler(

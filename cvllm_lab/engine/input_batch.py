@@ -92,7 +92,10 @@ def prepare_inputs(self: StepInputs, so: SchedulerOutput) -> InputBatch:
     blk, off = pos // bs, pos % bs
     slot_of = lambda bt: bt[row_req, blk].astype(np.int64) * bs + off  # block_table[p // bs] * bs + p % bs
     bt = _table_array([so.block_tables[r.request_id] for r in reqs])
-    groups = [(slot_of(g), g) for g in (_table_array([tabs[r.request_id] for r in reqs]) for tabs in more)]
+    groups = [
+        (self.group_slots(gi, lambda: slot_of(g), T), g)
+        for gi, g in enumerate((_table_array([tabs[r.request_id] for r in reqs]) for tabs in more), 1)
+    ]
     sample_rows, sample_reqs, plp = [], [], []
     for r, c, n, start in zip(reqs, cs, ns, qsl.tolist()):
         if r.prompt_logprobs is not None:  # position p predicts prompt token p+1
@@ -146,6 +149,12 @@ def _more_groups(self: StepInputs, so: SchedulerOutput) -> list[dict[str, list[i
         )
     return so.group_block_tables[1:]
 
+
+@patch
+def group_slots(self: StepInputs, g: int, slots, n: int) -> np.ndarray:
+    "Group `g`'s slot mapping (`slots()`), or -1s (write nothing) for a state group, whose table is one state slot."
+    return np.full(n, -1, dtype=np.int64) if g == self.state_group else slots()
+
 # %% ../../nbs/50a_input_batch.ipynb #e805c385
 @patch
 def prefill_metadata(self: StepInputs, b: InputBatch) -> PrefillMetadata | None:
@@ -168,7 +177,10 @@ def _prepare_decode(self: StepInputs, so: SchedulerOutput) -> InputBatch:
     cs = [r.num_computed_tokens for r in reqs]
     tabs = [so.block_tables[r.request_id] for r in reqs]
     slots = lambda tabs: np.array([t[c // bs] * bs + c % bs for t, c in zip(tabs, cs)], dtype=np.int64)
-    groups = [(slots(ts), _table_array(ts)) for ts in ([g[r.request_id] for r in reqs] for g in self._more_groups(so))]
+    groups = [
+        (self.group_slots(gi, lambda: slots(ts), len(reqs)), _table_array(ts))
+        for gi, ts in enumerate(([g[r.request_id] for r in reqs] for g in self._more_groups(so)), 1)
+    ]
     B, pos = len(reqs), np.array(cs, dtype=np.int64)  # numpy, not torch: a step's host work is on the critical path
     return InputBatch(
         np.array([r.all_token_ids[c] for r, c in zip(reqs, cs)], dtype=np.int64),
@@ -333,8 +345,10 @@ def _run_graph(self: DecodeGraphs, b: InputBatch, prev_tokens: torch.Tensor | No
         st[3 + g, :B] = slots
         st[3 + g, B:bs] = -1
         self.g_bt_staging_np[g, :B, :w] = bt
+    if self.state_group is not None:  # a state layer writes every row's state: padding rows into the scratch slot
+        self.g_bt_staging_np[self.state_group, B:bs, 0] = self.scratch_slot
     self.g_in[:, :bs].copy_(self.g_staging[:, :bs], non_blocking=True)  # two pinned copies, one cast
-    self.g_bt[:, :B, :w].copy_(self.g_bt_staging[:, :B, :w], non_blocking=True)
+    self.g_bt[:, :bs, :w].copy_(self.g_bt_staging[:, :bs, :w], non_blocking=True)
     self.g_seq_lens[:bs].copy_(self.g_in[3, :bs])
     if prev_tokens is not None:
         self.g_ids[:B].copy_(prev_tokens)  # async scheduling: ids from the last step

@@ -18,11 +18,14 @@ from cvllm_lab.utils.context import (
     DecodeSplit,
     KVCacheGroupSpec,
     bind_kv_cache,
+    bind_state_cache,
     kv_cache_bytes_per_token,
+    state_bytes_per_slot,
     kv_cache_groups,
     set_forward_context,
 )
 from .request import Request
+from ..utils.kv_cache_spec import StateSpec
 from .scheduler import SchedulerOutput
 from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
@@ -62,14 +65,15 @@ class ModelRunner(StepInputs, DecodeGraphs):
         self.decodes_apart = cfg.decodes_apart  # a step's leading decodes: a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
-        self.kv_cache_groups = (
+        self.attn_groups = (
             kv_cache_groups(layers)
             if cfg.tensor_parallel_size == 1
             else [KVCacheGroupSpec(None, tuple(range(len(layers))))]
         )
+        self.setup_states()
         self.num_blocks = self.determine_num_blocks()
         self.kv_caches = bind_kv_cache(
-            self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device, self.kv_cache_groups
+            self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_groups
         )
         if progress:
             print(
@@ -112,8 +116,30 @@ class ModelRunner(StepInputs, DecodeGraphs):
     def bytes_per_block(self) -> int:
         "Cache bytes of one block over every cache tensor (each layer's own row layout; with KV cache groups, one per group slot)."
         return self.block_size * kv_cache_bytes_per_token(
-            self.model.attention_layers(), self.kv_cache_groups, self.kv_dtype
+            self.model.attention_layers(), self.attn_groups, self.kv_dtype
         )
+
+# %% ../../nbs/50_model_runner.ipynb #29d1b64c
+@patch
+def setup_states(self: ModelRunner):
+    "The state group and the state layers' slots (none for a model without `state_layers`)."
+    self.state_layers = list(getattr(self.model, 'state_layers', list)())
+    self.kv_cache_groups, self.num_state_slots, self.state_group = list(self.attn_groups), None, None
+    self.state_bytes = 0
+    if not self.state_layers:
+        return
+    if self.cfg.tensor_parallel_size > 1:
+        raise NotImplementedError(
+            'tensor parallel for models with state layers (Gated DeltaNet) is not implemented yet'
+        )
+    self.state_group = len(self.kv_cache_groups)
+    self.kv_cache_groups.append(KVCacheGroupSpec(StateSpec(), tuple(range(len(self.state_layers)))))
+    for a in self.state_layers:
+        a.kv_cache_group = self.state_group
+    self.num_state_slots = self.scratch_slot = self.cfg.max_num_seqs
+    dtype = self.model.model.embed_tokens.weight.dtype
+    self.state_bytes = (self.num_state_slots + 1) * state_bytes_per_slot(self.state_layers, dtype)
+    self.state_caches = bind_state_cache(self.state_layers, self.num_state_slots + 1, dtype, self.device)
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
@@ -150,10 +176,10 @@ def determine_num_blocks(self: ModelRunner) -> int:
     cfg = self.cfg
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
-    if cfg.kv_cache_memory:
-        return max(1, cfg.kv_cache_memory // self.bytes_per_block)
+    if cfg.kv_cache_memory:  # a fixed budget holds the state slots too
+        return max(1, (cfg.kv_cache_memory - self.state_bytes) // self.bytes_per_block)
     if self.device.type != 'cuda':
-        return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
+        return max(1, (CPU_KV_CACHE_BYTES - self.state_bytes) // self.bytes_per_block)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -386,6 +412,8 @@ def warm_up_kernels(self: ModelRunner) -> int:
             first += k
         if len(self.kv_cache_groups) > 1:
             so.group_block_tables = [so.block_tables] * len(self.kv_cache_groups)
+            if self.state_group is not None:  # state layers: every warm-up sequence writes the scratch slot
+                so.group_block_tables[self.state_group] = {r: [self.scratch_slot] for r in so.block_tables}
         bound, self.prefill_split_max_keys = self.prefill_split_max_keys, keys or self.prefill_split_max_keys
         try:
             h = self.launch(so)

@@ -20,7 +20,8 @@ from cvllm_lab.utils.kv_cache_spec import (
 
 # %% auto #0
 __all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'DecodeSplit',
-           'kv_bytes_per_token', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'prefill_context']
+           'kv_bytes_per_token', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'state_bytes_per_slot',
+           'bind_state_cache', 'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 def to_device(a: np.ndarray, device) -> torch.Tensor:
@@ -258,6 +259,25 @@ def bind_kv_cache(
             layers[li].kv_cache, layers[li].kv_scale = shared[j]
             layers[li].kv_cache_group = g
     return [a.kv_cache for a in layers]
+
+# %% ../../nbs/12_forward_context.ipynb #bed3fb41
+def state_bytes_per_slot(layers, dtype=torch.float32) -> int:
+    "Bytes of one state slot over every state layer's tensors."
+    return sum(
+        math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        for a in layers
+        for shape, dt in a.state_shapes(dtype)
+    )
+
+
+def bind_state_cache(layers, num_slots: int, dtype=torch.float32, device='cpu') -> list[list[torch.Tensor]]:
+    "Allocate every state layer's `[num_slots, *shape]` tensors (zeros) and hand them to it (`bind_states`)."
+    out = []
+    for a in layers:
+        ts = [torch.zeros(num_slots, *shape, dtype=dt, device=device) for shape, dt in a.state_shapes(dtype)]
+        a.bind_states(ts)
+        out.append(ts)
+    return out
 
 # %% ../../nbs/12_forward_context.ipynb #97aa8351
 def prefill_context(lens: list[int], block_size: int = 16, device='cpu') -> tuple[ForwardContext, int]:
