@@ -24,7 +24,7 @@ import check_imports
 import check_private
 
 ROOT = check_imports.ROOT
-MAX_LINES = 520
+MAX_LINES = 500  # after `ruff format`: a file over it is split by job
 SIZE_DIRS = ('cvllm_lab', 'kernels', 'benchmarks', 'tools')
 HASH = re.compile(r'(?<![\w-])(?!0x)[0-9a-f]{7,40}(?![\w-])')
 
