@@ -32,7 +32,7 @@ class GatedRMSNorm(nn.Module):
         y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
 
-# %% ../../nbs/27_gated_deltanet.ipynb #65c15201
+# %% ../../nbs/27_gated_deltanet.ipynb #22bc639d
 def gdn_backend(name: str):
     "`(causal_conv1d, gated_delta_rule)` functions of a backend."
     from cvllm_lab.kernels import causal_conv1d as cc, gated_delta_rule as gd
@@ -75,7 +75,7 @@ class HeadParam(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         param.data.copy_(narrow_loaded(loaded, 0, self.tp_rank * self.n, self.n))
 
-# %% ../../nbs/27_gated_deltanet.ipynb #3d620928
+# %% ../../nbs/27_gated_deltanet.ipynb #d3655166
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer: `forward(positions, h [T, hidden]) -> [T, hidden]`, its conv and recurrent states
     in the runner's state slots (`conv_state`, `ssm_state`, bound by the runner; `kv_cache_group` names the state
@@ -133,7 +133,7 @@ class GatedDeltaNet(nn.Module):
             f'conv={self.conv_width}, backend={self.backend}'
         )
 
-# %% ../../nbs/27_gated_deltanet.ipynb #79a6fbf1
+# %% ../../nbs/27_gated_deltanet.ipynb #ce7e349c
 def split_checkpoint(config, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """`[(name, tensor)]` for `in_proj`'s shards (`...in_proj_q.weight`, ...) from Qwen3-Next's fused `in_proj_qkvz` /
     `in_proj_ba` or Qwen3.5's `in_proj_qkv`; any other tensor as it is."""
@@ -162,7 +162,7 @@ GDN_PACKED = {f'in_proj_{s}': ('in_proj', s) for s in 'qkvzba'}
 #: checkpoint parameter names -> ours (a per-head vector is the `weight` of a small module)
 GDN_RENAMES = {'.linear_attn.A_log': '.linear_attn.A_log.weight', '.linear_attn.dt_bias': '.linear_attn.dt_bias.weight'}
 
-# %% ../../nbs/27_gated_deltanet.ipynb #987f7f82
+# %% ../../nbs/27_gated_deltanet.ipynb #e1bb45cf
 @patch
 def forward(self: GatedDeltaNet, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     "`[T, hidden]` -> `[T, hidden]`; the step's sequences' states read and rewritten in their slots."
