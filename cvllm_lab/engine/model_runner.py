@@ -128,10 +128,6 @@ def setup_states(self: ModelRunner):
     self.state_bytes = 0
     if not self.state_layers:
         return
-    if self.cfg.tensor_parallel_size > 1:
-        raise NotImplementedError(
-            'tensor parallel for models with state layers (Gated DeltaNet) is not implemented yet'
-        )
     self.state_group = len(self.kv_cache_groups)
     self.kv_cache_groups.append(KVCacheGroupSpec(StateSpec(), tuple(range(len(self.state_layers)))))
     for a in self.state_layers:

@@ -38,13 +38,17 @@ class StepMessage:
     replaced: list[str] = field(default_factory=list)  # tables sent whole (after a preemption)
     prompt_lp_done: dict[str, int] = field(default_factory=dict)  # len(prompt_logprobs) of requests that want them
     finished_req_ids: list[str] = field(default_factory=list)
+    # a hybrid model's state group (its index, after the attention group) and each request's state slot
+    state_group: int = 0
+    state_slots: list[int] = field(default_factory=list)
 
 
 class StepEncoder:
     "Engine side: `SchedulerOutput` -> the `StepMessage` of what the workers do not have yet."
 
-    def __init__(self):
+    def __init__(self, state_group: int | None = None):
         self.sent: dict[str, list] = {}  # req_id -> [request, tokens sent, table list, blocks sent]
+        self.state_group = state_group  # a hybrid model's state group: each request's slot goes out every step
 
     def encode(self, so: SchedulerOutput) -> StepMessage:
         m = StepMessage()
@@ -71,6 +75,10 @@ class StepEncoder:
             m.num_scheduled_tokens.append(so.num_scheduled_tokens[rid])
             if r.prompt_logprobs is not None:
                 m.prompt_lp_done[rid] = len(r.prompt_logprobs)
+            if self.state_group is not None:
+                m.state_slots.append(so.group_block_tables[self.state_group][rid][0])
+        if self.state_group is not None:
+            m.state_group = self.state_group
         return m
 
 # %% ../../nbs/56a_step_message.ipynb #e050901f
@@ -106,6 +114,9 @@ class RequestMirror:
             so.scheduled.append(r)
             so.num_scheduled_tokens[rid] = n
             so.block_tables[rid] = t
+        if m.state_slots:  # the attention groups' tables (one group under tensor parallel), then the state slots
+            slots = {rid: [s] for rid, s in zip(m.req_ids, m.state_slots)}
+            so.group_block_tables = [so.block_tables] * m.state_group + [slots]
         return so
 
 # %% ../../nbs/56a_step_message.ipynb #66c2d668

@@ -37,8 +37,8 @@ from cvllm_lab.utils.parallel_state import (
 )
 
 # %% auto #0
-__all__ = ['STEP_TIMEOUT_S', 'Worker', 'WorkerError', 'worker_main', 'MultiprocExecutor', 'DriverExecutor', 'worker_busy_loop',
-           'TPModelRunner', 'make_tp_runner', 'make_executor']
+__all__ = ['STEP_TIMEOUT_S', 'Worker', 'WorkerError', 'worker_main', 'take_state_groups', 'MultiprocExecutor', 'DriverExecutor',
+           'worker_busy_loop', 'TPModelRunner', 'make_tp_runner', 'make_executor']
 
 # %% ../../nbs/56_worker.ipynb #9d2733ef
 class Worker:
@@ -92,6 +92,10 @@ class Worker:
             numa_cpus=self.numa_cpus,
             world_size=get_tensor_model_parallel_world_size(),
             num_blocks=getattr(self.runner, 'num_blocks', None),
+            # a hybrid model's KV cache groups (the attention group and the state group) and state slots
+            kv_cache_groups=getattr(self.runner, 'kv_cache_groups', None),
+            state_group=getattr(self.runner, 'state_group', None),
+            num_state_slots=getattr(self.runner, 'num_state_slots', None),
         )
 
 # %% ../../nbs/56_worker.ipynb #0728fef2
@@ -139,6 +143,14 @@ def worker_main(
             pass
         os._exit(1)  # the group is broken: no clean teardown to wait for
     destroy_distributed()
+
+
+def take_state_groups(executor, info: dict):
+    """A hybrid model's KV cache groups and state slots on the executor, as `ModelRunner` has them (the engine core
+    builds its `KVCacheManager` from them), and the encoder told to send each request's state slot."""
+    executor.num_state_slots = info.get('num_state_slots')
+    executor.kv_cache_groups = info.get('kv_cache_groups') if executor.num_state_slots else None
+    executor.encoder.state_group = info.get('state_group')
 
 # %% ../../nbs/56_worker.ipynb #a693a35c
 STEP_TIMEOUT_S = envs.CVLLM_LAB_STEP_TIMEOUT  # seconds (envs: read once)
@@ -189,6 +201,7 @@ class MultiprocExecutor:
             self.conns.append(ours)
         self.infos = self._collect(range(world_size), start_timeout_s, 'start-up')
         self.num_blocks = self.infos[0]['num_blocks']  # the runners' KV blocks (equal on every rank), as ModelRunner's
+        take_state_groups(self, self.infos[0])
 
 # %% ../../nbs/56_worker.ipynb #dcb7034c
 @patch
@@ -333,6 +346,7 @@ class DriverExecutor:
     def __init__(self, worker: Worker):
         self.worker, self.encoder, self.world_size = worker, StepEncoder(), get_tensor_model_parallel_world_size()
         self.num_blocks, self.closed = worker.info()['num_blocks'], False
+        take_state_groups(self, worker.info())
 
     def _bcast(self, obj, what):
         try:
