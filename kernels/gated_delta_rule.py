@@ -1,0 +1,284 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5) over the serving engine's varlen batches:
+the entry point `gated_delta_rule`, its plain-PyTorch reference `gated_delta_rule_ref`, and the recurrent (decode)
+Triton kernel. The chunked (prefill) kernels are in `gated_delta_chunk`.
+
+The recurrence (transformers' `torch_recurrent_gated_delta_rule`), per value head with state S `[Dk, Dv]` fp32 and
+per token t, q and k L2-normalized in fp32 (`x * rsqrt(sum(x*x) + 1e-6)`) when `use_qk_l2norm`, q times `scale`:
+
+    S = S * exp(g_t);   d = beta_t * (v_t - S^T k_t);   S = S + k_t d^T;   o_t = S^T q_t
+
+`g` is the log decay (<= 0), `beta` the write strength. Grouped heads: key/query head i serves the Hv / Hk
+consecutive value heads i * Hv / Hk ... (transformers' `repeat_interleave`).
+
+Layout: a step's tokens are packed along the first dimension: q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g, beta
+`[T, Hv]`; sequence b owns rows `query_start_loc[b]:query_start_loc[b+1]`. The recurrent states live in a pool
+`state [S, Hv, Dk, Dv]` fp32; sequence b's is slot `state_idx[b]`, read when `has_initial_state[b]` (else the
+sequence starts from zeros: a prompt's first chunk) and overwritten with the state after its last token. A
+negative slot marks a padding entry: it starts from zeros and its state is not written.
+
+| kernel                    | module              | grid                          | one program                      |
+|---------------------------|---------------------|-------------------------------|----------------------------------|
+| `gdn_recurrent_kernel`    | here                | `(B, Hv, NV)`                 | a sequence's tokens, S in regs   |
+| `gdn_chunk_wy_kernel`     | `gated_delta_chunk` | `(T // 64 + B, Hv)`           | a chunk's WY representation      |
+| `gdn_chunk_state_kernel`  | `gated_delta_chunk` | `(B, Hv, NV)`                 | state passing over the chunks    |
+| `gdn_chunk_output_kernel` | `gated_delta_chunk` | `(T // 64 + B, Hv, NV)`       | a chunk's outputs                |
+
+(NV = cdiv(Dv, BV): programs split Dv into blocks, the columns of S being independent.)
+
+Data flow: `gated_delta_rule(q, k, v, g, beta, query_start_loc, state, state_idx, has_initial_state)` -> path:
+decode (every sequence one token: `max_query_len <= RECURRENT_MAX_QUERY_LEN`, or T == B when no bound is given)
+-> `gdn_recurrent_kernel`; else -> `chunk_gated_delta_rule` (three launches) -> o `[T, Hv, Dv]` in v's dtype, and
+the final states in their slots. Neither path syncs with the host: grids and buffers depend on T, B and the head
+sizes only, so both can be captured in CUDA graphs.
+
+The recurrent kernel is decode's cost: each program reads its `[Dk, BV]` block of S once, carries it in registers
+over the sequence's tokens (so it serves short multi-token queries correctly too) and writes it back once; the
+per-token work is a few `Dk x BV` multiply-adds and two reductions. It is bandwidth-bound on the state.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_lab.kernels.gated_delta_chunk import chunk_gated_delta_rule
+
+__all__ = ['gated_delta_rule', 'gated_delta_rule_ref', 'gdn_recurrent_kernel', 'RECURRENT_MAX_QUERY_LEN']
+
+# batches whose longest query is at most this many tokens take the recurrent kernel (it is exact for any length;
+# the chunked path wins once queries are long enough to feed its matrix products)
+RECURRENT_MAX_QUERY_LEN = 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _l2norm(x):
+    "transformers' (and FLA's) l2norm, in the caller's dtype (fp32 here)."
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule_ref(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    query_start_loc,
+    state,
+    state_idx,
+    has_initial_state,
+    scale=None,
+    use_qk_l2norm=True,
+    max_query_len=None,
+):
+    """The definition: each sequence's tokens in order, in fp32, all heads at once, as transformers'
+    `torch_recurrent_gated_delta_rule` computes them. Arguments and effects as `gated_delta_rule`; rows past
+    `query_start_loc[-1]` are zero. `max_query_len` is accepted for parity and not needed."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    G = Hv // Hk
+    out = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=v.device)
+    qsl, slots, init = query_start_loc.tolist(), state_idx.tolist(), has_initial_state.tolist()
+    for b, slot in enumerate(slots):
+        s, e = qsl[b], qsl[b + 1]
+        qb, kb = (x[s:e].float().repeat_interleave(G, 1) for x in (q, k))  # [n, Hv, Dk]
+        if use_qk_l2norm:
+            qb, kb = _l2norm(qb), _l2norm(kb)
+        qb = qb / Dk**0.5 if scale is None else qb * scale  # transformers divides by sqrt(Dk)
+        vb, gb, bb = v[s:e].float(), g[s:e].float(), beta[s:e].float()
+        S = torch.zeros(Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+        if init[b] and slot >= 0:
+            S = state[slot].float().clone()
+        for t in range(e - s):
+            S = S * gb[t].exp()[:, None, None]
+            kv_mem = (S * kb[t][:, :, None]).sum(1)  # S^T k: [Hv, Dv]
+            delta = (vb[t] - kv_mem) * bb[t][:, None]
+            S = S + kb[t][:, :, None] * delta[:, None, :]
+            out[s + t] = (S * qb[t][:, :, None]).sum(1).to(v.dtype)
+        if slot >= 0:
+            state[slot] = S
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recurrent kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=['stride_ss'])
+def gdn_recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    o_ptr,
+    state_ptr,  # the pool [S, Hv, Dk, Dv] fp32, updated in place
+    qsl_ptr,
+    state_idx_ptr,
+    init_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    stride_ot,
+    stride_oh,
+    stride_ss,
+    HEADS_PER_K: tl.constexpr,  # Hv // Hk
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    DK_P: tl.constexpr,
+    BV: tl.constexpr,  # the program's block of Dv: a column block of S, independent of the others
+    L2NORM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // HEADS_PER_K
+    start = tl.load(qsl_ptr + seq)
+    end = tl.load(qsl_ptr + seq + 1)
+    slot = tl.load(state_idx_ptr + seq).to(tl.int64)  # < 0: padding, state neither read nor written
+    use_init = (tl.load(init_ptr + seq) != 0) & (slot >= 0)
+    # the slot's rows to read and to write, as row limits: the interpreter cannot AND a scalar into a tensor mask
+    k_read = tl.where(use_init, DK, 0)
+    k_write = tl.where(slot >= 0, DK, 0)
+
+    offs_k = tl.arange(0, DK_P)
+    offs_v = vb * BV + tl.arange(0, BV)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    s_ptrs = state_ptr + slot * stride_ss + h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+    S = tl.load(s_ptrs, mask=(offs_k < k_read)[:, None] & v_ok[None, :], other=0.0)  # [DK_P, BV], read once
+
+    # pointers walk the sequence's rows (64-bit pointer arithmetic: no int32 overflow of token * stride)
+    row = start.to(tl.int64)
+    p_q = q_ptr + row * stride_qt + hk * stride_qh + offs_k
+    p_k = k_ptr + row * stride_kt + hk * stride_kh + offs_k
+    p_v = v_ptr + row * stride_vt + h * stride_vh + offs_v
+    p_g = g_ptr + row * stride_gt + h * stride_gh
+    p_b = beta_ptr + row * stride_bt + h * stride_bh
+    p_o = o_ptr + row * stride_ot + h * stride_oh + offs_v
+    for _ in range(start, end):
+        q = tl.load(p_q, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(p_k, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(p_v, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(p_g).to(tl.float32)
+        beta = tl.load(p_b).to(tl.float32)
+        if L2NORM:  # every Dv block normalizes the whole of q and k: Dk values, not worth a pass of its own
+            q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k * tl.math.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        q = q * scale
+        S = S * tl.exp(g)
+        d = (v - tl.sum(S * k[:, None], 0)) * beta  # beta (v - S^T k)
+        S = S + k[:, None] * d[None, :]
+        o = tl.sum(S * q[:, None], 0)  # S^T q
+        tl.store(p_o, o.to(p_o.dtype.element_ty), mask=v_ok)
+        p_q += stride_qt
+        p_k += stride_kt
+        p_v += stride_vt
+        p_g += stride_gt
+        p_b += stride_bt
+        p_o += stride_ot
+    tl.store(s_ptrs, S, mask=(offs_k < k_write)[:, None] & v_ok[None, :])  # written once
+
+
+def _recurrent_bv(B, Hv, DV_P):
+    "Dv block of the recurrent kernel: 32, halved to 16 while the grid is under ~4 programs per SM of an H100."
+    bv = min(DV_P, 32)
+    if bv > 16 and B * Hv * triton.cdiv(DV_P, bv) < 512:
+        bv = 16
+    return bv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gated_delta_rule
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    query_start_loc,
+    state,
+    state_idx,
+    has_initial_state,
+    scale=None,
+    use_qk_l2norm=True,
+    max_query_len=None,
+) -> torch.Tensor:
+    """q, k [T, Hk, Dk], v [T, Hv, Dv] (model dtype: fp32/fp16/bf16), g [T, Hv] fp32 (log decay, <= 0), beta [T, Hv]
+    (any float dtype), query_start_loc [B+1] int32 (sequence b owns rows qsl[b]:qsl[b+1]), state [S, Hv, Dk, Dv]
+    fp32 pool, state_idx [B] int32 (sequence b's slot), has_initial_state [B] bool (False: start from zeros, e.g. a
+    prompt's first chunk). Returns o [T, Hv, Dv] in v's dtype; writes each sequence's final state into its slot.
+
+    `scale` defaults to Dk ** -0.5. `max_query_len` is an optional host-side upper bound on the query lengths: at
+    most `RECURRENT_MAX_QUERY_LEN` picks the recurrent kernel (without it, T == B does: every sequence one token).
+    Nothing here reads a device value on the host. Rows past `query_start_loc[-1]` are left unwritten. q, k, v,
+    g, beta may be strided views (last dimension contiguous); a negative slot is a padding entry (see above)."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    B = state_idx.shape[0]
+    assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, (q.shape, k.shape, v.shape)
+    assert g.shape == (T, Hv) and beta.shape == (T, Hv), (g.shape, beta.shape)
+    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (state.dtype, state.shape)
+    assert state[0].is_contiguous(), 'each slot must be contiguous: [Hv, Dk, Dv]'
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert query_start_loc.shape == (B + 1,) and has_initial_state.shape == (B,)
+    scale = Dk**-0.5 if scale is None else float(scale)
+    out = torch.empty(T, Hv, Dv, dtype=v.dtype, device=v.device)
+    if T == 0 or B == 0:
+        return out
+    decode = max_query_len <= RECURRENT_MAX_QUERY_LEN if max_query_len is not None else T == B
+    if not decode:
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, query_start_loc, state, state_idx, has_initial_state, scale, use_qk_l2norm, out
+        )
+    DK_P = max(16, triton.next_power_of_2(Dk))
+    DV_P = max(16, triton.next_power_of_2(Dv))
+    BV = _recurrent_bv(B, Hv, DV_P)
+    gdn_recurrent_kernel[(B, Hv, triton.cdiv(Dv, BV))](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        state,
+        query_start_loc,
+        state_idx,
+        has_initial_state,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        out.stride(0),
+        out.stride(1),
+        state.stride(0),
+        HEADS_PER_K=Hv // Hk,
+        DK=Dk,
+        DV=Dv,
+        DK_P=DK_P,
+        BV=BV,
+        L2NORM=bool(use_qk_l2norm),
+        num_warps=4 if DK_P * BV >= 4096 else 2,
+    )
+    return out
