@@ -45,7 +45,10 @@ def browser():
 
 @pytest.fixture(scope='module')
 def server():
-    with ServerProcess('--max-model-len', '512', '--mem', '32', '--served-model-name', 'smol', '--ui-server') as s:
+    # batch-invariant: the page's answer is compared with the same request's through the API, which meets the first's
+    # prompt in the prefix cache (on the CPU fast path a cached prefix may otherwise flip a near-tie of greedy tokens)
+    args = ('--max-model-len', '512', '--mem', '32', '--served-model-name', 'smol', '--ui-server', '--batch-invariant')
+    with ServerProcess(*args) as s:
         yield s
 
 
@@ -102,6 +105,47 @@ def test_chat_page_streams_an_answer(server, page):
     assert page.query_selector_all('.msg') == []
 
 
+PLACEHOLDER_ROOM = """() => [...document.querySelectorAll('aside input[placeholder]')].map((el) => {
+  const cs = getComputedStyle(el), ctx = document.createElement('canvas').getContext('2d');
+  ctx.font = cs.font;
+  const spinner = el.type === 'number' ? 16 : 0;  // room Chromium keeps for a number field's arrows
+  const room = el.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) - spinner;
+  return [el.id, el.placeholder, ctx.measureText(el.placeholder).width, room];
+})"""
+
+
+def test_chat_page_defaults(server, page):
+    "max_tokens starts at a few hundred (not the context), placeholders fit their fields, no 404 (favicon) on load."
+    bad = []
+    page.on('response', lambda r: bad.append((r.status, r.url)) if r.status >= 400 else None)
+    page.goto(server.url + '/')
+    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    assert page.input_value('#max_tokens') == '256'
+    fields = page.evaluate(PLACEHOLDER_ROOM)
+    assert {f[0] for f in fields} >= {'temperature', 'top_p', 'top_k', 'max_tokens'}
+    assert [f for f in fields if f[2] > f[3]] == [], fields  # [id, placeholder, text width, room]: cut off
+    # the page's icon (headless Chromium fetches no icons itself): /favicon.ico, which a browser asks for anyway
+    icon = page.evaluate(
+        "async () => { const r = await fetch(document.querySelector('link[rel=icon]').href);"
+        " return [new URL(r.url).pathname, r.status, r.headers.get('content-type')]; }"
+    )
+    assert icon == ['/favicon.ico', 200, 'image/svg+xml'] and bad == [], (icon, bad)
+    # the request the page sends by default carries max_tokens=256
+    with page.expect_request('**/v1/chat/completions') as req:
+        page.fill('#prompt', 'Hi')
+        page.click('#send')
+    assert json.loads(req.value.post_data)['max_tokens'] == 256
+    page.click('#stop')
+    page.wait_for_function("document.body.dataset.state === 'idle'")
+    # settings saved by the page before max_tokens had a default (an empty field) don't bring back "to the context end"
+    page.evaluate("localStorage.setItem('cvllm.settings', JSON.stringify({max_tokens: '', temperature: '0.5'}))")
+    page.reload()
+    assert (page.input_value('#max_tokens'), page.input_value('#temperature')) == ('256', '0.5')
+    settings(page, max_tokens='')  # emptied on purpose now: stays empty (no limit)
+    page.reload()
+    assert page.input_value('#max_tokens') == ''
+
+
 def test_stop_button_aborts(server, page):
     aborted = metric(server.url, 'cvllm:request_aborted_total')
     page.goto(server.url + '/')
@@ -141,19 +185,25 @@ def test_markdown_renderer(server, page):
 
 
 @pytest.fixture(scope='module')
-def docs_site(tmp_path_factory):
+def docs_dir(tmp_path_factory):
+    "A docs site of two notebooks (`tools/build_docs.py`)."
     sys.path.insert(0, str(ROOT / 'tools'))
     import build_docs
 
     tmp = tmp_path_factory.mktemp('docs')
     build_docs.build(build_dir=tmp / 'build', site_dir=tmp / 'site', only=['00_config', '77_api_server'])
+    return tmp / 'site'
+
+
+@pytest.fixture(scope='module')
+def docs_site(docs_dir):
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
     httpd = http.server.ThreadingHTTPServer(
-        ('127.0.0.1', free_port()), functools.partial(Quiet, directory=str(tmp / 'site'))
+        ('127.0.0.1', free_port()), functools.partial(Quiet, directory=str(docs_dir))
     )
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f'http://127.0.0.1:{httpd.server_address[1]}'
@@ -172,3 +222,12 @@ def test_docs_site(docs_site, page):
     assert 'def check_error' not in article and '#| export' not in article and 'default_exp' not in article
     page.goto(docs_site + '/00_config.html', wait_until='domcontentloaded')
     assert 'EngineConfig' in page.text_content('article')
+
+
+def test_docs_404_from_file(docs_dir, page):
+    "404.html opened from disk (file://) finds its stylesheet and its links lead to pages (mkdocs writes them root-absolute)."
+    page.goto((docs_dir / '404.html').as_uri(), wait_until='load')
+    assert page.evaluate("getComputedStyle(document.querySelector('.md-header')).position") == 'sticky'
+    page.locator('a.md-nav__link[href$="00_config.html"]').first.click()
+    page.wait_for_url('**/00_config.html')
+    assert page.url == (docs_dir / '00_config.html').as_uri() and 'EngineConfig' in page.text_content('article')

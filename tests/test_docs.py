@@ -87,18 +87,58 @@ def test_build_site(tmp_path):
     assert 'build_app' in api and 'class OpenAIServing' in api
     assert 'def check_error' not in api  # defined in a `#| hide` cell of that notebook
     assert not re.search(r'#\s*\|\s*(export|default_exp|hide)', api)
+    # 404.html: relative links like every other page's, so the site works from file:// too
+    nf = (site / '404.html').read_text()
+    assert not re.search(r'(href|src)="/(?!/)', nf) and '"base": "."' in nf and 'href="90_demo.html"' in nf
+    assert not [p.name for p in site.glob('*.html') if build_docs.raw_tables(p.read_text())]
+
+
+TABLE = '| a | b |\n|---|---|\n| 1 | 2 |'
+BROKEN = {  # how a markdown table ends up as pipe text in the site (mkdocs-jupyter renders with mistune)
+    'pipe_in_code': "| token | text |\n|---|---|\n| `<|python_tag|>` | Llama's |",  # a | splits cells even in backticks
+    'in_list_item': f'- an item\n\n  {TABLE.replace(chr(10), chr(10) + "  ")}\n\n- another',  # no tables in list items
+    'blank_line_inside': '| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |',  # the last row alone, as a paragraph
+}
+
+
+def test_raw_tables(tmp_path, capfd):
+    "The build warns about, and `raw_tables` finds, tables left as pipe text; rendered ones and code are not flagged."
+    nbs = tmp_path / 'nbs'
+    nbs.mkdir()
+    good = nb(
+        ('markdown', f'# Good\n\n{TABLE}\n\n- an item\n\n{TABLE}'), ('code', 'x = """\n| a | b |\n|---|---|\n"""')
+    )
+    (nbs / '90_good.ipynb').write_text(json.dumps(good))
+    for i, (name, md) in enumerate(BROKEN.items()):
+        (nbs / f'9{i + 1}_{name}.ipynb').write_text(json.dumps(nb(('markdown', f'# {name}\n\n{md}'))))
+    site = tmp_path / 'site'
+    build_docs.build(nbs, tmp_path / 'README.md', tmp_path / 'build', site)
+    assert build_docs.raw_tables((site / '90_good.html').read_text()) == []
+    assert '<table>' in (site / '90_good.html').read_text()
+    err = capfd.readouterr().err
+    for i, name in enumerate(BROKEN):
+        page = f'9{i + 1}_{name}.html'
+        assert build_docs.raw_tables((site / page).read_text()), name
+        assert f'{page}: a markdown table did not render' in err, (name, err)
+    assert '90_good' not in err
 
 
 def test_make_docs(tmp_path):
     "The whole site, as `make docs` builds it: a page per notebook."
     site = tmp_path / 'site'
-    subprocess.run(
+    out = subprocess.run(
         ['make', '-s', 'docs', f'SITE_DIR={site}', f'PYTHON={sys.executable}'],
         cwd=ROOT,
         check=True,
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    # progress per page, then where the site is and how to serve it
+    n = len(list((ROOT / 'nbs').glob('*.ipynb'))) + 1
+    assert f'[{n}/{n}] ' in out.stdout and '] 00_config.ipynb (' in out.stdout, out.stdout[-2000:]
+    assert f'into {site}/' in out.stdout and 'make serve-docs' in out.stdout
+    assert not [l for l in out.stderr.splitlines() if 'did not render' in l]  # every markdown table became a table
     pages = {p.stem for p in site.glob('*.html')}
     assert {p.stem for p in (ROOT / 'nbs').glob('*.ipynb')} <= pages and 'index' in pages
     assert 'def check_error' not in (site / '77_api_server.html').read_text()

@@ -2,7 +2,7 @@
 """Build the docs site from the notebooks with mkdocs-material + mkdocs-jupyter, honouring nbdev's directives.
 
     python tools/build_docs.py                 # -> site/ (what `make docs` runs)
-    python tools/build_docs.py --serve         # build, then serve with `mkdocs serve`
+    python tools/build_docs.py --serve         # build, then serve with `mkdocs serve` (what `make serve-docs` runs)
 
 Steps: copy every nbs/*.ipynb into a build folder with nbdev's directives applied (`#| hide` cells dropped,
 directive lines such as `#| export` / `#| default_exp` stripped, emptied cells dropped); the README becomes the
@@ -11,16 +11,24 @@ the notebooks that export nothing under "Notebooks"; then `mkdocs build`. Notebo
 shows the outputs stored in them (nbdev-clean keeps them empty, so it shows code and prose). Each notebook is also
 written as plain markdown at the address nbdev puts in its module's docstring (`Docs: .../<name>.html.md`, the
 number prefix dropped), for readers and tools that want the chapter as text.
+
+The build prints a line per page as mkdocs-jupyter converts it (this file is also the mkdocs hook that prints them),
+keeps the converted pages in a cache beside the build folder (`build/docs-cache`: a rebuild converts only the notebooks
+that changed; delete it after upgrading mkdocs-jupyter or nbconvert), rewrites `404.html`'s root-absolute links as relative ones (so the site also works from `file://`),
+and warns about markdown tables that did not render (`raw_tables`: a table row left as text in a paragraph).
 """
 
 from __future__ import annotations
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +86,7 @@ def md_name(nb_file: str) -> str:
     return f'{nbpath2html(Path(nb_file)).as_posix()}.md'
 
 
-def mkdocs_yml(site_name: str, nav: list, site_dir: Path) -> str:
+def mkdocs_yml(site_name: str, nav: list, site_dir: Path, cache_dir: Path | None = None) -> str:
     cfg = {
         'site_name': site_name,
         'site_dir': str(site_dir),
@@ -107,13 +115,88 @@ def mkdocs_yml(site_name: str, nav: list, site_dir: Path) -> str:
                     'include_source': False,
                     'ignore_h1_titles': False,
                     'include_requirejs': False,
+                    **({'cache_dir': str(cache_dir)} if cache_dir else {}),
                 }
             },
         ],
         'markdown_extensions': ['tables', 'admonition', 'pymdownx.superfences', 'pymdownx.highlight', 'toc'],
         'nav': nav,
+        'hooks': [str(Path(__file__).resolve())],  # on_startup, on_files, on_pre_page, on_page_content below
     }
     return json.dumps(cfg, indent=1)  # JSON is valid YAML
+
+
+# ---- mkdocs hooks (mkdocs.yml lists this file under `hooks`): one line per page while the site builds ----
+_pages = {'n': 0, 'done': 0, 't': 0.0}
+
+
+def on_startup(command, dirty):
+    logging.getLogger('mkdocs.plugins.mkdocs_jupyter').setLevel(logging.WARNING)  # a "Cache hit" line per page
+
+
+def on_files(files, config):
+    _pages.update(n=sum(f.src_uri.endswith(('.ipynb', '.md')) for f in files), done=0)
+    print(f'converting {_pages["n"]} pages (notebooks with mkdocs-jupyter; cached ones are quick)', flush=True)
+
+
+def on_pre_page(page, config, files):
+    _pages['t'] = time.perf_counter()
+
+
+def on_page_content(html, page, config, files):
+    _pages['done'] += 1
+    n = _pages['n']
+    dt = time.perf_counter() - _pages['t']
+    print(f'[{_pages["done"]:{len(str(n))}}/{n}] {page.file.src_uri} ({dt:.1f} s)', flush=True)
+
+
+# ---- checks and fixes of the built site ----
+class _Text(HTMLParser):
+    "A page's text, tags dropped, without code: `<pre>` blocks and mkdocs-jupyter's copy of each code cell's source."
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.skip, self.depth = (
+            [],
+            None,
+            0,
+        )  # text pieces; the tag of the code element we are in, its nesting
+
+    def handle_starttag(self, tag, attrs):
+        if self.skip is None and (
+            tag in ('pre', 'script', 'style', 'textarea') or 'clipboard-copy-txt' in (dict(attrs).get('class') or '')
+        ):
+            self.skip = tag
+        self.depth += tag == self.skip
+
+    def handle_endtag(self, tag):
+        if tag == self.skip:
+            self.depth -= 1
+            if not self.depth:
+                self.skip = None
+
+    def handle_data(self, data):
+        if self.skip is None:
+            self.parts.append(data)
+
+
+TABLE_ROW = re.compile(r'^\s*\|.*\|\s*$')
+
+
+def raw_tables(html: str) -> list[str]:
+    "Lines of a page's text that are markdown table rows left as text (`| a | b |`, `|---|---|`): tables that did not render."
+    p = _Text()
+    p.feed(html)
+    return [l.strip() for l in ''.join(p.parts).splitlines() if TABLE_ROW.match(l) and l.count('|') >= 2]
+
+
+def relative_404(site_dir: Path):
+    "mkdocs writes 404.html with root-absolute links (`/assets/...`, `/00_config.html`); make them relative like the other pages'."
+    f = site_dir / '404.html'
+    if f.exists():
+        t = re.sub(r'((?:href|src)=")/(?!/)', r'\1', f.read_text())
+        t = t.replace('"base": "/"', '"base": "."').replace('"search": "/', '"search": "')
+        f.write_text(t)
 
 
 def build(
@@ -123,8 +206,10 @@ def build(
     site_dir: Path = ROOT / 'site',
     only: list[str] | None = None,
     run: bool = True,
+    cache_dir: Path | None = None,
 ) -> Path:
-    "Prepare the docs sources and mkdocs.yml in `build_dir`, then build the site into `site_dir`; returns mkdocs.yml."
+    """Prepare the docs sources and mkdocs.yml in `build_dir`, then build the site into `site_dir`; returns mkdocs.yml.
+    Converted notebooks are cached in `cache_dir` (default: `docs-cache` beside `build_dir`)."""
     if build_dir.exists():
         shutil.rmtree(build_dir)
     docs = build_dir / 'docs'
@@ -151,13 +236,18 @@ def build(
     if notebooks:
         nav.append({'Notebooks': notebooks})
     yml = build_dir / 'mkdocs.yml'
-    yml.write_text(mkdocs_yml('cvllm_lab', nav, site_dir.resolve()))
+    cache_dir = (cache_dir or build_dir.parent / 'docs-cache').resolve()
+    yml.write_text(mkdocs_yml('cvllm_lab', nav, site_dir.resolve(), cache_dir))
     if run:
         subprocess.run(
             [sys.executable, '-m', 'mkdocs', 'build', '--quiet', '-f', str(yml)], check=True, cwd=build_dir, env=_ENV
         )
         for name, text in markdown.items():
             (site_dir / name).write_text(text)
+        relative_404(site_dir)
+        for page in sorted(site_dir.glob('*.html')):
+            for row in raw_tables(page.read_text())[:3]:
+                print(f'warning: {page.name}: a markdown table did not render: {row[:100]}', file=sys.stderr)
     return yml
 
 
@@ -171,9 +261,14 @@ def main(argv=None):
     p.add_argument('--serve', action='store_true', help='serve the site with live reload after building')
     p.add_argument('--port', type=int, default=8008)
     a = p.parse_args(argv)
+    t0 = time.perf_counter()
     yml = build(a.nbs, a.readme, a.build_dir, a.site_dir, a.only)
-    print(f'docs built into {a.site_dir}')
-    if a.serve:
+    site = a.site_dir.resolve()
+    print(f'docs built in {time.perf_counter() - t0:.0f} s into {site}/ ({len(list(site.glob("*.html")))} pages)')
+    if not a.serve:
+        print(f'  open {site / "index.html"} in a browser, or serve it with live reload: make serve-docs')
+    else:
+        print(f'serving at http://127.0.0.1:{a.port}/ (Ctrl+C stops)', flush=True)
         subprocess.run(
             [sys.executable, '-m', 'mkdocs', 'serve', '-f', str(yml), '-a', f'127.0.0.1:{a.port}'],
             cwd=a.build_dir,

@@ -49,12 +49,17 @@ from .serving_completions import APIError, CompletionHandlers
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
 # %% auto #0
-__all__ = ['log', 'STATIC_DIR', 'ServerConfig', 'TokenizeRequest', 'DetokenizeRequest', 'pick_tool_parser', 'OpenAIServing',
-           'build_app']
+__all__ = ['log', 'STATIC_DIR', 'FAVICON_SVG', 'ServerConfig', 'TokenizeRequest', 'DetokenizeRequest', 'pick_tool_parser',
+           'OpenAIServing', 'build_app']
 
 # %% ../../../nbs/77_api_server.ipynb #b2faf940
 STATIC_DIR = (
     Path(__file__).parent / 'static' if '__file__' in globals() else Path('../cvllm_lab/entrypoints/openai/static')
+)
+# the icon at /favicon.ico (and the chat page's): a white "c" on the page's accent colour
+FAVICON_SVG = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32"><rect width="32" height="32" rx="7" fill="#10a37f"/>'
+    '<path d="M21 11.5a7 7 0 1 0 0 9" fill="none" stroke="#fff" stroke-width="3.5" stroke-linecap="round"/></svg>'
 )
 
 
@@ -267,6 +272,10 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
         @app.post('/stop_profile')
         async def stop_profile():
             return {'trace': await _profile_call(aengine, EngineCore.stop_profile)}
+
+    @app.get('/favicon.ico', include_in_schema=False)
+    async def favicon():  # browsers ask for it on every page they open (the chat page, a JSON route)
+        return Response(FAVICON_SVG, media_type='image/svg+xml', headers={'Cache-Control': 'max-age=86400'})
 
     if cfg.ui:
 
