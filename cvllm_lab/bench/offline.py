@@ -11,11 +11,13 @@ import platform
 import statistics
 import subprocess
 import time
+from pathlib import Path
+from typing import Callable
 import torch
 from ..sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['device_name', 'git_commit', 'steady_decode', 'bench_offline', 'bench_llamacpp']
+__all__ = ['device_name', 'git_commit', 'steady_decode', 'gguf_weight_types', 'weight_format', 'bench_offline', 'bench_llamacpp']
 
 # %% ../../nbs/60_bench_offline.ipynb #afb80d65
 def device_name(device: str) -> str:
@@ -81,6 +83,37 @@ def steady_decode(llm, B: int, P: int, O: int, g: torch.Generator, max_steps: in
         while core.has_unfinished_requests():
             core.step()
 
+# %% ../../nbs/60_bench_offline.ipynb #e68819f0
+def gguf_weight_types(path) -> str:
+    "The block types of a GGUF file's matrices, most weights first: `'Q4_1+Q8_0'` for the embedded SmolLM2."
+    from cvllm_lab.weights.loader import gguf_tensors
+
+    n = {}
+    for t in gguf_tensors(Path(path))[1]:
+        if len(t.shape) >= 2:
+            n[t.tensor_type.name] = n.get(t.tensor_type.name, 0) + t.n_elements
+    return '+'.join(sorted(n, key=n.get, reverse=True))
+
+
+def weight_format(llm) -> str:
+    """What the weights ran as: a GGUF's own block types where the engine keeps them (the CPU fast path, or
+    `quantization='gguf'`), the quantization applied, a quantized checkpoint's method, else the dtype; random weights
+    (`load_format='dummy'`) say so."""
+    eng = llm.engine
+    cfg, src = eng.cfg, eng.src
+    dtype = str(cfg.torch_dtype).replace('torch.', '')
+    if cfg.load_format == 'dummy':
+        return f'{cfg.quantization or dtype} (random weights)'
+    gguf = src.root / src.gguf_file if src is not None and src.is_gguf else None
+    if gguf is not None and (getattr(eng.runner, 'gguf', False) or (cfg.quantization or '').lower() == 'gguf'):
+        return f'GGUF {gguf_weight_types(gguf)}'
+    if cfg.quantization:
+        return cfg.quantization
+    q = getattr(eng.hf_config, 'quantization_config', None)
+    if q:
+        return f'{q.get("quant_method", "quantized") if isinstance(q, dict) else "quantized"} checkpoint'
+    return f'{dtype} (from GGUF {gguf_weight_types(gguf)})' if gguf is not None else dtype
+
 # %% ../../nbs/60_bench_offline.ipynb #0c47223d
 def _timed_generate(llm, B: int, P: int, O: int, g: torch.Generator) -> float:
     vocab = llm.engine.vocab_size
@@ -96,25 +129,43 @@ def _timed_generate(llm, B: int, P: int, O: int, g: torch.Generator) -> float:
     return time.perf_counter() - t
 
 
-def bench_offline(llm, batch_size: int, prompt_len: int, output_len: int, runs: int = 3, seed: int = 0) -> dict:
-    "Median prefill/decode throughput over `runs` measured runs after one warm-up."
+def bench_offline(
+    llm,
+    batch_size: int,
+    prompt_len: int,
+    output_len: int,
+    runs: int = 3,
+    seed: int = 0,
+    status: Callable[[str], None] | None = None,
+) -> dict:
+    """Median prefill/decode throughput over `runs` measured runs after one warm-up. `status` (a progress bar's
+    postfix, say) is told each phase before it starts, outside the timed spans."""
     g = torch.Generator().manual_seed(seed)
     B, P, O = batch_size, prompt_len, output_len
+    say = status or (lambda s: None)
+    say(f'warm-up ({B} x {P} -> {min(O, 8)})')
     _timed_generate(llm, B, P, min(O, 8), g)  # warm-up
     t1s, tOs = [], []
-    for _ in range(runs):
+    for i in range(runs):
+        say(f'run {i + 1}/{runs}: prefill {B} x {P} tokens')
         t1s.append(_timed_generate(llm, B, P, 1, g))
+        say(f'run {i + 1}/{runs}: prefill + decode {O} tokens x {B}')
         tOs.append(_timed_generate(llm, B, P, O, g))
     t1, tO = statistics.median(t1s), statistics.median(tOs)
     dec = [(b - a) for a, b in zip(t1s, tOs)]
     decode_time = statistics.median(dec)
-    steady = statistics.median(steady_decode(llm, B, P, O, g)[0] for _ in range(runs))
+    steady = []
+    for i in range(runs):
+        say(f'steady decode {i + 1}/{runs}')
+        steady.append(steady_decode(llm, B, P, O, g)[0])
+    steady = statistics.median(steady)
     cfg = llm.engine.cfg
     return dict(
         device_name=device_name(cfg.device),
         commit=git_commit(),
         model=llm.engine.src.name,
         dtype=str(cfg.torch_dtype).replace('torch.', ''),
+        weights=weight_format(llm),
         attention_backend=cfg.attention_backend,
         batch_size=B,
         prompt_len=P,
@@ -163,6 +214,7 @@ def bench_llamacpp(
         commit=git_commit(),
         model=os.path.basename(str(path)),
         dtype=f'llama.cpp {llama_cpp.__version__}',
+        weights=f'GGUF {gguf_weight_types(path)}',
         attention_backend='llama.cpp',
         batch_size=1,
         prompt_len=P,

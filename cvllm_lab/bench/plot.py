@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/bench_plot.html.md"""
 # %% ../../nbs/63_bench_plot.ipynb #9efc9327
 from __future__ import annotations
 import json
+import textwrap
 from pathlib import Path
 import pandas as pd
 import matplotlib
@@ -15,8 +16,8 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
 # %% auto #0
-__all__ = ['MIN_DECODE_TOKENS', 'gpu_kind', 'load_reference', 'decode_points', 'plot_decode', 'plot_formats', 'last_run',
-           'plot_vs_llamacpp', 'plot_sweep']
+__all__ = ['MIN_DECODE_TOKENS', 'gpu_kind', 'load_reference', 'decode_points', 'too_short', 'left_out_note', 'run_label',
+           'plot_decode', 'plot_formats', 'last_run', 'plot_vs_llamacpp', 'plot_sweep']
 
 # %% ../../nbs/63_bench_plot.ipynb #e6b7176e
 _CANDLE_MODEL = {'Llama-3-8B': 'LLaMA', 'Mistral-7B': 'Mistral', 'Qwen3-8B': 'Qwen2/Qwen3 dense'}
@@ -55,13 +56,43 @@ def decode_points(results: pd.DataFrame, quant: str = 'none') -> pd.DataFrame:
     return results[ok]
 
 
+def too_short(results: pd.DataFrame) -> pd.DataFrame:
+    "The rows that ran but decoded fewer than `MIN_DECODE_TOKENS` tokens per request: the decode plots leave them out."
+    if 'output_len' not in results:
+        return results.iloc[:0]
+    return results[(results.error.fillna('') == '') & (results.output_len < MIN_DECODE_TOKENS)]
+
+
+def left_out_note(results: pd.DataFrame) -> str:
+    "One line naming the rows `too_short` for a decode plot, and why; '' when there are none."
+    s = too_short(results)
+    if not len(s):
+        return ''
+    pts = ', '.join(dict.fromkeys(f'bs={r.batch_size} {r.prompt_len}->{r.output_len}' for r in s.itertuples()))
+    return (
+        f'left out {len(s)} row{"s" * (len(s) > 1)} decoding fewer than {MIN_DECODE_TOKENS} tokens '
+        f'(a decode figure of one or two steps; set output_len >= {MIN_DECODE_TOKENS}): {pts}'
+    )
+
+
+def run_label(res: pd.DataFrame) -> str:
+    """What ran where: the weights as they ran (`weights`; rows from before that column, their `dtype`, or for a GGUF
+    model that its block types were not recorded), the device and the commit, each value once:
+    `'GGUF Q4_1+Q8_0 on CPU AMD EPYC x2, commit 1234abc'`."""
+    once = lambda xs: ', '.join(dict.fromkeys(str(x) for x in xs if pd.notna(x))) or '?'
+    w = res['weights'] if 'weights' in res else pd.Series(float('nan'), index=res.index)
+    if 'dtype' in res:
+        gguf = res['model'].astype(str).str.endswith('.gguf') if 'model' in res else pd.Series(False, index=res.index)
+        w = w.fillna(res['dtype'].where(~gguf, 'GGUF (block types not recorded)'))
+    dev = res.device_name.map(gpu_kind) if 'device_name' in res else []
+    return f'{once(w)} on {once(dev)}, commit {once(res.commit) if "commit" in res else "?"}'
+
+
 def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'none') -> Path:
     "One panel per model shape: decode tok/s vs batch size, ours vs vLLM vs candle-vllm vs roofline."
     res = decode_points(results, quant)
+    note = left_out_note(results[results.quant == quant])
     precision = 'bf16' if quant == 'none' else quant  # the reference tables' name for the weight format
-    ran = (
-        str(res.dtype.iloc[0]) if quant == 'none' and len(res) and 'dtype' in res else precision
-    )  # the title says what ran
     gpu = gpu_kind(res.device_name.iloc[0]) if len(res) else '?'
     vllm, candle = load_reference(ref_dir, gpu)
     shapes = list(dict.fromkeys(res['shape']))
@@ -77,7 +108,7 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
         ax.plot(ours.batch_size, ours.decode_tok_s, 'o-', label='cvllm_lab (measured)')
         if steady:
             ax.plot(ours.batch_size, ours.steady, 'o:', mfc='none', label='cvllm_lab, all prompts prefilled')
-        ax.plot(ours.batch_size, ours.roofline_tok_s, 'k--', lw=1, label='bandwidth roofline')
+        ax.plot(ours.batch_size, ours.roofline_tok_s, 'k_--', ms=14, lw=1, label='bandwidth roofline')
         v = (
             vllm[(vllm['shape'] == shape) & (vllm.precision == precision)]
             .groupby('batch', as_index=False)
@@ -92,10 +123,21 @@ def plot_decode(results: pd.DataFrame, ref_dir: Path, out: Path, quant: str = 'n
         ax.set_yscale('log')
         ax.set_xlabel('batch size')
         ax.set_ylabel('decode tok/s')
-        ax.set_title(f'{shape} {ran} on {gpu}')
+        ax.set_title(f'{shape}\n{textwrap.fill(run_label(sub), 70)}', fontsize=9)  # weights as run, device, commit
         ax.grid(True, which='both', alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
+    if not shapes:  # say why the panel is empty rather than draw bare axes
+        ax = axes[0][0]
+        ax.text(
+            0.5, 0.5, 'nothing to plot:\n' + textwrap.fill(note or f'no {quant} row ran', 60), ha='center', va='center'
+        )
+        ran = results[results.error.fillna('') == '']
+        if len(ran):
+            ax.set_title(textwrap.fill(run_label(ran), 70), fontsize=9)
+        ax.set_axis_off()
+    elif note:
+        fig.text(0.01, 0.01, textwrap.fill(note, 30 + 70 * len(shapes)), fontsize=7, va='bottom')
+    fig.tight_layout(rect=(0, 0.06 if note and shapes else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -112,6 +154,7 @@ _CANDLE_PRECISION = {
 def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = 'Llama-3-8B') -> Path:
     "Decode tok/s vs batch size for every weight format of `shape`, with rooflines and the reference figures."
     res = results[(results.error.fillna('') == '') & (results['shape'] == shape)]
+    res = res.drop(too_short(res).index)  # a decode figure of one or two steps
     gpu = gpu_kind(res.device_name.iloc[0]) if len(res) else '?'
     vllm, candle = load_reference(ref_dir, gpu)
     allc = pd.read_csv(ref_dir / 'candle_vllm_documented.csv')
@@ -149,7 +192,8 @@ def plot_formats(results: pd.DataFrame, ref_dir: Path, out: Path, shape: str = '
     ax.set_yscale('log')
     ax.set_xlabel('batch size')
     ax.set_ylabel('decode tok/s (dotted: bandwidth roofline)')
-    ax.set_title(f'{shape}: weight formats on {gpu}')
+    commits = ', '.join(dict.fromkeys(res.commit.dropna().astype(str))) if 'commit' in res else ''
+    ax.set_title(textwrap.fill(f'{shape}: weight formats on {gpu}' + (f', commit {commits}' if commits else ''), 90))
     ax.grid(True, which='both', alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -182,7 +226,9 @@ def plot_vs_llamacpp(results: pd.DataFrame, out: Path) -> Path:
             theirs.append(pick('llama.cpp', 'prefill_tok_s'))
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(2.2 * len(labels) + 3, 4.5))
-    b1 = ax.bar([i - 0.2 for i in x], ours, 0.4, label='cvllm_lab (CPU fast path)')
+    ours_w = res[res.quant != 'llama.cpp']
+    w = ', '.join(dict.fromkeys(ours_w.weights.dropna().astype(str))) if 'weights' in ours_w else ''
+    b1 = ax.bar([i - 0.2 for i in x], ours, 0.4, label=f'cvllm_lab (CPU fast path{", " + w if w else ""})')
     b2 = ax.bar([i + 0.2 for i in x], theirs, 0.4, label='llama.cpp (llama-cpp-python, batch 1)')
     for bars in (b1, b2):
         ax.bar_label(bars, fmt='%.0f', fontsize=8)

@@ -21,8 +21,8 @@ from ..layers.linear import VocabParallelEmbedding, ParallelLMHead
 from ..layers.fused_moe import FusedMoE
 
 # %% auto #0
-__all__ = ['measure_read_bandwidth', 'model_dir', 'expand_points', 'expert_bytes', 'roofline', 'append_row', 'run_sweep',
-           'param_count', 'available_memory', 'check_memory', 'llamacpp_rows']
+__all__ = ['EXPECTED_ERRORS', 'measure_read_bandwidth', 'model_dir', 'expand_points', 'expert_bytes', 'roofline', 'append_row',
+           'run_sweep', 'param_count', 'available_memory', 'check_memory', 'llamacpp_rows']
 
 # %% ../../nbs/61_bench_sweep.ipynb #e2b92cf5
 def measure_read_bandwidth(device: str, gib: float = 4.0, iters: int = 10) -> float:
@@ -143,18 +143,31 @@ def roofline(llm, bw: float, B: int, P: int, O: int) -> dict:
 
 
 def append_row(out: Path | None, row: dict):
-    "Append `row` to the CSV `out` in the columns of its header (rows with fewer fields leave theirs empty)."
+    """Append `row` to the CSV `out` in the columns of its header (rows with fewer fields leave theirs empty; a field
+    the header lacks is added to it)."""
     if out is None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame([row])
     if out.exists():
-        df = df.reindex(columns=pd.read_csv(out, nrows=0).columns)
+        cols = list(pd.read_csv(out, nrows=0).columns)
+        new = [k for k in df.columns if k not in cols]
+        if new:  # a field the file has no column for yet: the file is rewritten with it (empty in the older rows)
+            old = pd.read_csv(out)
+            pd.concat([old, df], ignore_index=True)[cols + new].to_csv(out, index=False)
+            return
+        df = df.reindex(columns=cols)
     df.to_csv(out, mode='a', header=not out.exists(), index=False)
 
 
+EXPECTED_ERRORS = (MemoryError, ValueError, NotImplementedError, getattr(torch, 'OutOfMemoryError', MemoryError))
+
+
 def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool = True) -> pd.DataFrame:
-    "Run every point of `cfg` (a composed config as a plain dict); append rows to `out`; return them."
+    """Run every point of `cfg` (a composed config as a plain dict); append rows to `out`; return them. With
+    `progress`, a bar over the points whose postfix names the point and its phase (loading, warm-up, each run's
+    prefill and decode, the steady decodes); a point that fails has its error in its row, with a traceback only where
+    the error is not one of `EXPECTED_ERRORS` (a refusal, a point the engine cannot take, out of memory)."""
     from cvllm_lab import LLM
 
     pts = expand_points(cfg)
@@ -169,7 +182,10 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
     )
     rows, llm, key = [], None, None
     sweep_name = (cfg.get('sweep') or {}).get('name', 'single')
-    for p in tqdm(pts, desc=f'sweep {sweep_name}', disable=not progress):
+    bar = tqdm(pts, desc=f'sweep {sweep_name}', disable=not progress)
+    for p in bar:
+        tag = f'bs={p["batch_size"]} {p["prompt_len"]}->{p["output_len"]}'
+        say = lambda s, tag=tag: bar.set_postfix_str(f'{tag}: {s}')  # the phase inside the point (bench_offline's too)
         mcfg = _load_group_cfg(conf_dir, 'model', p['model'], cfg['model'])
         qcfg = _load_group_cfg(conf_dir, 'quant', p['quant'], cfg['quant'])
         acfg = _load_group_cfg(conf_dir, 'attention', p['attention'], cfg['attention'])
@@ -192,6 +208,7 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
                     torch.cuda.empty_cache()
                 eng = {k2: v for k2, v in cfg['engine'].items() if v is not None}
                 dummy = not mcfg.get('path')
+                say(f'loading {mcfg["name"]}' + (f' ({qcfg["name"]})' if qcfg.get('quantization') else ''))
                 llm = LLM(
                     str(model_dir(mcfg)),
                     progress=progress,
@@ -202,13 +219,17 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
                     **eng,
                 )
                 key = k
-            r = bench_offline(llm, p['batch_size'], p['prompt_len'], p['output_len'], runs=cfg.get('runs', 3))
+            r = bench_offline(
+                llm, p['batch_size'], p['prompt_len'], p['output_len'], runs=cfg.get('runs', 3), status=say
+            )
             rf = roofline(llm, bw, p['batch_size'], p['prompt_len'], p['output_len'])
             r.update(rf, bw_fraction=rf['bytes_per_step'] / (r['ms_per_step'] / 1000) / bw)
             row.update(r)
+            say('done')
         except Exception as e:
             row.update(error=f'{type(e).__name__}: {e}'.splitlines()[0][:300], commit=git_commit())
-            if progress:
+            say('failed')
+            if progress and not isinstance(e, EXPECTED_ERRORS):  # a bug, not a point the machine cannot take
                 traceback.print_exc()
         row['config'] = json.dumps(dict(point=p, engine=cfg['engine'], quant=qcfg, attention=acfg), default=str)
         rows.append(row)
