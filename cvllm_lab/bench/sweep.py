@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from ..utils.progress import tqdm
 from .offline import bench_offline, bench_llamacpp, git_commit
 from ..layers.linear import VocabParallelEmbedding, ParallelLMHead
 from ..layers.fused_moe import FusedMoE

@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/core_proc.html.md"""
 
 # %% ../../nbs/59_core_proc.ipynb #e5fc029e
 from __future__ import annotations
+import atexit
 import gc
 import os
 import pickle
@@ -263,6 +264,9 @@ def freeze_gc_heap() -> int:
     "Collect, then exempt every object alive now from later collections (`gc.freeze`); returns how many are frozen."
     gc.collect()
     gc.freeze()
+    if not getattr(freeze_gc_heap, 'at_exit', False):  # the exit's last collection must see the frozen heap again
+        atexit.register(gc.unfreeze)
+        freeze_gc_heap.at_exit = True
     return gc.get_freeze_count()
 
 # %% ../../nbs/59_core_proc.ipynb #15126cfd

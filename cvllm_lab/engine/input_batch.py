@@ -301,7 +301,7 @@ def capture_cudagraphs(self: DecodeGraphs, progress: bool = True):
     self.g_bt_staging = torch.zeros(G, n, nblk, dtype=torch.int32).pin_memory()
     self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()  # cheap host writes
     self.g_hidden, self.g_hidden_short, pool = {}, {}, None
-    from tqdm.auto import tqdm
+    from cvllm_lab.utils.progress import tqdm
     from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
 
     self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0

@@ -299,12 +299,14 @@ def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(
         prog='cvllm-chat', description='Chat in the terminal with a cvllm_lab (or any OpenAI-compatible) server.'
     )
-    p.add_argument('--url', default='http://127.0.0.1:8000', help='server address')
+    p.add_argument('--url', default='http://127.0.0.1:8000', help='server address (default: %(default)s)')
     p.add_argument('--api-key', help='bearer token, if the server wants one')
     p.add_argument('--model', help="model name (default: the server's first)")
     p.add_argument('--local', action='store_true', help='no server: run the engine in this process')
     p.add_argument('--local-model', help='with --local: HF folder or .gguf file (default: the embedded model)')
-    p.add_argument('--max-model-len', type=int, default=4096, help='with --local: context length')
+    p.add_argument(
+        '--max-model-len', type=int, default=4096, help='with --local: context length (default: %(default)s)'
+    )
     p.add_argument('--system', help='system prompt')
     p.add_argument(
         '--temperature', type=float, default=None, help="default: the server's (the model's generation config)"

@@ -7,7 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/llm.html.md"""
 # %% ../../nbs/52_llm.ipynb #517e132d
 from __future__ import annotations
 import time
-from tqdm.auto import tqdm
+from ..utils.progress import tqdm
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams, diff_sampling_param
 from ..engine.llm_engine import LLMEngine, RequestOutput

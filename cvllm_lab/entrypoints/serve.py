@@ -26,11 +26,18 @@ __all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides
            'configs_from_args', 'main']
 
 # %% ../../nbs/78_serve.ipynb #a1b9ea84
+class _Parser(argparse.ArgumentParser):
+    "argparse, but an error is one line (and a pointer to --help), not the error after 40 lines of usage."
+
+    def error(self, message):
+        self.exit(2, f'{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n')
+
+
 def make_parser() -> argparse.ArgumentParser:
     "The command line: vLLM's long flag names, candle-vllm's short names as aliases."
     from cvllm_lab.models.registry import supported_architectures
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog='cvllm-serve',
         allow_abbrev=False,
         description='OpenAI-compatible server for cvllm_lab (embedded SmolLM2-135M-Instruct by default).',
@@ -41,7 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
         '--model',
         '--m',
         dest='model',
-        help='HF model folder or .gguf file (local paths only; default: the embedded model)',
+        help='HF model folder, .gguf file, or a repo id already in the local hub cache (nothing is downloaded: `hf download REPO --local-dir DIR` first; default: the embedded model)',
     )
     g.add_argument('--w', dest='weights', help='candle-vllm: weights folder (with --f: the GGUF file in it)')
     g.add_argument('--f', dest='gguf', help='candle-vllm: GGUF file (relative to --w if given)')
@@ -146,8 +153,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="default sampling: auto (the model's generation_config.json; GGUF: conservative defaults), vllm (none), or a folder",
     )
     g = p.add_argument_group('server')
-    g.add_argument('--host', default='0.0.0.0')
-    g.add_argument('--port', '--p', type=int, default=8000)
+    g.add_argument(
+        '--host',
+        default='0.0.0.0',
+        help='interface to listen on (default: %(default)s, every interface, as vLLM; 127.0.0.1: this machine only)',
+    )
+    g.add_argument('--port', '--p', type=int, default=8000, help='TCP port (default: %(default)s)')
     g.add_argument(
         '--api-key', default=envs.CVLLM_API_KEY, help='require `Authorization: Bearer KEY` (env CVLLM_API_KEY)'
     )
@@ -189,13 +200,10 @@ def model_from_args(args) -> str | None:
     else:
         m = args.model or args.weights
     if m is not None and not Path(m).exists():
-        from cvllm_lab.weights.loader import hub_snapshot
+        from cvllm_lab.weights.loader import hub_snapshot, missing_model_message
 
         if hub_snapshot(m) is None:
-            _refuse(
-                '--model',
-                f'{m!r} is not a local file or folder, nor a repo id in the local hub cache (this server cannot download models)',
-            )
+            _refuse('--model', missing_model_message(m))
     return m
 
 

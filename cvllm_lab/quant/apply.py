@@ -8,7 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 from __future__ import annotations
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from ..utils.progress import tqdm
 from ..layers.basic import Linear, SiluAndMul
 from ..kernels.gguf_layout import GT, QUANT_TYPES, parse_qtype, block_info
 from .gguf import GGUFLinear

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from ..utils.progress import tqdm
 from ..layers.basic import Linear
 from ..layers.fused_moe import FusedMoE, expert_shard
 from ..layers.linear import RowParallelLinear, like_parallel

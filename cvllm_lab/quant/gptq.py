@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+from ..utils.progress import tqdm
 from .w4a16 import group_params, quantize_levels, quantize_rtn, levels_to_gptq, levels_to_awq
 
 # %% auto #0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 import torch
-from tqdm.auto import tqdm
+from ..utils.progress import tqdm
 from ..config import EngineConfig, default_model_path
 from ..models.registry import get_model_class
 from ..models.llama import check_tensor_parallel
@@ -22,9 +22,9 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from ..tokenizer import gguf_cache_dir
 
 # %% auto #0
-__all__ = ['ModelSource', 'hub_snapshot', 'resolve_model_source', 'GGUFTensor', 'gguf_tensors', 'load_hf_config',
-           'iterate_safetensors', 'gguf_to_hf_name', 'unpermute_qk', 'iterate_gguf', 'iterate_weights',
-           'checkpoint_quant_config', 'load_model']
+__all__ = ['ModelSource', 'hub_snapshot', 'missing_model_message', 'resolve_model_source', 'GGUFTensor', 'gguf_tensors',
+           'load_hf_config', 'iterate_safetensors', 'gguf_to_hf_name', 'unpermute_qk', 'iterate_gguf',
+           'iterate_weights', 'checkpoint_quant_config', 'load_model']
 
 # %% ../../nbs/40_loader.ipynb #55f8d06a
 @dataclass
@@ -64,15 +64,27 @@ def hub_snapshot(model: str | Path, revision: str | None = None) -> Path | None:
         return None
 
 
+def missing_model_message(model: str | Path) -> str:
+    "One line on a model that is neither a local path nor in the hub cache, with how to fetch it (nothing downloads here)."
+    m = str(model)
+    if m.count('/') == 1 and not m.startswith(('/', '.', '~')):  # reads as a hub repo id
+        return (
+            f'{m!r} is neither a local path nor a repo id in the local hub cache, and models are never downloaded here: '
+            f'run `hf download {m} --local-dir DIR` and give DIR as the model '
+            f'(or `hf download {m}` to fill the hub cache, then give {m} again)'
+        )
+    return (
+        f'model path {m!r} does not exist (give a local HF folder, a .gguf file, or a repo id in the local hub cache)'
+    )
+
+
 def resolve_model_source(model: str | Path | None) -> ModelSource:
     "Turn a `model` argument (None, a .gguf file, a HF folder, or a hub id / hub cache folder) into a `ModelSource`."
     p = Path(model) if model else default_model_path()
     if model:
         p = hub_snapshot(model) or p
     if not p.exists():
-        raise FileNotFoundError(
-            f'Model path {str(p)!r} does not exist and is not in the local hub cache (no model hub access: give a local folder, a .gguf file, or a cached repo id)'
-        )
+        raise FileNotFoundError(missing_model_message(model))
     if p.is_file():
         if p.suffix != '.gguf':
             raise ValueError(f'{p}: a model file must be a .gguf; for safetensors give the folder')
