@@ -240,12 +240,23 @@ def run_sweep(cfg: dict, conf_dir: Path, out: Path | None = None, progress: bool
 
 # %% ../../nbs/61_bench_sweep.ipynb #46a6fdb5
 def param_count(hf: dict) -> int:
-    "Weights of a Llama-shaped model from its HF config dict (embeddings, attention, MLP; norms left out)."
-    h, L, V, I = hf['hidden_size'], hf['num_hidden_layers'], hf['vocab_size'], hf['intermediate_size']
+    """Weights of a decoder-only model from its HF config dict: embeddings, each layer's token mixer (attention, or a
+    Gated DeltaNet layer's projections where `layer_types` says `linear_attention`) and its MLP (or experts and a
+    shared expert); norms left out."""
+    h, L, V = hf['hidden_size'], hf['num_hidden_layers'], hf['vocab_size']
     H = hf['num_attention_heads']
     Hkv = hf.get('num_key_value_heads') or H
     D = hf.get('head_dim') or h // H
-    return V * h * (1 if hf.get('tie_word_embeddings') else 2) + L * (h * D * (2 * H + 2 * Hkv) + 3 * h * I)
+    attn = h * D * (2 * H + 2 * Hkv)
+    kd = (hf.get('linear_num_key_heads') or 0) * (hf.get('linear_key_head_dim') or 0)
+    Hv = hf.get('linear_num_value_heads') or 0
+    vd = Hv * (hf.get('linear_value_head_dim') or 0)
+    gdn = h * (2 * kd + 2 * vd + 2 * Hv) + vd * h
+    E = hf.get('num_experts') or hf.get('n_routed_experts') or 0
+    shared = hf.get('shared_expert_intermediate_size') or 0
+    mlp = 3 * h * (E * hf['moe_intermediate_size'] + shared) if E else 3 * h * hf['intermediate_size']
+    mixers = sum(gdn if t == 'linear_attention' else attn for t in (hf.get('layer_types') or ['full_attention'] * L))
+    return V * h * (1 if hf.get('tie_word_embeddings') else 2) + mixers + L * mlp
 
 
 def available_memory() -> int:
