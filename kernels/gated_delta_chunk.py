@@ -35,7 +35,8 @@ S_L -> slot) -> `gdn_chunk_output_kernel` -> o `[T, Hv, Dv]`.
 q and k are L2-normalized in fp32 where they are loaded (each kernel loads whole Dk rows anyway), so no normalized
 copy is written. Intermediates (W, U/D, h) are in the model's dtype, fp32 for fp32 models, whose dots then run in
 IEEE fp32 (tf32 would cost the 1e-4 agreement with the fp32 reference); the solve, gamma, the carried state and all
-accumulation are fp32.
+accumulation are fp32. The state pass multiplies the carried state and the deltas as fp32 operands (tf32 on 16-bit
+models), not rounded to bf16: it is a latency-bound chain, and that took a quarter off the bf16 state error.
 """
 
 import torch
@@ -248,14 +249,16 @@ def gdn_chunk_state_kernel(
         w = tl.load(w_ptr + (rows * HV + h)[:, None] * DK + offs_k[None, :], mask=t_ok[:, None] & k_ok, other=0.0)
         u_ptrs = u_ptr + (rows * HV + h)[:, None] * DV + offs_v[None, :]
         uv_mask = t_ok[:, None] & v_ok[None, :]
-        d = tl.load(u_ptrs, mask=uv_mask, other=0.0).to(tl.float32) - _dot(w, S, DT, DOT_F32, PRECISION)
+        d = tl.load(u_ptrs, mask=uv_mask, other=0.0).to(tl.float32) - tl.dot(
+            w.to(tl.float32), S, input_precision=PRECISION
+        )
         tl.store(u_ptrs, d.to(DT), mask=uv_mask)
         # S_L = e^{gamma_last} S0 + sum_j e^{gamma_last - gamma_j} k_j d_j^T
         gam = tl.load(gcum_ptr + rows * HV + h, mask=t_ok, other=0.0)
         g_last = tl.load(gcum_ptr + (start + tl.minimum(n, (c + 1) * BT) - 1).to(tl.int64) * HV + h)
         k = _rows(k_head, rows, t_ok, stride_kt, offs_k, k_ok, L2NORM)
         k = k * tl.where(t_ok, tl.exp(g_last - gam), 0.0)[:, None]
-        S = S * tl.exp(g_last) + _dot(tl.trans(k), d, DT, DOT_F32, PRECISION)
+        S = S * tl.exp(g_last) + tl.dot(tl.trans(k), d, input_precision=PRECISION)
     tl.store(s_ptrs, S, mask=(offs_k < k_write)[:, None] & v_ok[None, :])
 
 
