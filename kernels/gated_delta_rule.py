@@ -33,10 +33,8 @@ sizes only, so both can be captured in CUDA graphs.
 
 The recurrent kernel is decode's cost: each program reads its `[Dk, BV]` block of S once, carries it in registers
 over the sequence's tokens (so it serves short multi-token queries correctly too) and writes it back once; the
-per-token work is a few `Dk x BV` multiply-adds and two reductions. It is bandwidth-bound on the state: on an H100
-at Qwen3-Next sizes (Hv = 32, Dk = Dv = 128, bf16 inputs, CUDA graph) it moved 2.45 TB/s of state (read + write) at
-128-256 sequences, 2.2 TB/s at 32, 8.3 us for one (launch-bound). The chunked path ran 8.3-8.7 M tokens/s there
-(4k-16k tokens; wy 43%, state pass 35%, outputs 22% of the time).
+per-token work is a few `Dk x BV` multiply-adds and two reductions. It is bandwidth-bound on the state (measured:
+`results/NOTES.md`, stop 43).
 """
 
 import torch
