@@ -169,7 +169,7 @@ def forward(self: GatedDeltaNet, positions: torch.Tensor, h: torch.Tensor) -> to
     ctx = get_forward_context()
     T, Hk, Hv, Dk, Dv = h.shape[0], self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
     qkv, z, b, a = self.in_proj(h).split([self.conv_dim, self.value_dim, Hv, Hv], -1)
-    slot = ctx.group_tables(self.kv_cache_group)[1][:, 0]
+    slot = ctx.group_tables(self.kv_cache_group)[1][:, 0].contiguous()  # a column: the kernels take unit strides
     qsl = ctx.query_start_loc
     n = ctx.num_seqs
     has_state = ctx.seq_lens[:n] > qsl[1 : n + 1] - qsl[:n]
