@@ -28,7 +28,7 @@ prepare)
   mkdir -p .whl/extra
   dl -d .whl hydra-core==1.3.8 omegaconf==2.3.1 msgspec pyzmq fastcore llguidance==1.6.1 gguf fastapi starlette uvicorn \
      httptools uvloop prometheus_client aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache \
-     annotated-types typing-inspection pydantic pydantic_core anyio sniffio h11 httpx httpcore
+     opentelemetry-api importlib-metadata zipp annotated-types typing-inspection pydantic pydantic_core anyio sniffio h11 httpx httpcore
   python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3     # hydra's parser: an sdist only
   dl -d .whl/extra pandas matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil tzdata
   touch .whl/extra/.done; du -sh .ab .whl ;;

@@ -180,12 +180,13 @@ def _conv_prefill_kernel(
         if (t0 == 0) & (slot >= 0):
             i = tl.arange(0, STATE_P)
             i_ok = i < K - 1
-            p = seq_len - (K - 1) + i  # source position; p >= -(K-2) as seq_len >= 1
-            from_x = (p >= 0) & i_ok
-            xv = tl.load(x_seq + p[:, None].to(tl.int64) * stride_xt + offs_c[None, :], mask=from_x[:, None] & c_ok)
-            from_s = (p < 0) & (p >= state_lo) & i_ok
-            sv = tl.load(s_base + (p + (K - 1))[:, None] * stride_sk, mask=from_s[:, None] & c_ok[None, :], other=0.0)
-            new = tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), sv.to(state_ptr.dtype.element_ty))
+            # source position, q >= -(K-2) as seq_len >= 1 (a new name: Triton keeps one type per name across a branch)
+            q = seq_len - (K - 1) + i
+            from_x = (q >= 0) & i_ok
+            xq = tl.load(x_seq + q[:, None].to(tl.int64) * stride_xt + offs_c[None, :], mask=from_x[:, None] & c_ok)
+            from_s = (q < 0) & (q >= state_lo) & i_ok
+            sq = tl.load(s_base + (q + (K - 1))[:, None] * stride_sk, mask=from_s[:, None] & c_ok[None, :], other=0.0)
+            new = tl.where(from_x[:, None], xq.to(state_ptr.dtype.element_ty), sq.to(state_ptr.dtype.element_ty))
             # the shift moves entries between threads: every read of the old state above (the taps', these) must
             # land before any thread overwrites it
             tl.debug_barrier()
