@@ -77,33 +77,57 @@ def _prompts(seed, lens):
     return [{'prompt_token_ids': torch.randint(0, V, (n,), generator=g).tolist()} for n in lens]
 
 
+def _lp_err(o, ref):
+    "Largest gap between a request's prompt log-probs (its top 5 per position) and a reference's `[T, V]`."
+    return max(
+        abs(lp.logprob - ref[i, t].item()) for i, dct in enumerate(o.prompt_logprobs[1:]) for t, lp in dct.items()
+    )
+
+
 @pytest.mark.parametrize('kind', list(FAMILIES))
-@pytest.mark.parametrize('dtype,tol', [('float32', 2e-3), ('bfloat16', 0.15)])
-def test_hybrid_matches_transformers(kind, dtype, tol):
-    "Prompt log-probs and greedy tokens against transformers: prompts shorter and much longer than a 64-token chunk."
+def test_hybrid_matches_transformers_fp32(kind):
+    "fp32 prompt log-probs within 2e-3 and greedy tokens equal: prompts shorter and much longer than a 64-token chunk."
     from cvllm_lab import SamplingParams
 
     hf, d = _model(kind)
-    hf = hf.to('cuda', getattr(torch, dtype))
-    llm = _llm(d, dtype)
+    hf = hf.to('cuda')
+    llm = _llm(d)
     prompts = _prompts(1, (7, 100, 333, 1500))
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=5, logprobs=0)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
     with torch.no_grad():
-        for p, o in zip(prompts, outs):
+        for p, o in zip(prompts, llm.generate(prompts, sp, use_tqdm=False)):
             ids = torch.tensor([p['prompt_token_ids']], device='cuda')
             ref = torch.log_softmax(hf(ids).logits[0].float(), -1).cpu()
-            err = max(
-                abs(lp.logprob - ref[i, t].item())
-                for i, dct in enumerate(o.prompt_logprobs[1:])
-                for t, lp in dct.items()
-            )
-            assert err < tol, (kind, dtype, ids.shape[1], err)
+            assert (err := _lp_err(o, ref)) < 2e-3, (kind, ids.shape[1], err)
             gen = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, ids.shape[1] :].tolist()
-            if dtype == 'float32':
-                assert o.outputs[0].token_ids == gen
-            else:
-                assert o.outputs[0].token_ids[:2] == gen[:2]  # bf16: later tokens may flip on near ties
+            assert o.outputs[0].token_ids == gen
+
+
+@pytest.mark.parametrize('kind', list(FAMILIES))
+def test_hybrid_bf16_error_like_transformers_bf16(kind):
+    """bf16 against the fp32 model: our prompt log-probs are no further from it than transformers' own bf16 run is
+    (1.5x its error plus 0.02; random MoE routers sit on near-ties, so bf16 can pick other experts on either side),
+    and the first greedy token is the fp32 model's wherever its top two are 0.1 apart."""
+    from cvllm_lab import SamplingParams
+
+    hf, d = _model(kind)
+    hf = hf.to('cuda')
+    llm = _llm(d, 'bfloat16')
+    prompts = _prompts(1, (7, 100, 333, 1500))
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=5, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    with torch.no_grad():
+        ids = [torch.tensor([p['prompt_token_ids']], device='cuda') for p in prompts]
+        ref = [torch.log_softmax(hf(x).logits[0].float(), -1).cpu() for x in ids]
+        hf = hf.to(torch.bfloat16)
+        hf16 = [torch.log_softmax(hf(x).logits[0].float(), -1).cpu() for x in ids]
+    for o, r, h in zip(outs, ref, hf16):
+        # transformers' bf16 error on the same entries
+        hf_err = max(abs(h[i, t] - r[i, t]).item() for i, dct in enumerate(o.prompt_logprobs[1:]) for t in dct)
+        assert (err := _lp_err(o, r)) <= 1.5 * hf_err + 0.02, (kind, len(r), err, hf_err)
+        two = r[-1].topk(2).values
+        if two[0] - two[1] > 0.1:
+            assert o.outputs[0].token_ids[0] == r[-1].argmax().item()
 
 
 @pytest.mark.parametrize('kind', ['qwen3_next', 'qwen3_5'])
@@ -128,7 +152,9 @@ def test_hybrid_graphs_batching_preemption(kind):
     eager = _llm(d, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)] == alone
     del eager
-    small = _llm(d, num_gpu_blocks_override=72, max_model_len=1024)  # 1,152 tokens for ~1,450 of prompts and outputs: preemption
+    small = _llm(
+        d, num_gpu_blocks_override=72, max_model_len=1024
+    )  # 1,152 tokens for ~1,450 of prompts and outputs: preemption
     outs = small.generate(prompts, sp, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
