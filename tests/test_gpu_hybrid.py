@@ -105,9 +105,11 @@ def test_hybrid_matches_transformers_fp32(kind):
 
 @pytest.mark.parametrize('kind', list(FAMILIES))
 def test_hybrid_bf16_error_like_transformers_bf16(kind):
-    """bf16 against the fp32 model: our prompt log-probs are no further from it than transformers' own bf16 run is
-    (1.5x its error plus 0.02; random MoE routers sit on near-ties, so bf16 can pick other experts on either side),
-    and the first greedy token is the fp32 model's wherever its top two are 0.1 apart."""
+    """bf16 against the fp32 model: our prompt log-probs are about as far from it as transformers' own bf16 run is,
+    on the same entries: the mean gap within 1.5x of its mean plus 0.01, the largest within 2x of its largest plus
+    0.05 (random MoE routers sit on near-ties: one token routed to other experts moves its log-probs by tenths, on
+    either side, so the largest gap is the noisier measure). The first greedy token is the fp32 model's wherever
+    its top two are 0.1 apart."""
     from cvllm_lab import SamplingParams
 
     hf, d = _model(kind)
@@ -121,13 +123,18 @@ def test_hybrid_bf16_error_like_transformers_bf16(kind):
         ref = [torch.log_softmax(hf(x).logits[0].float(), -1).cpu() for x in ids]
         hf = hf.to(torch.bfloat16)
         hf16 = [torch.log_softmax(hf(x).logits[0].float(), -1).cpu() for x in ids]
+    ours, theirs = [], []
     for o, r, h in zip(outs, ref, hf16):
-        # transformers' bf16 error on the same entries
-        hf_err = max(abs(h[i, t] - r[i, t]).item() for i, dct in enumerate(o.prompt_logprobs[1:]) for t in dct)
-        assert (err := _lp_err(o, r)) <= 1.5 * hf_err + 0.02, (kind, len(r), err, hf_err)
+        for i, dct in enumerate(o.prompt_logprobs[1:]):
+            for t, lp in dct.items():
+                ours.append(abs(lp.logprob - r[i, t].item()))
+                theirs.append(abs(h[i, t] - r[i, t]).item())
         two = r[-1].topk(2).values
         if two[0] - two[1] > 0.1:
             assert o.outputs[0].token_ids[0] == r[-1].argmax().item()
+    ours, theirs = torch.tensor(ours), torch.tensor(theirs)
+    assert ours.mean() <= 1.5 * theirs.mean() + 0.01, (kind, ours.mean(), theirs.mean())
+    assert ours.max() <= 2 * theirs.max() + 0.05, (kind, ours.max(), theirs.max())
 
 
 @pytest.mark.parametrize('kind', ['qwen3_next', 'qwen3_5'])
