@@ -166,3 +166,12 @@ def test_hybrid_graphs_batching_preemption(kind):
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert small.engine.kv.num_free_blocks == small.engine.kv.num_blocks
+
+
+def test_state_slots_that_do_not_fit_are_refused_by_name():
+    "More sequences' recurrent state than the GPU holds: one clear error naming --max-num-seqs, before allocating."
+    _, d = _model('qwen3_5')
+    free = torch.cuda.mem_get_info()[0]
+    with pytest.raises(RuntimeError, match='lower --max-num-seqs'):
+        _llm(d, kv_cache_memory=None, max_num_seqs=int(free // (3 * 4 * 8 * 64 * 64)) + 1)
+    assert torch.cuda.memory_allocated() < 1 << 30  # nothing of it left behind

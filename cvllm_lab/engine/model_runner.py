@@ -135,6 +135,16 @@ def setup_states(self: ModelRunner):
     self.num_state_slots = self.scratch_slot = self.cfg.max_num_seqs
     dtype = self.model.model.embed_tokens.weight.dtype
     self.state_bytes = (self.num_state_slots + 1) * state_bytes_per_slot(self.state_layers, dtype)
+    if self.device.type == 'cuda' and not self.cfg.kv_cache_memory:  # the cheap check before the allocation
+        free, total = torch.cuda.mem_get_info()
+        frac = self.cfg.gpu_memory_fraction
+        room = free * frac if frac else total * self.cfg.gpu_memory_utilization - (total - free)
+        if self.state_bytes > room:
+            raise RuntimeError(
+                f'The recurrent state of max_num_seqs={self.cfg.max_num_seqs} sequences takes '
+                f'{self.state_bytes / 2**30:.1f} GiB; {max(room, 0) / 2**30:.1f} GiB are left beside the weights '
+                f'in the GPU memory the engine may use: lower --max-num-seqs'
+            )
     self.state_caches = bind_state_cache(self.state_layers, self.num_state_slots + 1, dtype, self.device)
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
@@ -179,7 +189,15 @@ def determine_num_blocks(self: ModelRunner) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    self.profile_run()
+    try:
+        self.profile_run()
+    except torch.OutOfMemoryError:  # one clear line instead of the allocator's report, and what to change
+        state = f' and the recurrent state of {cfg.max_num_seqs} sequences' if self.state_bytes else ''
+        raise RuntimeError(
+            f'GPU memory ran out measuring activations: a step of {cfg.max_num_batched_tokens} tokens does not fit '
+            f'beside the weights{state} ({base / 2**30:.1f} GiB of {torch.cuda.mem_get_info()[1] / 2**30:.1f} GiB); '
+            f'lower --max-num-batched-tokens{" or --max-num-seqs" if state else ""}, or quantize the weights'
+        ) from None
     activation = torch.cuda.max_memory_allocated() - base
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
