@@ -7,11 +7,14 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/core_client.html.md"""
 # %% ../../nbs/54_core_client.ipynb #a4726bdc
 from __future__ import annotations
 import asyncio
+import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -23,8 +26,11 @@ from .core_proc import EngineCoreProc, run_engine_core
 from ..weights.loader import resolve_model_source
 from ..tokenizer import load_tokenizer
 
+log = logging.getLogger(__name__)
+
 # %% auto #0
-__all__ = ['EngineError', 'EngineDeadError', 'front_end_tokenizer', 'CoreClient', 'InprocClient', 'MPClient']
+__all__ = ['log', 'EngineError', 'EngineDeadError', 'front_end_tokenizer', 'CoreClient', 'InprocClient', 'exit_reason',
+           'MPClient']
 
 # %% ../../nbs/54_core_client.ipynb #061ec1af
 class EngineError(RuntimeError):
@@ -65,6 +71,27 @@ class CoreClient:
 
     def shutdown(self):
         pass
+
+    _last_output: float | None = None  # monotonic time of the core's last message (None: none yet)
+    _asked_at: float | None = None  # when the first input since that message was sent
+    _core_busy = False  # the last message said requests are running or waiting in the core
+
+    def note_sent(self):
+        "Call on every input sent: starts the clock if the core owes an answer."
+        if self._asked_at is None:
+            self._asked_at = time.monotonic()
+
+    def note_output(self, m: EngineCoreOutputs):
+        "Call on every message from the core."
+        self._last_output, self._asked_at = time.monotonic(), None
+        self._core_busy = bool(m.stats.get('num_running') or m.stats.get('num_waiting'))
+
+    def unresponsive_for(self) -> float:
+        "Seconds the core has owed a message: since its last one while it has work, or since an unanswered input (0: it owes none)."
+        now = time.monotonic()
+        if self._core_busy and self._last_output is not None:
+            return now - self._last_output
+        return now - self._asked_at if self._asked_at is not None else 0.0
 
     def pack(self, obj):
         return dumps(obj) if self.pickled else obj
@@ -110,12 +137,14 @@ class InprocClient(CoreClient):
                 return msgs
 
     def send(self, msg):
+        self.note_sent()
         self._in.put(msg)
 
     async def get_output(self) -> EngineCoreOutputs:
         o = await self._out.get()
         if isinstance(o, BaseException):
             raise o
+        self.note_output(o)
         return o
 
     def shutdown(self):
@@ -124,6 +153,16 @@ class InprocClient(CoreClient):
             self._thread.join(30)
 
 # %% ../../nbs/54_core_client.ipynb #99ea7b00
+def exit_reason(code: int | None) -> str:
+    "A process's exit as words: `exit code 1`, `killed by SIGKILL (exit code -9)`."
+    if code is None or code >= 0:
+        return f'exit code {code}'
+    try:
+        return f'killed by {signal.Signals(-code).name} (exit code {code})'
+    except ValueError:
+        return f'exit code {code}'
+
+
 class MPClient(CoreClient):
     "The engine core in its own (spawned) process, over ZeroMQ with msgspec messages."
 
@@ -143,9 +182,10 @@ class MPClient(CoreClient):
         self._in.bind(in_addr)
         self._out.bind(self.out_addr)
         tp = max(cfg.tensor_parallel_size, len(cfg.device_ids or ()))
+        main = threading.current_thread() is threading.main_thread()  # Linux's parent-death signal follows the thread
         self.proc = multiprocessing.get_context('spawn').Process(  # a daemonic process may not start the TP workers
             target=run_engine_core,
-            args=(cfg, in_addr, self.out_addr, num_threads, progress),
+            args=(cfg, in_addr, self.out_addr, num_threads, progress, os.getpid(), main),
             name='EngineCore',
             daemon=tp == 1,
         )
@@ -160,6 +200,7 @@ class MPClient(CoreClient):
         self.stats, self.counters = ready['stats'], ready['counters']
         self.gc_frozen_objects = ready['gc_frozen_objects']  # the core's heap, frozen once it started (59_core_proc)
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._last_output = time.monotonic()
         threading.Thread(target=self._watch, name='engine-core-watch', daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> dict:
@@ -180,6 +221,8 @@ class MPClient(CoreClient):
         multiprocessing.connection.wait([self.proc.sentinel])
         if self._closing:
             return
+        self.proc.join(5)
+        log.error('The engine core process (pid %s) died: %s', self.proc.pid, exit_reason(self.proc.exitcode))
         s = self._ctx.socket(zmq.PUSH)
         s.connect(self.out_addr)
         s.send(b'')
@@ -196,6 +239,7 @@ def start(self: MPClient):
 
 @patch
 def send(self: MPClient, msg):
+    self.note_sent()
     self._in.send(self._enc.encode(msg), copy=False)
 
 
@@ -204,8 +248,12 @@ async def get_output(self: MPClient) -> EngineCoreOutputs:
     frame = await self._aout.recv(copy=False)
     if not len(frame.buffer):
         self.proc.join(5)
-        raise EngineDeadError(f'The engine core process died (exit code {self.proc.exitcode}); its log is above')
-    return self._dec.decode(frame.buffer)
+        raise EngineDeadError(
+            f'The engine core process died ({exit_reason(self.proc.exitcode)}); the server log says more'
+        )
+    m = self._dec.decode(frame.buffer)
+    self.note_output(m)
+    return m
 
 
 @patch
