@@ -116,6 +116,7 @@ class EngineConfig:
     scheduling_policy: str = 'fcfs'  # 'fcfs' | 'priority' (a request's `priority`: lower runs first)
     generation_config: str = 'auto'  # default sampling: 'auto' (the model's generation_config.json) | 'vllm' | a folder
     hf_overrides: dict = field(default_factory=dict)
+    trust_request_chat_template: bool = False  # vLLM's flag: chat requests may bring a template (57)
     # behaviour switches (issue 40): each was a hidden environment read; the documented variable (`envs`) now only
     # sets the default, read once. Defaults are today's; the experimental ones get theirs from a GPU measurement.
     cpu_fast_path: bool = field(

@@ -12,6 +12,7 @@ import time
 from fastcore.basics import patch
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
+from ..utils.template_bounds import RenderBounds, TemplateLimitError, render_bounded
 from .core import EngineCoreRequest, EngineInfo
 
 # %% auto #0
@@ -104,14 +105,25 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
+        trusted: bool = False,
     ) -> tuple[str, list[int]]:
-        "The prompt text and token ids of a conversation, through the model's chat template."
+        """The prompt text and token ids of a conversation, through the model's chat template, or the one given
+        (`chat_template`, or `chat_template_kwargs['chat_template']`). `trusted`: the caller wrote that template (the
+        offline `LLM`); otherwise it came with a request: refused unless `trust_request_chat_template`, and bounded."""
         if self.tokenizer is None:
             raise InputError('Chat needs a tokenizer (skip_tokenizer_init=True)', 'messages')
-        msgs = adapt_messages(messages, tools, self.template)
         kw = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _NO_TEMPLATE_KWARGS}
+        template = kw.pop('chat_template', None) if chat_template is None else chat_template
+        kw.pop('chat_template', None)
+        if template is not None and not trusted:
+            text = self.render_request_template(template, messages, tools, add_generation_prompt, continue_final_message, kw)
+            return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        msgs = adapt_messages(messages, tools, template or self.template)
         if continue_final_message:
             kw['continue_final_message'] = True
+        if template is not None:
+            kw['chat_template'] = template
         try:
             text = apply_chat_template(
                 self.tokenizer, msgs, add_generation_prompt=add_generation_prompt, tools=tools, **kw
@@ -171,9 +183,11 @@ def check_chars(self: InputProcessor, n: int, what: str = 'prompt'):
     "Refuse a text of `n` characters that cannot fit the context whatever its tokens (before templating or tokenizing it)."
     if self.max_prompt_chars is not None and n > self.max_prompt_chars:
         M = self.max_model_len
+        per = self.max_prompt_chars // M
         raise InputError(
-            f"The {what} has {n} characters, so more than {M} tokens: more than this model's maximum context "
-            f'length of {M} tokens allows (at least one token must be generated)',
+            f"The {what} ({n} characters) can't fit this model's maximum context length of {M} tokens: no token "
+            f'spells more than {per} characters, so {n} characters are more than {M} tokens (and at least one '
+            'token must be generated)',
             what,
             'context_length_exceeded',
         )
@@ -200,3 +214,41 @@ def room(
             'context_length_exceeded',
         )
     return room
+
+# %% ../../nbs/57_input_processor.ipynb #004e59d4
+@patch
+def template_bounds(self: InputProcessor) -> RenderBounds:
+    "A request template's bounds: `template_seconds`, and output of 64 characters a token of context at most."
+    chars = 64 * self.max_model_len
+    return RenderBounds(self.template_seconds, min(chars, self.max_prompt_chars or chars))
+
+
+InputProcessor.template_seconds = 5.0
+
+
+@patch
+def render_request_template(
+    self: InputProcessor, template: str, messages, tools, add_generation_prompt: bool, continue_final: bool, kw: dict
+) -> str:
+    "The text of a conversation through a request's own chat template: refused unless trusted, then bounded."
+    if not self.cfg.trust_request_chat_template:
+        raise InputError(
+            'This server renders only the model\'s own chat template: a chat_template in the request is refused '
+            '(the operator can allow them with --trust-request-chat-template)',
+            'chat_template',
+        )
+    msgs = adapt_messages(messages, tools, template)
+    ctx = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    try:
+        text = render_bounded(
+            template, self.template_bounds(), messages=msgs, tools=tools, documents=None,
+            add_generation_prompt=add_generation_prompt, **{**ctx, **kw},
+        )
+    except Exception as e:
+        raise InputError(f'Cannot apply the chat template: {e}', 'chat_template') from None
+    if continue_final:  # end the text where the last message's content ends
+        last = (msgs[-1].get('content') or '').strip() if msgs else ''
+        if not last or (i := text.rfind(last)) < 0:
+            raise InputError('continue_final_message: the chat template does not show the last message', 'chat_template')
+        text = text[: i + len(last)]
+    return text
