@@ -12,7 +12,7 @@ import time
 from fastcore.basics import patch
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
-from ..utils.template_bounds import RenderBounds, TemplateLimitError, render_bounded
+from ..utils.template_bounds import RenderBounds, render_bounded
 from .core import EngineCoreRequest, EngineInfo
 
 # %% auto #0
@@ -117,7 +117,9 @@ class InputProcessor:
         template = kw.pop('chat_template', None) if chat_template is None else chat_template
         kw.pop('chat_template', None)
         if template is not None and not trusted:
-            text = self.render_request_template(template, messages, tools, add_generation_prompt, continue_final_message, kw)
+            text = self.render_request_template(
+                template, messages, tools, add_generation_prompt, continue_final_message, kw
+            )
             return text, self.tokenizer(text, add_special_tokens=False).input_ids
         msgs = adapt_messages(messages, tools, template or self.template)
         if continue_final_message:
@@ -233,7 +235,7 @@ def render_request_template(
     "The text of a conversation through a request's own chat template: refused unless trusted, then bounded."
     if not self.cfg.trust_request_chat_template:
         raise InputError(
-            'This server renders only the model\'s own chat template: a chat_template in the request is refused '
+            "This server renders only the model's own chat template: a chat_template in the request is refused "
             '(the operator can allow them with --trust-request-chat-template)',
             'chat_template',
         )
@@ -241,14 +243,21 @@ def render_request_template(
     ctx = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
     try:
         text = render_bounded(
-            template, self.template_bounds(), messages=msgs, tools=tools, documents=None,
-            add_generation_prompt=add_generation_prompt, **{**ctx, **kw},
+            template,
+            self.template_bounds(),
+            messages=msgs,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **{**ctx, **kw},
         )
     except Exception as e:
         raise InputError(f'Cannot apply the chat template: {e}', 'chat_template') from None
     if continue_final:  # end the text where the last message's content ends
         last = (msgs[-1].get('content') or '').strip() if msgs else ''
         if not last or (i := text.rfind(last)) < 0:
-            raise InputError('continue_final_message: the chat template does not show the last message', 'chat_template')
+            raise InputError(
+                'continue_final_message: the chat template does not show the last message', 'chat_template'
+            )
         text = text[: i + len(last)]
     return text
