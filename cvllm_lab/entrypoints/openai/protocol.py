@@ -25,9 +25,10 @@ from cvllm_lab.entrypoints.openai.request_checks import (
 )
 
 # %% auto #0
-__all__ = ['DEFAULT_MAX_N', 'TokenId', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart',
-           'ChatMessageParam', 'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat',
-           'ResponseFormat', 'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
+__all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS',
+           'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam', 'FunctionDef',
+           'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions',
+           'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
 
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
 DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
@@ -169,6 +170,9 @@ class StreamOptions(StrictModel):
 # %% ../../../nbs/70_protocol.ipynb #3115be6a
 TokenId = Annotated[int, Field(ge=0, lt=INT64)]
 _GUIDED = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar')
+MAX_STOP, MAX_STOP_CHARS = 128, 16384  # stop strings: count, and characters in all
+MAX_VOCAB = 300_000  # logit_bias keys, stop_token_ids, allowed_token_ids: more than any served vocabulary
+MAX_MESSAGES, MAX_TOOLS = 2048, 128  # a chat request's messages and tools (OpenAI documents 128 tools)
 
 
 class _SamplingRequest(RequestBody):
@@ -192,6 +196,13 @@ class _SamplingRequest(RequestBody):
         'audio': (None,),
         'modalities': (None, ['text']),
     }
+    MAX_ITEMS: ClassVar[dict] = {
+        'stop': MAX_STOP,
+        'logit_bias': MAX_VOCAB,
+        'stop_token_ids': MAX_VOCAB,
+        'allowed_token_ids': MAX_VOCAB,
+    }
+    MAX_CHARS: ClassVar[dict] = {'stop': MAX_STOP_CHARS}
     model: str | None = None
     n: int = 1
     temperature: float | None = Field(None, ge=0, le=2)
@@ -289,6 +300,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     UNSUPPORTED: ClassVar[dict] = {**_SamplingRequest.UNSUPPORTED, 'echo': (None, False), 'prompt_logprobs': (None,)}
+    MAX_ITEMS: ClassVar[dict] = {**_SamplingRequest.MAX_ITEMS, 'messages': MAX_MESSAGES, 'tools': MAX_TOOLS}
     max_tokens: int | None = Field(None, ge=1, lt=INT64)
     max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
     logprobs: bool = False
@@ -297,6 +309,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: the request's own template (refused unless the server trusts them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -322,6 +335,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f'tool_choice names function {self.tool_choice.function.name!r}, which is not in tools')
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt can't both be true")
+        if self.chat_template is not None:  # one place for the renderer to find it (57_input_processor)
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), 'chat_template': self.chat_template}
         return self
 
     @property

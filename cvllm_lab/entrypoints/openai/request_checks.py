@@ -15,8 +15,9 @@ from fastapi import HTTPException
 from starlette.responses import JSONResponse
 
 # %% auto #0
-__all__ = ['INT64', 'StrictModel', 'OpenAIBaseModel', 'fail', 'find_lone_surrogate', 'RequestBody', 'StructuredOutputsParams',
-           'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body', 'BodyLimit', 'APIKey']
+__all__ = ['INT64', 'StrictModel', 'OpenAIBaseModel', 'fail', 'find_lone_surrogate', 'check_sizes', 'RequestBody',
+           'StructuredOutputsParams', 'ErrorInfo', 'ErrorResponse', 'error_body', 'validation_error_body', 'BodyLimit',
+           'APIKey']
 
 # %% ../../../nbs/69_request_checks.ipynb #0dfa59df
 INT64 = 2**63  # integers must fit in 64 bits (the engine keeps ids, seeds and top-k in int64 tensors)
@@ -66,16 +67,33 @@ def find_lone_surrogate(x, loc: tuple = ()) -> tuple | None:
     return None
 
 
+def check_sizes(data: dict, max_items: dict, max_chars: dict):
+    "Refuse a field of `data` with more items than `max_items` or more characters than `max_chars` allow (cheap: `len`)."
+    for k, mx in max_items.items():
+        v = data.get(k)
+        if isinstance(v, (list, dict)) and len(v) > mx:
+            what = ('array', 'items') if isinstance(v, list) else ('object', 'keys')
+            fail((k,), f'{what[0]} too long: at most {mx} {what[1]}, got {len(v)}')
+    for k, mx in max_chars.items():
+        v = data.get(k)
+        n = len(v) if isinstance(v, str) else sum(len(s) for s in v if isinstance(s, str)) if isinstance(v, list) else 0
+        if n > mx:
+            fail((k,), f'too long: at most {mx} characters in all, got {n}')
+
+
 class RequestBody(OpenAIBaseModel):
     "A whole request body: refuses lone surrogates anywhere in it, and the unsupported fields in `UNSUPPORTED`."
 
     UNSUPPORTED: ClassVar[dict] = {}  # field -> the values that ask for the default (and are accepted)
+    MAX_ITEMS: ClassVar[dict] = {}  # field -> the most items (a list) or keys (an object) it may hold
+    MAX_CHARS: ClassVar[dict] = {}  # field -> the most characters its string(s) may hold in all
 
     @model_validator(mode='before')
     @classmethod
     def _check_body(cls, data):
         if not isinstance(data, dict):
             return data
+        check_sizes(data, cls.MAX_ITEMS, cls.MAX_CHARS)
         if (loc := find_lone_surrogate(data)) is not None:
             fail(loc, 'contains a lone UTF-16 surrogate, which is not valid Unicode text')
         for k, ok in cls.UNSUPPORTED.items():
