@@ -6,13 +6,15 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/tokenizer.html.md"""
 
 # %% ../nbs/14_tokenizer.ipynb #24672b73
 from __future__ import annotations
+import functools
 import os
 from pathlib import Path
 from .sampling_params import SamplingParams
 
 # %% auto #0
 __all__ = ['GEMMA_CHAT_TEMPLATE', 'DEFAULT_CHAT_TEMPLATES', 'END_OF_TURN_TOKENS', 'gguf_cache_dir', 'default_chat_template',
-           'load_tokenizer', 'eos_token_ids', 'apply_chat_template', 'IncrementalDetokenizer']
+           'load_tokenizer', 'eos_token_ids', 'apply_chat_template', 'StopMatcher', 'stop_matcher',
+           'IncrementalDetokenizer']
 
 # %% ../nbs/14_tokenizer.ipynb #9508b72c
 def gguf_cache_dir(path: Path, what: str) -> Path:
@@ -102,6 +104,53 @@ def apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
     )
 
+# %% ../nbs/14_tokenizer.ipynb #edfd98a3
+class StopMatcher:
+    "An Aho-Corasick automaton over stop strings: feed text once, learn where the first one ends and the tail to hold back."
+
+    def __init__(self, stops):
+        self.goto, fail, self.out, self.depth = [{}], [0], [None], [0]
+        for s in dict.fromkeys(s for s in stops if s):
+            node = 0
+            for ch in s:
+                if (nxt := self.goto[node].get(ch)) is None:
+                    nxt = len(self.goto)
+                    self.goto[node][ch] = nxt
+                    self.goto.append({})
+                    fail.append(0)
+                    self.out.append(None)
+                    self.depth.append(self.depth[node] + 1)
+                node = nxt
+            self.out[node] = s
+        queue = list(self.goto[0].values())
+        for node in queue:  # breadth first: a node's failure link is shallower, so already final
+            for ch, nxt in self.goto[node].items():
+                f = fail[node]
+                while f and ch not in self.goto[f]:
+                    f = fail[f]
+                fail[nxt] = self.goto[f].get(ch, 0) if node else 0
+                if self.out[nxt] is None:
+                    self.out[nxt] = self.out[fail[nxt]]  # the longest stop string ending here
+                queue.append(nxt)
+        self.fail = fail
+
+    def feed(self, state: int, text: str) -> tuple[int, int, str | None]:
+        "Advance `state` over `text` up to the first stop string that ends in it: `(state, end index, string)`."
+        goto, fail, out = self.goto, self.fail, self.out
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if out[state] is not None:
+                return state, i, out[state]
+        return state, len(text), None
+
+
+@functools.lru_cache(maxsize=256)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    "The automaton of a set of stop strings (cached: a request's samples, and repeated requests, share one)."
+    return StopMatcher(stops)
+
 # %% ../nbs/14_tokenizer.ipynb #2f7dad7c
 class IncrementalDetokenizer:
     "Turns one request's generated tokens into text step by step and detects stop strings."
@@ -111,7 +160,8 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-window:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.output_text = ''
-        self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.stops = stop_matcher(tuple(params.stop)) if params.stop else None
+        self.state = 0  # where the text so far leaves the stop strings' automaton
 
     def _decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
@@ -125,25 +175,26 @@ class IncrementalDetokenizer:
         new = self._decode(self.ids[self.prefix_offset :])
         if len(new) <= len(prefix) or new.endswith('\ufffd'):
             return None
-        start = len(self.output_text)
-        self.output_text += new[len(prefix) :]
+        start, delta = len(self.output_text), new[len(prefix) :]
+        self.output_text += delta
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if not self.params.stop or num_output_tokens < self.params.min_tokens:
+        if self.stops is None:
             return None
-        lo = max(0, start - self.max_stop + 1)
-        hits = [(i, s) for s in self.params.stop if (i := self.output_text.find(s, lo)) >= 0]
-        if not hits:
-            return None
-        i, s = min(hits)
-        self.output_text = self.output_text[: i + len(s) if self.params.include_stop_str_in_output else i]
-        return s
+        check = num_output_tokens >= self.params.min_tokens
+        i = 0
+        while i < len(delta):
+            self.state, j, s = self.stops.feed(self.state, delta[i:])
+            i += j + 1
+            if s is not None and check:
+                end = start + i  # just past the stop string
+                self.output_text = self.output_text[: end if self.params.include_stop_str_in_output else end - len(s)]
+                return s
+        return None
 
     def visible_text(self, finished: bool) -> str:
         "Text safe to show: while running, without a tail that might become a stop string."
         t = self.output_text
-        if finished or not self.params.stop:
+        if finished or self.stops is None:
             return t
-        for n in range(min(self.max_stop - 1, len(t)), 0, -1):
-            if any(s.startswith(t[-n:]) for s in self.params.stop):
-                return t[:-n]
-        return t
+        held = self.stops.depth[self.state]
+        return t[: len(t) - held] if held else t
