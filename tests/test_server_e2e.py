@@ -349,7 +349,6 @@ def test_metrics(server):
         (dict(messages=Q, top_p=5), 'top_p'),  # out of range
         (dict(messages=Q, max_tokens=-1), 'max_tokens'),
         (dict(messages=Q, n=1000), 'n'),  # n too large
-        (dict(messages=Q, model='gpt-4o'), 'model'),  # unknown model
         (dict(messages=[{'role': 'user', 'content': 'hello ' * 1200}]), 'messages'),  # longer than the context
         (
             dict(messages=Q, tools=WEATHER, tool_choice={'type': 'function', 'function': {'name': 'launch_rockets'}}),
@@ -367,13 +366,21 @@ def test_bad_chat_requests(client, kw, param):
     assert_error(400, e.value.response.json(), param)
 
 
+def test_unknown_model_is_not_found(client):
+    "OpenAI's and vLLM's answer to an unknown model: 404, which the openai client raises as NotFoundError."
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model='gpt-4o', messages=Q)
+    assert e.value.response.json()['error']['param'] == 'model'
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model='nope', prompt='hi', max_tokens=4)
+
+
 def test_bad_completion_requests(server, client):
     for kw in (
         dict(prompt='hi ' * 1100),
         dict(prompt=[999999999]),
         dict(prompt=''),
         dict(prompt='hi', logprobs=50),
-        dict(prompt='hi', model='nope'),
         dict(prompt={'text': 'hi'}),
     ):
         with pytest.raises(openai.BadRequestError) as e:

@@ -23,7 +23,7 @@ from .openai.tool_parsers import TOOL_PARSERS
 
 # %% auto #0
 __all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides', 'quantization_from_args', 'parallel_from_args',
-           'configs_from_args', 'main']
+           'configs_from_args', 'main', 'serve']
 
 # %% ../../nbs/78_serve.ipynb #a1b9ea84
 class _Parser(argparse.ArgumentParser):
@@ -176,6 +176,11 @@ def make_parser() -> argparse.ArgumentParser:
         choices=['auto', 'none', *REASONING_TAGS],
         help='split <think> reasoning into reasoning_content (auto: when the chat template uses <think>)',
     )
+    g.add_argument(
+        '--trust-request-chat-template',
+        action='store_true',
+        help="let chat requests bring their own chat_template (rendered in a sandbox, at most 5 s and 64 characters a token of context); off: such requests are a 400 (vLLM's)",
+    )
     g.add_argument('--max-gen-tokens', type=int, help='candle-vllm: cap on generated tokens per request')
     g.add_argument('--max-n', type=int, default=DEFAULT_MAX_N, help='largest n a request may ask for')
     g.add_argument('--max-request-body-bytes', type=int, default=16 << 20, help='larger request bodies get 413')
@@ -184,6 +189,24 @@ def make_parser() -> argparse.ArgumentParser:
         '--uvicorn-log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug', 'trace']
     )
     g.add_argument('--disable-uvicorn-access-log', action='store_true')
+    g.add_argument(
+        '--shutdown-timeout',
+        type=float,
+        default=5,
+        help="on SIGTERM/Ctrl-C, seconds the requests in flight get to finish (new ones get 503) before the rest end with an error event (vLLM's; 0: at once; default: %(default)s)",
+    )
+    g.add_argument(
+        '--engine-iteration-timeout',
+        type=float,
+        default=60,
+        help="/health answers 503 once the engine core has owed a message this many seconds (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; 0: never; default: %(default)s)",
+    )
+    g.add_argument(
+        '--enable-tokenizer-info-endpoint',
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /tokenizer_info (vLLM's; lm-eval's local-completions tokenizes with it; default on)",
+    )
     return p
 
 # %% ../../nbs/78_serve.ipynb #d8d12b7c
@@ -316,6 +339,12 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         device = f'cuda:{ids[0]}' if len(ids) == 1 else 'cuda'
         if len(ids) == 1:
             ids = None  # one GPU: no workers, the engine runs on it
+    for flag, v in (
+        ('--shutdown-timeout', args.shutdown_timeout),
+        ('--engine-iteration-timeout', args.engine_iteration_timeout),
+    ):
+        if v < 0:
+            _refuse(flag, f'must be >= 0, got {v}')
     for flag, v in (('--mem', args.mem), ('--max-gen-tokens', args.max_gen_tokens), ('--threads', args.threads)):
         if v is not None and v < 1:
             _refuse(flag, f'must be >= 1, got {v}')
@@ -361,6 +390,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         max_num_queued_requests=args.max_num_queued_requests,
         scheduling_policy=args.scheduling_policy,
         generation_config=args.generation_config,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     scfg = ServerConfig(
         served_model_names=list(args.served_model_name or []),
@@ -373,6 +403,8 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         max_request_body_bytes=args.max_request_body_bytes,
         torch_profiler_dir=envs.CVLLM_TORCH_PROFILER_DIR or None,
         torch_profiler_record_shapes=envs.CVLLM_TORCH_PROFILER_RECORD_SHAPES,
+        engine_iteration_timeout=args.engine_iteration_timeout or None,
+        tokenizer_info=args.enable_tokenizer_info_endpoint,
     )
     return ecfg, scfg
 
@@ -400,9 +432,7 @@ def main(argv: list[str] | None = None):
 
         LLMEngine(ecfg, progress=False)  # serves rank 0's steps; exits when rank 0 shuts down
         sys.exit(1)  # (not reached)
-    import uvicorn
     from cvllm_lab.engine.async_llm_engine import AsyncLLM
-    from cvllm_lab.entrypoints.openai.api_server import build_app
 
     print(f'cvllm-serve: loading {ecfg.model or "the embedded default model"} ...', file=sys.stderr, flush=True)
     try:
@@ -410,9 +440,22 @@ def main(argv: list[str] | None = None):
     except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f'cvllm-serve: error: {e}', file=sys.stderr)
         sys.exit(1)
-    app = build_app(aengine, scfg)
+    pid = getattr(aengine.client, 'proc', None) and aengine.client.proc.pid
+    print(f'cvllm-serve: the engine core is process {pid}', file=sys.stderr, flush=True)
+    try:  # from here on every way out stops the core (it also dies with this process: 59_core_proc)
+        serve(aengine, scfg, args)
+    finally:
+        aengine.client.shutdown()
+
+
+def serve(aengine, scfg, args):
+    "Build the app and run it under uvicorn, draining on shutdown (`server_ops.Server`)."
+    import uvicorn
+    from cvllm_lab.entrypoints.openai.api_server import build_app
+    from cvllm_lab.entrypoints.openai.server_ops import Server
     from cvllm_lab.engine.core_proc import freeze_gc_heap
 
+    app = build_app(aengine, scfg)
     freeze_gc_heap()  # this process's start-up heap too (59_core_proc)
     srv = app.state.serving
     print(
@@ -421,14 +464,18 @@ def main(argv: list[str] | None = None):
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,  # after the drain: the error events' last bytes
     )
+    try:
+        Server(config, srv, shutdown_timeout=args.shutdown_timeout).run()
+    except KeyboardInterrupt:
+        pass  # uvicorn raises Ctrl-C again once it has shut down: the server is down, nothing to report
 
 # %% ../../nbs/78_serve.ipynb #96d94e30
 if __name__ == '__main__':

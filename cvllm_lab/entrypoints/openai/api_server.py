@@ -15,7 +15,7 @@ from pathlib import Path
 from fastcore.basics import patch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 import cvllm_lab
@@ -33,7 +33,14 @@ from cvllm_lab.entrypoints.openai.protocol import (
     CompletionRequest,
     to_sampling_kwargs,
 )
-from .response_models import ModelCard, ModelList, UsageInfo
+from cvllm_lab.entrypoints.openai.response_models import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
 from cvllm_lab.entrypoints.openai.request_checks import (
     APIKey,
     BodyLimit,
@@ -45,6 +52,7 @@ from .tool_parsers import TOOL_PARSERS
 from .metrics import ServerMetrics
 from .streams import ClientGone
 from .serving_completions import APIError, CompletionHandlers
+from .server_ops import error_responses, stream_responses, tokenizer_info
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
@@ -82,6 +90,8 @@ class ServerConfig:
         None  # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
     )
     torch_profiler_record_shapes: bool = False  # the traces carry each op's input shapes
+    engine_iteration_timeout: float | None = 60  # /health is 503 once the core owes a message this long (None: never)
+    tokenizer_info: bool = True  # serve GET /tokenizer_info (vLLM's, behind --enable-tokenizer-info-endpoint there)
 
 
 class TokenizeRequest(RequestBody):
@@ -132,14 +142,19 @@ class OpenAIServing(CompletionHandlers):
         self.defaults = diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf)
         # no token spells more characters than the longest in the vocabulary, so a longer text can't fit the context
         self.ip = aengine.input_processor  # the engine's one set of input rules and messages (57_input_processor)
+        self.draining = False  # shutting down: new requests get 503 (server_ops.Server)
 
     def check(self, req):
-        "What the request models can't know: the served model names and this server's largest `n`."
+        "What the request models can't know: the served model names, this server's largest `n`, whether it is shutting down."
+        if self.draining:
+            raise APIError('The server is shutting down', 503, 'ServiceUnavailableError')
         if req.model is not None and req.model not in self.model_names:
-            raise APIError(
+            raise APIError(  # vLLM's (and OpenAI's) 404
                 f'The model {req.model!r} does not exist; this server serves {self.model_names}',
+                404,
+                'NotFoundError',
                 param='model',
-                code='model_not_found',
+                code=404,
             )
         if not 1 <= getattr(req, 'n', 1) <= self.max_n:
             raise APIError(f'n must be between 1 and {self.max_n}, got {req.n}', param='n')
@@ -155,6 +170,10 @@ async def _profile_call(aengine: AsyncLLM, fn):
         return await aengine.call(fn)
     except RuntimeError as e:
         raise APIError(str(e)) from None
+
+
+class _InfoKey(APIKey):
+    PATHS = ('/tokenizer_info',)  # the chat template and special tokens: behind the key like /tokenize
 
 
 def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
@@ -175,6 +194,9 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     app.state.serving, app.state.metrics = srv, metrics
     if cfg.api_key:
         app.add_middleware(APIKey, key=cfg.api_key)
+        app.add_middleware(_InfoKey, key=cfg.api_key)
+    key = (401,) if cfg.api_key else ()
+    errors = error_responses(400, *key, 404, 413, 500, 503)  # what the API routes answer (server_ops)
     app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes)
 
     @app.exception_handler(APIError)
@@ -212,15 +234,15 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
         log.exception('Unhandled error on %s', request.url.path)
         return JSONResponse(error_body(f'Internal server error: {e!r}', 'InternalServerError'), 500)
 
-    @app.post('/v1/chat/completions')
+    @app.post('/v1/chat/completions', responses=stream_responses(ChatCompletionResponse, ChatCompletionChunk) | errors)
     async def chat(req: ChatCompletionRequest, request: Request):
         return await srv.chat(req, request)
 
-    @app.post('/v1/completions')
+    @app.post('/v1/completions', responses=stream_responses(CompletionResponse, CompletionResponse) | errors)
     async def completions(req: CompletionRequest, request: Request):
         return await srv.completion(req, request)
 
-    @app.get('/v1/models')
+    @app.get('/v1/models', response_model=ModelList, responses=error_responses(*key))
     async def models():
         return ModelList(
             data=[
@@ -233,27 +255,48 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
             ]
         ).model_dump()
 
-    @app.get('/health')
+    @app.get(
+        '/health',
+        response_class=Response,
+        responses={200: {'description': 'The engine is serving (an empty body)'}} | error_responses(503),
+    )
     async def health():
+        "200 while the engine serves; 503 once its core is gone, has owed a message past `engine_iteration_timeout`, or the server is shutting down."
         if aengine.dead is not None or aengine.loop_stopped:
             return JSONResponse(error_body(f'The engine loop stopped: {aengine.dead!r}', 'ServiceUnavailable'), 503)
+        if srv.draining:
+            return JSONResponse(error_body('The server is shutting down', 'ServiceUnavailable'), 503)
+        silent, limit = aengine.client.unresponsive_for(), cfg.engine_iteration_timeout
+        if limit is not None and silent > limit:
+            msg = f'The engine core has not answered for {silent:.0f} s (--engine-iteration-timeout {limit:g})'
+            return JSONResponse(error_body(msg, 'ServiceUnavailable'), 503)
         return Response(status_code=200)
 
     @app.get('/version')
     async def version():
         return {'version': cvllm_lab.__version__}
 
-    @app.get('/metrics')
+    @app.get('/metrics', response_class=PlainTextResponse, responses={200: {'description': 'Prometheus text format'}})
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post('/tokenize')
+    @app.post('/tokenize', responses=error_responses(400, *key, 404, 413))
     async def tokenize(req: TokenizeRequest):
         return await srv.tokenize(req)
 
-    @app.post('/detokenize')
+    @app.post('/detokenize', responses=error_responses(400, *key, 404, 413))
     async def detokenize(req: DetokenizeRequest):
         return await srv.detokenize(req)
+
+    if cfg.tokenizer_info:
+        info = tokenizer_info(srv.tok, srv.template) if srv.tok is not None else None
+
+        @app.get('/tokenizer_info', responses=error_responses(*key, 404))
+        async def get_tokenizer_info():
+            "vLLM's: the tokenizer's configuration and chat template (lm-eval's `local-completions` tokenizes with it)."
+            if info is None:
+                raise APIError('This server has no tokenizer (skip_tokenizer_init)', 404, 'NotFoundError')
+            return info
 
     if cfg.torch_profiler_dir:  # vLLM's profiling routes (its VLLM_TORCH_PROFILER_DIR): the engine core's steps
 

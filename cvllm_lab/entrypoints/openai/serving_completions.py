@@ -46,7 +46,7 @@ __all__ = ['APIError', 'CompletionHandlers']
 
 # %% ../../../nbs/77a_serving_completions.ipynb #d058818b
 class APIError(Exception):
-    "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code or None; `headers`, e.g. Retry-After)."
+    "An error sent to the client in OpenAI's shape (`code`: OpenAI's string code, vLLM's HTTP status as a number, or None; `headers`, e.g. Retry-After)."
 
     def __init__(
         self,
@@ -54,14 +54,17 @@ class APIError(Exception):
         status: int = 400,
         type: str = 'BadRequestError',
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         headers: dict | None = None,
     ):
         super().__init__(message)
         self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.type, self.param, self.code), self.status, headers=self.headers)
+        body = error_body(str(self), self.type, self.param, self.code)
+        if isinstance(self.code, int):
+            body['error']['code'] = self.code  # vLLM's shape for some errors: the status again (an unknown model: 404)
+        return JSONResponse(body, self.status, headers=self.headers)
 
 
 class CompletionHandlers:
