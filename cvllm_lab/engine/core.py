@@ -189,6 +189,7 @@ class EngineCore:
             cfg.enable_prefix_caching and not slots,
             getattr(self.runner, 'kv_cache_groups', None),
             num_state_slots=slots,
+            seeded_hits=bool(cfg.batch_invariant),  # else a seeded sample could depend on the cache (10)
         )
         # steps are launched ahead only while cfg.async_scheduling holds (read every step)
         self.scheduler = AsyncScheduler(

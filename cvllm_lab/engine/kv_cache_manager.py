@@ -37,8 +37,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         kv_cache_groups: list[KVCacheGroupSpec] | None = None,
         num_state_slots: int | None = None,
+        seeded_hits: bool = True,
     ):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self.seeded_hits = seeded_hits  # False: seeded sampling requests compute their whole prompt (see below)
         self.specs = [g.kv_cache_spec for g in kv_cache_groups] if kv_cache_groups else [FullAttentionSpec()]
         if not self.specs[0].grows:
             raise ValueError('The first KV cache group must be one whose table grows (attention)')
@@ -84,7 +86,9 @@ class KVCacheManager:
 @patch
 def get_computed_blocks(self: KVCacheManager, req: Request) -> tuple[list[list[KVCacheBlock]], int]:
     "Per group, the cached blocks of the longest prefix hit in every group, and how many tokens it covers."
-    if not self.enable_caching or req.sampling_params.prompt_logprobs is not None or self.states:
+    sp = req.sampling_params
+    seeded = sp.seed is not None and not sp.greedy
+    if not self.enable_caching or sp.prompt_logprobs is not None or self.states or (seeded and not self.seeded_hits):
         return [[] for _ in self.specs], 0
     # at least one token must be computed to produce logits, so a full hit drops its last block
     hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]

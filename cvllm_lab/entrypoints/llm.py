@@ -67,8 +67,9 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        "Generate replies to one conversation (a list of messages) or a list of conversations."
+        "Generate replies to one conversation (a list of messages) or a list of conversations; `chat_template`: yours, not the model's."
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         render = (
             self.engine.input_processor.render_chat
@@ -76,7 +77,8 @@ class LLM:
         prompts = [
             dict(
                 zip(
-                    ('prompt', 'prompt_token_ids'), render(c, tools, add_generation_prompt, False, chat_template_kwargs)
+                    ('prompt', 'prompt_token_ids'),
+                    render(c, tools, add_generation_prompt, False, chat_template_kwargs, chat_template, trusted=True),
                 )
             )
             for c in convs
