@@ -1,0 +1,121 @@
+"""Cheap requests that used to cost seconds (issue 49): request-supplied chat templates are refused unless the
+operator trusts them (and bounded even then), huge lists under the body cap are refused by count before anything
+walks them, and none of it slows a neighbour's greedy stream or /health."""
+
+from __future__ import annotations
+import asyncio
+import json
+import time
+import httpx
+import pytest
+
+from _serverproc import ServerProcess
+from test_server_bad_inputs import C, CMPL, JSON, MODEL, Q, STORY, assert_error, serve_has, stream_times
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+LOOP = '{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}'
+
+
+@pytest.fixture(scope='module')
+def server():
+    with ServerProcess('--max-model-len', '1024', '--mem', '64', '--served-model-name', MODEL) as s:
+        yield s
+
+
+def body(**kw) -> bytes:
+    return json.dumps(dict(model=MODEL, messages=Q, max_tokens=4) | kw).encode()
+
+
+@pytest.fixture(scope='module')
+def huge() -> list[tuple[str, bytes, str]]:
+    "(name, body, param): each under the 16 MB body cap, each cost seconds before."
+    return [
+        ('100k stop strings', body(stop=[f'stop{i}' for i in range(100_000)]), 'stop'),
+        ('1.75M stop strings', body(stop=['s'] * 1_750_000), 'stop'),
+        ('350k messages', body(messages=[{'role': 'user', 'content': 'hi'}] * 350_000), 'messages'),
+        ('600k logit_bias keys', body(logit_bias={str(i): 1 for i in range(600_000)}), 'logit_bias'),
+        ('200 tools', body(tools=[{'type': 'function', 'function': {'name': f'f{i}'}} for i in range(200)]), 'tools'),
+        ('a request template', body(chat_template=TEMPLATE), 'chat_template'),
+        ('a request template in kwargs', body(chat_template_kwargs={'chat_template': LOOP}), 'chat_template'),
+        ('a 6 MB template', body(chat_template="{{ 'hello ' * 1000000 }}"), 'chat_template'),
+    ]
+
+
+def test_huge_and_untrusted_requests_are_refused_fast(server, huge):
+    "Each is a 400 in OpenAI's shape naming its field, in well under a second; /health answers meanwhile."
+    for name, b, param in huge:
+        assert len(b) < 16 << 20, (name, len(b))
+        t0 = time.perf_counter()
+        r = httpx.post(server.url + C, content=b, headers=JSON, timeout=60)
+        took = time.perf_counter() - t0
+        assert_error(r, 400, param)
+        print(f'{name}: {len(b) / 1e6:.1f} MB refused in {took * 1e3:.0f} ms: {r.json()["error"]["message"][:100]}')
+        assert took < 1.0, (name, took)
+    msg = httpx.post(server.url + C, content=huge[-1][1], headers=JSON).json()['error']['message']
+    assert '--trust-request-chat-template' in msg, msg
+
+
+def test_neighbour_and_health_undisturbed(server, huge):
+    "A greedy stream gives the same text as alone while all of the above are posted, and /health stays under 1 s."
+    ref = httpx.post(server.url + CMPL, json=STORY, timeout=120).json()['choices'][0]['text']
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            normal = asyncio.ensure_future(stream_times(c, STORY))
+            await asyncio.sleep(0.2)
+            bad = asyncio.gather(*[c.post(C, content=b, headers=JSON) for _, b, _ in huge])
+            health = []
+            while not bad.done():
+                t0 = time.perf_counter()
+                assert (await c.get('/health')).status_code == 200
+                health.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.05)
+            return (await normal)[0], await bad, health
+
+    text, bad, health = asyncio.run(run())
+    for (_, _, param), r in zip(huge, bad):
+        assert_error(r, 400, param)
+    assert text == ref and text, (text, ref)
+    assert health and max(health) < 1.0, health
+
+
+def test_long_message_error_says_characters_and_tokens(server):
+    r = httpx.post(server.url + C, json=dict(model=MODEL, messages=[{'role': 'user', 'content': 'x' * 5_242_880}]))
+    assert_error(r, 400, 'messages')
+    m = r.json()['error']['message']
+    assert m.startswith(
+        "The messages (5242880 characters) can't fit this model's maximum context length of 1024 tokens"
+    )
+    assert 'more than 5242880 tokens' not in m, m
+
+
+@pytest.mark.skipif(
+    not serve_has('--trust-request-chat-template'), reason='cvllm-serve has no --trust-request-chat-template yet'
+)
+def test_trusted_request_template_is_bounded():
+    "With the operator's flag a request's template is used, and a looping or huge one is a 400 within the bound."
+    with ServerProcess(
+        '--max-model-len', '1024', '--mem', '64', '--served-model-name', MODEL, '--trust-request-chat-template'
+    ) as s:
+        r = httpx.post(
+            s.url + '/v1/chat/completions',
+            content=body(chat_template=TEMPLATE, temperature=0),
+            headers=JSON,
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()['usage']['prompt_tokens'] == len(
+            httpx.post(
+                s.url + '/tokenize',
+                json=dict(prompt='user: What is the capital of France?\nassistant:', add_special_tokens=False),
+            ).json()['tokens']
+        )
+        for b, what in (
+            (body(chat_template=LOOP), 'within'),
+            (body(chat_template="{{ 'hello ' * 1000000 }}"), 'longer than'),
+        ):
+            t0 = time.perf_counter()
+            r = httpx.post(s.url + C, content=b, headers=JSON, timeout=60)
+            assert_error(r, 400, 'chat_template')
+            assert what in r.json()['error']['message'] and time.perf_counter() - t0 < 8, r.json()
+        assert httpx.get(s.url + '/health', timeout=1).status_code == 200
