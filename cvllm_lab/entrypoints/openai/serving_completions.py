@@ -83,7 +83,10 @@ class _ChatCtx:
 
 
 @patch
-async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Request) -> Response:
+async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tuple[_ChatCtx, RequestStream, str]:
+    """Check, render, tokenize and add a chat request: what every chat-shaped route starts with (chat completions
+    here, Anthropic's Messages in `anthropic.serving_messages`). Returns the output shaping's context, the request's
+    stream and its id."""
     self.check(req)
     prompt, ids = await asyncio.to_thread(self.render, req)
     forced = req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice)
@@ -101,7 +104,12 @@ async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Re
     procs = await self.logits_processors(req, schema)  # a grammar is built only for a request that passed every check
     reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
     ctx = _ChatCtx(req, prompt, parser, reasoning)
-    stream = await self.add(core_req, prompt, params, procs)
+    return ctx, await self.add(core_req, prompt, params, procs), rid
+
+
+@patch
+async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Request) -> Response:
+    ctx, stream, rid = await self.open_chat(req)
     if req.stream:
         return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
     try:
