@@ -42,7 +42,7 @@ from cvllm_lab.entrypoints.openai.streams import (
 )
 
 # %% auto #0
-__all__ = ['APIError', 'CompletionHandlers']
+__all__ = ['APIError', 'CompletionHandlers', 'ChatCtx', 'DeltaPipe']
 
 # %% ../../../nbs/77a_serving_completions.ipynb #d058818b
 class APIError(Exception):
@@ -73,7 +73,7 @@ class CompletionHandlers:
 
 # %% ../../../nbs/77a_serving_completions.ipynb #cc869a38
 @dataclass
-class _ChatCtx:
+class ChatCtx:
     "What shaping a chat request's output needs."
 
     req: ChatCompletionRequest
@@ -83,7 +83,7 @@ class _ChatCtx:
 
 
 @patch
-async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tuple[_ChatCtx, RequestStream, str]:
+async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tuple[ChatCtx, RequestStream, str]:
     """Check, render, tokenize and add a chat request: what every chat-shaped route starts with (chat completions
     here, Anthropic's Messages in `anthropic.serving_messages`). Returns the output shaping's context, the request's
     stream and its id."""
@@ -103,7 +103,7 @@ async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tup
     )
     procs = await self.logits_processors(req, schema)  # a grammar is built only for a request that passed every check
     reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
-    ctx = _ChatCtx(req, prompt, parser, reasoning)
+    ctx = ChatCtx(req, prompt, parser, reasoning)
     return ctx, await self.add(core_req, prompt, params, procs), rid
 
 
@@ -139,7 +139,7 @@ def chat_logprobs(self: CompletionHandlers, token_ids, lps, k) -> ChatLogprobs:
 
 
 @patch
-def chat_choice(self: CompletionHandlers, ctx: _ChatCtx, o: CompletionOutput) -> ChatChoice:
+def chat_choice(self: CompletionHandlers, ctx: ChatCtx, o: CompletionOutput) -> ChatChoice:
     reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
     calls = []
     if ctx.tool_parser is not None:
@@ -154,10 +154,10 @@ def chat_choice(self: CompletionHandlers, ctx: _ChatCtx, o: CompletionOutput) ->
     )
 
 # %% ../../../nbs/77a_serving_completions.ipynb #0b8b0b43
-class _DeltaPipe:
+class DeltaPipe:
     "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup."
 
-    def __init__(self, ctx: _ChatCtx):
+    def __init__(self, ctx: ChatCtx):
         self.r = ctx.reasoning.stream() if ctx.reasoning else None
         self.t = ctx.tool_parser.stream() if ctx.tool_parser else None
 
@@ -179,9 +179,9 @@ class _DeltaPipe:
 
 
 @patch
-async def chat_events(self: CompletionHandlers, ctx: _ChatCtx, stream: RequestStream, rid: str):
+async def chat_events(self: CompletionHandlers, ctx: ChatCtx, stream: RequestStream, rid: str):
     req, created, n = ctx.req, int(time.time()), ctx.req.n
-    pipes, n_text, n_tok, done = [_DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
+    pipes, n_text, n_tok, done = [DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
     usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     out = None
 
