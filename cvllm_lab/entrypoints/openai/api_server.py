@@ -52,6 +52,7 @@ from .tool_parsers import TOOL_PARSERS
 from .metrics import ServerMetrics
 from .streams import ClientGone
 from .serving_completions import APIError, CompletionHandlers
+from ..anthropic.serving_messages import add_messages_routes
 from .server_ops import error_responses, stream_responses, tokenizer_info
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
@@ -241,6 +242,8 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     @app.post('/v1/completions', responses=stream_responses(CompletionResponse, CompletionResponse) | errors)
     async def completions(req: CompletionRequest, request: Request):
         return await srv.completion(req, request)
+
+    add_messages_routes(app, srv)  # Anthropic's Messages API over the same chat path (`anthropic.serving_messages`)
 
     @app.get('/v1/models', response_model=ModelList, responses=error_responses(*key))
     async def models():
