@@ -119,3 +119,57 @@ def test_trusted_request_template_is_bounded():
             assert_error(r, 400, 'chat_template')
             assert what in r.json()['error']['message'] and time.perf_counter() - t0 < 8, r.json()
         assert httpx.get(s.url + '/health', timeout=1).status_code == 200
+
+
+def test_stop_strings_do_not_slow_a_neighbour(server):
+    "Four requests with the most stop strings allowed (128 of 128 characters) cost a greedy neighbour no more per token than four without."
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    many = [''.join(rng.choice('abcdefghijklmnopqrstuvwxyz ') for _ in range(125)) + f'{i:03d}' for i in range(128)]
+    other = STORY | dict(prompt='The history of the city begins', max_tokens=40)
+
+    async def gaps(stop):
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            others = [asyncio.ensure_future(c.post(CMPL, json=other | dict(stop=stop))) for _ in range(4)]
+            await asyncio.sleep(0.3)  # they are running
+            text, times = await stream_times(c, STORY | dict(max_tokens=30))
+            for r in await asyncio.gather(*others):
+                assert r.status_code == 200, r.text
+            return text, statistics.median(b - a for a, b in zip(times, times[1:]))
+
+    base_text, base = asyncio.run(gaps(None))
+    text, with_stops = asyncio.run(gaps(many))
+    print(
+        f'neighbour step: {base * 1e3:.1f} ms beside 4 plain requests, {with_stops * 1e3:.1f} ms beside 4 with 128 stop strings'
+    )
+    assert text == base_text
+    assert with_stops < 1.25 * base + 0.01, (base, with_stops)
+
+
+def test_stop_string_flood_does_not_delay_a_neighbour(server):
+    "While 100k-stop-string bodies are posted and refused, a greedy stream's tokens keep arriving about one step apart."
+    import statistics
+
+    flood = body(stop=[f'stop{i}' for i in range(100_000)])
+    stream_body = STORY | dict(max_tokens=60)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            _, alone = await stream_times(c, stream_body)
+            task = asyncio.ensure_future(stream_times(c, stream_body))
+            await asyncio.sleep(0.3)
+            t0 = time.perf_counter()
+            rs = [await c.post(C, content=flood, headers=JSON) for _ in range(6)]
+            t1 = time.perf_counter()
+            return alone, (await task)[1], rs, (t0, t1)
+
+    alone, times, rs, (t0, t1) = asyncio.run(run())
+    for r in rs:
+        assert_error(r, 400, 'stop')
+    step = statistics.median(b - a for a, b in zip(alone, alone[1:]))
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+    assert gaps, 'the flood did not overlap the stream'
+    print(f'step {step * 1e3:.1f} ms; largest gap during the flood {max(gaps) * 1e3:.1f} ms')
+    assert max(gaps) < 2 * step + 0.05, (max(gaps), step)
