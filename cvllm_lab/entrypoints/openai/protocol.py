@@ -25,7 +25,7 @@ from cvllm_lab.entrypoints.openai.request_checks import (
 )
 
 # %% auto #0
-__all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS',
+__all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS', 'MAX_PROMPTS',
            'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam', 'FunctionDef',
            'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions',
            'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
@@ -173,6 +173,7 @@ _GUIDED = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar')
 MAX_STOP, MAX_STOP_CHARS = 128, 16384  # stop strings: count, and characters in all
 MAX_VOCAB = 300_000  # logit_bias keys, stop_token_ids, allowed_token_ids: more than any served vocabulary
 MAX_MESSAGES, MAX_TOOLS = 2048, 128  # a chat request's messages and tools (OpenAI documents 128 tools)
+MAX_PROMPTS = 2048  # a completions request's batch of prompts (the server's own limit, prompts x n, is lower)
 
 
 class _SamplingRequest(RequestBody):
@@ -361,6 +362,8 @@ def _is_ids(x) -> bool:  # token ids: ints (not bools) in [0, 2**63), checked at
 
 class CompletionRequest(_SamplingRequest):
     "Body of `POST /v1/completions`."
+
+    MAX_BATCH: ClassVar[dict] = {'prompt': MAX_PROMPTS}
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         union_mode='left_to_right'

@@ -67,8 +67,14 @@ def find_lone_surrogate(x, loc: tuple = ()) -> tuple | None:
     return None
 
 
-def check_sizes(data: dict, max_items: dict, max_chars: dict):
-    "Refuse a field of `data` with more items than `max_items` or more characters than `max_chars` allow (cheap: `len`)."
+def check_sizes(data: dict, max_items: dict, max_chars: dict, max_batch: dict | None = None):
+    """Refuse a field of `data` with more items than `max_items` or more characters than `max_chars` allow (cheap:
+    `len`); `max_batch`: fields that hold one prompt or a batch of them, whose batch (a list of texts or of token-id
+    lists, not a flat token-id list) is held to a count."""
+    for k, mx in (max_batch or {}).items():
+        v = data.get(k)
+        if isinstance(v, list) and len(v) > mx and isinstance(v[0], (str, list)):
+            fail((k,), f'too many prompts: at most {mx} in one request, got {len(v)}')
     for k, mx in max_items.items():
         v = data.get(k)
         if isinstance(v, (list, dict)) and len(v) > mx:
@@ -87,13 +93,14 @@ class RequestBody(OpenAIBaseModel):
     UNSUPPORTED: ClassVar[dict] = {}  # field -> the values that ask for the default (and are accepted)
     MAX_ITEMS: ClassVar[dict] = {}  # field -> the most items (a list) or keys (an object) it may hold
     MAX_CHARS: ClassVar[dict] = {}  # field -> the most characters its string(s) may hold in all
+    MAX_BATCH: ClassVar[dict] = {}  # field -> the most prompts a batch in it may hold (`check_sizes`)
 
     @model_validator(mode='before')
     @classmethod
     def _check_body(cls, data):
         if not isinstance(data, dict):
             return data
-        check_sizes(data, cls.MAX_ITEMS, cls.MAX_CHARS)
+        check_sizes(data, cls.MAX_ITEMS, cls.MAX_CHARS, cls.MAX_BATCH)
         if (loc := find_lone_surrogate(data)) is not None:
             fail(loc, 'contains a lone UTF-16 surrogate, which is not valid Unicode text')
         for k, ok in cls.UNSUPPORTED.items():
