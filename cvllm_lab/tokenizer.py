@@ -146,7 +146,7 @@ class StopMatcher:
         return state, len(text), None
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)  # the largest set the server takes (128 x 128 characters) is ~4 MB of nodes
 def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
     "The automaton of a set of stop strings (cached: a request's samples, and repeated requests, share one)."
     return StopMatcher(stops)
