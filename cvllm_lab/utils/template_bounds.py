@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # %% auto #0
@@ -34,13 +35,24 @@ class RenderBounds:
 _WIDTH = re.compile(r'\d+')
 
 
+class _Generation(jinja2.ext.Extension):
+    "`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): its body, as is."
+
+    tags = {'generation'}
+
+    def parse(self, parser):
+        next(parser.stream)
+        body = parser.parse_statements(['name:endgeneration'], drop_needle=True)
+        return jinja2.nodes.Scope(body)
+
+
 class _BoundedEnv(ImmutableSandboxedEnvironment):
     "The sandbox with size checks on the operators that can build a huge value in one C call."
 
     intercepted_binops = frozenset(['*', '**', '%'])
 
     def __init__(self, max_chars: int):
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=['jinja2.ext.loopcontrols'])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=['jinja2.ext.loopcontrols', _Generation])
         self.max_chars = max_chars
         self.filters['tojson'] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
             json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
