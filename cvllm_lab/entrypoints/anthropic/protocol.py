@@ -194,7 +194,9 @@ def _user(m: MessageParam) -> list[dict]:
         elif b.type == 'tool_result':
             flush()
             body = _text(b.content)
-            out.append({'role': 'tool', 'tool_call_id': b.tool_use_id, 'content': f'Error: {body}' if b.is_error else body})
+            out.append(
+                {'role': 'tool', 'tool_call_id': b.tool_use_id, 'content': f'Error: {body}' if b.is_error else body}
+            )
         elif b.type == 'image':
             raise MessagesError('image content needs a vision model; the served model takes text only')
         else:

@@ -116,7 +116,9 @@ class _Blocks:
     def open(self, kind: str, block, tool: int | None = None) -> list[str]:
         out = self.close()
         self.index, self.kind, self.tool = self.index + 1, kind, tool
-        return out + [event(RawContentBlockStartEvent(type='content_block_start', index=self.index, content_block=block))]
+        return out + [
+            event(RawContentBlockStartEvent(type='content_block_start', index=self.index, content_block=block))
+        ]
 
     def close(self) -> list[str]:
         if self.kind is None:
@@ -190,7 +192,9 @@ async def message_events(srv, ctx: ChatCtx, stream: RequestStream, model: str):
     except Exception as e:
         if not isinstance(e, EngineError):
             log.exception('Messages stream failed')
-        err = as_messages_error(e) if isinstance(e, EngineError) else MessagesError(f'Internal server error: {e!r}', 500)
+        err = (
+            as_messages_error(e) if isinstance(e, EngineError) else MessagesError(f'Internal server error: {e!r}', 500)
+        )
         yield f'event: error\ndata: {json.dumps(err.body())}\n\n'
 
 # %% ../../../nbs/77c_serving_messages.ipynb #e142671f
@@ -208,14 +212,21 @@ async def count_tokens(srv, request: Request):
 # %% ../../../nbs/77c_serving_messages.ipynb #00632bf0
 MESSAGES_ERRORS = {
     s: {'description': t, 'content': {'application/json': {'example': anthropic_error_body('...', s)}}}
-    for s, t in ((400, 'invalid_request_error'), (404, 'not_found_error'), (413, 'request_too_large'), (503, 'overloaded_error'))
+    for s, t in (
+        (400, 'invalid_request_error'),
+        (404, 'not_found_error'),
+        (413, 'request_too_large'),
+        (503, 'overloaded_error'),
+    )
 }
 
 
 def add_messages_routes(app: FastAPI, srv) -> None:
     "Anthropic's Messages routes on `app`, served by `srv` (an `OpenAIServing`)."
 
-    @app.post('/v1/messages', responses={200: {'description': "A Message, or Anthropic's event stream"}} | MESSAGES_ERRORS)
+    @app.post(
+        '/v1/messages', responses={200: {'description': "A Message, or Anthropic's event stream"}} | MESSAGES_ERRORS
+    )
     async def messages(request: Request):
         return await create_message(srv, request)
 
