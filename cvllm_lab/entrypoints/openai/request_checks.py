@@ -206,21 +206,28 @@ class BodyLimit:
 
 # %% ../../../nbs/69_request_checks.ipynb #5ddd1929
 class APIKey:
-    "ASGI middleware: `Authorization: Bearer <key>` on the API and profiling routes (not /health, /metrics, the UI)."
+    """ASGI middleware: the API key on the API and profiling routes (not /health, /metrics, the UI), as
+    `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key: <key>`. Anthropic's routes
+    (`/v1/messages`) answer a missing key in Anthropic's error shape."""
 
     PATHS = ('/v1', '/tokenize', '/detokenize', '/start_profile', '/stop_profile')
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
+    def allowed(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b'authorization', b'').partition(b' ')
+        if scheme.lower() == b'bearer' and hmac.compare_digest(token.strip(), self.key):
+            return True
+        return hmac.compare_digest(headers.get(b'x-api-key', b'').strip(), self.key)
+
     async def __call__(self, scope, receive, send):
         if scope['type'] == 'http' and scope['method'] != 'OPTIONS' and scope['path'].startswith(self.PATHS):
-            scheme, _, token = dict(scope['headers']).get(b'authorization', b'').partition(b' ')
-            if scheme.lower() != b'bearer' or not hmac.compare_digest(token.strip(), self.key):
-                body = error_body(
-                    'Invalid or missing API key (send "Authorization: Bearer <key>")',
-                    'AuthenticationError',
-                    code='invalid_api_key',
-                )
+            if not self.allowed(dict(scope['headers'])):
+                msg = 'Invalid or missing API key (send "Authorization: Bearer <key>" or "x-api-key: <key>")'
+                if scope['path'].startswith('/v1/messages'):
+                    body = {'type': 'error', 'error': {'type': 'authentication_error', 'message': msg}}
+                else:
+                    body = error_body(msg, 'AuthenticationError', code='invalid_api_key')
                 return await JSONResponse(body, 401)(scope, receive, send)
         await self.app(scope, receive, send)
