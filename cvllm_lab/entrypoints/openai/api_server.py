@@ -11,6 +11,7 @@ import asyncio
 import logging
 from functools import partial
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 from fastcore.basics import patch
 from fastapi import FastAPI, Request
@@ -32,6 +33,7 @@ from cvllm_lab.entrypoints.openai.protocol import (
     ChatMessageParam,
     CompletionRequest,
     to_sampling_kwargs,
+    MAX_MESSAGES,
 )
 from cvllm_lab.entrypoints.openai.response_models import (
     ChatCompletionChunk,
@@ -96,6 +98,7 @@ class ServerConfig:
 
 
 class TokenizeRequest(RequestBody):
+    MAX_ITEMS: ClassVar[dict] = {'messages': MAX_MESSAGES}  # as a chat request's, checked before the body is walked
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
@@ -441,6 +444,11 @@ async def tokenize(self: OpenAIServing, req: TokenizeRequest):
     self.check(req)
     if (req.prompt is None) == (req.messages is None):
         raise APIError('Give exactly one of prompt and messages', param='prompt')
+    what = 'prompt' if req.prompt is not None else 'messages'
+    try:  # the cheap limit before any templating or tokenizing, as for chat
+        self.ip.check_chars(len(req.prompt) if req.prompt is not None else sum(len(m.text) for m in req.messages), what)
+    except InputError as e:
+        raise self.input_error(e, what) from None
     return await asyncio.to_thread(self._tokenize, req)
 
 
