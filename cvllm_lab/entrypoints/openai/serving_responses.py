@@ -51,7 +51,8 @@ from .serving_completions import APIError, ChatCtx, DeltaPipe
 from .streams import SSEResponse, last_output, log, unless_disconnected
 
 # %% auto #0
-__all__ = ['ResponseStore', 'history_of', 'conversation', 'create_response', 'event', 'response_events', 'add_responses_routes']
+__all__ = ['ResponseStore', 'history_of', 'conversation', 'reasoning_tokens', 'create_response', 'event', 'response_events',
+           'add_responses_routes']
 
 # %% ../../../nbs/77d_serving_responses.ipynb #52a49b8a
 class ResponseStore:
@@ -101,6 +102,11 @@ def conversation(history: list[dict], req: ResponsesRequest, resp: Response) -> 
     return history + input_messages(req.input) + input_messages([i.model_dump(mode='json') for i in resp.output])
 
 
+def reasoning_tokens(srv, text: str | None) -> int:
+    "The reasoning's length in tokens (its text encoded again: the engine keeps no per-token split)."
+    return len(srv.tok.encode(text, add_special_tokens=False)) if text else 0
+
+
 def _wire(resp: Response) -> dict:
     return resp.model_dump(mode='json', exclude_unset=True)
 
@@ -111,7 +117,7 @@ async def create_response(srv, store: ResponseStore, req: ResponsesRequest, requ
     ctx, stream, _ = await srv.open_chat(to_chat_request(req, history))
     rid, created, model = random_id('resp_', 48), time.time(), req.model or srv.model_name
     if req.stream:
-        events = response_events(ctx, stream, req, rid, model, created, store, history)
+        events = response_events(srv, ctx, stream, req, rid, model, created, store, history)
         return SSEResponse(events, on_close=stream.close)
     try:
         out = await unless_disconnected(request, last_output(stream))
@@ -120,7 +126,8 @@ async def create_response(srv, store: ResponseStore, req: ResponsesRequest, requ
     o = out.outputs[0]
     m = srv.chat_choice(ctx, o).message
     items = output_items(m.reasoning_content, m.content, m.tool_calls or [], status_of(o))
-    usage = response_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
+    n_think = reasoning_tokens(srv, m.reasoning_content)
+    usage = response_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens, n_think)
     resp = make_response(req, rid, model, created, items, status_of(o), usage)
     if req.store:
         store.put(resp, conversation(history, req, resp))
@@ -150,24 +157,52 @@ class _Items:
         out = self.close()
         self.items.append(item)
         self.kind, self.tool, self.text = kind, tool, ''
-        out.append(self.ev(ResponseOutputItemAddedEvent, type='response.output_item.added', item=item,
-                           output_index=len(self.items) - 1))
+        out.append(
+            self.ev(
+                ResponseOutputItemAddedEvent,
+                type='response.output_item.added',
+                item=item,
+                output_index=len(self.items) - 1,
+            )
+        )
         if kind == 'message':
             part = ResponseOutputText(type='output_text', text='', annotations=[], logprobs=[])
-            out.append(self.ev(ResponseContentPartAddedEvent, type='response.content_part.added', content_index=0,
-                               part=part, **self.at))
+            out.append(
+                self.ev(
+                    ResponseContentPartAddedEvent,
+                    type='response.content_part.added',
+                    content_index=0,
+                    part=part,
+                    **self.at,
+                )
+            )
         return out
 
     def delta(self, piece: str) -> str:
         self.text += piece
         if self.kind == 'message':
-            return self.ev(ResponseTextDeltaEvent, type='response.output_text.delta', content_index=0, delta=piece,
-                           logprobs=[], **self.at)
+            return self.ev(
+                ResponseTextDeltaEvent,
+                type='response.output_text.delta',
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+                **self.at,
+            )
         if self.kind == 'reasoning':
-            return self.ev(ResponseReasoningTextDeltaEvent, type='response.reasoning_text.delta', content_index=0,
-                           delta=piece, **self.at)
-        return self.ev(ResponseFunctionCallArgumentsDeltaEvent, type='response.function_call_arguments.delta',
-                       delta=piece, **self.at)
+            return self.ev(
+                ResponseReasoningTextDeltaEvent,
+                type='response.reasoning_text.delta',
+                content_index=0,
+                delta=piece,
+                **self.at,
+            )
+        return self.ev(
+            ResponseFunctionCallArgumentsDeltaEvent,
+            type='response.function_call_arguments.delta',
+            delta=piece,
+            **self.at,
+        )
 
     def close(self, status: str = 'completed') -> list[str]:
         "The events that finish the open item (its full text in place)."
@@ -177,23 +212,57 @@ class _Items:
         self.kind = None
         if kind == 'message':
             part = ResponseOutputText(type='output_text', text=self.text, annotations=[], logprobs=[])
-            out.append(self.ev(ResponseTextDoneEvent, type='response.output_text.done', content_index=0,
-                               text=self.text, logprobs=[], **self.at))
-            out.append(self.ev(ResponseContentPartDoneEvent, type='response.content_part.done', content_index=0,
-                               part=part, **self.at))
+            out.append(
+                self.ev(
+                    ResponseTextDoneEvent,
+                    type='response.output_text.done',
+                    content_index=0,
+                    text=self.text,
+                    logprobs=[],
+                    **self.at,
+                )
+            )
+            out.append(
+                self.ev(
+                    ResponseContentPartDoneEvent,
+                    type='response.content_part.done',
+                    content_index=0,
+                    part=part,
+                    **self.at,
+                )
+            )
             item = item.model_copy(update={'content': [part], 'status': status})
         elif kind == 'reasoning':
-            out.append(self.ev(ResponseReasoningTextDoneEvent, type='response.reasoning_text.done', content_index=0,
-                               text=self.text, **self.at))
+            out.append(
+                self.ev(
+                    ResponseReasoningTextDoneEvent,
+                    type='response.reasoning_text.done',
+                    content_index=0,
+                    text=self.text,
+                    **self.at,
+                )
+            )
             rs = ReasoningText(type='reasoning_text', text=self.text)
             item = item.model_copy(update={'content': [rs], 'status': status})
         else:
-            out.append(self.ev(ResponseFunctionCallArgumentsDoneEvent, type='response.function_call_arguments.done',
-                               arguments=self.text, **self.at))
+            out.append(
+                self.ev(
+                    ResponseFunctionCallArgumentsDoneEvent,
+                    type='response.function_call_arguments.done',
+                    arguments=self.text,
+                    **self.at,
+                )
+            )
             item = item.model_copy(update={'arguments': self.text, 'status': status})
         self.items[-1] = item
-        out.append(self.ev(ResponseOutputItemDoneEvent, type='response.output_item.done', item=item,
-                           output_index=len(self.items) - 1))
+        out.append(
+            self.ev(
+                ResponseOutputItemDoneEvent,
+                type='response.output_item.done',
+                item=item,
+                output_index=len(self.items) - 1,
+            )
+        )
         return out
 
 
@@ -202,29 +271,47 @@ def _deltas(items: _Items, d) -> list[str]:
     out = []
     if d.reasoning_content:
         if items.kind != 'reasoning':
-            out += items.open('reasoning', ResponseReasoningItem(id=random_id('rs_', 24), type='reasoning', summary=[],
-                                                                 content=[], status='in_progress'))
+            out += items.open(
+                'reasoning',
+                ResponseReasoningItem(
+                    id=random_id('rs_', 24), type='reasoning', summary=[], content=[], status='in_progress'
+                ),
+            )
         out.append(items.delta(d.reasoning_content))
     if d.content:
         if items.kind != 'message':
-            msg = ResponseOutputMessage(id=random_id('msg_', 24), type='message', role='assistant',
-                                        status='in_progress', content=[])
+            msg = ResponseOutputMessage(
+                id=random_id('msg_', 24), type='message', role='assistant', status='in_progress', content=[]
+            )
             out += items.open('message', msg)
         out.append(items.delta(d.content))
     for c in d.tool_calls or []:
         if items.kind != 'function_call' or items.tool != c.index:
-            fc = ResponseFunctionToolCall(id=random_id('fc_', 24), type='function_call',
-                                          call_id=c.id or random_id('call_', 24),
-                                          name=(c.function.name if c.function else None) or '', arguments='',
-                                          status='in_progress')
+            fc = ResponseFunctionToolCall(
+                id=random_id('fc_', 24),
+                type='function_call',
+                call_id=c.id or random_id('call_', 24),
+                name=(c.function.name if c.function else None) or '',
+                arguments='',
+                status='in_progress',
+            )
             out += items.open('function_call', fc, c.index)
         if c.function and c.function.arguments:
             out.append(items.delta(c.function.arguments))
     return out
 
 
-async def response_events(ctx: ChatCtx, stream: RequestStream, req: ResponsesRequest, rid: str, model: str,
-                          created: float, store: ResponseStore, history: list[dict]):
+async def response_events(
+    srv,
+    ctx: ChatCtx,
+    stream: RequestStream,
+    req: ResponsesRequest,
+    rid: str,
+    model: str,
+    created: float,
+    store: ResponseStore,
+    history: list[dict],
+):
     "The Responses API's events of one request."
     items, pipe, o, n_text = _Items(), DeltaPipe(ctx), None, 0
     try:
@@ -242,7 +329,9 @@ async def response_events(ctx: ChatCtx, stream: RequestStream, req: ResponsesReq
         status = status_of(o)
         for e in items.close(status):
             yield e
-        usage = response_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
+        think = ''.join(i.content[0].text for i in items.items if i.type == 'reasoning')
+        n_think = reasoning_tokens(srv, think)
+        usage = response_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens, n_think)
         resp = make_response(req, rid, model, created, items.items, status, usage)
         if req.store:
             store.put(resp, conversation(history, req, resp))
@@ -252,12 +341,16 @@ async def response_events(ctx: ChatCtx, stream: RequestStream, req: ResponsesReq
     except Exception as e:
         if not isinstance(e, EngineError):
             log.exception('Responses stream failed')
-        err = {'type': 'error', 'sequence_number': items.seq, 'message': str(e) if isinstance(e, EngineError)
-               else f'Internal server error: {e!r}', 'param': None,
-               'code': 'service_unavailable' if isinstance(e, EngineDeadError) else 'server_error'}
+        err = {
+            'type': 'error',
+            'sequence_number': items.seq,
+            'message': str(e) if isinstance(e, EngineError) else f'Internal server error: {e!r}',
+            'param': None,
+            'code': 'service_unavailable' if isinstance(e, EngineDeadError) else 'server_error',
+        }
         yield f'event: error\ndata: {json.dumps(err)}\n\n'
 
-# %% ../../../nbs/77d_serving_responses.ipynb #fa52bad5
+# %% ../../../nbs/77d_serving_responses.ipynb #2f7a6865
 def add_responses_routes(app: FastAPI, srv, store: ResponseStore | None = None) -> None:
     "OpenAI's Responses routes on `app`, served by `srv` (an `OpenAIServing`); responses kept in `store`."
     store = app.state.responses = store or ResponseStore()
