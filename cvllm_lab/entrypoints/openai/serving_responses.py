@@ -47,6 +47,7 @@ from cvllm_lab.entrypoints.openai.responses_protocol import (
     status_of,
     to_chat_request,
 )
+from .server_ops import ErrorResponse, error_responses
 from .serving_completions import APIError, ChatCtx, DeltaPipe
 from .streams import SSEResponse, last_output, log, unless_disconnected
 
@@ -354,9 +355,11 @@ async def response_events(
 def add_responses_routes(app: FastAPI, srv, store: ResponseStore | None = None) -> None:
     "OpenAI's Responses routes on `app`, served by `srv` (an `OpenAIServing`); responses kept in `store`."
     store = app.state.responses = store or ResponseStore()
-    missing = {404: {'description': 'NotFoundError: no stored response with this id'}}
+    missing = {404: {'model': ErrorResponse, 'description': 'No stored response has this id (or it expired)'}}
+    ok = {200: {'description': "A `Response`; with `stream: true`, the Responses API's server-sent events",
+                'content': {'text/event-stream': {'schema': {'type': 'string'}}}}}
 
-    @app.post('/v1/responses', responses={200: {'description': "A Response, or the Responses API's event stream"}})
+    @app.post('/v1/responses', responses=ok | error_responses(400, 404, 413, 500, 503))
     async def responses(req: ResponsesRequest, request: Request):
         return await create_response(srv, store, req, request)
 
