@@ -24,6 +24,7 @@ from openai.types.responses import (
 from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_reasoning_item import Content as ReasoningText
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from openai.types.shared import Reasoning
 from pydantic import Field, ValidationError
 
 from ...engine.output_processor import CompletionOutput
@@ -51,7 +52,7 @@ class ResponsesRequest(RequestBody):
     tool_choice: Literal['none', 'auto', 'required'] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: ResponseTextConfig | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -176,8 +177,8 @@ def to_chat_request(req: ResponsesRequest, history: list[dict] = ()) -> ChatComp
             body[k] = v
     if req.tools:
         body['tools'] = _tools(req.tools)
-    if req.reasoning and req.reasoning.get('effort') is not None:
-        body['chat_template_kwargs'] = {'enable_thinking': req.reasoning['effort'] != 'none'}
+    if req.reasoning and req.reasoning.effort is not None:
+        body['chat_template_kwargs'] = {'enable_thinking': req.reasoning.effort != 'none'}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
