@@ -351,13 +351,17 @@ async def response_events(
         }
         yield f'event: error\ndata: {json.dumps(err)}\n\n'
 
-# %% ../../../nbs/77d_serving_responses.ipynb #2f7a6865
+# %% ../../../nbs/77d_serving_responses.ipynb #384ffcc8
 def add_responses_routes(app: FastAPI, srv, store: ResponseStore | None = None) -> None:
     "OpenAI's Responses routes on `app`, served by `srv` (an `OpenAIServing`); responses kept in `store`."
     store = app.state.responses = store or ResponseStore()
     missing = {404: {'model': ErrorResponse, 'description': 'No stored response has this id (or it expired)'}}
-    ok = {200: {'description': "A `Response`; with `stream: true`, the Responses API's server-sent events",
-                'content': {'text/event-stream': {'schema': {'type': 'string'}}}}}
+    ok = {
+        200: {
+            'description': "A `Response`; with `stream: true`, the Responses API's server-sent events",
+            'content': {'text/event-stream': {'schema': {'type': 'string'}}},
+        }
+    }
 
     @app.post('/v1/responses', responses=ok | error_responses(400, 404, 413, 500, 503))
     async def responses(req: ResponsesRequest, request: Request):
