@@ -21,7 +21,8 @@ from ..config import get_current_engine_config
 __all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'CUDNN_PLAN_AFTER', 'cudnn_plan_after', 'cudnn_shape_steps',
            'get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention',
            'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split', 'dense_prefill_len',
-           'cudnn_shape_ready', 'cudnn_prefill_run', 'cudnn_plans_at_once', 'cudnn_prefill_attention']
+           'cudnn_shape_ready', 'cudnn_prefill_run', 'cudnn_plans_at_once', 'cudnn_prefill_attention',
+           'EncoderOnlyAttention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -136,9 +137,12 @@ class Attention(nn.Module):
         return o.reshape(T, self.num_heads * self.head_dim)
 
 # %% ../../nbs/22_attention.ipynb #8cfc21d8
-def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None):
+def varlen_attention_ref(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None, causal=True
+):
     """Causal attention of each packed sequence's queries over its keys (`cu_seqlens_*` bounds, GQA), the mask aligned
-    bottom-right (a sequence's last query sees all its keys): `flash_varlen_attention`'s reference."""
+    bottom-right (a sequence's last query sees all its keys): `flash_varlen_attention`'s reference. `causal=False`:
+    every query sees every key of its sequence (an encoder's bidirectional attention)."""
     out, G = torch.empty_like(q), q.shape[1] // k.shape[1]
     for a, b, ka, kb in zip(
         cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist()
@@ -147,7 +151,7 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             torch.arange(b - a, device=q.device)[:, None] + (kb - ka) - (b - a),
             torch.arange(kb - ka, device=q.device),
         )
-        mask = j <= i
+        mask = j <= i if causal else torch.ones(len(i), len(j), dtype=torch.bool, device=q.device)
         if sliding_window:
             mask &= j > i - sliding_window
         qs, ks, vs = q[a:b].transpose(0, 1).float(), k[ka:kb].transpose(0, 1).float(), v[ka:kb].transpose(0, 1).float()
@@ -158,12 +162,14 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return out
 
 
-def flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None):
-    """PyTorch's FlashAttention-2 varlen forward: causal (aligned bottom-right), GQA, optional sliding window;
-    `q` `[total_q, H, D]`, `k`/`v` `[total_k, Hkv, D]`."""
+def flash_varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None, causal=True
+):
+    """PyTorch's FlashAttention-2 varlen forward: causal (aligned bottom-right) unless `causal=False`, GQA, optional
+    sliding window (causal only); `q` `[total_q, H, D]`, `k`/`v` `[total_k, Hkv, D]`."""
     w = dict(window_size_left=sliding_window - 1, window_size_right=0) if sliding_window else {}
     return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False, scale=scale, **w
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale, **w
     )[0]
 
 
@@ -347,3 +353,31 @@ def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: i
         **kw,
     )
     return out
+
+# %% ../../nbs/22_attention.ipynb #dec0d1d4
+class EncoderOnlyAttention(nn.Module):
+    """Bidirectional attention within each sequence of the step, over the step's own K/V rows (no KV cache): an
+    encoder's self-attention. Reads `query_start_loc` and `max_query_len` from the forward context."""
+
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None, backend: str = 'torch'
+    ):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.backend = backend
+
+    def forward(self, q, k, v):
+        "`q` `[T, H * D]`, `k`/`v` `[T, Hkv * D]` -> `[T, H * D]`."
+        ctx = get_forward_context()
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        cu, m = ctx.query_start_loc, ctx.max_query_len
+        fn = (
+            flash_varlen_attention
+            if self.backend == 'triton' and flash_attention_available(q)
+            else varlen_attention_ref
+        )
+        return fn(q, k, v, cu, cu, m, m, self.scale, causal=False).reshape(T, self.num_heads * self.head_dim)

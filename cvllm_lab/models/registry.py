@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 
 # %% auto #0
-__all__ = ['MODEL_REGISTRY', 'register_model', 'supported_architectures', 'get_model_class']
+__all__ = ['MODEL_REGISTRY', 'register_model', 'supported_architectures', 'get_model_class', 'is_pooling_model']
 
 # %% ../../nbs/32_registry.ipynb #0af874ba
 _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvllm_lab.models, class)
@@ -31,6 +31,9 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'Glm4ForCausalLM': ('glm4', 'Glm4ForCausalLM'),
     'DeepseekV2ForCausalLM': ('deepseek_v2', 'DeepseekV2ForCausalLM'),
     'DeepseekV3ForCausalLM': ('deepseek_v2', 'DeepseekV3ForCausalLM'),
+    # pooling-only (encoders: embeddings and classifiers, `is_pooling_model`)
+    'BertModel': ('bert', 'BertEmbeddingModel'),
+    'BertForSequenceClassification': ('bert', 'BertForSequenceClassification'),
 }
 _MODEL_TYPES = {
     'llama': 'LlamaForCausalLM',
@@ -50,6 +53,7 @@ _MODEL_TYPES = {
     'glm4': 'Glm4ForCausalLM',
     'deepseek_v2': 'DeepseekV2ForCausalLM',
     'deepseek_v3': 'DeepseekV3ForCausalLM',
+    'bert': 'BertModel',
 }
 MODEL_REGISTRY: dict[str, type] = {}  # classes registered from outside, and those already imported
 
@@ -87,3 +91,8 @@ def get_model_class(config) -> type:
         f'Unsupported model architecture {archs or getattr(config, "model_type", None)}; '
         f'supported: {", ".join(supported_architectures())}'
     )
+
+
+def is_pooling_model(cls) -> bool:
+    "Whether a model class is pooling-only (an encoder with a pooler, no LM head): it serves `runner='pooling'` only."
+    return bool(getattr(cls, 'is_pooling_model', False))
