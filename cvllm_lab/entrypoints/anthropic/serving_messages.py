@@ -44,7 +44,7 @@ from cvllm_lab.entrypoints.anthropic.protocol import (
     validation_message,
 )
 from ..openai.protocol import random_id
-from ..openai.serving_completions import APIError, ChatCtx, DeltaPipe
+from ..openai.serving_completions import APIError, ChatCtx, stream_deltas
 from ..openai.streams import SSEResponse, last_output, log, unless_disconnected
 
 # %% auto #0
@@ -153,9 +153,9 @@ def _deltas(blocks: _Blocks, d) -> list[str]:
 
 async def message_events(srv, ctx: ChatCtx, stream: RequestStream, model: str):
     "The Messages API's events of one request (one sample: Anthropic has no `n`)."
-    pipe, blocks, o, n_text = DeltaPipe(ctx), _Blocks(), None, 0
+    blocks, o, tool_calls = _Blocks(), None, False
     try:
-        async for out in stream:
+        async for ev in stream_deltas(ctx, stream):
             if o is None:  # the first output: the prompt's length is known
                 start = Message(
                     id=random_id('msg_', 24),
@@ -165,20 +165,17 @@ async def message_events(srv, ctx: ChatCtx, stream: RequestStream, model: str):
                     content=[],
                     stop_reason=None,
                     stop_sequence=None,
-                    usage=Usage(input_tokens=len(out.prompt_token_ids), output_tokens=0),
+                    usage=Usage(input_tokens=len(ev.output.prompt_token_ids), output_tokens=0),
                 )
                 yield event(RawMessageStartEvent(type='message_start', message=start))
                 yield 'event: ping\ndata: {"type": "ping"}\n\n'
-            o = out.outputs[0]
-            text, n_text = o.text[n_text:], len(o.text)
-            for d in pipe.feed(text, o.finished):
+            o, tool_calls = ev.choice, ev.has_tool_calls
+            for d in ev.deltas:
                 for e in _deltas(blocks, d):
                     yield e
-            if o.finished:
-                break
         for e in blocks.close():
             yield e
-        reason, seq = stop_reason_of(o, pipe.has_tool_calls)
+        reason, seq = stop_reason_of(o, tool_calls)
         yield event(
             RawMessageDeltaEvent(
                 type='message_delta',

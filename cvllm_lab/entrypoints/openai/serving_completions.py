@@ -42,7 +42,7 @@ from cvllm_lab.entrypoints.openai.streams import (
 )
 
 # %% auto #0
-__all__ = ['APIError', 'CompletionHandlers', 'ChatCtx', 'DeltaPipe']
+__all__ = ['APIError', 'CompletionHandlers', 'ChatCtx', 'DeltaPipe', 'ChoiceDelta', 'stream_deltas']
 
 # %% ../../../nbs/77a_serving_completions.ipynb #d058818b
 class APIError(Exception):
@@ -178,10 +178,47 @@ class DeltaPipe:
         return self.t is not None and self.t.has_tool_calls
 
 
+@dataclass
+class ChoiceDelta:
+    "What one engine output added to one choice: the neutral event every chat-shaped stream maps to its wire format."
+
+    output: RequestOutput  # the engine output (prompt length, cached tokens: usage)
+    choice: CompletionOutput  # the choice as it stands (finish and stop reasons once `finished`)
+    deltas: list[DeltaMessage]  # the new text split into reasoning, content and tool-call pieces
+    token_ids: list[int]  # the new tokens
+    logprobs: list  # their log-probs (empty unless asked for)
+    has_tool_calls: bool  # the choice has made a tool call so far
+
+    @property
+    def index(self) -> int:
+        return self.choice.index
+
+    @property
+    def finished(self) -> bool:
+        return self.choice.finished
+
+
+async def stream_deltas(ctx: ChatCtx, stream):
+    """The one stream loop of the chat-shaped routes (chat completions, Messages, Responses): each engine output's
+    growth per choice through that choice's `DeltaPipe`, as `ChoiceDelta`s; ends when every choice has finished."""
+    n = ctx.req.n
+    pipes, n_text, n_tok, done = [DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
+    async for out in stream:
+        for o in out.outputs:
+            i = o.index
+            if done[i]:
+                continue
+            text, toks, lps = o.text[n_text[i] :], o.token_ids[n_tok[i] :], (o.logprobs or [])[n_tok[i] :]
+            n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
+            deltas = pipes[i].feed(text, o.finished)
+            yield ChoiceDelta(out, o, deltas, toks, lps, pipes[i].has_tool_calls)
+        if all(done):
+            break
+
+
 @patch
 async def chat_events(self: CompletionHandlers, ctx: ChatCtx, stream: RequestStream, rid: str):
     req, created, n = ctx.req, int(time.time()), ctx.req.n
-    pipes, n_text, n_tok, done = [DeltaPipe(ctx) for _ in range(n)], [0] * n, [0] * n, [False] * n
     usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     out = None
 
@@ -203,26 +240,24 @@ async def chat_events(self: CompletionHandlers, ctx: ChatCtx, stream: RequestStr
     try:
         for i in range(n):
             yield chunk(i, DeltaMessage(role='assistant', content=''))
-        async for out in stream:
-            for o in out.outputs:
-                i = o.index
-                if done[i]:
-                    continue
-                text, toks, lps = o.text[n_text[i] :], o.token_ids[n_tok[i] :], (o.logprobs or [])[n_tok[i] :]
-                n_text[i], n_tok[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                lp = self.chat_logprobs(toks, lps, req.top_logprobs or 0) if req.logprobs and toks else None
-                deltas = pipes[i].feed(text, o.finished)
-                for j, d in enumerate(deltas):
-                    yield chunk(i, d, lp if j == 0 else None)
-                if lp is not None and not deltas:
-                    yield chunk(i, DeltaMessage(), lp)
-                if o.finished:
-                    yield chunk(
-                        i,
-                        DeltaMessage(),
-                        finish='tool_calls' if pipes[i].has_tool_calls else o.finish_reason,
-                        stop_reason=o.stop_reason,
-                    )
+        async for ev in stream_deltas(ctx, stream):
+            out, i = ev.output, ev.index
+            lp = (
+                self.chat_logprobs(ev.token_ids, ev.logprobs, req.top_logprobs or 0)
+                if req.logprobs and ev.token_ids
+                else None
+            )
+            for j, d in enumerate(ev.deltas):
+                yield chunk(i, d, lp if j == 0 else None)
+            if lp is not None and not ev.deltas:
+                yield chunk(i, DeltaMessage(), lp)
+            if ev.finished:
+                yield chunk(
+                    i,
+                    DeltaMessage(),
+                    finish='tool_calls' if ev.has_tool_calls else ev.choice.finish_reason,
+                    stop_reason=ev.choice.stop_reason,
+                )
         if req.include_usage:
             yield sse(
                 ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=self.usage([out]))

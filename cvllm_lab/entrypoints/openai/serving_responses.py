@@ -48,7 +48,7 @@ from cvllm_lab.entrypoints.openai.responses_protocol import (
     to_chat_request,
 )
 from .server_ops import ErrorResponse, error_responses
-from .serving_completions import APIError, ChatCtx, DeltaPipe
+from .serving_completions import APIError, ChatCtx, stream_deltas
 from .streams import SSEResponse, last_output, log, unless_disconnected
 
 # %% auto #0
@@ -314,19 +314,16 @@ async def response_events(
     history: list[dict],
 ):
     "The Responses API's events of one request."
-    items, pipe, o, n_text = _Items(), DeltaPipe(ctx), None, 0
+    items, o = _Items(), None
     try:
         start = make_response(req, rid, model, created, [], 'in_progress')
         yield items.ev(ResponseCreatedEvent, type='response.created', response=start)
         yield items.ev(ResponseInProgressEvent, type='response.in_progress', response=start)
-        async for out in stream:
-            o = out.outputs[0]
-            text, n_text = o.text[n_text:], len(o.text)
-            for d in pipe.feed(text, o.finished):
+        async for ev in stream_deltas(ctx, stream):
+            out, o = ev.output, ev.choice
+            for d in ev.deltas:
                 for e in _deltas(items, d):
                     yield e
-            if o.finished:
-                break
         status = status_of(o)
         for e in items.close(status):
             yield e
