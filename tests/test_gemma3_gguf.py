@@ -24,20 +24,30 @@ def gguf_path() -> Path:
     return gemma_pkg.assemble()
 
 
+# a 64 MB KV cache (the CPU default is 1 GB, all of it touched): these tests hold a few short sequences, and the
+# suite's largest process is this file's (two engines and transformers' model of 270M parameters in fp32)
+KV = dict(max_model_len=1024, kv_cache_memory=64 << 20, progress=False)
+
+
 @pytest.fixture(scope='module')
-def llm(gguf_path):
+def hf_reference(gguf_path) -> tuple[list[int], torch.Tensor, list[int]]:
+    """transformers on the same GGUF: `TEXT`'s token ids, their log-probs and 16 greedy tokens. Computed before our
+    engine loads (`llm` asks for it) and its model freed on return: the two models are never alive at once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)(TEXT).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf.eval()(torch.tensor([ids])).logits[0].float(), -1)
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    return ids, ref, gen[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope='module')
+def llm(gguf_path, hf_reference):
     from cvllm_lab import LLM
 
-    return LLM(str(gguf_path), max_model_len=1024, progress=False)
-
-
-@pytest.fixture(scope='module')
-def hf(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    return LLM(str(gguf_path), **KV)
 
 
 def test_config_and_tokenizer(llm):
@@ -58,21 +68,17 @@ def test_config_and_tokenizer(llm):
     assert tok.convert_tokens_to_ids('<end_of_turn>') in llm.engine.eos_token_ids
 
 
-def test_logits_match_transformers(llm, hf):
+def test_logits_match_transformers(llm, hf_reference):
     "Top-20 prompt log-probs within 1e-3 of transformers' on the same GGUF, and 16 greedy tokens equal."
     from cvllm_lab import SamplingParams
 
-    ids = llm.engine.tokenizer(TEXT).input_ids
+    ids, ref, gen = hf_reference
+    assert llm.engine.tokenizer(TEXT).input_ids == ids  # the embedded tokenizer as transformers reads it
     o = llm.generate(
         {'prompt_token_ids': ids},
         SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=20, ignore_eos=True),
         use_tqdm=False,
     )[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[
-            0, len(ids) :
-        ].tolist()
     err = max(abs(lp.logprob - ref[i, t].item()) for i, d in enumerate(o.prompt_logprobs[1:]) for t, lp in d.items())
     assert err < 1e-3, err
     assert o.outputs[0].token_ids == gen
@@ -85,7 +91,7 @@ def test_gguf_blocks_kept_quantized(gguf_path, llm):
     from cvllm_lab.layers.basic import Linear
     from cvllm_lab.quant.base import QuantLinear
 
-    q = LLM(str(gguf_path), quantization='gguf', max_model_len=1024, progress=False)
+    q = LLM(str(gguf_path), quantization='gguf', **KV)
     layers = q.engine.runner.model.model.layers
     assert not any(type(m) is Linear for m in layers.modules())  # no decoder linear left in float
     assert any(isinstance(m, QuantLinear) for m in layers.modules())

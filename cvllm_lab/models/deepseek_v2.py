@@ -354,6 +354,7 @@ def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> It
     import gguf
     from cvllm_lab.quant.checkpoint import GGUFRaw
     from cvllm_lab.kernels.gguf_layout import QUANT_TYPES
+    from cvllm_lab.quant.gguf import dequantize_gguf
 
     reader = gguf.GGUFReader(str(path))
     tnames = [t.name for t in reader.tensors]
@@ -374,7 +375,7 @@ def iterate_deepseek_gguf(path, config=None, keep_quantized: bool = False) -> It
             data = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)
             yield name, GGUFRaw(data, t.tensor_type, (data.shape[0], cols))
             continue
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        w = dequantize_gguf(t.data, t.tensor_type)
         if name.endswith(('.k_b_proj.weight', '.v_b_proj.weight')):
             if has_kv_b:
                 continue

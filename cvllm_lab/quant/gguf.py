@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/gguf_quant.html.md"""
 
 # %% ../../nbs/45_gguf_quant.ipynb #c9779a1e
 from __future__ import annotations
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from cvllm_lab.kernels.gguf_layout import (
@@ -20,7 +21,7 @@ from cvllm_lab.kernels.gguf_layout import (
 )
 
 # %% auto #0
-__all__ = ['random_blocks', 'quantize', 'rel_rmse', 'GGUFLinear', 'shard_gguf_tensor']
+__all__ = ['GGUF_SLAB_BYTES', 'random_blocks', 'quantize', 'rel_rmse', 'GGUFLinear', 'shard_gguf_tensor', 'dequantize_gguf']
 
 # %% ../../nbs/45_gguf_quant.ipynb #f81a205d
 def random_blocks(qtype, rows: int, cols: int, generator=None, scale: float = 0.01) -> torch.Tensor:
@@ -413,3 +414,20 @@ def shard_gguf_tensor(
             f'(one scale would straddle two ranks)'
         )
     return data[:, start // qk * ts : (start + size) // qk * ts]
+
+# %% ../../nbs/45_gguf_quant.ipynb #c2f7e238
+GGUF_SLAB_BYTES = 16 << 20  # input bytes dequantized at once
+
+
+def dequantize_gguf(data: np.ndarray, qtype, slab_bytes: int = GGUF_SLAB_BYTES) -> torch.Tensor:
+    "A GGUF tensor's data (numpy, e.g. its file map) as a new fp32 tensor, dequantized `slab_bytes` of rows at a time."
+    import gguf
+
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    step = max(1, slab_bytes // max(1, rows[0].nbytes))
+    first = gguf.quants.dequantize(rows[:step], qtype)
+    out = torch.empty(rows.shape[0], first.shape[-1], dtype=torch.float32)
+    out[: len(first)] = torch.from_numpy(first)
+    for i in range(step, rows.shape[0], step):
+        out[i : i + step] = torch.from_numpy(gguf.quants.dequantize(rows[i : i + step], qtype))
+    return out.reshape(*data.shape[:-1], first.shape[-1])

@@ -313,9 +313,9 @@ def iterate_gguf(
     path: Path, config, progress: bool = True, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     "`(hf_name, dequantized tensor)` for every tensor of a GGUF file; `keep_quantized`: decoder linears as `GGUFRaw`."
-    import gguf
     from cvllm_lab.kernels.gguf_layout import QUANT_TYPES
     from cvllm_lab.quant.checkpoint import GGUFRaw
+    from cvllm_lab.quant.gguf import dequantize_gguf
     from cvllm_lab.quant.moe import gguf_moe_name, GGUF_MOE_RAW_SUFFIXES
 
     arch, tensors = gguf_tensors(path)
@@ -338,7 +338,7 @@ def iterate_gguf(
                     torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.n_elements) // cols, -1)
                 )  # a writable copy of the file map
             else:
-                w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+                w = dequantize_gguf(t.data, t.tensor_type)
         except Exception as e:
             raise ValueError(f'{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}') from e
         if arch == 'llama' and t.name.endswith(
