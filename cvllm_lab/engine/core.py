@@ -25,6 +25,8 @@ from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 from .async_scheduler import AsyncScheduler
 from .model_runner import ModelRunner
+from .pooling_runner import resolve_runner, st_max_seq_length
+from ..layers.pooler import PoolingParams
 from .worker import make_executor
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
 
@@ -44,6 +46,7 @@ class EngineCoreRequest(msgspec.Struct, tag='add', array_like=True, omit_default
     logits_processors: Any = None  # across processes: the list pickled by `dumps`; in-process: the list itself
     arrival_time: float = 0.0
     priority: int = 0
+    pooling_params: dict | None = None  # a pooling request (50b): PoolingParams' fields, verified; `params` unused
 
 
 class EngineCoreAbort(msgspec.Struct, tag='abort', array_like=True):
@@ -87,6 +90,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         None  # sent once, with sample 0's first tokens: [None, [[id, logprob, rank], ...], ...]
     )
     num_preemptions: int = 0
+    pooling_output: list | None = None  # a pooling request's result (50b), as nested lists of floats (the wire's form)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -147,6 +151,11 @@ class EngineInfo:
     hf_config: Any
     eos_token_ids: frozenset
     vocab_size: int
+    runner: str = 'generate'  # 'generate' | 'pooling' (50b)
+    pooler_config: Any = None  # the pooling model's `PoolerConfig` (23a), set once its runner is built
+    supported_tasks: Any = (
+        None  # ... and the pooling tasks its pooler serves ({'embed', 'encode'}, {'classify', 'score'})
+    )
 
 
 class EngineCore:
@@ -155,6 +164,9 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, progress: bool = True):
         src = resolve_model_source(cfg.model)
         hf_config = load_hf_config(src, cfg.hf_overrides)
+        cfg.runner = resolve_runner(cfg, hf_config)  # 'auto': pooling for a pooling-only architecture (50b)
+        if cfg.runner == 'pooling' and cfg.max_model_len is None and not src.is_gguf:
+            cfg.max_model_len = st_max_seq_length(src.root)  # sentence-transformers' truncation, as vLLM reads it
         self.cfg = cfg = cfg.finalize(getattr(hf_config, 'max_position_embeddings', None))
         tok_root, tok_file = (cfg.tokenizer, None) if cfg.tokenizer else (src.root, src.gguf_file)
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(tok_root, tok_file)
@@ -163,7 +175,7 @@ class EngineCore:
             if self.tokenizer is None
             else eos_token_ids(self.tokenizer, hf_config, None if src.is_gguf else src.root)
         )
-        self.info = EngineInfo(cfg, src, hf_config, frozenset(eos), hf_config.vocab_size)
+        self.info = EngineInfo(cfg, src, hf_config, frozenset(eos), hf_config.vocab_size, cfg.runner)
         torch.manual_seed(cfg.seed)
         # tensor parallel: an executor in the runner's place (workers hold the model's shards; rank 0 samples)
         self.runner = (
@@ -171,6 +183,8 @@ class EngineCore:
             if cfg.tensor_parallel_size > 1
             else ModelRunner(cfg, hf_config, src, progress)
         )
+        self.info.pooler_config = getattr(self.runner, 'pooler_config', None)
+        self.info.supported_tasks = getattr(self.runner, 'supported_tasks', None)
         if self.runner.num_blocks * cfg.block_size < cfg.max_model_len:
             raise ValueError(
                 f'The KV cache holds {self.runner.num_blocks * cfg.block_size} tokens, fewer than '
@@ -254,6 +268,28 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
         raise ValueError(
             f'Token ids out of range [0, {self.vocab_size}): {[t for t in ids if not 0 <= t < self.vocab_size][:5]}'
         )
+    if (req.pooling_params is not None) != (self.info.runner == 'pooling'):
+        raise ValueError(
+            'A pooling request needs a pooling model (runner=pooling)'
+            if req.pooling_params is not None
+            else 'This engine serves a pooling model (runner=pooling): it embeds, classifies or scores; it does not generate'
+        )
+    if req.pooling_params is not None:  # one request, no samples: prefill, pool, done
+        r = Request(
+            rid,
+            ids,
+            None,
+            (),
+            self.cfg.block_size,
+            req.arrival_time or None,
+            priority=req.priority,
+            pooling_params=PoolingParams(**req.pooling_params),
+        )
+        r.parent_id, r.index = rid, 0
+        self.scheduler.add_request([r])
+        self.parents[rid], self.sent[rid] = [r], [0]
+        self.counters['prompt_tokens'] += len(ids)
+        return
     params = SamplingParams(**req.params, logits_processors=req.logits_processors or None)
     max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
     children = []
@@ -328,6 +364,14 @@ def step(self: EngineCore) -> list[EngineCoreOutput]:
     for rid in touched:
         kids, sent = self.parents[rid], self.sent[rid]
         for r in kids:
+            if r.pooling_params is not None:  # its one output: the pooled tensor
+                if r.is_finished and r.pooling_output is not None:
+                    outs.append(
+                        EngineCoreOutput(
+                            rid, 0, [], finish_reason=r.finish_reason, pooling_output=r.pooling_output.tolist()
+                        )
+                    )
+                continue
             k, n = sent[r.index], r.num_output_tokens
             if n == k:
                 continue
@@ -372,12 +416,12 @@ def _run_step(self: EngineCore) -> list[str]:
         if r is not None and not r.is_finished:
             r.prompt_logprobs += lps
     touched, count = {}, self.counters
-    for r in self.scheduler.update_from_output(so, res.sampled):
+    for r in self.scheduler.update_from_output(so, res.sampled, res.pooler_output):
         lp = res.logprobs.get(r.request_id)
         if lp is not None:
             r.logprobs.append(lp)
             r.cumulative_logprob += lp[r.output_token_ids[-1]].logprob
-        count['generation_tokens'] += 1
+        count['generation_tokens'] += r.pooling_params is None
         if r.is_finished:
             r.finished_time = time.time()
             count['requests_finished'] += 1

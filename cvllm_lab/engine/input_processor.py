@@ -14,6 +14,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
 from ..utils.template_bounds import RenderBounds, render_bounded
 from .core import EngineCoreRequest, EngineInfo
+from ..layers.pooler import PoolingParams
 
 # %% auto #0
 __all__ = ['InputError', 'tokenize_prompt', 'adapt_messages', 'InputProcessor']
@@ -169,7 +170,16 @@ def process(
     arrival_time: float | None = None,
     priority: int = 0,
 ) -> tuple[EngineCoreRequest, str | None, SamplingParams]:
-    "Tokenize and validate a request: its core request, prompt text and sampling params (as the front end keeps them)."
+    """Tokenize and validate a request: its core request, prompt text and sampling params (as the front end keeps
+    them); `PoolingParams` (a pooling request, 50b) go to `process_pooling`."""
+    if isinstance(params, PoolingParams):
+        return self.process_pooling(request_id, prompt, params, arrival_time, priority)
+    if self.info.runner == 'pooling':
+        raise InputError(
+            "This model is a pooling model (runner='pooling'): it embeds, classifies or scores, it does not "
+            'generate; use LLM.embed / classify / score / encode (the embeddings API)',
+            'model',
+        )
     params = params or SamplingParams()
     text, ids = self.tokenize(prompt)
     self.validate(ids, params, priority)
@@ -177,6 +187,49 @@ def process(
         params = params.clone(detokenize=False)  # no text side
     fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != 'logits_processors'}
     req = EngineCoreRequest(request_id, ids, fields, params.logits_processors, arrival_time or time.time(), priority)
+    return req, text, params
+
+# %% ../../nbs/57_input_processor.ipynb #104ea460
+@patch
+def process_pooling(
+    self: InputProcessor, request_id: str, prompt, params: PoolingParams, arrival_time=None, priority: int = 0
+) -> tuple[EngineCoreRequest, str | None, PoolingParams]:
+    "A pooling request's core request, prompt text and verified params."
+    if self.info.runner != 'pooling':
+        raise InputError(
+            'This model generates: pooling requests (embed, classify, score, encode) need a pooling model '
+            "(runner='pooling')",
+            'model',
+        )
+    if params.task is None:
+        raise InputError('PoolingParams.task is not set (LLM.embed / classify / score / encode set it)', 'task')
+    tasks = self.info.supported_tasks
+    if tasks is not None and params.task not in tasks:
+        raise InputError(
+            f'This model does not support the pooling task {params.task!r}; it serves {sorted(tasks)}', 'task'
+        )
+    try:
+        params = params.clone().verify(
+            params.task, self.info.pooler_config, getattr(self.info.hf_config, 'hidden_size', None)
+        )
+    except ValueError as e:
+        raise InputError(str(e), 'dimensions' if 'dimension' in str(e) else None) from None
+    text, ids = self.tokenize(prompt)
+    k = params.truncate_prompt_tokens
+    if k is not None and ids:
+        k = self.max_model_len if k == -1 else k
+        ids = ids[-k:] if k > 0 else ids
+    if len(ids) > self.max_model_len:  # vLLM's message for a pooling input
+        raise InputError(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f'{len(ids)} tokens in the input for {params.task}. Please reduce the length of the input.',
+            'input',
+            'context_length_exceeded',
+        )
+    self.validate(ids, SamplingParams(), priority)
+    req = EngineCoreRequest(
+        request_id, ids, {}, None, arrival_time or time.time(), priority, pooling_params=params.to_dict()
+    )
     return req, text, params
 
 # %% ../../nbs/57_input_processor.ipynb #aa7fd30d

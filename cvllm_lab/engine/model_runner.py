@@ -27,6 +27,7 @@ from cvllm_lab.utils.context import (
 from .request import Request
 from ..utils.kv_cache_spec import StateSpec
 from .scheduler import SchedulerOutput
+from .pooling_runner import PoolingSteps
 from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
     DecodeGraphs,
@@ -45,15 +46,19 @@ from ..quant.cpu_layer import cpu_fast_path
 __all__ = ['CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-class ModelRunner(StepInputs, DecodeGraphs):
-    "Runs the model for scheduled batches over a paged KV cache (a step's inputs and decode graphs: notebook 50a)."
+class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps):
+    """Runs the model for scheduled batches over a paged KV cache (a step's inputs and decode graphs: notebook 50a; the
+    pooler in the sampler's place for `runner='pooling'`: 50b)."""
 
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
         # the CPU fast path rebuilds layers (int4 kernels, an 8-bit LM head) from whole tensors: one process only
         self.cpu_fast = self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path
         self.model = self._load(src, progress)
-        self.compute_logits, self.lm_head = self.model.compute_logits, None  # on CPU: see setup_cpu
+        self.compute_logits, self.lm_head = getattr(self.model, 'compute_logits', None), None  # on CPU: see setup_cpu
+        self.pooling = cfg.runner == 'pooling'  # the model's pooler ends each step, not the sampler (50b)
+        if self.pooling:
+            self.setup_pooler(src)
         if self.cpu_fast:
             self.setup_cpu()
         self.sampler = Sampler()
@@ -61,7 +66,9 @@ class ModelRunner(StepInputs, DecodeGraphs):
         # which prefills the attention layers may run on FlashAttention (`prefill_metadata`, notebook 50a)
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.keep_rows = cfg.keep_rows  # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
+        self.keep_rows = (
+            cfg.keep_rows and not self.pooling
+        )  # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
         self.decodes_apart = cfg.decodes_apart  # a step's leading decodes: a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
@@ -89,10 +96,11 @@ class ModelRunner(StepInputs, DecodeGraphs):
 
             set_batch_invariant(bool(cfg.batch_invariant))
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
-            if not cfg.enforce_eager and cfg.attention_backend == 'triton':
+            if not cfg.enforce_eager and cfg.attention_backend == 'triton' and not self.pooling:
                 self.capture_cudagraphs(progress)
-            with cudnn_plans_at_once():
-                self.warm_up_kernels()  # the shapes it meets are planned now
+            if not self.pooling:  # (its steps sample)
+                with cudnn_plans_at_once():
+                    self.warm_up_kernels()  # the shapes it meets are planned now
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -182,6 +190,8 @@ def determine_num_blocks(self: ModelRunner) -> int:
     cfg = self.cfg
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
+    if self.bytes_per_block == 0:  # no cache layers (an encoder): blocks are only the scheduler's accounting
+        return self.encoder_num_blocks()
     if cfg.kv_cache_memory:  # a fixed budget holds the state slots too
         return max(1, (cfg.kv_cache_memory - self.state_bytes) // self.bytes_per_block)
     if self.device.type != 'cuda':
@@ -248,11 +258,13 @@ def profile_run(self: ModelRunner):
 # %% ../../nbs/50_model_runner.ipynb #2cc0dcdf
 @dataclass
 class ModelRunnerOutput:
-    "Per request: the sampled token and its log-probs; prompt log-probs for positions computed this step."
+    """Per request: the sampled token and its log-probs; prompt log-probs for positions computed this step; a pooling
+    request's pooled tensor (50b)."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -334,6 +346,8 @@ def launch(
     holds the token ids on the device. `prev_tokens` (async scheduling): the last step's sampled ids, still on the
     device, in place of the host's placeholders: a decode step's input ids row for row, or, with `prev_reqs` (the
     request of each of them), the input of every row of `so` whose token is a placeholder (a mixed step)."""
+    if self.pooling:  # the pooler ends the step (50b): no tokens, nothing in flight
+        return StepHandle([], output=ModelRunnerOutput(pooler_output=self.pool_step(so)))
     b = self.prepare_inputs(so)
     if prev_reqs is not None:
         b.prev_rows = placeholder_rows(so, b, prev_reqs)

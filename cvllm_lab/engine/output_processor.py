@@ -13,9 +13,14 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer
 from ..layers.sampler import Logprob
 from .core import EngineCoreOutput
+import torch
+from ..layers.pooler import PoolingParams
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'RequestState', 'EngineObserver', 'ProcessedOutputs', 'OutputProcessor']
+__all__ = ['CompletionOutput', 'RequestOutput', 'PoolingOutput', 'PoolingRequestOutput', 'EmbeddingOutput',
+           'ClassificationOutput', 'ScoringOutput', 'EmbeddingRequestOutput', 'ClassificationRequestOutput',
+           'ScoringRequestOutput', 'RequestState', 'PoolingRequestState', 'EngineObserver', 'ProcessedOutputs',
+           'OutputProcessor']
 
 # %% ../../nbs/58_output_processor.ipynb #29fd343f
 @dataclass
@@ -47,6 +52,90 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+# %% ../../nbs/58_output_processor.ipynb #d2353d38
+@dataclass
+class PoolingOutput:
+    "A pooling request's tensor: an embedding `[H]` (or `[dimensions]`), class probabilities `[C]`, or `[n, H]` rows."
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    "vLLM's fields: the request, its pooled output, its prompt's tokens; finished once it has its output."
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, o: PoolingRequestOutput):
+        "This task's view of a plain pooling output."
+        return cls(
+            o.request_id,
+            cls.output_type.from_base(o.outputs),
+            o.prompt_token_ids,
+            o.finished,
+            o.num_cached_tokens,
+            o.prompt,
+        )
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, o: PoolingOutput) -> EmbeddingOutput:
+        if o.data.ndim != 1:
+            raise ValueError(f'An embedding is one vector; this output has shape {tuple(o.data.shape)}')
+        return cls(o.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @classmethod
+    def from_base(cls, o: PoolingOutput) -> ClassificationOutput:
+        if o.data.ndim != 1:
+            raise ValueError(f'Class probabilities are one vector; this output has shape {tuple(o.data.shape)}')
+        return cls(o.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    @classmethod
+    def from_base(cls, o: PoolingOutput) -> ScoringOutput:
+        if o.data.numel() != 1:
+            raise ValueError(f'A score is one number; this output has shape {tuple(o.data.shape)}')
+        return cls(float(o.data.reshape(())))
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    output_type = EmbeddingOutput
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    output_type = ClassificationOutput
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    output_type = ScoringOutput
 
 # %% ../../nbs/58_output_processor.ipynb #0ef6c761
 class _Sample:
@@ -160,6 +249,31 @@ def output(self: RequestState) -> RequestOutput:
         metrics,
     )
 
+# %% ../../nbs/58_output_processor.ipynb #a906c77d
+class PoolingRequestState:
+    "The front end's side of a pooling request: its prompt, then its one pooled output."
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival_time: float):
+        self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, prompt_token_ids, params
+        self.arrival_time, self.samples, self.data, self.finish_reason = arrival_time, [], None, None
+        self.first_token_time = self.last_token_time = self.finished_time = None
+        self.num_tokens_seen = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, o: EngineCoreOutput) -> bool:
+        if o.pooling_output is not None:
+            self.data = torch.tensor(o.pooling_output, dtype=torch.float32)
+        self.finish_reason = o.finish_reason or self.finish_reason
+        return False
+
+    def output(self) -> PoolingRequestOutput:
+        return PoolingRequestOutput(
+            self.request_id, PoolingOutput(self.data), self.prompt_token_ids, self.finished, 0, self.prompt
+        )
+
 # %% ../../nbs/58_output_processor.ipynb #3bb5b1a4
 class EngineObserver:
     "Hooks the output processor calls as outputs arrive; override the ones you need."
@@ -203,6 +317,9 @@ class OutputProcessor:
         "Start tracking a request (after the input processor made it, before the core's first output)."
         if request_id in self.states:
             raise ValueError(f'Request id {request_id!r} is already in use')
+        if isinstance(params, PoolingParams):
+            self.states[request_id] = PoolingRequestState(request_id, prompt, prompt_token_ids, params, arrival_time)
+            return
         self.states[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time
         )
@@ -233,7 +350,7 @@ def process_outputs(
         touched[o.request_id] = st
     now = time.time()
     for rid, st in touched.items():
-        n = max(len(s.token_ids) for s in st.samples)
+        n = max((len(s.token_ids) for s in st.samples), default=0)  # a pooling request: none
         if n > st.num_tokens_seen:  # timing: a message that brings several tokens counts a gap per token
             if st.first_token_time is None:
                 st.first_token_time = now

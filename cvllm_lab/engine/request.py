@@ -12,9 +12,10 @@ import time
 from array import array
 import torch
 from ..sampling_params import SamplingParams
+from ..layers.pooler import PoolingParams
 
 # %% auto #0
-__all__ = ['PLACEHOLDER', 'RequestStatus', 'hash_block', 'Request']
+__all__ = ['PLACEHOLDER', 'POOLING_SAMPLING', 'RequestStatus', 'hash_block', 'Request']
 
 # %% ../../nbs/02_request.ipynb #4dd38862
 class RequestStatus(enum.IntEnum):
@@ -44,8 +45,14 @@ def hash_block(parent: bytes | None, token_ids) -> bytes:
     return hashlib.sha256((parent or b'') + array('q', token_ids).tobytes()).digest()
 
 # %% ../../nbs/02_request.ipynb #8ed2730d
+# what a pooling request carries as sampling settings: greedy, one token, never sampled (code that reads a request's
+# sampling settings, such as the prefix-cache lookup, needs no branch for it)
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
 class Request:
-    "A request's tokens, progress, sampling settings and results."
+    """A request's tokens, progress, sampling settings and results; a pooling request (`pooling_params`, notebook
+    23a) has `POOLING_SAMPLING` as its sampling settings and gets `pooling_output` instead of tokens."""
 
     def __init__(
         self,
@@ -57,12 +64,19 @@ class Request:
         arrival_time: float | None = None,
         prompt: str | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ):
+        if sampling_params is None:
+            if pooling_params is None:
+                raise ValueError('A request needs sampling_params or pooling_params')
+            sampling_params = POOLING_SAMPLING
         if not prompt_token_ids:
             raise ValueError('The prompt is empty: give at least one token')
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
             raise ValueError(f'priority must be a 64-bit integer, got {priority!r}')
         self.request_id, self.prompt, self.sampling_params = request_id, prompt, sampling_params
+        self.pooling_params = pooling_params  # a pooling request: its prompt runs once, pooled, then it is finished
+        self.pooling_output = None  # ... its pooled tensor (the scheduler sets it after the step)
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -197,10 +197,19 @@ def update_computed(self: Scheduler, out: SchedulerOutput):
 
 
 @patch
-def update_from_output(self: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-    "Append each request's sampled token and retire the requests it finishes; the requests that got a token."
+def update_from_output(
+    self: Scheduler, out: SchedulerOutput, sampled: dict[str, int], pooler_output: dict | None = None
+) -> list[Request]:
+    """Append each request's sampled token and retire the requests it finishes; a pooling request's pooled tensor
+    (`pooler_output`) is its result and finishes it. The requests that got a token or a pooled tensor."""
     new = []
     for r in out.scheduled:
+        if pooler_output and (t := pooler_output.get(r.request_id)) is not None:
+            if not r.is_finished:
+                r.pooling_output = t
+                new.append(r)
+                self.finish(r, RequestStatus.FINISHED_STOPPED)
+            continue
         tok = sampled.get(r.request_id)
         if tok is None or r.is_finished:
             continue

@@ -11,6 +11,16 @@ from ..utils.progress import tqdm
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams, diff_sampling_param
 from ..engine.llm_engine import LLMEngine, RequestOutput
+import torch.nn.functional as F
+from fastcore.basics import patch
+from ..layers.pooler import PoolingParams
+from cvllm_lab.engine.output_processor import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 
 # %% auto #0
 __all__ = ['LLM']
@@ -94,9 +104,101 @@ class LLM:
                 if o.finished:
                     done[o.request_id] = o
                     n_in += len(o.prompt_token_ids)
-                    n_out += sum(len(c.token_ids) for c in o.outputs)
+                    n_out += sum(len(c.token_ids) for c in o.outputs) if isinstance(o, RequestOutput) else 0
                     dt = time.perf_counter() - t0
                     bar.set_postfix_str(f'in {n_in / dt:.0f} tok/s, out {n_out / dt:.0f} tok/s')
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+# %% ../../nbs/52_llm.ipynb #a104c652
+def _with_task(p: PoolingParams | None, task: str) -> PoolingParams:
+    p = (p or PoolingParams()).clone()
+    if p.task not in (None, task):
+        raise ValueError(f'These PoolingParams are for task {p.task!r}, not {task!r}')
+    p.task = task
+    return p
+
+
+@patch
+def _pool(self: LLM, prompts, params, task: str, use_tqdm: bool, truncate_prompt_tokens=None) -> list:
+    "Queue the prompts as pooling requests of `task` and run them; `PoolingRequestOutput`s in input order."
+    if _is_single_prompt(prompts):
+        prompts = [prompts]
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f'{len(prompts)} prompts but {len(params)} pooling params')
+    params = [_with_task(p, task) for p in params]
+    if truncate_prompt_tokens is not None:
+        for p in params:
+            p.truncate_prompt_tokens = truncate_prompt_tokens
+    ids = []
+    try:
+        for p, pp in zip(prompts, params):
+            ids.append(self.engine.add_request(None, p, pp))
+    except Exception:
+        self.engine.abort_request(ids)
+        raise
+    return self._run(ids, use_tqdm)
+
+
+@patch
+def embed(
+    self: LLM, prompts, pooling_params=None, use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+) -> list[EmbeddingRequestOutput]:
+    "One embedding per prompt (`.outputs.embedding`)."
+    outs = self._pool(prompts, pooling_params, 'embed', use_tqdm, truncate_prompt_tokens)
+    return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+
+@patch
+def classify(
+    self: LLM, prompts, pooling_params=None, use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+) -> list[ClassificationRequestOutput]:
+    "Class probabilities per prompt (`.outputs.probs`)."
+    outs = self._pool(prompts, pooling_params, 'classify', use_tqdm, truncate_prompt_tokens)
+    return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+
+@patch
+def encode(
+    self: LLM,
+    prompts,
+    pooling_params=None,
+    use_tqdm: bool = True,
+    truncate_prompt_tokens: int | None = None,
+    pooling_task: str = 'encode',
+) -> list[PoolingRequestOutput]:
+    "The pooler's raw output per prompt (`.outputs.data`); by default every token's hidden state (`[n, H]`)."
+    return self._pool(prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens)
+
+
+@patch
+def score(
+    self: LLM, data_1, data_2, use_tqdm: bool = True, pooling_params=None, truncate_prompt_tokens: int | None = None
+) -> list[ScoringRequestOutput]:
+    """Scores of text pairs: one text against a list (1-to-N), or two lists pair by pair (N-to-N). On an embedding
+    model, the cosine similarity of the two embeddings."""
+    one = lambda d: isinstance(d, str) or _is_single_prompt(d)
+    a, b = ([data_1] if one(data_1) else list(data_1)), ([data_2] if one(data_2) else list(data_2))
+    if not a or not b:
+        raise ValueError('score needs at least one text on each side')
+    if len(a) == 1:
+        a = a * len(b)
+    if len(a) != len(b):
+        raise ValueError(f'score pairs texts one to one: {len(a)} and {len(b)} texts')
+    tasks = self.engine.info.supported_tasks or set()
+    if 'embed' not in tasks:
+        raise NotImplementedError(
+            'score on a classification model (a cross-encoder over the text pair, with token types) is not built yet'
+        )
+    embs = self._pool(a + b, pooling_params, 'embed', use_tqdm, truncate_prompt_tokens)
+    ea, eb = embs[: len(a)], embs[len(a) :]
+    out = []
+    for x, y in zip(ea, eb):
+        s = F.cosine_similarity(x.outputs.data, y.outputs.data, dim=0).reshape(1)
+        base = PoolingRequestOutput(
+            f'{x.request_id}_{y.request_id}', PoolingOutput(s), x.prompt_token_ids + y.prompt_token_ids, True
+        )
+        out.append(ScoringRequestOutput.from_base(base))
+    return out
