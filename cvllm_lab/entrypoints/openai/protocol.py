@@ -25,10 +25,10 @@ from cvllm_lab.entrypoints.openai.request_checks import (
 )
 
 # %% auto #0
-__all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS', 'MAX_PROMPTS',
-           'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam', 'FunctionDef',
-           'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions',
-           'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
+__all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS', 'MAX_PARTS',
+           'MAX_PROMPTS', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam',
+           'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat',
+           'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
 
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
 DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
@@ -173,6 +173,7 @@ _GUIDED = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar')
 MAX_STOP, MAX_STOP_CHARS = 128, 16384  # stop strings: count, and characters in all
 MAX_VOCAB = 300_000  # logit_bias keys, stop_token_ids, allowed_token_ids: more than any served vocabulary
 MAX_MESSAGES, MAX_TOOLS = 2048, 128  # a chat request's messages and tools (OpenAI documents 128 tools)
+MAX_PARTS = 8192  # content parts and tool calls in a conversation, in all (500k took 9.5 s to validate)
 MAX_PROMPTS = 2048  # a completions request's batch of prompts (the server's own limit, prompts x n, is lower)
 
 
@@ -302,6 +303,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     UNSUPPORTED: ClassVar[dict] = {**_SamplingRequest.UNSUPPORTED, 'echo': (None, False), 'prompt_logprobs': (None,)}
     MAX_ITEMS: ClassVar[dict] = {**_SamplingRequest.MAX_ITEMS, 'messages': MAX_MESSAGES, 'tools': MAX_TOOLS}
+    MAX_NESTED: ClassVar[dict] = {'messages': (('content', 'tool_calls'), MAX_PARTS)}
     max_tokens: int | None = Field(None, ge=1, lt=INT64)
     max_completion_tokens: int | None = Field(None, ge=1, lt=INT64)
     logprobs: bool = False
