@@ -25,7 +25,7 @@ from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 from .async_scheduler import AsyncScheduler
 from .model_runner import ModelRunner
-from .pooling_runner import resolve_runner, st_max_seq_length
+from .pooling_runner import resolve_convert, resolve_runner, st_max_seq_length
 from ..layers.pooler import PoolingParams
 from .worker import make_executor
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
@@ -165,6 +165,7 @@ class EngineCore:
         src = resolve_model_source(cfg.model)
         hf_config = load_hf_config(src, cfg.hf_overrides)
         cfg.runner = resolve_runner(cfg, hf_config)  # 'auto': pooling for a pooling-only architecture (50b)
+        cfg.convert = resolve_convert(cfg, hf_config)  # 'embed': a generative model under the pooling runner
         if cfg.runner == 'pooling' and cfg.max_model_len is None and not src.is_gguf:
             cfg.max_model_len = st_max_seq_length(src.root)  # sentence-transformers' truncation, as vLLM reads it
         self.cfg = cfg = cfg.finalize(getattr(hf_config, 'max_position_embeddings', None))

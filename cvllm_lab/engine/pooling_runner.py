@@ -10,37 +10,46 @@ import json
 from pathlib import Path
 import torch
 from ..config import EngineConfig
-from ..layers.pooler import PoolingMetadata, model_pooler_config
+from ..layers.pooler import Pooler, PoolerConfig, PoolingMetadata, model_pooler_config
 from ..models.registry import get_model_class, is_pooling_model
 from ..weights.loader import resolve_model_source
 
 # %% auto #0
-__all__ = ['resolve_runner', 'st_max_seq_length', 'PoolingSteps']
+__all__ = ['resolve_runner', 'resolve_convert', 'st_max_seq_length', 'PoolingSteps']
 
 # %% ../../nbs/50b_pooling_runner.ipynb #3afe0ae6
 def resolve_runner(cfg: EngineConfig, hf_config) -> str:
-    "`cfg.runner` resolved for this model: 'generate' or 'pooling' (`auto`: the architecture's kind); errors name the fix."
+    """`cfg.runner` resolved for this model: 'generate' or 'pooling' (`auto`: the architecture's kind, or pooling
+    when `convert='embed'` asks for it); errors name the fix."""
     cls = get_model_class(hf_config)
     pooling_only = is_pooling_model(cls)
     arch = (getattr(hf_config, 'architectures', None) or [cls.__name__])[0]
-    if cfg.convert not in ('auto', 'none'):
+    if cfg.convert == 'classify':
         raise NotImplementedError(
-            f'convert={cfg.convert!r} (a generative model adapted to pooling) is not built yet; '
-            'pooling models today: encoder architectures (BertModel, BertForSequenceClassification)'
+            "convert='classify' (a score head over a decoder's last token, vLLM's Qwen3-Reranker recipe) is not built "
+            "yet; convert='embed' is"
         )
     if cfg.runner == 'auto':
-        return 'pooling' if pooling_only else 'generate'
-    if cfg.runner == 'generate' and pooling_only:
+        return 'pooling' if pooling_only or cfg.convert == 'embed' else 'generate'
+    if cfg.runner == 'generate' and (pooling_only or cfg.convert == 'embed'):
         raise ValueError(
             f'{arch} is a pooling model (embeddings / classification / scores): it cannot generate; '
             "use runner='pooling' (--runner pooling) and LLM.embed / classify / score / encode"
+            if pooling_only
+            else f"convert='embed' makes {arch} a pooling model: use runner='pooling' (or leave it auto)"
         )
-    if cfg.runner == 'pooling' and not pooling_only:
-        raise NotImplementedError(
-            f"{arch} is a generative model: serving it with runner='pooling' needs convert='embed' or 'classify' "
-            '(its last token pooled), which is not built yet'
-        )
+    if cfg.runner == 'pooling' and not pooling_only and cfg.convert == 'none':
+        raise ValueError(f"{arch} is a generative model: runner='pooling' needs convert='embed' (or auto)")
+    if cfg.runner == 'pooling' and cfg.tensor_parallel_size > 1:
+        raise NotImplementedError('runner=pooling at tensor_parallel_size > 1 is not built yet')
     return cfg.runner
+
+
+def resolve_convert(cfg: EngineConfig, hf_config) -> str:
+    "'embed' when a generative architecture serves under the pooling runner (vLLM's default there), else 'none'."
+    if cfg.runner == 'pooling' and not is_pooling_model(get_model_class(hf_config)):
+        return 'embed'
+    return 'none'
 
 
 def st_max_seq_length(root) -> int | None:
@@ -59,7 +68,10 @@ class PoolingSteps:
     def setup_pooler(self, src=None):
         "Give the model's pooler its config: the architecture's default, the model's files, `cfg.pooler_config`."
         if getattr(self.model, 'pooler', None) is None:
-            raise ValueError(f'{type(self.model).__name__} has no pooler: it cannot serve as a pooling model')
+            if self.cfg.convert != 'embed':
+                raise ValueError(f'{type(self.model).__name__} has no pooler: it cannot serve as a pooling model')
+            self.model.pooler = Pooler(PoolerConfig(pooling_type='LAST'))  # vLLM's as_embedding_model
+            self.model.default_pooling_type = 'LAST'
         root = None
         if self.cfg.load_format != 'dummy' or self.cfg.model:
             src = src or resolve_model_source(self.cfg.model)
