@@ -262,7 +262,7 @@ async def add_core_request(
         raise ValueError(f'Request id {rid!r} is already in use')
     s = RequestStream(self, rid)
     s.arrival, text = req.arrival_time, prompt
-    if params.logits_processors:
+    if getattr(params, 'logits_processors', None):  # (PoolingParams: none)
         req = msgspec.structs.replace(req, logits_processors=self.client.pack(params.logits_processors))
     fut = asyncio.get_running_loop().create_future()
     try:

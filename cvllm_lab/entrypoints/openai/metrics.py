@@ -45,7 +45,10 @@ class ServerMetrics(EngineObserver):
 
     def finished(self, output, e2e):
         self.e2e.observe(e2e)
-        reason = next((o.finish_reason for o in output.outputs if o.finish_reason != 'abort'), None)
+        if not isinstance(output.outputs, list):  # a pooling request's output (50b): done when it arrives
+            reason = 'stop'
+        else:
+            reason = next((o.finish_reason for o in output.outputs if o.finish_reason != 'abort'), None)
         if reason is not None:
             self.success.labels(self.model_name, reason).inc()
 
