@@ -112,3 +112,22 @@ def test_unnormalized_is_the_mean(ours, folder):
     with torch.no_grad():
         ref = hf(**tok(SENTENCES[5], return_tensors='pt')).last_hidden_state[0].mean(0)
     assert torch.allclose(torch.tensor(o.outputs.embedding), ref, atol=1e-4)
+
+
+def test_server_embeddings_with_the_openai_sdk(folder, reference):
+    """`cvllm-serve` on the folder (runner auto: pooling), its engine core in a process of its own: the SDK's default
+    (base64) and float answers are the same float32 values, and they match sentence-transformers."""
+    import openai
+    from _serverproc import ServerProcess
+
+    with ServerProcess('--model', folder, '--dtype', 'float32', '--served-model-name', 'minilm') as s:
+        client = openai.OpenAI(api_key='none', base_url=s.url + '/v1')
+        b64 = client.embeddings.create(model='minilm', input=SENTENCES)
+        flt = client.embeddings.create(model='minilm', input=SENTENCES, encoding_format='float')
+        models = client.models.list().data
+    assert [m.id for m in models] == ['minilm']
+    got = torch.tensor([d.embedding for d in b64.data])
+    assert got.tolist() == [d.embedding for d in flt.data]
+    cos = torch.nn.functional.cosine_similarity(got, reference, dim=1)
+    assert cos.min().item() >= 0.9999, cos
+    assert b64.usage.prompt_tokens == b64.usage.total_tokens > 32
