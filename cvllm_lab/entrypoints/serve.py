@@ -14,6 +14,7 @@ from pathlib import Path
 import cvllm_lab.envs as envs
 from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
 from .openai.api_server import ServerConfig
+from .openai.tool_server import add_tool_server_args, tool_server_config
 from .openai.protocol import DEFAULT_MAX_N
 from ..quant.apply import METHODS
 
@@ -207,6 +208,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=True,
         help="serve GET /tokenizer_info (vLLM's; lm-eval's local-completions tokenizes with it; default on)",
     )
+    add_tool_server_args(p)  # --tool-server and the tool loop's bounds (tool_server)
     return p
 
 # %% ../../nbs/78_serve.ipynb #d8d12b7c
@@ -405,6 +407,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         torch_profiler_record_shapes=envs.CVLLM_TORCH_PROFILER_RECORD_SHAPES,
         engine_iteration_timeout=args.engine_iteration_timeout or None,
         tokenizer_info=args.enable_tokenizer_info_endpoint,
+        tool_servers=tool_server_config(args),
     )
     return ecfg, scfg
 

@@ -57,6 +57,7 @@ from .serving_completions import APIError, CompletionHandlers
 from ..anthropic.serving_messages import add_messages_routes
 from .serving_responses import add_responses_routes
 from .serving_embeddings import add_embeddings_routes
+from .tool_server import ToolServerConfig, ToolServers
 from .server_ops import error_responses, stream_responses, tokenizer_info
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
@@ -97,6 +98,7 @@ class ServerConfig:
     torch_profiler_record_shapes: bool = False  # the traces carry each op's input shapes
     engine_iteration_timeout: float | None = 60  # /health is 503 once the core owes a message this long (None: never)
     tokenizer_info: bool = True  # serve GET /tokenizer_info (vLLM's, behind --enable-tokenizer-info-endpoint there)
+    tool_servers: ToolServerConfig | None = None  # --tool-server: MCP servers the Responses API runs tools on
 
 
 class TokenizeRequest(RequestBody):
@@ -193,11 +195,16 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
         aengine.start()
         async with anyio.create_task_group():
             pass  # loads anyio's backend now, not in the first stream (SSEResponse)
-        yield
+        await app.state.tool_servers.start()  # the MCP servers connected, their tools listed (or the start fails)
+        try:
+            yield
+        finally:
+            await app.state.tool_servers.close()  # every MCP session ended: no stdio child outlives the server
         await aengine.shutdown()
 
     app = FastAPI(title='cvllm_lab OpenAI-compatible server', version=cvllm_lab.__version__, lifespan=lifespan)
     app.state.serving, app.state.metrics = srv, metrics
+    app.state.tool_servers = ToolServers(cfg.tool_servers)  # started and closed by the lifespan (tool_server)
     if cfg.api_key:
         app.add_middleware(APIKey, key=cfg.api_key)
         app.add_middleware(_InfoKey, key=cfg.api_key)

@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/responses_protocol.html.md"""
 # %% ../../../nbs/70c_responses_protocol.ipynb #9e650a6b
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -20,8 +21,11 @@ from openai.types.responses import (
     ResponseTextConfig,
     ResponseUsage,
     ToolChoiceFunction,
+    ToolChoiceMcp,
 )
 from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_output_item import McpCall, McpListTools, McpListToolsTool
+from openai.types.responses.tool import Mcp
 from openai.types.responses.response_reasoning_item import Content as ReasoningText
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 from openai.types.shared import Reasoning
@@ -33,8 +37,8 @@ from .request_checks import INT64, RequestBody, validation_error_body
 from .serving_completions import APIError
 
 # %% auto #0
-__all__ = ['ResponsesRequest', 'input_messages', 'to_chat_request', 'output_items', 'response_usage', 'status_of',
-           'make_response']
+__all__ = ['MCP_REMOTE', 'ResponsesRequest', 'mcp_result_text', 'input_messages', 'to_chat_request', 'mcp_tools', 'output_items',
+           'mcp_list_tools_item', 'mcp_call_item', 'response_usage', 'status_of', 'make_response']
 
 # %% ../../../nbs/70c_responses_protocol.ipynb #774e3f0d
 class ResponsesRequest(RequestBody):
@@ -51,6 +55,7 @@ class ResponsesRequest(RequestBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal['none', 'auto', 'required'] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(None, ge=1, lt=INT64)  # MCP calls the server runs for this response
     text: ResponseTextConfig | None = None
     reasoning: Reasoning | None = None
     stream: bool = False
@@ -96,6 +101,19 @@ def _reasoning_text(item: dict) -> str:
     return '\n'.join(p.get('text', '') for p in parts if isinstance(p, dict))
 
 
+def mcp_result_text(item: dict) -> str:
+    "What the model reads of an `mcp_call` item: its output, or its error as `Error: ...`."
+    err = item.get('error')
+    if err is None:
+        return item.get('output') or ''
+    if isinstance(err, str):
+        return 'Error: ' + err
+    if err.get('type') == 'mcp_tool_execution_error':
+        parts = [c.get('text', json.dumps(c)) if isinstance(c, dict) else str(c) for c in err.get('content') or []]
+        return 'Error: ' + ' '.join(parts)
+    return 'Error: ' + str(err.get('message', ''))
+
+
 def input_messages(items: str | list[dict]) -> list[dict]:
     "The chat messages of a Responses `input`."
     if isinstance(items, str):
@@ -114,6 +132,17 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             if not (msgs and msgs[-1]['role'] == 'assistant'):
                 msgs.append({'role': 'assistant', 'content': None})
             msgs[-1].setdefault('tool_calls', []).append(call)
+        elif t == 'mcp_call':  # a call the server ran: the call, then its result as the tool's answer
+            call = {'id': _str(it, 'id', where), 'type': 'function'}
+            call['function'] = {'name': _str(it, 'name', where), 'arguments': _str(it, 'arguments', where)}
+            if not (msgs and msgs[-1]['role'] == 'assistant'):
+                msgs.append({'role': 'assistant', 'content': None})
+            msgs[-1].setdefault('tool_calls', []).append(call)
+            if thinking is not None:
+                msgs[-1]['reasoning_content'], thinking = thinking, None
+            msgs.append({'role': 'tool', 'tool_call_id': call['id'], 'content': mcp_result_text(it)})
+        elif t == 'mcp_list_tools':  # the tools are in the request's tools already
+            continue
         elif t == 'function_call_output':
             out = it.get('output')
             text = out if isinstance(out, str) else _parts_text(out, where)
@@ -131,8 +160,12 @@ def input_messages(items: str | list[dict]) -> list[dict]:
 def _tools(tools: list[dict]) -> list[dict]:
     out = []
     for i, t in enumerate(tools):
+        if t.get('type') == 'mcp':  # the server's own tools: `mcp_tools` checks them, `tool_server` offers them
+            continue
         if t.get('type') != 'function':
-            raise _bad(f'tools.{i}: tool type {t.get("type")!r} is not supported (function tools only)', 'tools')
+            raise _bad(
+                f'tools.{i}: tool type {t.get("type")!r} is not supported (function and mcp tools only)', 'tools'
+            )
         if not isinstance(t.get('name'), str) or not t['name']:
             raise _bad(f'tools.{i}.name must be a non-empty string', 'tools')
         fn = {k: t[k] for k in ('name', 'description', 'parameters', 'strict') if t.get(k) is not None}
@@ -145,8 +178,11 @@ def _tool_choice(c):
         return c
     if c.get('type') == 'function' and isinstance(c.get('name'), str):
         return {'type': 'function', 'function': {'name': c['name']}}
+    if c.get('type') == 'mcp' and isinstance(c.get('server_label'), str):  # a named MCP tool is a named function
+        return {'type': 'function', 'function': {'name': c['name']}} if isinstance(c.get('name'), str) else 'required'
     raise _bad(
-        f'tool_choice {c!r} is not supported (auto, required, none or {{"type": "function", "name"}})', 'tool_choice'
+        f'tool_choice {c!r} is not supported (auto, required, none, {{"type": "function", "name"}} or {{"type": "mcp", "server_label", "name"}})',
+        'tool_choice',
     )
 
 
@@ -160,10 +196,13 @@ def _response_format(text: ResponseTextConfig | None) -> dict | None:
     return {'type': 'json_schema', 'json_schema': js | ({'description': f.description} if f.description else {})}
 
 
-def to_chat_request(req: ResponsesRequest, history: list[dict] = ()) -> ChatCompletionRequest:
-    "The chat completions request that serves `req` after the turns in `history` (refusals: `APIError`, a 400)."
+def to_chat_request(
+    req: ResponsesRequest, history: list[dict] = (), after: list[dict] = (), tools: list[dict] = ()
+) -> ChatCompletionRequest:
+    """The chat completions request that serves `req` after the turns in `history` (refusals: `APIError`, a 400);
+    `after`: messages after the input (the tool loop's steps so far), `tools`: more function tools (MCP tools)."""
     msgs = [{'role': 'system', 'content': req.instructions}] if req.instructions else []
-    msgs += list(history) + input_messages(req.input)
+    msgs += list(history) + input_messages(req.input) + list(after)
     body = {'model': req.model, 'messages': msgs, 'parallel_tool_calls': req.parallel_tool_calls}
     for k, v in (
         ('max_tokens', req.max_output_tokens),
@@ -175,8 +214,9 @@ def to_chat_request(req: ResponsesRequest, history: list[dict] = ()) -> ChatComp
     ):
         if v is not None:
             body[k] = v
-    if req.tools:
-        body['tools'] = _tools(req.tools)
+    fns = _tools(list(req.tools or []) + list(tools))
+    if fns:
+        body['tools'] = fns
     if req.reasoning and req.reasoning.effort is not None:
         body['chat_template_kwargs'] = {'enable_thinking': req.reasoning.effort != 'none'}
     try:
@@ -184,6 +224,47 @@ def to_chat_request(req: ResponsesRequest, history: list[dict] = ()) -> ChatComp
     except ValidationError as e:
         err = validation_error_body(e)['error']
         raise APIError(err['message'], param=err['param']) from None
+
+
+MCP_REMOTE = ('server_url', 'connector_id', 'tunnel_id', 'headers', 'authorization')
+
+
+def _names(v) -> bool:
+    return isinstance(v, list) and all(isinstance(n, str) for n in v)
+
+
+def mcp_tools(tools: list[dict] | None) -> list[dict]:
+    """The request's `mcp` tools, checked (400s name the tool): a `server_label`, `allowed_tools` as names or a
+    filter, no approvals, and no server of the client's own (tools run only on the operator's `--tool-server`s)."""
+    out = []
+    for i, t in enumerate(tools or []):
+        if t.get('type') != 'mcp':
+            continue
+        where = f'tools.{i}'
+        if not isinstance(t.get('server_label'), str) or not t['server_label']:
+            raise _bad(f'{where}.server_label must be a non-empty string', 'tools')
+        for k in MCP_REMOTE:
+            if t.get(k) is not None:
+                raise _bad(
+                    f'{where}.{k} is not supported: MCP tools run only on the tool servers this server was started '
+                    'with (--tool-server), chosen by server_label',
+                    'tools',
+                )
+        if t.get('require_approval') not in (None, 'never'):
+            raise _bad(
+                f'{where}.require_approval: approvals are not supported; give "never" (the server runs the calls)',
+                'tools',
+            )
+        at = t.get('allowed_tools')
+        if isinstance(at, dict):
+            ok = set(at) <= {'tool_names', 'read_only'} and isinstance(at.get('read_only'), (bool, type(None)))
+            ok = ok and (at.get('tool_names') is None or _names(at['tool_names']))
+        else:
+            ok = at is None or _names(at)
+        if not ok:
+            raise _bad(f'{where}.allowed_tools must be a list of tool names or {{"tool_names", "read_only"}}', 'tools')
+        out.append(t)
+    return out
 
 # %% ../../../nbs/70c_responses_protocol.ipynb #46d08766
 def output_items(reasoning: str | None, text: str | None, calls: list, status: str = 'completed') -> list:
@@ -215,6 +296,35 @@ def output_items(reasoning: str | None, text: str | None, calls: list, status: s
     return out
 
 
+def mcp_list_tools_item(label: str, tools: list) -> McpListTools:
+    "The tools of server `label` offered to the model (MCP `Tool`s), as an `mcp_list_tools` output item."
+    listed = [
+        McpListToolsTool(
+            name=t.name,
+            description=t.description,
+            input_schema=t.input_schema,
+            annotations=t.annotations.model_dump(mode='json', by_alias=True, exclude_none=True)
+            if t.annotations
+            else None,
+        )
+        for t in tools
+    ]
+    return McpListTools(id=random_id('mcpl_', 24), type='mcp_list_tools', server_label=label, tools=listed)
+
+
+def mcp_call_item(label: str, name: str, arguments: str = '', status: str = 'in_progress', **kw) -> McpCall:
+    "An `mcp_call` output item (`output` or `error` in `kw` once run)."
+    return McpCall(
+        id=random_id('mcp_', 24),
+        type='mcp_call',
+        server_label=label,
+        name=name,
+        arguments=arguments,
+        status=status,
+        **kw,
+    )
+
+
 def response_usage(n_prompt: int, n_out: int, n_cached: int = 0, n_reasoning: int = 0) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=n_prompt,
@@ -238,14 +348,21 @@ def make_response(
     output: list,
     status: str = 'completed',
     usage: ResponseUsage | None = None,
+    reason: str | None = 'max_output_tokens',
 ) -> Response:
-    "The `Response` with id `rid`: `output`, `status` and `usage`, and the request's settings echoed."
+    "The `Response` with id `rid`: `output`, `status` (`incomplete` for `reason`: None at a tool loop's bound) and `usage`, and the request's settings echoed."
     tools = [
-        FunctionTool(**{k: v for k, v in t.items() if k in ('type', 'name', 'description', 'parameters', 'strict')})
+        Mcp(**{k: v for k, v in t.items() if k in Mcp.model_fields})
+        if t.get('type') == 'mcp'
+        else FunctionTool(
+            **{k: v for k, v in t.items() if k in ('type', 'name', 'description', 'parameters', 'strict')}
+        )
         for t in req.tools or []
     ]
     choice = req.tool_choice or ('auto' if tools else 'none')
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice.get('type') == 'mcp':
+        choice = ToolChoiceMcp(type='mcp', server_label=choice['server_label'], name=choice.get('name'))
+    elif isinstance(choice, dict):
         choice = ToolChoiceFunction(type='function', name=choice['name'])
     return Response(
         id=rid,
@@ -254,7 +371,7 @@ def make_response(
         model=model,
         output=output,
         status=status,
-        incomplete_details=IncompleteDetails(reason='max_output_tokens') if status == 'incomplete' else None,
+        incomplete_details=IncompleteDetails(reason=reason) if status == 'incomplete' and reason else None,
         instructions=req.instructions,
         max_output_tokens=req.max_output_tokens,
         temperature=req.temperature,
@@ -262,6 +379,7 @@ def make_response(
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls,
+        max_tool_calls=req.max_tool_calls,
         text=req.text or ResponseTextConfig(format={'type': 'text'}),
         previous_response_id=req.previous_response_id,
         reasoning=req.reasoning,

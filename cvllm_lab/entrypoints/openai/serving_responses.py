@@ -14,34 +14,17 @@ from collections import OrderedDict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from openai.types.responses import (
-    Response,
-    ResponseCompletedEvent,
-    ResponseContentPartAddedEvent,
-    ResponseContentPartDoneEvent,
-    ResponseCreatedEvent,
-    ResponseFunctionCallArgumentsDeltaEvent,
-    ResponseFunctionCallArgumentsDoneEvent,
-    ResponseFunctionToolCall,
-    ResponseInProgressEvent,
-    ResponseOutputItemAddedEvent,
-    ResponseOutputItemDoneEvent,
-    ResponseOutputMessage,
-    ResponseOutputText,
-    ResponseReasoningItem,
-    ResponseReasoningTextDeltaEvent,
-    ResponseReasoningTextDoneEvent,
-    ResponseTextDeltaEvent,
-    ResponseTextDoneEvent,
-)
-from openai.types.responses.response_reasoning_item import Content as ReasoningText
+from openai.types.responses import Response, ResponseCompletedEvent, ResponseCreatedEvent, ResponseInProgressEvent
 
 from ...engine.async_llm_engine import EngineDeadError, EngineError, RequestStream
 from .protocol import random_id
+from .responses_events import ResponseItems, delta_pieces, event
 from cvllm_lab.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
     input_messages,
     make_response,
+    mcp_list_tools_item,
+    mcp_tools,
     output_items,
     response_usage,
     status_of,
@@ -50,10 +33,11 @@ from cvllm_lab.entrypoints.openai.responses_protocol import (
 from .server_ops import ErrorResponse, error_responses
 from .serving_completions import APIError, ChatCtx, stream_deltas
 from .streams import SSEResponse, last_output, log, unless_disconnected
+from .tool_server import RequestTools, ToolServers
 
 # %% auto #0
-__all__ = ['ResponseStore', 'history_of', 'conversation', 'reasoning_tokens', 'create_response', 'event', 'response_events',
-           'add_responses_routes']
+__all__ = ['NOT_RUN', 'ResponseStore', 'history_of', 'conversation', 'reasoning_tokens', 'create_response', 'request_tools',
+           'response_stream', 'response_events', 'add_responses_routes']
 
 # %% ../../../nbs/77d_serving_responses.ipynb #52a49b8a
 class ResponseStore:
@@ -114,12 +98,25 @@ def _wire(resp: Response) -> dict:
 
 async def create_response(srv, store: ResponseStore, req: ResponsesRequest, request: Request):
     "`POST /v1/responses`: the Response, or its event stream when `stream` is true."
-    history = history_of(store, req)
-    ctx, stream, _ = await srv.open_chat(to_chat_request(req, history))
+    history, rt = history_of(store, req), request_tools(request.app.state, req)
+    ctx, stream, _ = await srv.open_chat(to_chat_request(req, history, tools=rt.functions() if rt else ()))
     rid, created, model = random_id('resp_', 48), time.time(), req.model or srv.model_name
     if req.stream:
-        events = response_events(srv, ctx, stream, req, rid, model, created, store, history)
+        events = response_events(srv, ctx, stream, req, rid, model, created, store, history, rt)
         return SSEResponse(events, on_close=stream.close)
+    if rt is not None:  # the tool loop: its last event holds the Response
+        gen = response_stream(srv, ctx, stream, req, rid, model, created, store, history, rt)
+
+        async def last():
+            async for e in gen:
+                pass
+            return e
+
+        try:
+            return JSONResponse(_wire((await unless_disconnected(request, last())).response))
+        finally:
+            await gen.aclose()
+            stream.close()
     try:
         out = await unless_disconnected(request, last_output(stream))
     finally:
@@ -135,171 +132,141 @@ async def create_response(srv, store: ResponseStore, req: ResponsesRequest, requ
     return JSONResponse(_wire(resp))
 
 # %% ../../../nbs/77d_serving_responses.ipynb #9011a6c0
-def event(e) -> str:
-    "One server-sent event in OpenAI's form: the type as the event name, the model as data."
-    return f'event: {e.type}\ndata: {e.model_dump_json(exclude_unset=True)}\n\n'
+NOT_RUN = -32600  # the error code of an MCP call the response's bounds kept from running (JSON-RPC's invalid request)
 
 
-class _Items:
-    "The output items of a streamed response: the open one, its text so far, and the events' sequence numbers."
-
-    def __init__(self):
-        self.seq, self.items, self.kind, self.tool, self.text = 0, [], None, None, ''
-
-    def ev(self, cls, **kw) -> str:
-        self.seq += 1
-        return event(cls(sequence_number=self.seq - 1, **kw))
-
-    @property
-    def at(self) -> dict:
-        return {'item_id': self.items[-1].id, 'output_index': len(self.items) - 1}
-
-    def open(self, kind: str, item, tool: int | None = None) -> list[str]:
-        out = self.close()
-        self.items.append(item)
-        self.kind, self.tool, self.text = kind, tool, ''
-        out.append(
-            self.ev(
-                ResponseOutputItemAddedEvent,
-                type='response.output_item.added',
-                item=item,
-                output_index=len(self.items) - 1,
+def request_tools(state, req: ResponsesRequest) -> RequestTools | None:
+    """The request's MCP tools on the app's tool servers (`state.tool_servers`), or None when it has none; an unknown
+    `server_label` or an MCP `tool_choice` naming a tool not offered is a 400."""
+    specs = mcp_tools(req.tools)
+    if not specs:
+        return None
+    servers = getattr(state, 'tool_servers', None) or ToolServers()
+    rt = RequestTools(servers, specs, {t.get('name') for t in req.tools if t.get('type') == 'function'})
+    tc = req.tool_choice
+    if isinstance(tc, dict) and tc.get('type') == 'mcp':
+        labels = [lb for lb, _ in rt.listing]
+        if tc.get('server_label') not in labels:
+            raise APIError(
+                f'tool_choice names server_label {tc.get("server_label")!r}, not one of the mcp tools {labels}',
+                param='tool_choice',
             )
-        )
-        if kind == 'message':
-            part = ResponseOutputText(type='output_text', text='', annotations=[], logprobs=[])
-            out.append(
-                self.ev(
-                    ResponseContentPartAddedEvent,
-                    type='response.content_part.added',
-                    content_index=0,
-                    part=part,
-                    **self.at,
-                )
+        if tc.get('name') is not None and rt.offered.get(tc['name']) != tc['server_label']:
+            raise APIError(
+                f'tool_choice names tool {tc["name"]!r}, which server {tc["server_label"]!r} does not offer (allowed_tools)',
+                param='tool_choice',
             )
-        return out
+    return rt
 
-    def delta(self, piece: str) -> str:
-        self.text += piece
-        if self.kind == 'message':
-            return self.ev(
-                ResponseTextDeltaEvent,
-                type='response.output_text.delta',
-                content_index=0,
-                delta=piece,
-                logprobs=[],
-                **self.at,
-            )
-        if self.kind == 'reasoning':
-            return self.ev(
-                ResponseReasoningTextDeltaEvent,
-                type='response.reasoning_text.delta',
-                content_index=0,
-                delta=piece,
-                **self.at,
-            )
-        return self.ev(
-            ResponseFunctionCallArgumentsDeltaEvent,
-            type='response.function_call_arguments.delta',
-            delta=piece,
-            **self.at,
-        )
 
-    def close(self, status: str = 'completed') -> list[str]:
-        "The events that finish the open item (its full text in place)."
-        if self.kind is None:
+class _Loop:
+    "One response's run: its model calls (steps), the MCP calls it ran, the bound that stopped it."
+
+    def __init__(self, req: ResponsesRequest, rt: RequestTools | None):
+        self.req, self.rt, self.step, self.calls, self.stopped = req, rt, 1, 0, None
+        self.deadline = time.monotonic() + rt.cfg.loop_timeout_s if rt else None
+
+    def bound(self, cut: bool = False) -> str | None:
+        "The bound that keeps a call from running now (None: it may run)."
+        cfg, n = self.rt.cfg, self.req.max_tool_calls
+        if cut:
+            return 'its arguments were cut off by max_output_tokens'
+        if self.step >= cfg.max_steps:
+            return f'the response made its {cfg.max_steps} model calls (--tool-loop-max-steps)'
+        if n is not None and self.calls >= n:
+            return f'the response ran its max_tool_calls ({n})'
+        if time.monotonic() >= self.deadline:
+            return f"the response's tool loop ran out of time ({cfg.loop_timeout_s:g} s, --tool-loop-timeout)"
+        return None
+
+    async def run_pending(self, items: ResponseItems, cut: bool = False) -> list:
+        "Run the `mcp_call` whose arguments just closed (if one did), or fail it with the bound it hit."
+        if items.pending is None:
             return []
-        item, out, kind = self.items[-1], [], self.kind
-        self.kind = None
-        if kind == 'message':
-            part = ResponseOutputText(type='output_text', text=self.text, annotations=[], logprobs=[])
-            out.append(
-                self.ev(
-                    ResponseTextDoneEvent,
-                    type='response.output_text.done',
-                    content_index=0,
-                    text=self.text,
-                    logprobs=[],
-                    **self.at,
-                )
+        item = items.items[items.pending]
+        why = self.bound(cut)
+        if why is not None:
+            self.stopped = why
+            return items.finish_call(
+                error={'type': 'mcp_protocol_error', 'code': NOT_RUN, 'message': f'not run: {why}'}
             )
-            out.append(
-                self.ev(
-                    ResponseContentPartDoneEvent,
-                    type='response.content_part.done',
-                    content_index=0,
-                    part=part,
-                    **self.at,
-                )
-            )
-            item = item.model_copy(update={'content': [part], 'status': status})
-        elif kind == 'reasoning':
-            out.append(
-                self.ev(
-                    ResponseReasoningTextDoneEvent,
-                    type='response.reasoning_text.done',
-                    content_index=0,
-                    text=self.text,
-                    **self.at,
-                )
-            )
-            rs = ReasoningText(type='reasoning_text', text=self.text)
-            item = item.model_copy(update={'content': [rs], 'status': status})
-        else:
-            out.append(
-                self.ev(
-                    ResponseFunctionCallArgumentsDoneEvent,
-                    type='response.function_call_arguments.done',
-                    arguments=self.text,
-                    **self.at,
-                )
-            )
-            item = item.model_copy(update={'arguments': self.text, 'status': status})
-        self.items[-1] = item
-        out.append(
-            self.ev(
-                ResponseOutputItemDoneEvent,
-                type='response.output_item.done',
-                item=item,
-                output_index=len(self.items) - 1,
-            )
-        )
-        return out
+        self.calls += 1
+        timeout = min(self.rt.cfg.call_timeout_s, self.deadline - time.monotonic())
+        res = await self.rt.call(item.name, item.arguments, timeout)
+        return items.finish_call(res.output, res.error)
 
 
-def _deltas(items: _Items, d) -> list[str]:
-    "The events of one chat delta (reasoning, text or tool-call pieces)."
-    out = []
-    if d.reasoning_content:
-        if items.kind != 'reasoning':
-            out += items.open(
-                'reasoning',
-                ResponseReasoningItem(
-                    id=random_id('rs_', 24), type='reasoning', summary=[], content=[], status='in_progress'
-                ),
+async def response_stream(
+    srv,
+    ctx: ChatCtx,
+    stream: RequestStream,
+    req: ResponsesRequest,
+    rid: str,
+    model: str,
+    created: float,
+    store: ResponseStore,
+    history: list[dict],
+    rt: RequestTools | None = None,
+):
+    """The Responses API's events of one request (the SDK's models, numbered). With MCP tools (`rt`): each call of
+    one runs on its server, the call and its result join the conversation, and the model goes on, until it
+    answers without one or a bound stops it (then `incomplete`)."""
+    items, loop, streams = ResponseItems(), _Loop(req, rt), []  # the streams this loop opened (and closes)
+    n_in = n_out = n_cached = 0
+    start = make_response(req, rid, model, created, [], 'in_progress')
+    yield items.ev(ResponseCreatedEvent, type='response.created', response=start)
+    yield items.ev(ResponseInProgressEvent, type='response.in_progress', response=start)
+    try:
+        for label, tools in rt.listing if rt else []:
+            for e in items.list_tools(mcp_list_tools_item(label, tools)):
+                yield e
+        while True:
+            first, reason = len(items.items), 'max_output_tokens'
+            async for ev in stream_deltas(ctx, stream):
+                out, o = ev.output, ev.choice
+                for d in ev.deltas:
+                    for kind, key, make, text in delta_pieces(items, d, rt.label_of if rt else None):
+                        if items.kind != kind or items.tool != key:
+                            for e in items.close() + await loop.run_pending(items) + items.open(kind, make(), key):
+                                yield e
+                        if text:
+                            yield items.delta(text)
+            status = status_of(o)
+            for e in items.close(status) + await loop.run_pending(items, cut=status != 'completed'):
+                yield e
+            n_in, n_out, n_cached = (
+                n_in + len(out.prompt_token_ids),
+                n_out + len(o.token_ids),
+                n_cached + out.num_cached_tokens,
             )
-        out.append(items.delta(d.reasoning_content))
-    if d.content:
-        if items.kind != 'message':
-            msg = ResponseOutputMessage(
-                id=random_id('msg_', 24), type='message', role='assistant', status='in_progress', content=[]
+            step = items.items[first:]
+            if (
+                status != 'completed'
+                or not any(i.type == 'mcp_call' for i in step)
+                or any(i.type == 'function_call' for i in step)
+            ):
+                break  # an answer, a call for the client to run, or out of tokens
+            left = None if req.max_output_tokens is None else req.max_output_tokens - n_out
+            if loop.stopped or (left is not None and left < 1) or time.monotonic() >= loop.deadline:
+                status, reason = 'incomplete', None if left is None or left >= 1 else reason
+                break
+            loop.step += 1  # the model reads the results and goes on (a forced tool_choice held for the first step)
+            tc = req.tool_choice if req.tool_choice in (None, 'none') else 'auto'
+            after = input_messages([i.model_dump(mode='json', exclude_none=True) for i in items.items])
+            chat = to_chat_request(
+                req.model_copy(update={'tool_choice': tc, 'max_output_tokens': left}), history, after, rt.functions()
             )
-            out += items.open('message', msg)
-        out.append(items.delta(d.content))
-    for c in d.tool_calls or []:
-        if items.kind != 'function_call' or items.tool != c.index:
-            fc = ResponseFunctionToolCall(
-                id=random_id('fc_', 24),
-                type='function_call',
-                call_id=c.id or random_id('call_', 24),
-                name=(c.function.name if c.function else None) or '',
-                arguments='',
-                status='in_progress',
-            )
-            out += items.open('function_call', fc, c.index)
-        if c.function and c.function.arguments:
-            out.append(items.delta(c.function.arguments))
-    return out
+            ctx, stream, _ = await srv.open_chat(chat)
+            streams.append(stream)
+    finally:
+        for s in streams:
+            s.close()
+    think = ''.join(i.content[0].text for i in items.items if i.type == 'reasoning')
+    usage = response_usage(n_in, n_out, n_cached, reasoning_tokens(srv, think))
+    resp = make_response(req, rid, model, created, items.items, status, usage, reason)
+    if req.store:
+        store.put(resp, conversation(history, req, resp))
+    yield items.ev(ResponseCompletedEvent, type='response.completed', response=resp)
 
 
 async def response_events(
@@ -312,28 +279,14 @@ async def response_events(
     created: float,
     store: ResponseStore,
     history: list[dict],
+    rt: RequestTools | None = None,
 ):
-    "The Responses API's events of one request."
-    items, o = _Items(), None
+    "The Responses API's server-sent events of one request; a failure after the start is a last `error` event."
+    gen, seq = response_stream(srv, ctx, stream, req, rid, model, created, store, history, rt), 0
     try:
-        start = make_response(req, rid, model, created, [], 'in_progress')
-        yield items.ev(ResponseCreatedEvent, type='response.created', response=start)
-        yield items.ev(ResponseInProgressEvent, type='response.in_progress', response=start)
-        async for ev in stream_deltas(ctx, stream):
-            out, o = ev.output, ev.choice
-            for d in ev.deltas:
-                for e in _deltas(items, d):
-                    yield e
-        status = status_of(o)
-        for e in items.close(status):
-            yield e
-        think = ''.join(i.content[0].text for i in items.items if i.type == 'reasoning')
-        n_think = reasoning_tokens(srv, think)
-        usage = response_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens, n_think)
-        resp = make_response(req, rid, model, created, items.items, status, usage)
-        if req.store:
-            store.put(resp, conversation(history, req, resp))
-        yield items.ev(ResponseCompletedEvent, type='response.completed', response=resp)
+        async for e in gen:
+            seq = e.sequence_number + 1
+            yield event(e)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -341,12 +294,14 @@ async def response_events(
             log.exception('Responses stream failed')
         err = {
             'type': 'error',
-            'sequence_number': items.seq,
-            'message': str(e) if isinstance(e, EngineError) else f'Internal server error: {e!r}',
-            'param': None,
+            'sequence_number': seq,
+            'message': str(e) if isinstance(e, (EngineError, APIError)) else f'Internal server error: {e!r}',
+            'param': getattr(e, 'param', None),
             'code': 'service_unavailable' if isinstance(e, EngineDeadError) else 'server_error',
         }
         yield f'event: error\ndata: {json.dumps(err)}\n\n'
+    finally:
+        await gen.aclose()
 
 # %% ../../../nbs/77d_serving_responses.ipynb #384ffcc8
 def add_responses_routes(app: FastAPI, srv, store: ResponseStore | None = None) -> None:
