@@ -32,8 +32,28 @@ def model_dir(name: str, d: Path) -> Path:
     vllm_peer.make_model_dir(str(d))  # the tokenizer (and a Llama config, replaced below)
     cfg = yaml.safe_load((ROOT / f'conf/model/{name}.yaml').read_text())['hf_config']
     cfg |= {'torch_dtype': 'bfloat16', 'dtype': 'bfloat16', 'bos_token_id': 0, 'eos_token_id': 1}
-    (d / 'config.json').write_text(json.dumps(cfg, indent=1))
+    (d / 'config.json').write_text(json.dumps(as_vllm_registers(cfg), indent=1))
     return d
+
+
+def as_vllm_registers(cfg: dict) -> dict:
+    """vLLM 0.26 registers Qwen3.5 only as the image-text model (`Qwen3_5[Moe]ForConditionalGeneration`, its text
+    model inside): the text config goes in `text_config`, its RoPE as the multimodal RoPE it expects (for text, each
+    section gets the same positions, so it is the text model's RoPE), and `LLM(limit_mm_per_prompt=0)` leaves the
+    vision tower out."""
+    arch = cfg['architectures'][0]
+    if arch not in ('Qwen3_5ForCausalLM', 'Qwen3_5MoeForCausalLM'):
+        return cfg
+    moe = 'Moe' in arch
+    rope = cfg['rope_parameters'] | {'mrope_section': [11, 11, 10], 'mrope_interleaved': True}
+    text = cfg | {'rope_parameters': rope, 'architectures': None}
+    return {
+        'architectures': [f'Qwen3_5{"Moe" if moe else ""}ForConditionalGeneration'],
+        'model_type': 'qwen3_5_moe' if moe else 'qwen3_5',
+        'text_config': text,
+        'tie_word_embeddings': cfg.get('tie_word_embeddings', False),
+        'torch_dtype': 'bfloat16',
+    }
 
 
 def points() -> list[dict]:
@@ -55,6 +75,7 @@ def main(name: str, out: str):
         max_num_seqs=64,
         gpu_memory_utilization=0.95,
         seed=0,
+        limit_mm_per_prompt={'image': 0, 'video': 0},
     )
     init_s = time.time() - t0
     rng = random.Random(0)
