@@ -17,7 +17,7 @@ from .core import EngineCoreRequest, EngineInfo
 from ..layers.pooler import PoolingParams
 
 # %% auto #0
-__all__ = ['InputError', 'tokenize_prompt', 'adapt_messages', 'InputProcessor']
+__all__ = ['InputError', 'tokenize_prompt', 'adapt_messages', 'InputProcessor', 'compress_token_type_ids']
 
 # %% ../../nbs/57_input_processor.ipynb #091c0e25
 class InputError(ValueError):
@@ -190,6 +190,17 @@ def process(
     return req, text, params
 
 # %% ../../nbs/57_input_processor.ipynb #104ea460
+def compress_token_type_ids(tt, n: int) -> int:
+    "A sentence pair's token types `[0, ..., 0, 1, ..., 1]` as the index of the first 1 (`n`: none), as vLLM sends them."
+    tt = list(tt)
+    if len(tt) != n or any(t not in (0, 1) for t in tt):
+        raise InputError(f'token_type_ids must be {n} zeros and ones, one per token', 'token_type_ids')
+    k = tt.index(1) if 1 in tt else n
+    if any(t != 1 for t in tt[k:]):
+        raise InputError('token_type_ids must be zeros then ones (one sentence pair)', 'token_type_ids')
+    return k
+
+
 @patch
 def process_pooling(
     self: InputProcessor, request_id: str, prompt, params: PoolingParams, arrival_time=None, priority: int = 0
@@ -215,10 +226,16 @@ def process_pooling(
     except ValueError as e:
         raise InputError(str(e), 'dimensions' if 'dimension' in str(e) else None) from None
     text, ids = self.tokenize(prompt)
+    tt = prompt.get('token_type_ids') if isinstance(prompt, dict) else None
+    first = None if tt is None else compress_token_type_ids(tt, len(ids))
     k = params.truncate_prompt_tokens
     if k is not None and ids:
         k = self.max_model_len if k == -1 else k
-        ids = ids[-k:] if k > 0 else ids
+        if 0 < k < len(ids):
+            cut, ids = len(ids) - k, ids[-k:]
+            first = None if first is None else max(0, first - cut)
+    if first is not None:  # a sentence pair: its second text's rows are token type 1 (the runner expands it, 50b)
+        params.extra_kwargs = {**(params.extra_kwargs or {}), 'compressed_token_type_ids': first}
     if len(ids) > self.max_model_len:  # vLLM's message for a pooling input
         raise InputError(
             f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -290,7 +290,11 @@ class StepHandle:
 # %% ../../nbs/50_model_runner.ipynb #af4167d1
 @patch
 def _forward(
-    self: ModelRunner, so: SchedulerOutput, b: InputBatch, prev_tokens: torch.Tensor | None = None
+    self: ModelRunner,
+    so: SchedulerOutput,
+    b: InputBatch,
+    prev_tokens: torch.Tensor | None = None,
+    token_type_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The hidden states of the prepared step `b`: a CUDA-graph replay for a decode batch one fits, else the eager
     forward (its leading decodes marked for a paged call of their own, `DecodeSplit`). An eager step that samples
@@ -314,6 +318,7 @@ def _forward(
         return self._run_graph(b, prev_tokens)
     ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
+    ctx.token_type_ids = token_type_ids  # a pooling step's sentence pairs (50b)
     if groups:
         ctx.kv_groups = [(slots, bt)] + groups
     if (

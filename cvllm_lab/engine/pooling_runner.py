@@ -86,11 +86,22 @@ class PoolingSteps:
         bs = self.block_size
         return -(-self.cfg.max_num_batched_tokens // bs) + self.cfg.max_num_seqs
 
+    def token_types(self, reqs, query_start_loc) -> torch.Tensor | None:
+        """The step's token types when a request is a sentence pair (`extra_kwargs['compressed_token_type_ids']`: its
+        rows from there on are type 1, vLLM's compressed form); None when every row is type 0."""
+        ks = [(r.pooling_params.extra_kwargs or {}).get('compressed_token_type_ids') for r in reqs]
+        if all(k is None for k in ks):
+            return None
+        qsl = [int(x) for x in query_start_loc]
+        tt = torch.zeros(qsl[-1], dtype=torch.long)
+        for k, a, e in zip(ks, qsl[:-1], qsl[1:]):
+            if k is not None:
+                tt[a + k : e] = 1
+        return tt.to(self.device)
+
     @torch.inference_mode()
     def pool_step(self, so) -> dict[str, torch.Tensor]:
         "Run one step of whole prompts and pool them: `{request id: pooled tensor on the host}`."
-        b = self.prepare_inputs(so)
-        hidden = self._forward(so, b)
         reqs = so.scheduled
         for r in reqs:
             if r.pooling_params is None:
@@ -99,6 +110,8 @@ class PoolingSteps:
                 raise ValueError(
                     f'Pooling request {r.request_id!r} is not scheduled whole (prefill_chunk_size must be 0)'
                 )
+        b = self.prepare_inputs(so)
+        hidden = self._forward(so, b, token_type_ids=self.token_types(reqs, b.query_start_loc))
         meta = PoolingMetadata([int(x) for x in b.query_start_loc], [r.pooling_params for r in reqs])
         out = self.model.pooler(hidden, meta)
         return {r.request_id: t.to('cpu', non_blocking=False) for r, t in zip(reqs, out)}

@@ -178,7 +178,8 @@ def score(
     self: LLM, data_1, data_2, use_tqdm: bool = True, pooling_params=None, truncate_prompt_tokens: int | None = None
 ) -> list[ScoringRequestOutput]:
     """Scores of text pairs: one text against a list (1-to-N), or two lists pair by pair (N-to-N). On an embedding
-    model, the cosine similarity of the two embeddings."""
+    model, the cosine similarity of the two embeddings; on a cross-encoder (a one-label classifier), its sigmoid
+    over the pair tokenized together (`[CLS] a [SEP] b [SEP]`, b's rows of token type 1)."""
     one = lambda d: isinstance(d, str) or _is_single_prompt(d)
     a, b = ([data_1] if one(data_1) else list(data_1)), ([data_2] if one(data_2) else list(data_2))
     if not a or not b:
@@ -188,10 +189,21 @@ def score(
     if len(a) != len(b):
         raise ValueError(f'score pairs texts one to one: {len(a)} and {len(b)} texts')
     tasks = self.engine.info.supported_tasks or set()
-    if 'embed' not in tasks:
-        raise NotImplementedError(
-            'score on a classification model (a cross-encoder over the text pair, with token types) is not built yet'
-        )
+    if 'embed' not in tasks:  # a cross-encoder: each pair as one input, its second text of token type 1
+        if (n := getattr(self.engine.hf_config, 'num_labels', 1)) != 1:
+            raise ValueError(
+                f'score needs a one-label classifier (a cross-encoder); this model has {n} labels: use classify'
+            )
+        tok = self.get_tokenizer()
+        if tok is None or not all(isinstance(x, str) for x in a + b):
+            raise ValueError('score on a cross-encoder takes texts (the pair is tokenized together)')
+        pairs = []
+        for x, y in zip(a, b):
+            enc = tok(x, y)
+            tt = enc.get('token_type_ids')
+            pairs.append({'prompt': None, 'prompt_token_ids': enc['input_ids'], 'token_type_ids': tt})
+        outs = self._pool(pairs, pooling_params, 'score', use_tqdm, truncate_prompt_tokens)
+        return [ScoringRequestOutput.from_base(o) for o in outs]
     embs = self._pool(a + b, pooling_params, 'embed', use_tqdm, truncate_prompt_tokens)
     ea, eb = embs[: len(a)], embs[len(a) :]
     out = []

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 import cvllm_lab.envs as envs
-from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES, RUNNERS, CONVERTS
+from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
+from .openai.serving_embeddings import add_pooling_args, pooling_kwargs
 from .openai.api_server import ServerConfig
 from .openai.tool_server import add_tool_server_args, tool_server_config
 from .openai.protocol import DEFAULT_MAX_N
@@ -68,13 +69,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     g.add_argument('--isq', help=f'candle-vllm: quantize while loading ({", ".join(METHODS)})')
     g.add_argument('--yarn-scaling-factor', type=float, help='extend the context with YaRN RoPE scaling by this factor')
-    g.add_argument(
-        '--runner', default='auto', choices=RUNNERS, help="generate, or pooling (embeddings; auto: the model's kind)"
-    )
-    g.add_argument('--convert', default='auto', choices=CONVERTS, help='serve a generative model as a pooling one')
-    g.add_argument(
-        '--pooler-config', type=_pooler_config, help='JSON overrides of the pooler, e.g. {"normalize": false}'
-    )
+    add_pooling_args(p)  # --runner, --convert, --pooler-config (serving_embeddings)
     g = p.add_argument_group('engine')
     g.add_argument('--max-model-len', type=int, help="context length (default: the model's)")
     g.add_argument('--max-num-seqs', type=int, default=256, help='sequences per batch')
@@ -221,22 +216,6 @@ def make_parser() -> argparse.ArgumentParser:
 # %% ../../nbs/78_serve.ipynb #d8d12b7c
 def _refuse(flag: str, why: str):
     raise ValueError(f'{flag}: {why}')
-
-
-def _pooler_config(s: str) -> dict:
-    "--pooler-config: a JSON object of `PoolerConfig` fields (checked here, not in the engine's process)."
-    import argparse
-    import json
-    from cvllm_lab.layers.pooler import PoolerConfig
-
-    try:
-        d = json.loads(s)
-        if not isinstance(d, dict):
-            raise ValueError('not a JSON object')
-        PoolerConfig.from_dict(d)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f'{s!r}: {e}') from None
-    return d
 
 
 def model_from_args(args) -> str | None:
@@ -388,6 +367,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
     )  # unset: the field's default
     ecfg = EngineConfig(
         **bi,
+        **pooling_kwargs(args),
         model=model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
@@ -416,9 +396,6 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         scheduling_policy=args.scheduling_policy,
         generation_config=args.generation_config,
         trust_request_chat_template=args.trust_request_chat_template,
-        runner=args.runner,
-        convert=args.convert,
-        pooler_config=args.pooler_config,
     )
     scfg = ServerConfig(
         served_model_names=list(args.served_model_name or []),

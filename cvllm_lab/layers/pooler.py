@@ -40,6 +40,8 @@ class PoolingParams:
     normalize: bool | None = None
     use_activation: bool | None = None
     task: str | None = None
+    # internal (vLLM's): {'compressed_token_type_ids': k} for a sentence pair whose rows from k on are token type 1
+    extra_kwargs: dict | None = None
 
     def clone(self) -> PoolingParams:
         return deepcopy(self)

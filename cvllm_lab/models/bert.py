@@ -127,7 +127,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids, positions, token_type_ids=None):
         if token_type_ids is None:
-            token_type_ids = getattr(get_forward_context(), 'token_type_ids', None)
+            token_type_ids = get_forward_context().token_type_ids
         h = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             h = layer(h)

@@ -118,6 +118,8 @@ class ForwardContext:
     keep_rows: torch.Tensor | None = None
     # the step's leading one-token sequences, for a paged call of their own (`DecodeSplit`); None: one call
     decodes: DecodeSplit | None = None
+    # encoder models (BERT, 31a): each row's token type (0: a pair's first text, 1: its second); None: every row 0
+    token_type_ids: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

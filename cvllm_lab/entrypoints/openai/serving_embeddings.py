@@ -22,7 +22,7 @@ from .server_ops import error_responses
 
 # %% auto #0
 __all__ = ['MAX_EMBEDDING_INPUTS', 'EmbeddingRequest', 'EmbeddingData', 'EmbeddingUsage', 'EmbeddingResponse', 'encode_embedding',
-           'create_embedding', 'add_embeddings_routes']
+           'create_embedding', 'add_embeddings_routes', 'pooler_config_arg', 'add_pooling_args', 'pooling_kwargs']
 
 # %% ../../../nbs/77g_serving_embeddings.ipynb #3ce4f35a
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
@@ -132,3 +132,36 @@ def add_embeddings_routes(app: FastAPI, srv) -> None:
     @app.post('/v1/embeddings', response_model=EmbeddingResponse, responses=error_responses(400, 404, 413, 500, 503))
     async def embeddings(req: EmbeddingRequest):
         return await create_embedding(srv, req)
+
+# %% ../../../nbs/77g_serving_embeddings.ipynb #b9ed656d
+def pooler_config_arg(s: str) -> dict:
+    "`--pooler-config`: a JSON object of `PoolerConfig` fields."
+    import argparse
+    import json
+    from cvllm_lab.layers.pooler import PoolerConfig
+
+    try:
+        d = json.loads(s)
+        if not isinstance(d, dict):
+            raise ValueError('not a JSON object')
+        PoolerConfig.from_dict(d)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f'{s!r}: {e}') from None
+    return d
+
+
+def add_pooling_args(p) -> None:
+    "`--runner`, `--convert`, `--pooler-config` on an argparse parser, in a group of their own."
+    from cvllm_lab.config import CONVERTS, RUNNERS
+
+    g = p.add_argument_group('pooling models (embeddings, classification, scores)')
+    g.add_argument('--runner', default='auto', choices=RUNNERS, help="generate or pooling (auto: the model's kind)")
+    g.add_argument('--convert', default='auto', choices=CONVERTS, help='serve a generative model as a pooling one')
+    g.add_argument(
+        '--pooler-config', type=pooler_config_arg, help='JSON overrides of the pooler, e.g. {"normalize": false}'
+    )
+
+
+def pooling_kwargs(args) -> dict:
+    "The `EngineConfig` fields of the pooling flags."
+    return dict(runner=args.runner, convert=args.convert, pooler_config=args.pooler_config)
