@@ -187,6 +187,12 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--max-gen-tokens', type=int, help='candle-vllm: cap on generated tokens per request')
     g.add_argument('--max-n', type=int, default=DEFAULT_MAX_N, help='largest n a request may ask for')
     g.add_argument('--max-request-body-bytes', type=int, default=16 << 20, help='larger request bodies get 413')
+    g.add_argument(
+        '--max-request-body-containers',
+        type=int,
+        default=1 << 18,
+        help='request bodies with more JSON arrays and objects ([ and { characters, counted before parsing) get 413',
+    )
     g.add_argument('--ui-server', action='store_true', help='serve the built-in chat web page at /')
     g.add_argument(
         '--uvicorn-log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug', 'trace']
@@ -406,6 +412,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         max_n=args.max_n,
         ui=args.ui_server,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_request_body_containers=args.max_request_body_containers,
         torch_profiler_dir=envs.CVLLM_TORCH_PROFILER_DIR or None,
         torch_profiler_record_shapes=envs.CVLLM_TORCH_PROFILER_RECORD_SHAPES,
         engine_iteration_timeout=args.engine_iteration_timeout or None,

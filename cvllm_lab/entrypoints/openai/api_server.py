@@ -91,6 +91,7 @@ class ServerConfig:
     max_n: int = DEFAULT_MAX_N
     max_prompts: int = 64  # prompts per /v1/completions request
     max_request_body_bytes: int = 16 << 20  # a larger body is a 413, refused before (or while) it is read
+    max_request_body_containers: int = 1 << 18  # a body with more [ and { is a 413 (`BodyLimit`), before parsing
     ui: bool = False  # serve the chat page at /
     torch_profiler_dir: str | None = (
         None  # POST /start_profile, /stop_profile write engine-core traces here (None: no routes)
@@ -210,7 +211,7 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(_InfoKey, key=cfg.api_key)
     key = (401,) if cfg.api_key else ()
     errors = error_responses(400, *key, 404, 413, 500, 503)  # what the API routes answer (server_ops)
-    app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes)
+    app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes, containers=cfg.max_request_body_containers)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):

@@ -35,7 +35,7 @@ ERROR_WHEN = {
     400: 'The request is invalid (a field, the prompt, the JSON body); `param` names the field',
     401: 'An API key is required (`--api-key`) and was missing or wrong',
     404: 'The `model` is not one this server serves',
-    413: 'The request body is larger than `--max-request-body-bytes`',
+    413: 'The request body is larger than `--max-request-body-bytes` or holds more JSON arrays and objects than `--max-request-body-containers`',
     500: 'The request failed inside the engine (other requests go on)',
     503: 'The engine core is gone or not answering, the queue is full (with Retry-After), or the server is shutting down',
 }
