@@ -240,7 +240,7 @@ def process_pooling(
         raise InputError(
             f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
             f'{len(ids)} tokens in the input for {params.task}. Please reduce the length of the input.',
-            'input',
+            'prompt',
             'context_length_exceeded',
         )
     self.validate(ids, SamplingParams(), priority)

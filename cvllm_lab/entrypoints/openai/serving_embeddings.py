@@ -22,7 +22,8 @@ from .server_ops import error_responses
 
 # %% auto #0
 __all__ = ['MAX_EMBEDDING_INPUTS', 'EmbeddingRequest', 'EmbeddingData', 'EmbeddingUsage', 'EmbeddingResponse', 'encode_embedding',
-           'create_embedding', 'add_embeddings_routes', 'pooler_config_arg', 'add_pooling_args', 'pooling_kwargs']
+           'create_embedding', 'last_output', 'add_embeddings_routes', 'pooler_config_arg', 'add_pooling_args',
+           'pooling_kwargs']
 
 # %% ../../../nbs/77g_serving_embeddings.ipynb #3ce4f35a
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
@@ -105,7 +106,7 @@ async def create_embedding(srv, req: EmbeddingRequest) -> EmbeddingResponse:
     try:
         for core_req, text, params in processed:
             streams.append(await srv.add(core_req, text, params, []))
-        outs = await asyncio.gather(*(_last(s) for s in streams))
+        outs = await asyncio.gather(*(last_output(s) for s in streams))
     finally:
         for s in streams:
             s.close()  # aborts the unfinished ones (a failure, or the client gone)
@@ -119,7 +120,8 @@ async def create_embedding(srv, req: EmbeddingRequest) -> EmbeddingResponse:
     )
 
 
-async def _last(stream):
+async def last_output(stream):
+    "The last output of a request's stream (its final one)."
     out = None
     async for out in stream:
         pass
