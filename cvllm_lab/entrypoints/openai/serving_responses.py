@@ -158,7 +158,7 @@ def request_tools(state, req: ResponsesRequest) -> RequestTools | None:
             )
     return rt
 
-
+# %% ../../../nbs/77d_serving_responses.ipynb #2be5c529
 class _Loop:
     "One response's run: its model calls (steps), the MCP calls it ran, the bound that stopped it."
 
@@ -195,7 +195,7 @@ class _Loop:
         res = await self.rt.call(item.name, item.arguments, timeout)
         return items.finish_call(res.output, res.error)
 
-
+# %% ../../../nbs/77d_serving_responses.ipynb #9802182e
 async def response_stream(
     srv,
     ctx: ChatCtx,
@@ -290,7 +290,7 @@ async def response_events(
     except asyncio.CancelledError:
         raise
     except Exception as e:
-        if not isinstance(e, EngineError):
+        if not isinstance(e, (EngineError, APIError)):  # APIError: a later step refused (its prompt too long)
             log.exception('Responses stream failed')
         err = {
             'type': 'error',

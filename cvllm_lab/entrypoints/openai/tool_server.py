@@ -16,6 +16,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
+from fastcore.basics import patch
 from mcp import Client, StdioServerParameters
 from mcp.client.sse import sse_client
 from mcp.client.stdio import stdio_client
@@ -192,15 +193,15 @@ class McpServer:
                 self.client = c
                 ready.set_result(None)
                 await stop.wait()
+        except asyncio.CancelledError:
+            if not ready.done():
+                ready.cancel()
+            raise
         except BaseException as e:
             if not ready.done():
-                ready.set_exception(RuntimeError(_reason(e))) if not isinstance(
-                    e, asyncio.CancelledError
-                ) else ready.cancel()
-            elif not isinstance(e, asyncio.CancelledError):
+                ready.set_exception(RuntimeError(_reason(e)))
+            else:
                 log.warning('MCP tool server %r ended: %s', self.label, _reason(e))
-            if isinstance(e, asyncio.CancelledError):
-                raise
         finally:
             self.client = None
 
@@ -277,7 +278,9 @@ def _content_text(c) -> str:
     return c.text if getattr(c, 'type', None) == 'text' else c.model_dump_json(exclude_none=True)
 
 
-async def _call(self: ToolServers, label: str, name: str, arguments: str, timeout: float) -> ToolOutcome:
+@patch
+async def call(self: ToolServers, label: str, name: str, arguments: str, timeout: float) -> ToolOutcome:
+    "Run `name` on server `label` with `arguments` (JSON text) within `timeout` seconds."
     s = self.servers.get(label)
     if s is None or s.client is None:
         return protocol_error(CONNECTION_CLOSED, f'tool server {label!r} is not connected')
@@ -304,10 +307,6 @@ async def _call(self: ToolServers, label: str, name: str, arguments: str, timeou
     if not text and r.structured_content is not None:
         text = json.dumps(r.structured_content)
     return ToolOutcome(output=text)
-
-
-ToolServers.call = _call
-ToolServers.call.__doc__ = 'Run `name` on server `label` with `arguments` (JSON text) within `timeout` seconds.'
 
 # %% ../../../nbs/77e_tool_server.ipynb #98b3bfc1
 def _allowed(spec, tool) -> bool:
