@@ -1,6 +1,7 @@
 """A small MCP server for the tool-server tests (issue 45), written with the `mcp` SDK's server side (`MCPServer`,
 mcp 2's name for FastMCP) and run over stdio: `python tests/mcp_test_server.py [NAME]` (NAME: the label it
-reports, default `calc`).
+reports, default `calc`); `... NAME --http PORT` or `... NAME --sse PORT` serve streamable HTTP (at /mcp) or SSE
+(at /sse) on 127.0.0.1 instead.
 
 Tools: `add(a, b)` (the sum), `boom(reason)` (always raises), `hang(reason)` (sleeps an hour: past any client's
 timeout), `echo(text)` (annotated read-only). Their argument schemas admit no other keys, so a call forced by
@@ -51,4 +52,8 @@ server = MCPServer(sys.argv[1] if len(sys.argv) > 1 else 'calc', instructions='A
 
 if __name__ == '__main__':
     logging.disable(logging.ERROR)  # the SDK logs a raising tool's traceback to stderr: not wanted in test logs
-    server.run()
+    if len(sys.argv) > 3:
+        kind = {'--http': 'streamable-http', '--sse': 'sse'}[sys.argv[2]]
+        server.run(kind, host='127.0.0.1', port=int(sys.argv[3]))
+    else:
+        server.run()
