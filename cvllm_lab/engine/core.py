@@ -25,7 +25,7 @@ from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 from .async_scheduler import AsyncScheduler
 from .model_runner import ModelRunner
-from .pooling_runner import resolve_convert, resolve_runner, st_max_seq_length
+from .pooling_runner import model_max_len, resolve_convert, resolve_runner, st_max_seq_length
 from ..layers.pooler import PoolingParams
 from .worker import make_executor
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
@@ -168,7 +168,7 @@ class EngineCore:
         cfg.convert = resolve_convert(cfg, hf_config)  # 'embed': a generative model under the pooling runner
         if cfg.runner == 'pooling' and cfg.max_model_len is None and not src.is_gguf:
             cfg.max_model_len = st_max_seq_length(src.root)  # sentence-transformers' truncation, as vLLM reads it
-        self.cfg = cfg = cfg.finalize(getattr(hf_config, 'max_position_embeddings', None))
+        self.cfg = cfg = cfg.finalize(model_max_len(hf_config))  # RoBERTa: its positions allow 2 fewer
         tok_root, tok_file = (cfg.tokenizer, None) if cfg.tokenizer else (src.root, src.gguf_file)
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(tok_root, tok_file)
         eos = (

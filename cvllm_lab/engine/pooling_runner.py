@@ -15,7 +15,7 @@ from ..models.registry import get_model_class, is_pooling_model
 from ..weights.loader import resolve_model_source
 
 # %% auto #0
-__all__ = ['resolve_runner', 'resolve_convert', 'st_max_seq_length', 'PoolingSteps']
+__all__ = ['resolve_runner', 'resolve_convert', 'st_max_seq_length', 'model_max_len', 'PoolingSteps']
 
 # %% ../../nbs/50b_pooling_runner.ipynb #3afe0ae6
 def resolve_runner(cfg: EngineConfig, hf_config) -> str:
@@ -59,6 +59,15 @@ def st_max_seq_length(root) -> int | None:
         return int(json.loads(f.read_text())['max_seq_length'])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def model_max_len(hf_config) -> int | None:
+    "The longest context the model's positions allow: its class's `max_model_len_of(config)` (RoBERTa: 2 fewer), else `max_position_embeddings`."
+    cls = get_model_class(hf_config)
+    if (f := getattr(cls, 'max_model_len_of', None)) is not None:
+        return f(hf_config)
+    return getattr(hf_config, 'max_position_embeddings', None)
+
 
 # %% ../../nbs/50b_pooling_runner.ipynb #e0525df1
 class PoolingSteps:

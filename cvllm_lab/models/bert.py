@@ -17,7 +17,9 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 
 # %% auto #0
 __all__ = ['BertEmbeddings', 'BertSelfAttention', 'BertOutput', 'BertLayer', 'BertPooler', 'BertModel', 'encoder_context',
-           'encoder_positions', 'BertEmbeddingModel', 'BertForSequenceClassification']
+           'encoder_positions', 'BertEmbeddingModel', 'BertForSequenceClassification', 'RobertaEmbeddings',
+           'roberta_max_model_len', 'RobertaEmbeddingModel', 'RobertaClassificationHead',
+           'RobertaForSequenceClassification']
 
 # %% ../../nbs/31a_bert.ipynb #e6086be7
 _ACTS = {
@@ -109,7 +111,7 @@ class BertPooler(nn.Module):
 class BertModel(nn.Module):
     "The encoder: `forward(input_ids, positions)` over the step's packed sequences -> every row's final hidden state."
 
-    def __init__(self, config, attention_backend: str = 'torch', add_pooling_layer: bool = False):
+    def __init__(self, config, attention_backend: str = 'torch', add_pooling_layer: bool = False, embeddings=None):
         super().__init__()
         if getattr(config, 'position_embedding_type', 'absolute') != 'absolute':
             raise ValueError(f'BERT position_embedding_type={config.position_embedding_type!r} is not supported')
@@ -118,7 +120,7 @@ class BertModel(nn.Module):
                 'BERT at tensor parallel > 1: its layers are not sharded; use tensor_parallel_size=1'
             )
         self.config = config
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = (embeddings or BertEmbeddings)(config)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(
             BertLayer(config, attention_backend) for _ in range(config.num_hidden_layers)
@@ -214,4 +216,72 @@ class BertForSequenceClassification(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         skip = lambda n: n.endswith('position_ids') or n.startswith('cls.')
+        return _load(self, weights, lambda n: None if skip(n) else n)
+
+# %% ../../nbs/31a_bert.ipynb #ed152eac
+class RobertaEmbeddings(BertEmbeddings):
+    "BERT's embeddings with RoBERTa's positions: row `i` of a sequence at `pad_token_id + 1 + i`."
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.position_offset = config.pad_token_id + 1
+
+    def forward(self, input_ids, positions, token_type_ids=None):
+        return super().forward(input_ids, positions + self.position_offset, token_type_ids)
+
+
+def roberta_max_model_len(config) -> int:
+    "The context RoBERTa's position table allows: `max_position_embeddings - pad_token_id - 1`."
+    return config.max_position_embeddings - config.pad_token_id - 1
+
+
+class RobertaEmbeddingModel(BertEmbeddingModel):
+    "`XLMRobertaModel` / `RobertaModel` checkpoints as embedding models (CLS unless the model's files say otherwise)."
+
+    max_model_len_of = staticmethod(roberta_max_model_len)
+
+    def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = BertModel(config, attention_backend, embeddings=RobertaEmbeddings)
+        self.pooler = Pooler(PoolerConfig(pooling_type=self.default_pooling_type))
+
+    def load_weights(self, weights) -> set[str]:
+        return super().load_weights((n.replace('roberta.', 'bert.', 1) if n.startswith('roberta.') else n, w) for n, w in weights)
+
+
+class RobertaClassificationHead(nn.Module):
+    "HF's: dense + tanh + `out_proj` over the `<s>` row."
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, x):
+        return self.out_proj(torch.tanh(self.dense(x)))
+
+
+class RobertaForSequenceClassification(nn.Module):
+    "`XLMRobertaForSequenceClassification` / `RobertaForSequenceClassification`: a reranker or a classifier."
+
+    is_pooling_model = True
+    default_pooling_type = 'CLS'
+    max_model_len_of = staticmethod(roberta_max_model_len)
+
+    def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
+        super().__init__()
+        self.config = config
+        self.roberta = BertModel(config, attention_backend, embeddings=RobertaEmbeddings)
+        self.classifier = RobertaClassificationHead(config)
+        self.pooler = Pooler(PoolerConfig(pooling_type='CLS'), classifier=self.classifier, classify_pooling='CLS')
+
+    def forward(self, input_ids, positions):
+        return self.roberta(input_ids, positions)
+
+    def attention_layers(self) -> list:
+        return []
+
+    def load_weights(self, weights) -> set[str]:
+        skip = lambda n: n.endswith('position_ids') or n.startswith(('lm_head.', 'roberta.pooler.'))
         return _load(self, weights, lambda n: None if skip(n) else n)

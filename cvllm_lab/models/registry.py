@@ -34,6 +34,10 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     # pooling-only (encoders: embeddings and classifiers, `is_pooling_model`)
     'BertModel': ('bert', 'BertEmbeddingModel'),
     'BertForSequenceClassification': ('bert', 'BertForSequenceClassification'),
+    'RobertaModel': ('bert', 'RobertaEmbeddingModel'),
+    'XLMRobertaModel': ('bert', 'RobertaEmbeddingModel'),
+    'RobertaForSequenceClassification': ('bert', 'RobertaForSequenceClassification'),
+    'XLMRobertaForSequenceClassification': ('bert', 'RobertaForSequenceClassification'),
 }
 _MODEL_TYPES = {
     'llama': 'LlamaForCausalLM',
@@ -54,6 +58,8 @@ _MODEL_TYPES = {
     'deepseek_v2': 'DeepseekV2ForCausalLM',
     'deepseek_v3': 'DeepseekV3ForCausalLM',
     'bert': 'BertModel',
+    'roberta': 'RobertaModel',
+    'xlm-roberta': 'XLMRobertaModel',
 }
 MODEL_REGISTRY: dict[str, type] = {}  # classes registered from outside, and those already imported
 
