@@ -141,6 +141,45 @@ def test_executor_failures_are_errors_not_hangs(kind, match):
     ex.shutdown()
 
 
+CORE = """
+import functools, sys
+from test_tp_worker import FakeRunner, drive
+from cvllm_lab.engine.worker import MultiprocExecutor
+
+if __name__ == '__main__':
+    ex = MultiprocExecutor(2, functools.partial(FakeRunner, fail=('hang', 1, 1)), 'cpu', block_size=4, step_timeout_s=600)
+    print(*[p.pid for p in ex.procs], flush=True)
+    drive(ex.execute_model)  # rank 1 hangs in its first step; rank 0 waits for it inside the all-reduce
+"""
+
+
+def test_workers_die_with_their_core(tmp_path):
+    "A core killed (SIGKILL) while rank 0 is blocked in a collective and rank 1 hangs: both workers gone in seconds."
+    (tmp_path / 'core.py').write_text(CORE)
+    env = os.environ | {'PYTHONPATH': os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')])}
+    core = subprocess.Popen([sys.executable, str(tmp_path / 'core.py')], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(x) for x in core.stdout.readline().split()]
+        assert len(pids) == WORLD, pids
+        time.sleep(1.0)  # the step is under way: rank 0 inside the all-reduce
+        assert all(alive(p) for p in pids)
+    finally:
+        core.kill()
+        core.wait()
+    t0 = time.monotonic()
+    while any(alive(p) for p in pids) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids), f'workers outlived their core: {[p for p in pids if alive(p)]}'
+
+
+def alive(pid: int) -> bool:
+    "The process exists and is not a zombie."
+    try:
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
 @pytest.mark.cuda
 def test_executor_on_gpus_with_nccl():
     "Two GPU workers (NCCL), chosen by device ids as candle-vllm's --d: steps, NVLink multicast off in the workers."

@@ -7,20 +7,18 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/core_proc.html.md"""
 # %% ../../nbs/59_core_proc.ipynb #e5fc029e
 from __future__ import annotations
 import atexit
-import ctypes
 import gc
 import os
 import pickle
 import signal
 import sys
-import threading
-import time
 import traceback
 from collections import deque
 from typing import Callable
 import msgspec
 from fastcore.basics import patch
 from ..config import EngineConfig
+from ..utils.process_life import die_with_parent
 from . import core as core_mod
 from cvllm_lab.engine.core import (
     EngineCore,
@@ -35,7 +33,7 @@ from cvllm_lab.engine.core import (
 )
 
 # %% auto #0
-__all__ = ['PR_SET_PDEATHSIG', 'EngineCoreProc', 'freeze_gc_heap', 'die_with_parent', 'run_engine_core']
+__all__ = ['EngineCoreProc', 'freeze_gc_heap', 'run_engine_core']
 
 # %% ../../nbs/59_core_proc.ipynb #28a8dd44
 class EngineCoreProc:
@@ -271,43 +269,6 @@ def freeze_gc_heap() -> int:
         atexit.register(gc.unfreeze)
         freeze_gc_heap.at_exit = True
     return gc.get_freeze_count()
-
-# %% ../../nbs/59_core_proc.ipynb #ffe6caef
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _pdeathsig(sig: int) -> bool:
-    "Ask Linux to send `sig` to this process when its parent (thread) exits; False where that is not available."
-    if not sys.platform.startswith('linux'):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _leave():
-    "The parent is gone: kill our own children (tensor-parallel workers), then exit without clean-up."
-    import multiprocessing
-
-    for p in multiprocessing.active_children():
-        p.kill()
-    os._exit(1)
-
-
-def die_with_parent(parent_pid: int, pdeathsig: bool = True, poll: float = 0.5) -> bool:
-    "Exit when the process `parent_pid` (our parent) dies: Linux's parent-death signal and a watching thread; True if the signal is armed."
-    armed = pdeathsig and _pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        _leave()  # it died before we could watch
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(poll)
-        _leave()
-
-    threading.Thread(target=watch, name='parent-watch', daemon=True).start()
-    return armed
 
 # %% ../../nbs/59_core_proc.ipynb #15126cfd
 def run_engine_core(

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import os
 import pickle
+import threading
 import time
 import traceback
 import multiprocessing as mp
@@ -22,6 +23,7 @@ import cvllm_lab.envs as envs
 from .scheduler import SchedulerOutput
 from .model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from .step_message import RequestMirror, StepEncoder, StepMessage
+from ..utils.process_life import die_with_parent
 from cvllm_lab.utils.parallel_state import (
     DistInit,
     init_distributed,
@@ -115,8 +117,13 @@ def worker_main(
     conn,
     numa_bind: bool = True,
     block_size: int = 16,
+    parent: tuple[int, bool] | None = None,
 ):
-    "A spawned worker's life: set up, report ready, then run messages until `shutdown` (or the pipe closes)."
+    """A spawned worker's life: set up, report ready, then run messages until `shutdown` (or the pipe closes).
+    `parent`: (the engine core's pid, whether to arm the parent-death signal): the worker dies with the core, even
+    while blocked in a collective where it would never see the pipe close."""
+    if parent is not None:
+        die_with_parent(*parent)
     try:
         if device_ids:
             os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, device_ids))  # before CUDA starts
@@ -179,6 +186,8 @@ class MultiprocExecutor:
             disable_nvlink_multicast()  # the workers inherit it as well
         ctx, port = mp.get_context('spawn'), master_port or free_port()
         self.procs, self.conns = [], []
+        # the parent-death signal follows the thread that starts a child: armed only when that is the main thread
+        parent = (os.getpid(), threading.current_thread() is threading.main_thread())
         for r in range(world_size):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(
@@ -193,6 +202,7 @@ class MultiprocExecutor:
                     theirs,
                     numa_bind,
                     block_size,
+                    parent,
                 ),
             )
             p.start()
