@@ -24,19 +24,16 @@ def resolve_runner(cfg: EngineConfig, hf_config) -> str:
     cls = get_model_class(hf_config)
     pooling_only = is_pooling_model(cls)
     arch = (getattr(hf_config, 'architectures', None) or [cls.__name__])[0]
-    if cfg.convert == 'classify':
-        raise NotImplementedError(
-            "convert='classify' (a score head over a decoder's last token, vLLM's Qwen3-Reranker recipe) is not built "
-            "yet; convert='embed' is"
-        )
+    seq_cls = not pooling_only and arch.endswith('ForSequenceClassification')  # a causal LM as a classifier
+    converted = cfg.convert in ('embed', 'classify') or seq_cls
     if cfg.runner == 'auto':
-        return 'pooling' if pooling_only or cfg.convert == 'embed' else 'generate'
-    if cfg.runner == 'generate' and (pooling_only or cfg.convert == 'embed'):
+        return 'pooling' if pooling_only or converted else 'generate'
+    if cfg.runner == 'generate' and (pooling_only or converted):
         raise ValueError(
             f'{arch} is a pooling model (embeddings / classification / scores): it cannot generate; '
             "use runner='pooling' (--runner pooling) and LLM.embed / classify / score / encode"
             if pooling_only
-            else f"convert='embed' makes {arch} a pooling model: use runner='pooling' (or leave it auto)"
+            else f"convert={cfg.convert!r} ({arch}) makes a pooling model: use runner='pooling' (or leave it auto)"
         )
     if cfg.runner == 'pooling' and not pooling_only and cfg.convert == 'none':
         raise ValueError(f"{arch} is a generative model: runner='pooling' needs convert='embed' (or auto)")
@@ -46,10 +43,12 @@ def resolve_runner(cfg: EngineConfig, hf_config) -> str:
 
 
 def resolve_convert(cfg: EngineConfig, hf_config) -> str:
-    "'embed' when a generative architecture serves under the pooling runner (vLLM's default there), else 'none'."
-    if cfg.runner == 'pooling' and not is_pooling_model(get_model_class(hf_config)):
-        return 'embed'
-    return 'none'
+    """How a generative architecture serves under the pooling runner: 'classify' when asked or when its architecture
+    is a `*ForSequenceClassification`, else 'embed' (vLLM's default); 'none' for the others."""
+    if cfg.runner != 'pooling' or is_pooling_model(get_model_class(hf_config)):
+        return 'none'
+    arch = (getattr(hf_config, 'architectures', None) or [''])[0]
+    return 'classify' if cfg.convert == 'classify' or arch.endswith('ForSequenceClassification') else 'embed'
 
 
 def st_max_seq_length(root) -> int | None:
@@ -68,7 +67,6 @@ def model_max_len(hf_config) -> int | None:
         return f(hf_config)
     return getattr(hf_config, 'max_position_embeddings', None)
 
-
 # %% ../../nbs/50b_pooling_runner.ipynb #e0525df1
 class PoolingSteps:
     """The model runner's pooling side (`ModelRunner` mixes it in). It reads the runner's `cfg`, `hf_config`, `model`
@@ -76,19 +74,46 @@ class PoolingSteps:
 
     def setup_pooler(self, src=None):
         "Give the model's pooler its config: the architecture's default, the model's files, `cfg.pooler_config`."
-        if getattr(self.model, 'pooler', None) is None:
-            if self.cfg.convert != 'embed':
-                raise ValueError(f'{type(self.model).__name__} has no pooler: it cannot serve as a pooling model')
-            self.model.pooler = Pooler(PoolerConfig(pooling_type='LAST'))  # vLLM's as_embedding_model
-            self.model.default_pooling_type = 'LAST'
         root = None
         if self.cfg.load_format != 'dummy' or self.cfg.model:
             src = src or resolve_model_source(self.cfg.model)
             root = None if src.is_gguf else src.root
+        if getattr(self.model, 'pooler', None) is None:
+            if self.cfg.convert not in ('embed', 'classify'):
+                raise ValueError(f'{type(self.model).__name__} has no pooler: it cannot serve as a pooling model')
+            head = self.token_classifier(src) if self.cfg.convert == 'classify' else None  # vLLM's as_seq_cls_model
+            self.model.pooler = Pooler(PoolerConfig(pooling_type='LAST'), classifier=head)  # ... as_embedding_model
+            self.model.default_pooling_type = 'LAST'
         default = getattr(self.model, 'default_pooling_type', 'LAST')
         self.pooler_config = model_pooler_config(root, self.hf_config, default, self.cfg.pooler_config)
         self.model.pooler.set_config(self.pooler_config)
         self.supported_tasks = self.model.pooler.get_supported_tasks()  # e.g. {'embed', 'encode'}
+
+    def token_classifier(self, src) -> torch.nn.Linear:
+        """vLLM's `classifier_from_token` (an `hf_overrides` key): a classifier made of the LM head's rows of these
+        tokens (their logits, softmaxed); with `is_original_qwen3_reranker` and two tokens `[no, yes]`, one label whose
+        logit is `yes - no` (its sigmoid is P(yes) of the two: Qwen3-Reranker's score). Token strings are looked up in
+        the model's tokenizer."""
+        toks = getattr(self.hf_config, 'classifier_from_token', None)
+        if not toks:
+            raise NotImplementedError(
+                "convert='classify' needs hf_overrides['classifier_from_token'] (vLLM's Qwen3-Reranker recipe: "
+                "['no', 'yes'] with is_original_qwen3_reranker); a checkpoint's own score head is not loaded yet"
+            )
+        if any(isinstance(t, str) for t in toks):
+            from cvllm_lab.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(self.cfg.tokenizer or src.root, None if self.cfg.tokenizer else src.gguf_file)
+            toks = [tok.convert_tokens_to_ids(t) if isinstance(t, str) else t for t in toks]
+        w = self.model.logits_weight()[torch.tensor(toks, device=self.device)]
+        if getattr(self.hf_config, 'is_original_qwen3_reranker', False):
+            if len(toks) != 2:
+                raise ValueError('is_original_qwen3_reranker takes two tokens, [no, yes]')
+            w = (w[1] - w[0])[None]
+        head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=self.device, dtype=w.dtype)
+        head.weight.data.copy_(w)
+        self.hf_config.num_labels = w.shape[0]  # what the front ends read (LLM.score wants one)
+        return head
 
     def encoder_num_blocks(self) -> int:
         "Virtual blocks for a model without cache layers: a step's budget of whole prompts, each rounded up to blocks."

@@ -247,7 +247,9 @@ class RobertaEmbeddingModel(BertEmbeddingModel):
         self.pooler = Pooler(PoolerConfig(pooling_type=self.default_pooling_type))
 
     def load_weights(self, weights) -> set[str]:
-        return super().load_weights((n.replace('roberta.', 'bert.', 1) if n.startswith('roberta.') else n, w) for n, w in weights)
+        return super().load_weights(
+            (n.replace('roberta.', 'bert.', 1) if n.startswith('roberta.') else n, w) for n, w in weights
+        )
 
 
 class RobertaClassificationHead(nn.Module):

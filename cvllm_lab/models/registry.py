@@ -93,6 +93,9 @@ def get_model_class(config) -> type:
     for a in archs:
         if (cls := _lookup(a)) is not None:
             return cls
+        if a.endswith('ForSequenceClassification'):  # vLLM's as_seq_cls_model: the causal LM, served converted
+            if (cls := _lookup(a.replace('ForSequenceClassification', 'ForCausalLM'))) is not None:
+                return cls
     raise ValueError(
         f'Unsupported model architecture {archs or getattr(config, "model_type", None)}; '
         f'supported: {", ".join(supported_architectures())}'
