@@ -91,7 +91,7 @@ def test_neighbour_and_health_undisturbed(server, huge):
     for (_, _, status, param), r in zip(huge, bad):
         assert_error(r, status, param)
     assert text == ref and text, (text, ref)
-    assert health and max(health) < 1.0, health
+    assert health and max(health) < 1.0, (max(health), health)
 
 
 def test_long_message_error_says_characters_and_tokens(server):
