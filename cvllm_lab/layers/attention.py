@@ -19,10 +19,10 @@ from ..config import get_current_engine_config
 
 # %% auto #0
 __all__ = ['CUDNN_PREFILL_MIN_LEN', 'CUDNN_PREFILL_MIN_TOKENS', 'CUDNN_PLAN_AFTER', 'cudnn_plan_after', 'cudnn_shape_steps',
-           'get_attention_backend', 'Attention', 'varlen_attention_ref', 'flash_varlen_attention',
-           'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split', 'dense_prefill_len',
-           'cudnn_shape_ready', 'cudnn_prefill_run', 'cudnn_plans_at_once', 'cudnn_prefill_attention',
-           'EncoderOnlyAttention']
+           'PADDED_ATTENTION_ELEMENTS', 'get_attention_backend', 'Attention', 'varlen_attention_ref',
+           'flash_varlen_attention', 'flash_attention_available', 'cudnn_attention_available', 'dense_prefill_split',
+           'dense_prefill_len', 'cudnn_shape_ready', 'cudnn_prefill_run', 'cudnn_plans_at_once',
+           'cudnn_prefill_attention', 'EncoderOnlyAttention', 'padded_encoder_attention']
 
 # %% ../../nbs/22_attention.ipynb #2bc80131
 def get_attention_backend(name: str):
@@ -375,9 +375,38 @@ class EncoderOnlyAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         cu, m = ctx.query_start_loc, ctx.max_query_len
-        fn = (
-            flash_varlen_attention
-            if self.backend == 'triton' and flash_attention_available(q)
-            else varlen_attention_ref
-        )
-        return fn(q, k, v, cu, cu, m, m, self.scale, causal=False).reshape(T, self.num_heads * self.head_dim)
+        if self.backend == 'triton' and flash_attention_available(q):
+            o = flash_varlen_attention(q, k, v, cu, cu, m, m, self.scale, causal=False)
+        else:
+            o = padded_encoder_attention(q, k, v, cu.tolist(), self.scale)
+        return o.reshape(T, self.num_heads * self.head_dim)
+
+
+PADDED_ATTENTION_ELEMENTS = 1 << 24  # one padded batch's score elements (B x H x L x L) at most: 64 MB in fp32
+
+
+def padded_encoder_attention(q, k, v, cu: list[int], scale: float):
+    """Bidirectional attention of each packed sequence (`cu`: its row bounds, host ints) as a few batched SDPA calls
+    instead of one per sequence: sequences sorted by length, grouped while a group's padded scores stay under
+    `PADDED_ATTENTION_ELEMENTS`, each group padded to its longest with the padding keys masked out. `[T, H, D]`."""
+    H, G = q.shape[1], q.shape[1] // k.shape[1]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    out = torch.empty_like(q)
+    i = 0
+    while i < len(order):
+        j, L = i + 1, lens[order[i]]
+        while j < len(order) and (j - i + 1) * H * lens[order[j]] ** 2 <= PADDED_ATTENTION_ELEMENTS:
+            L, j = lens[order[j]], j + 1
+        grp = order[i:j]
+        rows = torch.cat([torch.arange(cu[s], cu[s] + L, device=q.device).clamp(max=cu[s + 1] - 1) for s in grp])
+        valid = torch.arange(L, device=q.device)[None] < torch.tensor([lens[s] for s in grp], device=q.device)[:, None]
+        qb, kb, vb = (x[rows].unflatten(0, (len(grp), L)).transpose(1, 2) for x in (q, k, v))
+        if G > 1:
+            kb, vb = kb.repeat_interleave(G, 1), vb.repeat_interleave(G, 1)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=valid[:, None, None, :], scale=scale)
+        o = o.transpose(1, 2)  # [B, L, H, D]
+        for r, s in enumerate(grp):
+            out[cu[s] : cu[s + 1]] = o[r, : lens[s]]
+        i = j
+    return out
