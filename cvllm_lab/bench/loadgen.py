@@ -20,7 +20,8 @@ import pandas as pd
 from tqdm import tqdm
 
 # %% auto #0
-__all__ = ['make_prompt', 'RequestResult', 'stream_request', 'summarize', 'request_bodies', 'run_load_async', 'run_load', 'main']
+__all__ = ['ENDPOINTS', 'make_prompt', 'RequestResult', 'stream_request', 'plain_request', 'summarize', 'request_bodies',
+           'run_load_async', 'run_load', 'main']
 
 # %% ../../nbs/64_loadgen.ipynb #9e7959a0
 _WORDS = (
@@ -113,6 +114,28 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes) 
         r.error = 'stream carried no text'
     return r
 
+
+async def plain_request(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
+    "Send one request answered whole (`/embeddings`) and time it: end-to-end seconds and usage's prompt tokens."
+    r = RequestResult()
+    t0 = r.start = time.perf_counter()
+    try:
+        async with session.post(url, data=body, headers=_JSON) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                r.error = f'HTTP {resp.status}: {raw.decode(errors="replace")[:300]}'
+                return r
+        r.e2e = time.perf_counter() - t0
+        out = json.loads(raw)
+    except Exception as e:  # a failed request is reported, not raised
+        r.error = f'{type(e).__name__}: {e}'
+        return r
+    r.prompt_tokens = (out.get('usage') or {}).get('prompt_tokens')
+    r.ok = bool(out.get('data'))
+    if not r.ok:
+        r.error = 'the answer carried no data'
+    return r
+
 # %% ../../nbs/64_loadgen.ipynb #dc4994e5
 def _stats(name: str, xs, scale: float = 1e3) -> dict:
     xs = np.asarray(xs, dtype=float) * scale
@@ -137,6 +160,7 @@ def summarize(results: list[RequestResult], duration: float, **info) -> dict:
         output_throughput=out_tok / duration,
         total_output_tokens=out_tok,
         total_prompt_tokens=sum(prompt) if prompt else None,
+        prompt_throughput=sum(prompt) / duration if prompt else None,
     )
     rep |= _stats('ttft_ms', [r.ttft for r in ok if r.ttft is not None])
     rep |= _stats('itl_ms', [x for r in ok for x in r.itls])
@@ -146,6 +170,9 @@ def summarize(results: list[RequestResult], duration: float, **info) -> dict:
     rep |= _stats('e2e_ms', [r.e2e for r in ok])
     rep['first_error'] = errors[0] if errors else None
     return rep
+
+
+ENDPOINTS = {'chat': 'chat/completions', 'completions': 'completions', 'embeddings': 'embeddings'}  # -> path
 
 
 def request_bodies(
@@ -169,6 +196,8 @@ def request_bodies(
         raise ValueError(f'unknown dataset {dataset!r}; use words or random')
     if dataset == 'random' and endpoint == 'chat':
         raise ValueError("dataset 'random' sends token ids: use endpoint 'completions'")
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f'unknown endpoint {endpoint!r}; use one of {", ".join(ENDPOINTS)}')
     rng, out = random.Random(seed), []
     for _ in range(num_requests):
         prompt = (
@@ -176,6 +205,9 @@ def request_bodies(
             if dataset == 'words'
             else [rng.randrange(100, vocab_size) for _ in range(prompt_tokens)]
         )
+        if endpoint == 'embeddings':  # one input per request, answered whole (a pooling model, issue 46)
+            out.append({'model': model, 'input': prompt} | (extra_body or {}))
+            continue
         b = {'model': model, 'max_tokens': max_tokens, 'temperature': temperature, 'stream': True}
         b |= {'messages': [{'role': 'user', 'content': prompt}]} if endpoint == 'chat' else {'prompt': prompt}
         if include_usage:
@@ -210,13 +242,14 @@ async def run_load_async(
             async with session.get(f'{base_url}/models') as resp:
                 model = (await resp.json())['data'][0]['id']
         bodies = [json.dumps(b).encode() for b in request_bodies(model, endpoint, num_requests, **body_kw)]
-        url = f'{base_url}/{"chat/completions" if endpoint == "chat" else "completions"}'
+        url = f'{base_url}/{ENDPOINTS[endpoint]}'
+        send = plain_request if endpoint == 'embeddings' else stream_request
         results, todo = [None] * len(bodies), iter(range(len(bodies)))
         bar = tqdm(total=len(bodies), disable=not progress, desc=f'{endpoint} x{concurrency}')
 
         async def worker():
             for i in todo:
-                results[i] = await stream_request(session, url, bodies[i])
+                results[i] = await send(session, url, bodies[i])
                 bar.update(1)
 
         t0 = time.perf_counter()
@@ -246,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog='python -m cvllm_lab.bench.loadgen', description=__doc__)
     ap.add_argument('--base-url', default='http://127.0.0.1:8000/v1')
     ap.add_argument('--model', default=None, help='model name (default: the first of GET /models)')
-    ap.add_argument('--endpoint', choices=('chat', 'completions'), default='chat')
+    ap.add_argument('--endpoint', choices=tuple(ENDPOINTS), default='chat')
     ap.add_argument('--concurrency', type=int, default=16)
     ap.add_argument('--num-requests', type=int, default=64)
     ap.add_argument(
