@@ -427,7 +427,8 @@ def dequantize_gguf(data: np.ndarray, qtype, slab_bytes: int = GGUF_SLAB_BYTES) 
     step = max(1, slab_bytes // max(1, rows[0].nbytes))
     first = gguf.quants.dequantize(rows[:step], qtype)
     out = torch.empty(rows.shape[0], first.shape[-1], dtype=torch.float32)
-    out[: len(first)] = torch.from_numpy(first)
+    dst = out.numpy()  # the same memory: numpy copies into it (an fp32 slab may be a read-only view of the file)
+    dst[: len(first)] = first
     for i in range(step, rows.shape[0], step):
-        out[i : i + step] = torch.from_numpy(gguf.quants.dequantize(rows[i : i + step], qtype))
+        dst[i : i + step] = gguf.quants.dequantize(rows[i : i + step], qtype)
     return out.reshape(*data.shape[:-1], first.shape[-1])
