@@ -50,6 +50,28 @@ def llm(gguf_path, hf_reference):
     return LLM(str(gguf_path), **KV)
 
 
+# the GGUF is of the base model (google/gemma-3-270m, not -it): one example exchange shows it the turn format
+ONE_SHOT = [
+    {'role': 'user', 'content': 'What is the capital of Germany?'},
+    {'role': 'assistant', 'content': 'The capital of Germany is Berlin.'},
+] + QUESTION
+
+
+def test_chat_through_the_server(gguf_path):
+    """The OpenAI server started on the GGUF answers a question sanely (greedy), through Gemma's chat template. First
+    in the file: it runs before this process builds its own engines, so the server's processes never sit beside them."""
+    openai = pytest.importorskip('openai')
+    from _serverproc import ServerProcess
+
+    with ServerProcess('--model', str(gguf_path), '--max-model-len', '1024', '--mem', '64', timeout=600) as s:
+        c = openai.OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=300)
+        model = c.models.list().data[0].id
+        r = c.chat.completions.create(model=model, messages=ONE_SHOT, max_tokens=24, temperature=0)
+    text = r.choices[0].message.content
+    assert text.startswith('The capital of France is Paris'), text
+    assert '<end_of_turn>' not in text and '<start_of_turn>' not in text, text
+
+
 def test_config_and_tokenizer(llm):
     "What the GGUF metadata gives: Gemma 3 text, 5 local layers to 1 global, window 512, two RoPE bases; a chat template."
     from cvllm_lab.models.gemma import Gemma3ForCausalLM
@@ -102,24 +124,3 @@ def test_gguf_blocks_kept_quantized(gguf_path, llm):
         max(abs(da[t].logprob - db[t].logprob) for da, db in zip(a.logprobs, b.logprobs) for t in da.keys() & db.keys())
         < 1e-2
     )
-
-
-# the GGUF is of the base model (google/gemma-3-270m, not -it): one example exchange shows it the turn format
-ONE_SHOT = [
-    {'role': 'user', 'content': 'What is the capital of Germany?'},
-    {'role': 'assistant', 'content': 'The capital of Germany is Berlin.'},
-] + QUESTION
-
-
-def test_chat_through_the_server(gguf_path):
-    "The OpenAI server started on the GGUF answers a question sanely (greedy), through Gemma's chat template."
-    openai = pytest.importorskip('openai')
-    from _serverproc import ServerProcess
-
-    with ServerProcess('--model', str(gguf_path), '--max-model-len', '1024', '--mem', '64', timeout=600) as s:
-        c = openai.OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=300)
-        model = c.models.list().data[0].id
-        r = c.chat.completions.create(model=model, messages=ONE_SHOT, max_tokens=24, temperature=0)
-    text = r.choices[0].message.content
-    assert text.startswith('The capital of France is Paris'), text
-    assert '<end_of_turn>' not in text and '<start_of_turn>' not in text, text
