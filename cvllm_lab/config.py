@@ -218,7 +218,7 @@ class EngineConfig:
             raise ValueError(f'Unknown usage_context {self.usage_context!r}; use llm or server')
         if self.runner == 'pooling':  # whole prompts (an encoder sees every row at once), many packed in the budget
             self.prefill_chunk_size = 0
-            if self.max_num_batched_tokens is None:  # CPU: 2048, whose matmuls stay in cache (8192: 0.7x as fast)
+            if self.max_num_batched_tokens is None:  # CPU: 2048, whose matmuls stay in cache (results/NOTES.md)
                 cpu = not self.device.startswith('cuda')
                 budget = POOLING_CPU_TOKENS if cpu else default_max_num_batched_tokens(self.device, self.usage_context)
                 self.max_num_batched_tokens = max(budget, self.max_model_len)

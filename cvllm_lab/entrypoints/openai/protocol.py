@@ -173,7 +173,7 @@ _GUIDED = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar')
 MAX_STOP, MAX_STOP_CHARS = 128, 16384  # stop strings: count, and characters in all
 MAX_VOCAB = 300_000  # logit_bias keys, stop_token_ids, allowed_token_ids: more than any served vocabulary
 MAX_MESSAGES, MAX_TOOLS = 2048, 128  # a chat request's messages and tools (OpenAI documents 128 tools)
-MAX_PARTS = 8192  # content parts and tool calls in a conversation, in all (500k took 9.5 s to validate)
+MAX_PARTS = 8192  # content parts and tool calls in a conversation, in all: each costs validation time on the event loop
 MAX_PROMPTS = 2048  # a completions request's batch of prompts (the server's own limit, prompts x n, is lower)
 
 
