@@ -35,6 +35,11 @@ how the kernel reads the scales is told in `paged_attention_kernel`.
 
 Logit soft-capping (`softcap`, Gemma 2's `attn_logit_softcapping`): each score becomes `cap * tanh(s / cap)`
 before the causal / sliding-window mask and the softmax (in the kernel behind a constexpr flag, `SOFTCAP`).
+
+Attention sinks (`sinks`, gpt-oss): one learned logit per query head, fp32 `[num_heads]`, joins every query's
+softmax denominator as a key with no value: `out = sum_j e^(s_j) v_j / (e^(sink_h) + sum_j e^(s_j))`, so a head can
+put weight on nothing. The sink is not scaled by the softmax scale (it is a logit already), and it is there whatever
+the mask or window (in the kernel: the recurrence starts from `m = sink`, `l = 1` in split 0, constexpr `SINKS`).
 """
 
 import functools
@@ -80,10 +85,11 @@ from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None):
+def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None, sinks=None):
     """Masked attention of a padded batch in fp32: `q` `[B, H, M, D]`, `k`/`v` `[B, Hkv, L, D]`,
     `qpos` `[B, M]` absolute query positions, `kv_len` `[B]`. Returns `[B, H, M, D]` fp32.
-    `softcap`: scores become `softcap * tanh(scores / softcap)` before the mask (Gemma 2)."""
+    `softcap`: scores become `softcap * tanh(scores / softcap)` before the mask (Gemma 2). `sinks` `[H]`: one more
+    logit per head in each softmax, whose value is zero (gpt-oss)."""
     B, H, M, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -95,10 +101,17 @@ def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None)
     # GQA without copying K/V: the G heads sharing a KV head become G*M rows of that head
     qg = q.float().reshape(B, Hkv, G * M, D)
     mg = mask[:, None, None].expand(B, 1, G, M, L).reshape(B, 1, G * M, L)
-    if softcap:  # SDPA has no soft-capping: scores, cap, mask, softmax written out
+    if softcap or sinks is not None:  # SDPA has neither: scores, cap, mask, sink, softmax written out
         s = qg @ k.float().transpose(-1, -2) * scale
-        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mg, float('-inf'))
-        return (s.softmax(-1) @ v.float()).reshape(B, H, M, D)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mg, float('-inf'))
+        if sinks is not None:  # row (g, m) of KV head h is query head h * G + g
+            sk = sinks.float().view(1, Hkv, G, 1, 1).expand(B, Hkv, G, M, 1).reshape(B, Hkv, G * M, 1)
+            p = torch.cat([s, sk], -1).softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        return (p @ v.float()).reshape(B, H, M, D)
     o = torch.nn.functional.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=mg, scale=scale)
     return o.reshape(B, H, M, D)
 
@@ -132,13 +145,15 @@ def paged_attention_ref(
     v_scale=None,
     softcap: float | None = None,
     out=None,
+    sinks=None,
 ):
     """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]` (in `out` if given).
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
     chunks that keep the score matrix small. Rows past `query_start_loc[-1]` are zero. `max_query_len` and
     `max_seq_len` are accepted for parity with `paged_attention` and not needed here. FP8 caches are read
     through their per-row scales `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`. `softcap` (Gemma 2's
-    `attn_logit_softcapping`): each score `s` becomes `softcap * tanh(s / softcap)`."""
+    `attn_logit_softcapping`): each score `s` becomes `softcap * tanh(s / softcap)`. `sinks` `[num_heads]` (gpt-oss):
+    a learned logit per head added to every softmax's denominator."""
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None, 'an FP8 cache needs its scales'
     T, H, D = q.shape
@@ -154,7 +169,7 @@ def paged_attention_ref(
         rows = query_start_loc[idx].long()
         k = _gather_kv(k_cache, block_tables[idx], L, k_scale)
         v = _gather_kv(v_cache, block_tables[idx], L, v_scale)
-        o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap)
+        o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap, sinks)
         out[rows] = o[:, :, 0].to(q.dtype)
     for b in range(B):
         n = q_lens[b]
@@ -169,7 +184,7 @@ def paged_attention_ref(
             v = _gather_kv(v_cache, block_tables[b : b + 1], L, v_scale)
             qpos = torch.arange(ctx + s, ctx + e, device=dev)[None]
             qc = q[qsl[b] + s : qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
-            o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap)
+            o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap, sinks)
             out[qsl[b] + s : qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
     return out if dst is None else dst.copy_(out)
 
@@ -244,6 +259,7 @@ def paged_attention(
     v_scale=None,
     softcap: float | None = None,
     config: dict | None = None,
+    sinks=None,
 ):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
@@ -254,7 +270,7 @@ def paged_attention(
     launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`).
     Batch-invariant mode (`batch_invariant`): the prefill path for every batch, so a row's keys are summed in the same
     tiles, in the same order, whatever the batch and the chunking (`kv_start` is tile-aligned; masked tiles add
-    exact zeros)."""
+    exact zeros). `sinks`: fp32 `[num_heads]` attention-sink logits (gpt-oss), as in the reference."""
     T, H, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -320,6 +336,7 @@ def paged_attention(
         block_tables,
         k_scale if fp8 else q,
         v_scale if fp8 else q,
+        q if sinks is None else sinks.float().contiguous(),
         qk_scale,
         float(softcap or 1.0),
         B,
@@ -352,6 +369,7 @@ def paged_attention(
         DOT_F32=dot_f32,
         FP8_KV=fp8,
         SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_kw(q.device),

@@ -21,6 +21,10 @@ Data flow: `q [T, H, D]`, the paged caches (and FP8 scales), `query_start_loc`, 
 FP8 KV cache: the attention kernel folds the key scales into the fp32 scores, `s_j = (q . k8_j) * ks_j` (the same
 sum, one multiply per score), and dequantizes each V tile in fp32 before `P @ V`, which runs in q's dtype.
 
+Attention sinks (`SINKS`, gpt-oss): a per-head logit in the denominator only. Split 0 starts its recurrence from
+`m = sink * log2(e)`, `l = 1`, `acc = 0` (a key of score `sink` and value 0), the other splits from `-inf, 0, 0`, so
+the merge needs nothing new.
+
 Logit soft-capping (`SOFTCAP`): the kernel applies `cap * tanh(s / cap)` to the log2-unit scores as
 `cap log2(e) tanh(s / (cap log2(e)))`, the same map, behind a constexpr flag (no cost when off).
 """
@@ -54,6 +58,7 @@ def paged_attention_kernel(
     block_tables_ptr,
     k_scale_ptr,
     v_scale_ptr,  # FP8 cache: fp32 scale per (slot, KV head), at slot * num_kv_heads + head
+    sinks_ptr,  # SINKS only: one logit per query head (natural units)
     qk_scale,  # softmax scale * log2(e): scores live in log2 units so that exp() becomes exp2()
     softcap,  # logit soft-cap (SOFTCAP only), in natural units
     num_seqs,
@@ -86,6 +91,7 @@ def paged_attention_kernel(
     DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
     FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
     SOFTCAP: tl.constexpr,  # tanh soft-capping of the scores (Gemma 2)
+    SINKS: tl.constexpr,  # a learned per-head logit in every softmax's denominator (gpt-oss)
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -152,6 +158,10 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+        if SINKS:  # the sink as a first key of value 0, counted once: in split 0
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_i = tl.where(row_ok & (split == 0), sink, m_i)
+            l_i = tl.where(row_ok & (split == 0), 1.0, l_i)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for start in range(lo_n, hi_n, TILE_N):
             offs_n = start + tl.arange(0, TILE_N)

@@ -49,8 +49,9 @@ def make_batch(q_lens, ctx_lens, H, Hkv, D, block_size, dtype, device=DEV, extra
     return [q, k_cache, v_cache] + [t.to(device) for t in (qsl, sl, bt)]
 
 
-def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, window=None, softcap=None):
-    "Token by token: gather the visible keys through the block table, softmax in fp64 (scores soft-capped first)."
+def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, window=None, softcap=None, sinks=None):
+    """Token by token: gather the visible keys through the block table, softmax in fp64 (scores soft-capped first;
+    `sinks` `[H]`: one more logit per head in the softmax, its probability dropped)."""
     T, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -67,7 +68,10 @@ def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, win
             sc = torch.einsum('hd,nhd->hn', q[i].double(), kh) * scale
             if softcap:
                 sc = softcap * torch.tanh(sc / softcap)
-            w = torch.softmax(sc, -1)
+            if sinks is not None:
+                w = torch.softmax(torch.cat([sc, sinks.double()[:, None]], -1), -1)[:, :-1]
+            else:
+                w = torch.softmax(sc, -1)
             out[i] = torch.einsum('hn,nhd->hd', w, vh)
     return out
 
@@ -249,6 +253,31 @@ def test_softcap(dtype, window):
     dec[0] = (dec[0].float() * 3).to(dtype)
     out = paged_attention(*dec, scale=0.5, sliding_window=window, softcap=5.0, num_kv_splits=3)
     assert_close(out, paged_attention_ref(*dec, scale=0.5, sliding_window=window, softcap=5.0), dtype)
+
+
+@pytest.mark.parametrize('window', [None, 7])
+def test_sinks_reference_matches_naive_loop(window):
+    "gpt-oss's attention sinks: the reference against the fp64 loop, and the sinks change the result."
+    torch.manual_seed(11)
+    args = make_batch([1, 9, 5, 1], [20, 0, 13, 0], H=4, Hkv=2, D=16, block_size=4, dtype=torch.float32, device='cpu')
+    sinks = torch.randn(4) * 2
+    ref = paged_attention_ref(*args, scale=0.25, sliding_window=window, sinks=sinks)
+    assert (ref.double() - naive_attention(*args, scale=0.25, window=window, sinks=sinks)).abs().max() < 1e-5
+    assert (ref - paged_attention_ref(*args, scale=0.25, sliding_window=window)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('window', [None, 6])
+def test_sinks(dtype, window):
+    "Attention sinks in the kernel: prefill + chunked + decode batch (G = 3), and split-KV decode (split 0 holds the sink)."
+    torch.manual_seed(12)
+    args = make_batch([21, 1, 9], [0, 40, 17], 6, 2, 32, 16, dtype)
+    sinks = torch.randn(6, device=DEV) * 2
+    out = paged_attention(*args, scale=0.3, sliding_window=window, sinks=sinks)
+    assert_close(out, paged_attention_ref(*args, scale=0.3, sliding_window=window, sinks=sinks), dtype)
+    dec = make_batch([1, 1, 1], [50, 90, 3], 6, 2, 32, 16, dtype)
+    out = paged_attention(*dec, scale=0.3, sliding_window=window, sinks=sinks.bfloat16(), num_kv_splits=3)
+    assert_close(out, paged_attention_ref(*dec, scale=0.3, sliding_window=window, sinks=sinks.bfloat16()), dtype)
 
 
 def test_pick_decode_config_buckets_and_tables():

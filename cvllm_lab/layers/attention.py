@@ -52,6 +52,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         backend: str = 'torch',
         logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
@@ -60,6 +61,11 @@ class Attention(nn.Module):
         self.flash_prefill, self.cudnn_prefill = cfg.flash_prefill, cfg.cudnn_prefill
         if cfg.batch_invariant:  # every row on the paged kernel: a prompt's rows attend alike, cached prefix or not
             self.flash_prefill = self.cudnn_prefill = False
+        # attention sinks (gpt-oss): a learned logit per head (this rank's heads) in each softmax's denominator; the
+        # varlen prefill kernels and the CPU fast path's decode attention have no sinks, so such a layer keeps to the paged kernels
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        if sinks:
+            self.supports_cpu_decode_attention = False
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None  # FP8 cache only: fp32 [2, num_blocks, block_size, num_kv_heads]
@@ -264,7 +270,9 @@ def cudnn_prefill_attention(q, k, v, n: int, scale):
 @patch
 def _prefill_split_ok(self: Attention, q, kc) -> bool:
     "Whether this layer can send the step's prefills to `prefill_fn`."
-    if self.prefill_fn is None or self.logits_soft_cap or self.kv_scale is not None or kc.dtype != q.dtype:
+    if self.prefill_fn is None or self.logits_soft_cap or self.sinks is not None:
+        return False
+    if self.kv_scale is not None or kc.dtype != q.dtype:
         return False
     if self.head_dim % 8 or self.head_dim > 256:
         return False
@@ -310,6 +318,8 @@ def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: i
     """The paged kernel over the step's first `n` sequences (`q`: their rows). With `ctx.decodes`, the leading
     one-token ones take a call of their own (the kernel's decode path) and the rest another (`12_forward_context`)."""
     kw = dict(sliding_window=self.sliding_window, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
+    if self.sinks is not None:  # (only then: the CPU fast path's attention functions take no `sinks`)
+        kw['sinks'] = self.sinks
     d = ctx.decodes
     if d is None or not 0 < d.num_decodes < n:
         return self._attn_fn(
