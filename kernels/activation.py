@@ -7,13 +7,22 @@ import triton.language as tl
 
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 
-__all__ = ['silu_and_mul', 'silu_and_mul_ref']
+__all__ = ['silu_and_mul', 'silu_and_mul_ref', 'swigluoai_and_mul_ref']
 
 
 def silu_and_mul_ref(x, interleaved: bool = False):
     "`x` `[..., 2I]` -> `silu(gate) * up` `[..., I]`, computed in fp32 (`interleaved`: gate_i, up_i at 2i, 2i + 1)."
     gate, up = (x.float()[..., 0::2], x.float()[..., 1::2]) if interleaved else x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def swigluoai_and_mul_ref(x, alpha: float = 1.702, limit: float = 7.0, interleaved: bool = False):
+    """gpt-oss's clamped SwiGLU (vLLM's `swigluoai`): `x` `[..., 2I]` -> `(up + 1) * gate * sigmoid(alpha * gate)`
+    with `gate` clamped above at `limit` and `up` to `[-limit, limit]`, in fp32 (`interleaved`: gate_i, up_i at 2i,
+    2i + 1, as gpt-oss's checkpoints store them; otherwise the gate half, then the up half)."""
+    gate, up = (x.float()[..., 0::2], x.float()[..., 1::2]) if interleaved else x.float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ((up + 1) * gate * torch.sigmoid(gate * alpha)).to(x.dtype)
 
 
 @triton.jit

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cvllm_lab.kernels.activation import silu_and_mul
+from cvllm_lab.kernels.activation import silu_and_mul, swigluoai_and_mul_ref
 from cvllm_lab.kernels.batch_invariant import batch_invariant
 from cvllm_lab.kernels.fused_moe_align import moe_align_block_size_grid
 from cvllm_lab.kernels.fused_moe_decode import fused_moe_decode
@@ -130,9 +130,27 @@ def dequantize_experts_fp8(w, scale, dtype=torch.float32):
     return (w.float() * s).to(dtype)
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False, w13_scale=None, w2_scale=None):
+def fused_moe_ref(
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    renormalize: bool = False,
+    w13_scale=None,
+    w2_scale=None,
+    w13_bias=None,
+    w2_bias=None,
+    activation: str = 'silu',
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+):
     """Plain-PyTorch MoE, a loop over experts, in fp32; returns `[T, H]` in `x`'s dtype.
-    `renormalize` divides each token's `topk_weights` by their sum first; `w13_scale`/`w2_scale`: FP8 experts."""
+    `renormalize` divides each token's `topk_weights` by their sum first; `w13_scale`/`w2_scale`: FP8 experts.
+    gpt-oss: `w13_bias [E, 2I]` (gate, then up) and `w2_bias [E, H]` added to each expert's two products, and
+    `activation='swigluoai'`, its clamped SwiGLU (`activation.swigluoai_and_mul_ref`, `swiglu_alpha`, `swiglu_limit`)."""
+    if activation not in ('silu', 'swigluoai'):
+        raise ValueError(f'unknown MoE activation {activation!r} (silu, swigluoai)')
     T, H = x.shape
     w = topk_weights.float()
     if renormalize:
@@ -142,8 +160,16 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, renormalize: bool = False,
         t, j = torch.where(topk_ids == e)
         w13e = w13[e].float() if w13_scale is None else dequantize_experts_fp8(w13[e : e + 1], w13_scale[e : e + 1])[0]
         w2e = w2[e].float() if w2_scale is None else dequantize_experts_fp8(w2[e : e + 1], w2_scale[e : e + 1])[0]
-        gate, up = (xf[t] @ w13e.T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2e.T
+        h = xf[t] @ w13e.T
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        if activation == 'swigluoai':
+            y = swigluoai_and_mul_ref(h, swiglu_alpha, swiglu_limit) @ w2e.T
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ w2e.T
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
         out.index_add_(0, t, y * w[t, j, None])
     return out.to(x.dtype)
 

@@ -39,7 +39,9 @@ class FusedMoE(nn.Module):
     """The routed experts of an MoE block: `forward(x [T, H], router_logits [T, E]) -> [T, H]`, each token's top-k
     experts' SwiGLU outputs weighted by the router and summed. `w13_weight [E, 2I, H]` (gate rows, then up rows),
     `w2_weight [E, H, I]`, with `I` this tensor-parallel rank's slice of every expert's intermediate dimension; the
-    partial sums all-reduced at the end unless `reduce_results=False` (a caller adding a shared expert first)."""
+    partial sums all-reduced at the end unless `reduce_results=False` (a caller adding a shared expert first).
+    gpt-oss: `has_bias` adds `w13_bias [E, 2I]` and `w2_bias [E, H]` (on rank 0 only at tensor parallel > 1: the
+    all-reduce adds it once) and `activation='swigluoai'` is its clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`)."""
 
     def __init__(
         self,
@@ -51,8 +53,14 @@ class FusedMoE(nn.Module):
         reduce_results: bool = True,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        has_bias: bool = False,
+        activation: str = 'silu',
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ):
         super().__init__()
+        if activation not in ('silu', 'swigluoai'):
+            raise ValueError(f'unknown MoE activation {activation!r} (silu, swigluoai)')
         if not 0 < top_k <= num_experts:
             raise ValueError(f'top_k={top_k} must be in 1..num_experts={num_experts}')
         self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
@@ -65,6 +73,9 @@ class FusedMoE(nn.Module):
         )
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        self.w13_bias = nn.Parameter(torch.zeros(E, 2 * I), requires_grad=False) if has_bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(E, H), requires_grad=False) if has_bias else None
         self.quant_method = None  # set by cvllm_lab.quant.moe: runs quantized experts
         self.loaded_shards: set = set()  # (expert, shard) pairs the checkpoint has filled
 
@@ -96,8 +107,22 @@ class FusedMoE(nn.Module):
             return self.quant_method.weight_loader(self, loaded, shard_id, expert_id)
         self.weight_loader(self.w2_weight if shard_id == 'w2' else self.w13_weight, loaded, shard_id, expert_id)
 
+    def load_bias(self, shard_id: str, loaded: torch.Tensor):
+        """All experts' bias of one shard (`w1`/`w3` `[E, I_full]`: this rank's slice; `w2` `[E, H]`: rank 0 keeps it,
+        the other ranks zeros, so the all-reduce adds it once)."""
+        I = self.intermediate_size
+        if shard_id == 'w2':
+            self.w2_bias.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+        elif shard_id in ('w1', 'w3'):
+            dst = self.w13_bias.data[:, :I] if shard_id == 'w1' else self.w13_bias.data[:, I:]
+            dst.copy_(loaded[:, self.tp_rank * I : (self.tp_rank + 1) * I])
+        else:
+            raise ValueError(f'unknown expert bias shard {shard_id!r} (w1, w3, w2)')
+        self.loaded_shards |= {(e, f'{shard_id}_bias') for e in range(self.num_experts)}
+
     def missing_shards(self) -> list:
-        return [(e, s) for e in range(self.num_experts) for s in ('w1', 'w3', 'w2') if (e, s) not in self.loaded_shards]
+        shards = ('w1', 'w3', 'w2') + (('w1_bias', 'w3_bias', 'w2_bias') if self.w13_bias is not None else ())
+        return [(e, s) for e in range(self.num_experts) for s in shards if (e, s) not in self.loaded_shards]
 
     def extra_repr(self):
         return (
@@ -111,6 +136,19 @@ def forward(self: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
     if self.quant_method is not None:
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+    elif self.w13_bias is not None or self.activation != 'silu':  # gpt-oss: the loop over experts (no Triton path yet)
+        out = fused_moe_ref(
+            x,
+            self.w13_weight,
+            self.w2_weight,
+            topk_weights,
+            topk_ids,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+            activation=self.activation,
+            swiglu_alpha=self.swiglu_alpha,
+            swiglu_limit=self.swiglu_limit,
+        )
     elif x.is_cuda:
         out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
     else:
