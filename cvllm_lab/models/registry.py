@@ -31,6 +31,7 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'Glm4ForCausalLM': ('glm4', 'Glm4ForCausalLM'),
     'DeepseekV2ForCausalLM': ('deepseek_v2', 'DeepseekV2ForCausalLM'),
     'DeepseekV3ForCausalLM': ('deepseek_v2', 'DeepseekV3ForCausalLM'),
+    'GptOssForCausalLM': ('gpt_oss', 'GptOssForCausalLM'),
     # pooling-only (encoders: embeddings and classifiers, `is_pooling_model`)
     'BertModel': ('bert', 'BertEmbeddingModel'),
     'BertForSequenceClassification': ('bert', 'BertForSequenceClassification'),
@@ -57,6 +58,7 @@ _MODEL_TYPES = {
     'glm4': 'Glm4ForCausalLM',
     'deepseek_v2': 'DeepseekV2ForCausalLM',
     'deepseek_v3': 'DeepseekV3ForCausalLM',
+    'gpt_oss': 'GptOssForCausalLM',
     'bert': 'BertModel',
     'roberta': 'RobertaModel',
     'xlm-roberta': 'XLMRobertaModel',
