@@ -169,7 +169,9 @@ def paged_attention_ref(
         rows = query_start_loc[idx].long()
         k = _gather_kv(k_cache, block_tables[idx], L, k_scale)
         v = _gather_kv(v_cache, block_tables[idx], L, v_scale)
-        o = _dense_attention(q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap, sinks)
+        o = _dense_attention(
+            q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap, sinks
+        )
         out[rows] = o[:, :, 0].to(q.dtype)
     for b in range(B):
         n = q_lens[b]
