@@ -167,8 +167,8 @@ class CPURotary(nn.Module):
         T, h = q.shape[0], self.head_dim // 2
 
         def rot(x):
-            x = x.view(T, -1, self.head_dim)
-            return (x * cos + torch.cat([x[..., h:], x[..., :h]], -1) * sin).view(T, -1)
+            x = x.view(T, -1, self.head_dim)  # (the fp32 cos/sin promote a bf16 x: cast back to its dtype)
+            return (x * cos + torch.cat([x[..., h:], x[..., :h]], -1) * sin).view(T, -1).to(x.dtype)
 
         return rot(q), rot(k)
 
