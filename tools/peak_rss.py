@@ -6,7 +6,8 @@
 
 Every `--interval` seconds (default 0.5) it sums the resident set (`/proc/PID/statm`) of the root and all its
 descendants (the sampler itself excluded) and keeps the largest sum and the largest single process, then prints
-one line (`--label` names it). Pages shared between processes (forked workers) count once in each, so the total is
+one line (`--label` names it), then the processes that made the peak (those over 100 MB, with their command
+lines) so the moment can be found. Pages shared between processes (forked workers) count once in each, so the total is
 an upper bound of what the tree holds; a peak shorter than the interval can be missed.
 """
 
@@ -44,18 +45,28 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def tree_rss(root: int) -> tuple[int, int]:
-    "Total and largest resident bytes over `root` and its descendants (this process left out)."
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            return f.read().replace(b'\0', b' ').decode(errors='replace').strip()[:160]
+    except OSError:
+        return '?'
+
+
+def tree_rss(root: int) -> tuple[int, int, list[tuple[int, int]]]:
+    "Total and largest resident bytes over `root` and its descendants (this process left out), and (rss, pid) each."
     kids, me = _children(), os.getpid()
     total = big = 0
+    each = []
     todo = [root]
     while todo:
         p = todo.pop()
         if p != me:
             r = _rss(p)
             total, big = total + r, max(big, r)
+            each.append((r, p))
         todo += kids.get(p, [])
-    return total, big
+    return total, big, each
 
 
 def _alive(pid: int) -> bool:
@@ -81,9 +92,11 @@ def main() -> int:
         signal.signal(s, lambda *_: stop.append(1))
     proc = subprocess.Popen(cmd) if cmd else None
     root = proc.pid if proc else a.pid
-    t0, peak, big = time.monotonic(), 0, 0
+    t0, peak, big, at_peak = time.monotonic(), 0, 0, []
     while not stop:
-        total, one = tree_rss(root)
+        total, one, each = tree_rss(root)
+        if total > peak:  # who holds it, named now while the processes live
+            at_peak = [(r, _cmdline(p)) for r, p in sorted(each, reverse=True) if r > 100e6]
         peak, big = max(peak, total), max(big, one)
         if proc.poll() is not None if proc else not _alive(root):
             break
@@ -95,6 +108,8 @@ def main() -> int:
         f' sampled every {a.interval:g} s over {time.monotonic() - t0:.0f} s)',
         flush=True,
     )
+    for r, cmd in at_peak:
+        print(f'  {r / gb:5.2f} GB  {cmd}', flush=True)
     return rc
 
 
