@@ -10,7 +10,9 @@
 #   vllm   benchmarks/vllm_moe_peer.py: counts (eager, hooks) then timing (CUDA graphs) -> $OUT/same_ckpt_<SHAPE>_vllm.csv
 #   rm     delete the checkpoint
 # A shape's phases can be split over device calls while the machine stays warm (/tmp is kept), e.g. "write ours" in
-# one call and "vllm rm" in the next. Env: OUT (default outputs/), RUNS (our sweep's runs per point, default 3),
+# one call and "vllm rm" in the next (a device call runs at most 10 minutes; each phase has its own time limit,
+# T_WRITE / T_OURS / T_VLLM seconds, default 240 / 300 / 420). Env: OUT (default outputs/), RUNS (our sweep's runs per
+# point, default 3),
 # SWEEP (conf/sweep name or points B:P:O,...; default the shape's sweep, moe or mla); for a CPU check of the script:
 # DEVICE=cpu (where the weights are drawn), HF_CONFIG='{...}' (config fields over the yaml's), NO_BOX_ENV=1.
 # Our side runs on the PYTHONPATH benchmarks/box_env.sh sets (the call carries .whl); vLLM on /tmp/site:/tmp/wh, the
@@ -25,6 +27,7 @@ LAYERS=${2:-$DEF_LAYERS}
 PHASES=${3:-write ours vllm rm}
 OUT=${OUT:-outputs}
 RUNS=${RUNS:-3}
+T_WRITE=${T_WRITE:-240} T_OURS=${T_OURS:-300} T_VLLM=${T_VLLM:-420}
 CKPT=/tmp/ckpt_$SHAPE
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -45,14 +48,14 @@ for phase in $PHASES; do
     write)
       say "write $SHAPE ${LAYERS:+($LAYERS layers) }-> $CKPT"
       rm -rf "$CKPT"
-      python3 -m benchmarks.random_checkpoint "$SHAPE" --out "$CKPT" --device "${DEVICE:-cuda}" \
+      timeout -k 10 "$T_WRITE" python3 -m benchmarks.random_checkpoint "$SHAPE" --out "$CKPT" --device "${DEVICE:-cuda}" \
         ${LAYERS:+--layers $LAYERS} "${HF_ARG[@]}" \
         || { say "writing failed"; exit 1; }
       du -sh "$CKPT"; df -h /tmp | tail -1
       ;;
     ours)
       say "ours: $SHAPE on $CKPT"
-      PYTHONPATH=$OUR_PYTHONPATH python3 -m benchmarks.moe_same_ckpt "$CKPT" "$SHAPE" "$OUT/same_ckpt_${SHAPE}_ours.csv" \
+      PYTHONPATH=$OUR_PYTHONPATH timeout -k 10 "$T_OURS" python3 -m benchmarks.moe_same_ckpt "$CKPT" "$SHAPE" "$OUT/same_ckpt_${SHAPE}_ours.csv" \
         --runs "$RUNS" "${SWEEP_ARG[@]}" 2>&1 | tee "$OUT/same_ckpt_${SHAPE}_ours.log" \
         | stdbuf -oL tr '\r' '\n' | grep --line-buffered -Ev '_same_ckpt: .*(warm-up|run [0-9]|steady)|^\s*$'
       say "ours done (rc ${PIPESTATUS[0]})"
@@ -65,7 +68,7 @@ for phase in $PHASES; do
       say "vllm: $SHAPE on $CKPT"
       env PYTHONPATH=/tmp/site:/tmp/wh VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-        python3 benchmarks/vllm_moe_peer.py "$CKPT" "$SHAPE" "$OUT/same_ckpt_${SHAPE}_vllm.csv" "${SWEEP_ARG[@]}" \
+        timeout -k 10 "$T_VLLM" python3 benchmarks/vllm_moe_peer.py "$CKPT" "$SHAPE" "$OUT/same_ckpt_${SHAPE}_vllm.csv" "${SWEEP_ARG[@]}" \
         > "$OUT/same_ckpt_${SHAPE}_vllm.log" 2>&1 &
       pid=$!
       # the log's rows as they come (vLLM's own logging stays in the file)

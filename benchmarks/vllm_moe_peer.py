@@ -163,7 +163,8 @@ def count_pass(d: str, shape: str, sweep: str | None, out_json: str, steps: int 
         got = llm.apply_model(take_counts)[0]
         res[B] = summarize(decode_counts([(T, c) for _, T, c in got], B), E, k, B)
         if not res[B]['n_counted']:  # no forward of B tokens: padded? say what sizes the routers saw
-            print(f'vllm B={B}: no decode step counted; token counts seen {sorted({T for _, T, _ in got})}')
+            seen = sorted({T for _, T, _ in got})  # none at all: a monolithic kernel routes inside (is_monolithic)
+            print(f'vllm B={B}: no decode step counted; token counts the routers saw: {seen or "no router call"}')
         print(f'vllm B={B}: {res[B]}', flush=True)
     Path(out_json).write_text(json.dumps(res))
 
