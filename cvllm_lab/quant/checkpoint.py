@@ -70,7 +70,8 @@ def _as_dict(qc):
 
 def normalize_quant_config(qc: dict) -> dict:
     """Normalize a checkpoint quantization config to `{method: gptq|awq, bits, group, sym, zero_plus_one}` or, for
-    the FP8 methods, `{method: 'fp8', weights, activations, scale_ub}` (`fp8_checkpoint_config`)."""
+    the FP8 methods, `{method: 'fp8', weights, activations, scale_ub}` (`fp8_checkpoint_config`); MXFP4 (gpt-oss's
+    experts): `{method: 'mxfp4', modules_to_not_convert}`."""
     method = str(qc.get('quant_method', 'gptq')).lower()
     if method == 'gptq':
         bits, group = int(qc.get('bits', 4)), int(qc.get('group_size', 128))
@@ -90,8 +91,10 @@ def normalize_quant_config(qc: dict) -> dict:
         return dict(method='awq', bits=4, group=group, sym=not qc.get('zero_point', True))
     if method in FP8_METHODS:
         return fp8_checkpoint_config(qc)
+    if method == 'mxfp4':  # gpt-oss: MoE experts as MXFP4 blocks and scales, read by the model's own loader (43a)
+        return dict(method='mxfp4', modules_to_not_convert=list(qc.get('modules_to_not_convert') or []))
     raise NotImplementedError(
-        f'checkpoint quantization {method!r} is not supported (gptq, awq, {", ".join(FP8_METHODS)})'
+        f'checkpoint quantization {method!r} is not supported (gptq, awq, mxfp4, {", ".join(FP8_METHODS)})'
     )
 
 

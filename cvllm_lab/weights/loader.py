@@ -407,7 +407,11 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
                 f'not sharded yet; use tensor_parallel_size=1'
             )
         with torch.no_grad():
-            if qcfg:
+            if qcfg and qcfg['method'] == 'mxfp4':  # the model reads its MXFP4 experts itself (gpt-oss, 33b)
+                if not getattr(model, 'loads_mxfp4', False):
+                    raise NotImplementedError(f'{type(model).__name__} does not load MXFP4 checkpoints (gpt-oss does)')
+                model.load_weights(iterate_weights(src, hf_config, progress))
+            elif qcfg:
                 from cvllm_lab.quant.checkpoint import load_quantized
 
                 load_quantized(
