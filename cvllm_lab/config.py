@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 import cvllm_lab.envs as envs
+from .utils.spec_config import SpeculativeConfig
 
 # %% auto #0
 __all__ = ['DTYPES', 'KV_CACHE_DTYPES', 'TOKEN_BUDGETS', 'RUNNERS', 'POOLING_CPU_TOKENS', 'CONVERTS', 'default_model_path',
@@ -178,6 +179,9 @@ class EngineConfig:
     decodes_apart: bool = True  # a step's leading decodes take a paged-attention call of their own (50)
     mixed_ahead: bool = True  # async scheduling: mixed steps (chunks and decodes) launched ahead too (15)
     small_step_tokens: int = 256  # ... a mixed step with at most this many prompt tokens always (15)
+    # vLLM's speculative_config: {'method': 'ngram', 'num_speculative_tokens': k, ...}; a `SpeculativeConfig` once
+    # finalized (01c); the engine's side: 51a
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."
@@ -203,6 +207,13 @@ class EngineConfig:
             raise ValueError(f'Unknown convert {self.convert!r}; use one of {", ".join(CONVERTS)}')
         if self.runner == 'pooling':  # a pooling request runs whole in one step and is done (50b): nothing to overlap,
             self.async_scheduling, self.enable_prefix_caching = False, False  # no prefix whose rows it could skip
+        if self.speculative_config is not None:  # the next step's input depends on how many drafts are accepted
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.async_scheduling or tp or self.runner == 'pooling':
+                raise NotImplementedError(
+                    'Speculative decoding with async_scheduling, tensor_parallel_size > 1 or the pooling runner is not built yet'
+                )
+            self.async_scheduling = False
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith('cuda') and not tp
         if self.async_scheduling and tp:

@@ -28,6 +28,7 @@ from .model_runner import ModelRunner
 from .pooling_runner import model_max_len, resolve_convert, resolve_runner, st_max_seq_length
 from ..layers.pooler import PoolingParams
 from .worker import make_executor
+from .spec_decode import Drafter
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
 
 _log = logging.getLogger(__name__)
@@ -224,6 +225,12 @@ class EngineCore:
         self.last_scheduled: list[Request] = []  # the requests of the latest step (to find who made a step fail)
         self.pending = None  # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.profiler = None  # (torch.profiler.profile, output folder) between start_profile and stop_profile
+        spec = cfg.speculative_config  # checked by finalize (01c); drafts after every step (51a)
+        if spec is not None and slots:
+            raise ValueError(
+                'Speculative decoding needs a model without recurrent state layers (a rejected draft cannot be undone there)'
+            )
+        self.drafter = Drafter(spec, cfg.max_model_len) if spec is not None else None
 
     @property
     def eos_token_ids(self) -> frozenset:
@@ -249,6 +256,7 @@ class EngineCore:
             prefix_cache_hits=self.kv.hits,
             num_preemptions=self.scheduler.num_preemptions,
             **self.counters,
+            **(self.scheduler.spec_stats if self.drafter else {}),
         )
 
     def shutdown(self):
@@ -418,15 +426,17 @@ def _run_step(self: EngineCore) -> list[str]:
             r.prompt_logprobs += lps
     touched, count = {}, self.counters
     for r in self.scheduler.update_from_output(so, res.sampled, res.pooler_output):
-        lp = res.logprobs.get(r.request_id)
-        if lp is not None:
-            r.logprobs.append(lp)
-            r.cumulative_logprob += lp[r.output_token_ids[-1]].logprob
-        count['generation_tokens'] += r.pooling_params is None
+        lp, m = res.logprobs.get(r.request_id), r.num_new_tokens
+        for d, t in zip((lp[:m] if isinstance(lp, list) else [lp]) if lp is not None else [], r.output_token_ids[-m:]):
+            r.logprobs.append(d)
+            r.cumulative_logprob += d[t].logprob
+        count['generation_tokens'] += m if r.pooling_params is None else 0
         if r.is_finished:
             r.finished_time = time.time()
             count['requests_finished'] += 1
         touched[r.parent_id] = True
+    if self.drafter is not None:
+        self.drafter.propose_for(self.scheduler.running)
     self._drop_stale_pending()
     return list(touched)
 

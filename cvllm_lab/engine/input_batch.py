@@ -58,6 +58,8 @@ class InputBatch:
     rows_kept: bool = False  # the forward returned only the sampled rows (`_forward`)
     # async scheduling of a mixed step: (rows whose input is a placeholder, their index in the last step's tokens)
     prev_rows: tuple[np.ndarray, np.ndarray] | None = None
+    # speculative decoding (51a): each sampled request's drafts ([] for none), whose rows are all sampled; None: no drafts
+    spec_drafts: list[list[int]] | None = None
 
     @property
     def sample_at(self):
@@ -82,8 +84,14 @@ def prepare_inputs(self: StepInputs, so: SchedulerOutput) -> InputBatch:
     qsl = np.zeros(B + 1, dtype=np.int32)
     np.cumsum(ns, out=qsl[1:])
     T, seq_lens = int(qsl[-1]), np.add(cs, ns, dtype=np.int32)
+    spec = so.scheduled_spec_decode_tokens  # drafts follow a request's tokens
+    toks = (
+        (lambda r: r.all_token_ids + spec[r.request_id] if r.request_id in spec else r.all_token_ids) if spec else None
+    )
     ids = np.fromiter(
-        itertools.chain.from_iterable(r.all_token_ids[c : c + n] for r, c, n in zip(reqs, cs, ns)),
+        itertools.chain.from_iterable(
+            (toks(r) if spec else r.all_token_ids)[c : c + n] for r, c, n in zip(reqs, cs, ns)
+        ),
         dtype=np.int64,
         count=T,
     )
@@ -102,8 +110,9 @@ def prepare_inputs(self: StepInputs, so: SchedulerOutput) -> InputBatch:
             ps = range(max(c, len(r.prompt_logprobs) - 1), min(c + n, r.num_prompt_tokens - 1))
             if ps:
                 plp.append((r, [start + p - c for p in ps], [r.prompt_token_ids[p + 1] for p in ps]))
-        if c + n == r.num_tokens:
-            sample_rows.append(start + n - 1)
+        k = len(spec.get(r.request_id, ())) if spec else 0
+        if c + n == r.num_tokens + k:
+            sample_rows.extend(range(start + n - 1 - k, start + n))
             sample_reqs.append(r)
     L = seq_lens.tolist()
     s, keys = B, 0  # back over the prefills at the end of the step that may run on FlashAttention
@@ -114,7 +123,7 @@ def prepare_inputs(self: StepInputs, so: SchedulerOutput) -> InputBatch:
     ):
         s -= 1
         keys += L[s]
-    return InputBatch(
+    b = InputBatch(
         ids,
         pos,
         slot_of(bt),
@@ -129,6 +138,9 @@ def prepare_inputs(self: StepInputs, so: SchedulerOutput) -> InputBatch:
         s if s < B else None,
         groups,
     )
+    if spec:
+        b.spec_drafts = [spec.get(r.request_id, []) for r in sample_reqs]
+    return b
 
 
 def _table_array(tabs: list[list[int]]) -> np.ndarray:

@@ -28,6 +28,7 @@ from .request import Request
 from ..utils.kv_cache_spec import StateSpec
 from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
+from .spec_decode import sample_drafts
 from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
     DecodeGraphs,
@@ -358,7 +359,7 @@ def launch(
         b.prev_rows = placeholder_rows(so, b, prev_reqs)
     hidden = self._forward(so, b, prev_tokens)
     sample_reqs = b.sample_reqs
-    if not b.prompt_logprobs and sample_reqs and all(Sampler.host_free(r) for r in sample_reqs):
+    if b.spec_drafts is None and not b.prompt_logprobs and sample_reqs and all(map(Sampler.host_free, sample_reqs)):
         tokens = self.sampler.sample_tokens(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         if not self.tok_host:
             return StepHandle(sample_reqs, tokens)
@@ -374,7 +375,9 @@ def launch(
         out.prompt_logprobs[r.request_id] = topk_logprobs(
             lp, torch.tensor(targets, device=lp.device), r.sampling_params.prompt_logprobs
         )
-    if sample_reqs:
+    if sample_reqs and b.spec_drafts is not None:  # drafts to verify (51a)
+        sample_drafts(self.sampler, self.compute_logits(hidden[b.sample_at]), sample_reqs, b.spec_drafts, out)
+    elif sample_reqs:
         s = self.sampler(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):
             out.sampled[r.request_id], out.logprobs[r.request_id] = t, lp

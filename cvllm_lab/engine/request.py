@@ -101,6 +101,8 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.first_token_time: float | None = None
         self.has_placeholder = False
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step (51a)
+        self.num_new_tokens = 0  # tokens the latest step appended (several with drafts accepted)
         self._update_block_hashes()
 
     @property

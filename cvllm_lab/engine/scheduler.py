@@ -28,6 +28,8 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     # several KV cache groups (sliding-window layers): every group's tables, group 0's dict first; empty with one group
     group_block_tables: list[dict[str, list[int]]] = field(default_factory=list)
+    # speculative decoding (51a): the drafts each request verifies this step, after its last token
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -67,6 +69,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # speculative decoding's counters (vLLM's names; per position: drafts accepted at position i of a run)
+        self.spec_stats = dict(
+            spec_decode_num_drafts=0,
+            spec_decode_num_draft_tokens=0,
+            spec_decode_num_accepted_tokens=0,
+            spec_decode_num_accepted_tokens_per_pos=[],
+        )
 
     def add_request(self, req: Request | list[Request]):
         "Queue a request, or the samples of one (all or none); `QueueFullError` when the waiting queue is full."
@@ -130,10 +139,13 @@ def schedule(self: Scheduler) -> SchedulerOutput:
         if n <= 0:
             i += 1
             continue
+        if req.spec_token_ids and n == req.num_tokens - req.num_computed_tokens:  # caught up: its drafts ride along
+            n = min(n + len(req.spec_token_ids), budget)
         while not self.kv.allocate_slots(req, n):
             victim = self._preempt(out)
             if victim.request_id in out.num_scheduled_tokens:  # priority: scheduled earlier in this step; undo it
                 out.scheduled.remove(victim)
+                out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 budget += out.num_scheduled_tokens.pop(victim.request_id)
                 i -= 1
             if victim is req:
@@ -141,6 +153,8 @@ def schedule(self: Scheduler) -> SchedulerOutput:
         else:
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.request_id] = n
+            if (k := req.num_computed_tokens + n - req.num_tokens) > 0:
+                out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:k]
             budget -= n
             i += 1
     if not out.preempted:  # don't admit new work in a step that had to preempt
@@ -174,6 +188,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
 def reset_request(self: Scheduler, req: Request):
     """Take a request out of the queues with its blocks freed and nothing computed, as a preemption does (also after a
     failed step: a token in flight is dropped). `requeue` puts it back."""
+    req.spec_token_ids = []
     if req.has_placeholder:
         req.output_token_ids.pop()
         req.all_token_ids.pop()
@@ -201,7 +216,9 @@ def update_from_output(
     self: Scheduler, out: SchedulerOutput, sampled: dict[str, int], pooler_output: dict | None = None
 ) -> list[Request]:
     """Append each request's sampled token and retire the requests it finishes; a pooling request's pooled tensor
-    (`pooler_output`) is its result and finishes it. The requests that got a token or a pooled tensor."""
+    (`pooler_output`) is its result and finishes it. A request that verified drafts (51a) has a list of tokens: its
+    accepted drafts and one more, appended one by one until one finishes it; `num_computed_tokens` goes back by the
+    rejected drafts. The requests that got tokens (`num_new_tokens` of them) or a pooled tensor."""
     new = []
     for r in out.scheduled:
         if pooler_output and (t := pooler_output.get(r.request_id)) is not None:
@@ -213,22 +230,44 @@ def update_from_output(
         tok = sampled.get(r.request_id)
         if tok is None or r.is_finished:
             continue
-        if r.has_placeholder:
-            r.resolve_placeholder(tok)
-        else:
-            r.append_output_token(tok)
+        toks = [tok]
+        if isinstance(tok, list):  # drafts verified: the rejected ones' KV rows are not the request's
+            toks = tok
+            self._count_spec(len(out.scheduled_spec_decode_tokens.get(r.request_id, ())), len(toks) - 1)
+            r.num_computed_tokens -= len(out.scheduled_spec_decode_tokens.get(r.request_id, ())) + 1 - len(toks)
         new.append(r)
-        sp, status = r.sampling_params, None
-        if r.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and tok in r.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif tok in sp.stop_token_ids:
-                status, r.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH_CAPPED
-        if status is not None:
-            self.finish(r, status)
+        r.num_new_tokens = 0
+        for tok in toks:
+            if r.has_placeholder:
+                r.resolve_placeholder(tok)
+            else:
+                r.append_output_token(tok)
+            r.num_new_tokens += 1
+            sp, status = r.sampling_params, None
+            if r.num_output_tokens >= sp.min_tokens:
+                if not sp.ignore_eos and tok in r.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif tok in sp.stop_token_ids:
+                    status, r.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            if status is None and (r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if status is not None:
+                self.finish(r, status)
+                break
     return new
+
+
+@patch
+def _count_spec(self: Scheduler, num_drafts: int, num_accepted: int):
+    "Speculative decoding's counters for one request's verified drafts."
+    s = self.spec_stats
+    s['spec_decode_num_drafts'] += 1
+    s['spec_decode_num_draft_tokens'] += num_drafts
+    s['spec_decode_num_accepted_tokens'] += num_accepted
+    per = s['spec_decode_num_accepted_tokens_per_pos']
+    per.extend([0] * (num_drafts - len(per)))
+    for i in range(num_accepted):
+        per[i] += 1
 
 
 @patch

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 import cvllm_lab.envs as envs
 from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
+from ..utils.spec_config import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from .openai.serving_embeddings import add_pooling_args, pooling_kwargs
 from .openai.api_server import ServerConfig
 from .openai.tool_server import add_tool_server_args, tool_server_config
@@ -150,6 +151,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=['fcfs', 'priority'],
         help="priority: a request's lower `priority` runs first (ties by arrival)",
     )
+    g.add_argument('--speculative-config', type=speculative_config_arg, help=SPECULATIVE_CONFIG_HELP)
     g.add_argument(
         '--generation-config',
         default='auto',
@@ -402,6 +404,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         scheduling_policy=args.scheduling_policy,
         generation_config=args.generation_config,
         trust_request_chat_template=args.trust_request_chat_template,
+        speculative_config=args.speculative_config,
     )
     scfg = ServerConfig(
         served_model_names=list(args.served_model_name or []),

@@ -76,6 +76,23 @@ class ServerMetrics(EngineObserver):
             k = CounterMetricFamily(f'cvllm:{name}', doc, labels=['model_name'])
             k.add_metric(m, v)
             yield k
+        if 'spec_decode_num_drafts' in s:  # speculative decoding on (51a): vLLM's counters
+            for name, doc in (
+                ('spec_decode_num_drafts', 'Requests that verified drafts, summed over steps.'),
+                ('spec_decode_num_draft_tokens', 'Draft tokens proposed and verified.'),
+                ('spec_decode_num_accepted_tokens', 'Draft tokens accepted.'),
+            ):
+                k = CounterMetricFamily(f'cvllm:{name}', doc, labels=['model_name'])
+                k.add_metric(m, s[name])
+                yield k
+            k = CounterMetricFamily(
+                'cvllm:spec_decode_num_accepted_tokens_per_pos',
+                'Draft tokens accepted at each position of a run of drafts.',
+                labels=['model_name', 'position'],
+            )
+            for i, v in enumerate(s.get('spec_decode_num_accepted_tokens_per_pos', [])):
+                k.add_metric(m + [str(i)], v)
+            yield k
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
