@@ -141,7 +141,12 @@ class GptOssForCausalLM(MoEForCausalLM):
                     else:
                         moe[path].load(f'w2_{kind}', w)
                     done.add(name)
-                elif path.endswith('.experts') and leaf in ('gate_up_proj', 'down_proj', 'gate_up_proj_bias', 'down_proj_bias'):
+                elif path.endswith('.experts') and leaf in (
+                    'gate_up_proj',
+                    'down_proj',
+                    'gate_up_proj_bias',
+                    'down_proj_bias',
+                ):
                     w = w if isinstance(w, torch.Tensor) else w[:]
                     if leaf == 'gate_up_proj':
                         yield f'{path}.gate_proj.weight', w[..., 0::2].transpose(1, 2)

@@ -269,7 +269,10 @@ class HarmonyStreamParser:
         self.text += delta_text
         out = split_harmony(parse_harmony_messages(self._visible(final)))
         deltas = []
-        for key, now, attr in (('reasoning_content', out.reasoning_content or '', '_r'), ('content', out.content or '', '_c')):
+        for key, now, attr in (
+            ('reasoning_content', out.reasoning_content or '', '_r'),
+            ('content', out.content or '', '_c'),
+        ):
             old = getattr(self, attr)
             if len(now) > len(old) and now.startswith(old):
                 deltas.append({key: now[len(old) :]})
