@@ -25,6 +25,7 @@ from .core import EngineCore, EngineCoreOutputs, EngineCoreShutdown, dumps
 from .core_proc import EngineCoreProc, run_engine_core
 from ..weights.loader import resolve_model_source
 from ..tokenizer import load_tokenizer
+from ..utils.process_life import main_not_reimported
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,8 @@ class MPClient(CoreClient):
             name='EngineCore',
             daemon=tp == 1,
         )
-        self.proc.start()
+        with main_not_reimported():  # the core imports the engine, not the API server that started it
+            self.proc.start()
         try:
             tok = front_end_tokenizer(cfg)  # while the core loads the weights
             ready = self._wait_ready(timeout)

@@ -23,7 +23,7 @@ import cvllm_lab.envs as envs
 from .scheduler import SchedulerOutput
 from .model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from .step_message import RequestMirror, StepEncoder, StepMessage
-from ..utils.process_life import die_with_parent
+from ..utils.process_life import die_with_parent, main_not_reimported
 from cvllm_lab.utils.parallel_state import (
     DistInit,
     init_distributed,
@@ -205,7 +205,8 @@ class MultiprocExecutor:
                     parent,
                 ),
             )
-            p.start()
+            with main_not_reimported():  # a worker needs the engine's modules, not our entry point's
+                p.start()
             theirs.close()
             self.procs.append(p)
             self.conns.append(ours)

@@ -1,4 +1,4 @@
-"""Child processes that cannot outlive their parent: `die_with_parent` (Linux's parent-death signal and a watching thread), armed first thing in the engine-core process (its parent: the API process) and in each tensor-parallel worker (its parent: the engine core).
+"""Child processes that cannot outlive their parent: `die_with_parent` (Linux's parent-death signal and a watching thread), armed first thing in the engine-core process (its parent: the API process) and in each tensor-parallel worker (its parent: the engine core); and `main_not_reimported`, which starts those children without re-importing the parent's main module.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/process_life.html.md"""
 
@@ -6,6 +6,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/process_life.html.md"""
 
 # %% ../../nbs/13a_process_life.ipynb #e78cf304
 from __future__ import annotations
+import contextlib
 import ctypes
 import os
 import signal
@@ -14,7 +15,7 @@ import threading
 import time
 
 # %% auto #0
-__all__ = ['PR_SET_PDEATHSIG', 'die_with_parent']
+__all__ = ['PR_SET_PDEATHSIG', 'OUR_PACKAGES', 'OUR_SCRIPTS', 'die_with_parent', 'main_not_reimported']
 
 # %% ../../nbs/13a_process_life.ipynb #5427f077
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -52,3 +53,33 @@ def die_with_parent(parent_pid: int, pdeathsig: bool = True, poll: float = 0.5) 
 
     threading.Thread(target=watch, name='parent-watch', daemon=True).start()
     return armed
+
+# %% ../../nbs/13a_process_life.ipynb #31db5f60
+OUR_PACKAGES = ('cvllm_lab.',)  # main modules run by name (`python -m`) from these packages are ours
+OUR_SCRIPTS = ('cvllm-serve', 'cvllm-chat', 'cvllm-convert')  # the console scripts' file names
+
+
+def _ours(main) -> bool:
+    "Whether the main module is one of this package's entry points (by module name, or a console script's name)."
+    spec, path = getattr(main, '__spec__', None), getattr(main, '__file__', None)
+    if spec is not None and spec.name.startswith(OUR_PACKAGES):
+        return True
+    return spec is None and path is not None and os.path.basename(path) in OUR_SCRIPTS
+
+
+@contextlib.contextmanager
+def main_not_reimported():
+    """Around a spawn-context `Process.start()`: the child skips importing the parent's main module when that is one
+    of our entry points (the API server); a user's main module is left for the child to import as before."""
+    main = sys.modules.get('__main__')
+    if main is None or not _ours(main):
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ('__spec__', '__file__') if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop('__file__', None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop('__spec__', None)
+        main.__dict__.update(saved)
