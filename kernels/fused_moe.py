@@ -368,6 +368,11 @@ def fused_moe(
     renormalize: bool = False,
     w13_scale=None,
     w2_scale=None,
+    w13_bias=None,
+    w2_bias=None,
+    activation: str = 'silu',
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ):
     """`fused_moe_ref` in Triton: the decode path (`fused_moe_decode`, two GEMV launches) where the config row of
     the token bucket has a `decode` entry, else the grouped GEMMs (see the module docstring).
@@ -375,7 +380,9 @@ def fused_moe(
     `x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights`/`topk_ids [T, k]`;
     `config` overrides the keys of `get_config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, ACT,
     SWAP, SORTED, XSORT, ATOMIC, PERSISTENT, CTAS_PER_SM, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
-    scales (grouped path only). The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
+    scales (grouped path only). gpt-oss: `w13_bias [E, 2I]`, `w2_bias [E, H]` added in the GEMMs' epilogues and
+    `activation='swigluoai'` (its clamped SwiGLU, a separate elementwise pass); they take the grouped path, no fused
+    activation. The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
     Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -407,7 +414,10 @@ def fused_moe(
     if renormalize:
         tw = _renormalized(tw)
     tw = tw.contiguous()
-    if cfg.get('decode') and not fp8:
+    if activation not in ('silu', 'swigluoai'):
+        raise ValueError(f'unknown MoE activation {activation!r} (silu, swigluoai)')
+    plain = w13_bias is None and w2_bias is None and activation == 'silu'  # else gpt-oss's experts: no fused epilogues
+    if cfg.get('decode') and not fp8 and plain:
         return fused_moe_decode(x, w13, w2, tw, topk_ids, cfg['decode'])
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
     n, em, I = T * k, sorted_ids.numel(), two_i // 2
@@ -418,13 +428,16 @@ def fused_moe(
     xs = bool(cfg.get('XSORT'))  # x gathered into sorted order once, before the first GEMM
     a1 = moe_permute(x, sorted_ids, ntpp, k) if xs else x
     gemm1 = dict(num_valid=n, a_row_div=k, mul_routed=False, cfg=cfg, w_scale=w13_scale, a_sorted=xs, c_sorted=srt)
-    if cfg.get('ACT'):  # silu(gate) * up in the first GEMM's epilogue
+    if cfg.get('ACT') and plain:  # silu(gate) * up in the first GEMM's epilogue
         inter = x.new_empty(em if srt else n, I)
         grouped_gemm(a1, w13, inter, tw, sorted_ids, expert_ids, ntpp, act=True, **gemm1)
     else:
         inter13 = x.new_empty(em if srt else n, two_i)
-        grouped_gemm(a1, w13, inter13, tw, sorted_ids, expert_ids, ntpp, **gemm1)
-        inter = silu_and_mul(inter13)  # non-interleaved: gate = [:, :I], up = [:, I:]
+        grouped_gemm(a1, w13, inter13, tw, sorted_ids, expert_ids, ntpp, bias=w13_bias, **gemm1)
+        if activation == 'swigluoai':
+            inter = swigluoai_and_mul_ref(inter13, swiglu_alpha, swiglu_limit)
+        else:
+            inter = silu_and_mul(inter13)  # non-interleaved: gate = [:, :I], up = [:, I:]
     if cfg.get('ATOMIC'):  # the k weighted outputs added into fp32 token rows
         out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
         grouped_gemm(
@@ -442,6 +455,7 @@ def fused_moe(
             w_scale=w2_scale,
             a_sorted=srt,
             c_atomic=k,
+            bias=w2_bias,
         )
         return out.to(x.dtype)
     out_k = x.new_empty(n, H)  # each assignment's weighted expert output at row t * k + j
@@ -459,5 +473,6 @@ def fused_moe(
         cfg=cfg2,
         w_scale=w2_scale,
         a_sorted=srt,
+        bias=w2_bias,
     )
     return moe_sum(out_k.view(T, k, H))

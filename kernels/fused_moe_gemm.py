@@ -5,7 +5,7 @@ then for `w2` (see its module docstring for the whole MoE path, the row layouts 
 
 Data flow of one launch: the rows of a block's assignments `a` (`a // A_ROW_DIV`, or with `A_SORTED` the positions in
 `sorted_ids`) times the expert's weight tiles (FP8: dequantized in registers) -> an fp32 accumulator -> the epilogue
-(`ACT`: `silu(gate) * up`; `MUL_ROUTED_WEIGHT`: times the router weight of `a`) -> stored at row `a` (`C_SORTED`:
+(`HAS_BIAS`: plus the expert's bias; `ACT`: `silu(gate) * up`; `MUL_ROUTED_WEIGHT`: times the router weight of `a`) -> stored at row `a` (`C_SORTED`:
 at its position; `C_ATOMIC`: added into its token's fp32 row).
 
 Config `SWAP` makes the weight tile the MMA's M side (`acc.T = W_tile @ x_tile.T`), so an expert with a few rows
@@ -40,6 +40,7 @@ def _fused_moe_kernel(
     expert_ids_ptr,
     ntpp_ptr,
     bs_ptr,
+    bias_ptr,
     N,
     K,
     num_valid,
@@ -51,10 +52,12 @@ def _fused_moe_kernel(
     stride_bse,
     stride_bsn,
     stride_bsk,
+    stride_bias,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     PRECISION: tl.constexpr,
     B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
     SWAP: tl.constexpr,
     A_SORTED: tl.constexpr,
@@ -87,6 +90,7 @@ def _fused_moe_kernel(
                 sorted_ids_ptr,
                 expert_ids_ptr,
                 bs_ptr,
+                bias_ptr,
                 N,
                 K,
                 num_valid,
@@ -98,10 +102,12 @@ def _fused_moe_kernel(
                 stride_bse,
                 stride_bsn,
                 stride_bsk,
+                stride_bias,
                 A_ROW_DIV,
                 MUL_ROUTED_WEIGHT,
                 PRECISION,
                 B_SCALE,
+                HAS_BIAS,
                 ACT,
                 SWAP,
                 A_SORTED,
@@ -126,6 +132,7 @@ def _fused_moe_kernel(
             sorted_ids_ptr,
             expert_ids_ptr,
             bs_ptr,
+            bias_ptr,
             N,
             K,
             num_valid,
@@ -137,10 +144,12 @@ def _fused_moe_kernel(
             stride_bse,
             stride_bsn,
             stride_bsk,
+            stride_bias,
             A_ROW_DIV,
             MUL_ROUTED_WEIGHT,
             PRECISION,
             B_SCALE,
+            HAS_BIAS,
             ACT,
             SWAP,
             A_SORTED,
@@ -167,6 +176,7 @@ def _moe_tile(
     sorted_ids_ptr,
     expert_ids_ptr,
     bs_ptr,
+    bias_ptr,
     N,
     K,
     num_valid,
@@ -178,10 +188,12 @@ def _moe_tile(
     stride_bse,
     stride_bsn,
     stride_bsk,
+    stride_bias,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     PRECISION: tl.constexpr,
     B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
     SWAP: tl.constexpr,
     A_SORTED: tl.constexpr,
@@ -197,7 +209,8 @@ def _moe_tile(
     """Tile `pid`: c[a, n] = sum_k a[a // A_ROW_DIV, k] * b[expert, n, k] (* topk_w[a]) for the assignments `a` of
     one block of `sorted_ids` (one expert) and one block of N columns. `B_SCALE`: `b` is FP8, each 128 x 128 block
     scaled by `bs[expert, n // 128, k // 128]` (BLOCK_K divides 128, so a K-tile lies in one scale block).
-    `ACT`: `b` holds 2N rows (gate, then up); the tile computes both and writes `silu(gate) * up`.
+    `ACT`: `b` holds 2N rows (gate, then up); the tile computes both and writes `silu(gate) * up`. `HAS_BIAS`
+    (gpt-oss, not with `ACT`): `bias[expert, n]` added to the sums, before the router weight.
     `SWAP`: the weight tile is the MMA's M side (`acc.T [BN, BM] = b [BN, K] @ a.T`), for few rows per expert.
     `A_SORTED` / `C_SORTED`: `a` / `c` is in sorted order (row = position in `sorted_ids`, `[EM, .]`), so the
     tile's rows are contiguous; else row `a // A_ROW_DIV` / `a`. Loads are unmasked but for a ragged K (`EVEN_K`
@@ -267,6 +280,9 @@ def _moe_tile(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
 
+    if HAS_BIAS:  # columns wrapped as the weight's: no mask
+        bias = tl.load(bias_ptr + expert * stride_bias + offs_bn).to(tl.float32)
+        acc = acc + (bias[:, None] if SWAP else bias[None, :])
     if ACT:
         acc = acc * tl.sigmoid(acc) * acc2
     if MUL_ROUTED_WEIGHT:
@@ -336,11 +352,14 @@ def grouped_gemm(
     a_sorted: bool = False,
     c_sorted: bool = False,
     c_atomic: int = 0,
+    bias=None,
 ):
     """out[a] = a[a // a_row_div] @ w[expert].T (* router weight) for every real assignment `a` of `sorted_ids`
     (`num_valid` of them); `act`: w holds gate rows then up rows and out gets `silu(gate) * up` (half of w's rows
     wide); `a_sorted` / `c_sorted`: `a` / `out` rows are positions in `sorted_ids` instead; `c_atomic` (the top-k):
-    `out` is fp32 `[T, N]` and each assignment is added into row `a // c_atomic`."""
+    `out` is fp32 `[T, N]` and each assignment is added into row `a // c_atomic`; `bias` `[E, N]`: added to each
+    expert's sums before the router weight (not with `act`)."""
+    assert bias is None or (not act and bias.stride(-1) == 1), 'a bias: contiguous rows, and no fused activation'
     N, K = w.shape[1] // (2 if act else 1), w.shape[2]
     cfg = _fit_shared_memory(cfg, a.element_size(), w.element_size(), a.device)
     em = sorted_ids.numel()
@@ -358,6 +377,7 @@ def grouped_gemm(
         expert_ids,
         ntpp,
         bs,
+        bs if bias is None else bias,
         N,
         K,
         num_valid,
@@ -367,10 +387,12 @@ def grouped_gemm(
         w.stride(2),
         out.stride(0),
         *bss,
+        0 if bias is None else bias.stride(0),
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=mul_routed,
         PRECISION='ieee' if a.dtype == torch.float32 else 'tf32',
         B_SCALE=w_scale is not None,
+        HAS_BIAS=bias is not None,
         ACT=act,
         SWAP=bool(cfg.get('SWAP', 0)),
         A_SORTED=a_sorted,

@@ -99,6 +99,32 @@ def test_fused_moe_grouped_variants(T, E, k, H, I, variant):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+GPT_OSS = [
+    {},
+    dict(SWAP=1),
+    dict(SORTED=1, ACT=1),
+    dict(XSORT=1, down=dict(SWAP=1)),
+    dict(ATOMIC=1),
+    dict(PERSISTENT=1),
+]
+
+
+@pytest.mark.parametrize('variant', GPT_OSS)
+def test_fused_moe_bias_swigluoai(variant):
+    """gpt-oss's experts: biases in both GEMMs' epilogues (before the router weight) and the clamped SwiGLU between
+    them, on the grouped path whatever the config asks (`ACT` and a decode entry are passed over), ragged sizes."""
+    x, w13, w2, tw, ids = problem(5, 8, 3, 80, 24, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = (torch.randn(*s, generator=g).to(DEV) for s in ((8, 48), (8, 80)))
+    x = x * 4  # sums past the clamp (7)
+    kw = dict(w13_bias=b13, w2_bias=b2, activation='swigluoai')
+    ref = fm.fused_moe_ref(x, w13, w2, tw, ids, **kw)
+    assert (x @ w13[ids[0, 0]].T + b13[ids[0, 0]])[:, :24].max() > 7
+    out = fm.fused_moe(x, w13, w2, tw, ids, config={**variant, 'decode': dict(BN1=16, BK1=32, BN2=16, BK2=32)}, **kw)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(ref, fm.fused_moe_ref(x, w13, w2, tw, ids)) > 0.1  # the biases and the activation matter
+
+
 def test_moe_permute_rows():
     "x gathered into expert order: each real position holds its assignment's token row, exactly."
     x, _, _, _, ids = problem(13, 8, 2, 80, 24, torch.float32, seed=2)

@@ -136,8 +136,9 @@ def forward(self: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
     if self.quant_method is not None:
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)
-    elif self.w13_bias is not None or self.activation != 'silu':  # gpt-oss: the loop over experts (no Triton path yet)
-        out = fused_moe_ref(
+    elif self.w13_bias is not None or self.activation != 'silu':  # gpt-oss: biases and the clamped SwiGLU
+        fn = fused_moe if x.is_cuda else fused_moe_ref
+        out = fn(
             x,
             self.w13_weight,
             self.w2_weight,
