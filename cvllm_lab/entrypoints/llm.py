@@ -11,6 +11,7 @@ from ..utils.progress import tqdm
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams, diff_sampling_param
 from ..engine.llm_engine import LLMEngine, RequestOutput
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
 import torch.nn.functional as F
 from fastcore.basics import patch
 from ..layers.pooler import PoolingParams
@@ -110,6 +111,12 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+# %% ../../nbs/52_llm.ipynb #a90b4263
+@patch
+def beam_search(self: LLM, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    "vLLM's `LLM.beam_search`: for each prompt, the best `params.beam_width` sequences by length-penalized log-prob."
+    return run_beam_search(self, prompts, params)
 
 # %% ../../nbs/52_llm.ipynb #a104c652
 def _with_task(p: PoolingParams | None, task: str) -> PoolingParams:
