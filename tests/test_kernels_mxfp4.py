@@ -1,6 +1,7 @@
 """MXFP4 experts (cvllm_lab.kernels.mxfp4): the dequantization against `transformers`' own (the layout gpt-oss's
 checkpoints are read in), the quantizer's round trip, and the Triton MoE matmul and fused MoE (weights kept 4-bit,
-dequantized in the tile) against their references on random inputs. CPU: the interpreter at small sizes."""
+dequantized in the tile) against their references on random inputs. CPU: the interpreter at small sizes; the same
+tests on a GPU, and (`-m cuda`) the gpt-oss-20b expert shape in bf16."""
 
 import pytest
 import torch
@@ -49,7 +50,6 @@ def test_quantize_round_trip():
     assert ((dequantize_mxfp4_ref(xb, xs) - x).abs() <= step + 1e-6).all()
 
 
-@pytest.mark.interp
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize('N,K,bias', [(48, 64, True), (40, 96, False)])
 def test_mxfp4_moe_matmul(dtype, N, K, bias):
@@ -66,7 +66,6 @@ def test_mxfp4_moe_matmul(dtype, N, K, bias):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.interp
 @pytest.mark.parametrize('activation', ['swigluoai', 'silu'])
 def test_fused_moe_mxfp4(activation):
     "The two matmuls around the activation and the weighted top-k sum, against the loop over dequantized experts."
@@ -84,3 +83,20 @@ def test_fused_moe_mxfp4(activation):
     if activation == 'swigluoai':  # the clamps bite on these sums
         h = x @ dequantize_mxfp4_ref(w13b[ids[0, 0]], w13s[ids[0, 0]]).T + b13[ids[0, 0]]
         assert h[:, :I].max() > 7
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('T', [1, 4, 64])
+def test_fused_moe_mxfp4_gpt_oss_20b_shape(T):
+    "gpt-oss-20b's experts (32, top-4, hidden 2880, intermediate 2880) in MXFP4, bf16 activations, against the loop."
+    g = torch.Generator().manual_seed(4)
+    E, H, I, k = 32, 2880, 2880, 4
+    w13b, w13s = random_mxfp4(E, 2 * I, H, g, exp=(118, 122))
+    w2b, w2s = random_mxfp4(E, H, I, g, exp=(118, 122))
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    tw, ids = torch.randn(T, E, generator=g).to(DEV).softmax(-1).topk(k)
+    b13, b2 = torch.randn(E, 2 * I, generator=g).to(DEV), torch.randn(E, H, generator=g).to(DEV)
+    kw = dict(w13_bias=b13, w2_bias=b2)
+    out = fused_moe_mxfp4(x, w13b, w13s, w2b, w2s, tw, ids, **kw).float()
+    ref = fused_moe_mxfp4_ref(x, w13b, w13s, w2b, w2s, tw, ids, **kw).float()
+    assert ((out - ref).abs().max() / ref.abs().max()) < 3e-2
