@@ -4,7 +4,10 @@ On a machine without CUDA, Triton kernels run under the interpreter. The variabl
 function is defined, so it must be set before any kernel module is imported: here, before the test modules load.
 
 Markers: `cuda` tests need a CUDA GPU (select them with `-m cuda`) and are skipped without one; `interp` tests run
-the Triton kernels under the interpreter (the CPU path) and are skipped where it is off, i.e. on a GPU machine.
+the Triton kernels under the interpreter (the CPU path) and are skipped where it is off, i.e. on a GPU machine;
+`own_server` tests start a server of their own and run first in their module, before the module's shared server
+fixture starts, so that two servers (four processes, ~2.5 GB) are never alive at once: that overlap made the suite's
+peak memory.
 """
 
 import os
@@ -23,6 +26,7 @@ if not _cuda:
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'interp: runs Triton kernels under the interpreter (skipped on a GPU machine)')
+    config.addinivalue_line('markers', "own_server: starts its own server (runs before its module's shared one)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,3 +36,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason='needs a CUDA GPU'))
         if item.get_closest_marker('interp') and not interp:
             item.add_marker(pytest.mark.skip(reason='CPU tests run the Triton interpreter'))
+    modules = {}  # first position of each module: files keep their order, `own_server` tests move to their front
+    for i, item in enumerate(items):
+        modules.setdefault(item.module.__name__ if item.module else '', i)
+    items.sort(
+        key=lambda it: (modules[it.module.__name__ if it.module else ''], not it.get_closest_marker('own_server'))
+    )

@@ -149,6 +149,7 @@ def test_shutdown_stops_the_tool_server(server):
     assert not alive, alive
 
 
+@pytest.mark.own_server
 def test_a_tool_server_that_fails_fails_the_start():
     "A tool server that cannot start stops cvllm-serve at start-up (no server half-up without its tools)."
     bad = shlex.join([sys.executable, '-c', 'import sys; sys.exit(3)'])

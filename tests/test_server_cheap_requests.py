@@ -107,6 +107,7 @@ def test_long_message_error_says_characters_and_tokens(server):
 @pytest.mark.skipif(
     not serve_has('--trust-request-chat-template'), reason='cvllm-serve has no --trust-request-chat-template yet'
 )
+@pytest.mark.own_server
 def test_trusted_request_template_is_bounded():
     "With the operator's flag a request's template is used, and a looping or huge one is a 400 within the bound."
     with ServerProcess(

@@ -196,6 +196,7 @@ def test_sigterm_drains_in_flight_streams(server):
     assert 'Traceback' not in server.output(), server.output()
 
 
+@pytest.mark.own_server
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
 def test_shutdown_timeout_ends_open_streams_with_error(sig):
     "Past --shutdown-timeout the open stream gets an error event and [DONE]; no traceback; API and core exit."
@@ -219,6 +220,7 @@ def test_shutdown_timeout_ends_open_streams_with_error(sig):
         assert 'Traceback' not in out and 'ending 1 request(s) still running' in out, out
 
 
+@pytest.mark.own_server
 def test_killed_api_process_takes_its_core():
     "SIGKILL of the API process (no clean-up runs): the core is gone within a few seconds (parent-death signal)."
     with ServerProcess(*ARGS) as s:
@@ -232,6 +234,7 @@ def test_killed_api_process_takes_its_core():
         print(f'core gone {took:.2f} s after SIGKILL of the API process')
 
 
+@pytest.mark.own_server
 def test_killed_core_is_logged_once():
     "kill -9 of the core: clients get a 503 event, and the server log names the signal, once."
     with ServerProcess(*ARGS) as s:
@@ -249,6 +252,7 @@ def test_killed_core_is_logged_once():
         assert len(deaths) == 1 and 'killed by SIGKILL' in deaths[0], s.output()
 
 
+@pytest.mark.own_server
 def test_failed_start_stops_the_core():
     "The port is taken: uvicorn gives up after the core started; the server exits 1 and the core goes with it."
     with socket.socket() as busy:
@@ -262,6 +266,7 @@ def test_failed_start_stops_the_core():
     wait_gone(core_pid(p.stderr), 5)
 
 
+@pytest.mark.own_server
 def test_sigterm_while_idle_stops_core_quickly():
     "SIGTERM with nothing in flight: the API process and its core are gone within seconds."
     with ServerProcess(*ARGS) as s:

@@ -117,6 +117,7 @@ def test_abort_on_disconnect_frees_blocks(server):
     assert metric(server.url, 'cvllm:request_aborted_total') == aborted + 1
 
 
+@pytest.mark.own_server
 def test_dead_core_is_503():
     "Kill the engine core: the stream in flight ends with a 503 error event at once, new requests get 503, /health 503."
     with ServerProcess('--max-model-len', '512', '--mem', '32') as s:
