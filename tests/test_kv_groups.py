@@ -76,6 +76,7 @@ def test_gemma3_groups_graphs_async(dtype):
         skip_tokenizer_init=True,
         block_size=16,
         num_gpu_blocks_override=160,
+        max_model_len=512,  # a 512-token request: 32 full blocks + 5 x 10 sliding (a 128-token step) fit the 159 usable
         prefill_chunk_size=64,
         max_num_batched_tokens=128,
         max_num_seqs=8,

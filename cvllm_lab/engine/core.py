@@ -187,11 +187,6 @@ class EngineCore:
         )
         self.info.pooler_config = getattr(self.runner, 'pooler_config', None)
         self.info.supported_tasks = getattr(self.runner, 'supported_tasks', None)
-        if self.runner.num_blocks * cfg.block_size < cfg.max_model_len:
-            raise ValueError(
-                f'The KV cache holds {self.runner.num_blocks * cfg.block_size} tokens, fewer than '
-                f'max_model_len={cfg.max_model_len}: give it more memory or lower max_model_len'
-            )
         # one block table per KV cache group of the model (sliding-window layers); an executor (tensor parallel) has one
         # a hybrid model's state layers (Gated DeltaNet): one state slot per running sequence, apart from the blocks
         slots = getattr(self.runner, 'num_state_slots', None)
@@ -207,6 +202,15 @@ class EngineCore:
             num_state_slots=slots,
             seeded_hits=bool(cfg.batch_invariant),  # else a seeded sample could depend on the cache (10)
         )
+        # one max_model_len request must fit the pool alone, counted per group by its spec (a sliding group holds its
+        # window and a step, a full one every block): else it would wait forever (vLLM's check_enough_kv_cache_memory)
+        per = self.kv.max_blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens)
+        if sum(per) > self.kv.num_usable_blocks:
+            groups = f' ({" + ".join(map(str, per))} over its {len(per)} KV cache groups)' if len(per) > 1 else ''
+            raise ValueError(
+                f'The KV cache holds {self.kv.num_usable_blocks} blocks of {cfg.block_size} tokens, fewer than '
+                f'max_model_len={cfg.max_model_len} needs: {sum(per)}{groups}; give it more memory or lower max_model_len'
+            )
         # steps are launched ahead only while cfg.async_scheduling holds (read every step)
         self.scheduler = AsyncScheduler(
             self.kv,

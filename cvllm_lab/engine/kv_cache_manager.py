@@ -251,3 +251,13 @@ def reset_prefix_cache(self: KVCacheManager) -> bool:
     for b in self.blocks:
         b.block_hash = None
     return True
+
+# %% ../../nbs/10_kv_cache_manager.ipynb #14a23cc6
+@patch
+def max_blocks_per_request(self: KVCacheManager, num_tokens: int, max_step_tokens: int) -> list[int]:
+    "Per group, the most blocks a request of `num_tokens` tokens holds at once (at most `max_step_tokens` a step)."
+    pooled = self.free_slots is not None
+    return [
+        0 if pooled and not s.grows else s.max_num_blocks(num_tokens, self.block_size, max_step_tokens)
+        for s in self.specs
+    ]

@@ -91,8 +91,28 @@ class Scheduler:
                     f'The waiting queue is full ({len(self.waiting)} of max_num_queued_requests={cap})'
                 )
         for r in reqs:
+            if (why := self.never_fits(r)) is not None:
+                raise ValueError(why)
+        for r in reqs:
             self.requeue(r)
             self.requests[r.request_id] = r
+
+    def never_fits(self, req: Request) -> str | None:
+        """Why `req` could never run, even alone in an empty pool: its longest (prompt and `max_tokens`, at most
+        `max_model_len`) needs more blocks, summed over the KV cache groups by their specs, than the pool has; else None.
+        Admitted, it would wait forever (or preempt itself every step), so `add_request` refuses it (a 400 in the API)."""
+        sp, n = req.sampling_params, req.num_tokens
+        if sp is not None:
+            n = self.max_model_len if sp.max_tokens is None else n + max(sp.max_tokens - req.num_output_tokens, 0)
+        n = min(n, self.max_model_len)
+        per = self.kv.max_blocks_per_request(n, self.max_num_batched_tokens)
+        if sum(per) <= self.kv.num_usable_blocks:
+            return None
+        groups = f' ({" + ".join(map(str, per))} over {len(per)} KV cache groups)' if len(per) > 1 else ''
+        return (
+            f'Request {req.request_id} can never fit the KV cache: its {n} tokens need {sum(per)} blocks of '
+            f'{self.kv.block_size}{groups}, the cache has {self.kv.num_usable_blocks}'
+        )
 
     def requeue(self, req: Request, front: bool = False):
         "fcfs: the back of the queue (the front for a preempted request); priority: its place in `(priority, arrival)` order."

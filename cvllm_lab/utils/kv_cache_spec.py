@@ -26,6 +26,11 @@ class KVCacheSpec:
         "The first token a query at position `pos` attends to."
         return 0
 
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once in a group of this spec, when a step computes
+        at most `max_step_tokens` of its tokens (vLLM's `max_memory_usage_bytes`, in blocks): every block of its tokens."""
+        return -(-num_tokens // block_size)
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -47,6 +52,11 @@ class SlidingWindowSpec(KVCacheSpec):
     def window_start(self, pos: int) -> int:
         return max(pos - self.sliding_window + 1, 0)
 
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        # blocks before the window are freed before a step allocates: the window's last W - 1 tokens and a step's new
+        # tokens, one more for a window that starts mid-block; never more than the sequence's own blocks
+        return min(-(-(self.sliding_window - 1 + max_step_tokens) // block_size) + 1, -(-num_tokens // block_size))
+
 
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(KVCacheSpec):
@@ -58,6 +68,12 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
     def window_start(self, pos: int) -> int:
         return pos // self.attention_chunk_size * self.attention_chunk_size
 
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        # a chunk starts at most C - 1 tokens back: as a sliding window of C
+        return min(
+            -(-(self.attention_chunk_size - 1 + max_step_tokens) // block_size) + 1, -(-num_tokens // block_size)
+        )
+
 
 @dataclass(frozen=True)
 class StateSpec(KVCacheSpec):
@@ -68,6 +84,9 @@ class StateSpec(KVCacheSpec):
 
     def window_start(self, pos: int) -> int:
         return pos
+
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        return 1  # one slot (a block of the pool unless the runner keeps the state slots apart)
 
 # %% ../../nbs/12a_kv_cache_spec.ipynb #a3e3855b
 @dataclass(frozen=True)
