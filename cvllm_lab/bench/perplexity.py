@@ -14,7 +14,7 @@ from ..quant.w4a16 import QuantLinear
 from ..layers.basic import Linear
 
 # %% auto #0
-__all__ = ['FORMATS', 'perplexity', 'decoder_bits_per_weight', 'layer_types', 'scored_tokens', 'measure', 'main']
+__all__ = ['FORMATS', 'perplexity', 'decoder_bits_per_weight', 'layer_types', 'scored_tokens', 'kv_bytes_for', 'measure', 'main']
 
 # %% ../../nbs/65_perplexity.ipynb #6a9e3fd8
 @torch.no_grad()
@@ -84,6 +84,16 @@ def scored_tokens(n: int, window: int = 512) -> int:
     return sum(min(window, n - s) - 1 for s in range(0, n, window) if n - s > 1)
 
 
+def kv_bytes_for(hf_config, window: int, block_size: int = 16) -> int:
+    """A KV cache for one `window`-token sequence: every layer's K and V in fp32 (an upper bound for GQA, MLA and
+    sliding layers), twice over for the rounding of each KV cache group's blocks and the null block. Sized in bytes
+    rather than blocks, since a model with sliding and full layers keeps a block table per group (Gemma 3: six)."""
+    c = hf_config
+    kv_heads = getattr(c, 'num_key_value_heads', None) or c.num_attention_heads
+    head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    return 2 * (-(-window // block_size) + 1) * block_size * 2 * c.num_hidden_layers * kv_heads * head_dim * 4
+
+
 def measure(
     model,
     ids: torch.Tensor,
@@ -96,6 +106,7 @@ def measure(
     """Perplexity of `ids` for `LLM(model, quantization=, dtype=, device=)`, its FP8 layers set to `numerics`
     (`set_fp8_numerics`; CPU only); the CPU fast path off."""
     from cvllm_lab.entrypoints.llm import LLM
+    from cvllm_lab.weights.loader import load_hf_config, resolve_model_source
 
     if numerics == 'w8a16' and not str(device).startswith('cpu'):  # the kernels run there: a flat prefill is W8A8
         raise ValueError("numerics='w8a16' is a CPU mode: on the GPU the kernels run, and a prefill quantizes x")
@@ -108,7 +119,7 @@ def measure(
         progress=False,
         max_model_len=window,
         block_size=16,
-        num_gpu_blocks_override=-(-window // 16),
+        kv_cache_memory=kv_bytes_for(load_hf_config(resolve_model_source(str(model))), window),
         cpu_fast_path=False,
     )
     runner = llm.engine.runner
