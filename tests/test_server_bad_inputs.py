@@ -64,10 +64,10 @@ BAD = [
     (C, dict(messages=Q, max_tokens=5000), 400, 'max_tokens'),  # more than the room left
     (C, dict(messages=Q, max_completion_tokens=1020), 400, 'max_completion_tokens'),
     (CMPL, dict(prompt='hi', max_tokens=2000), 400, 'max_tokens'),
-    (C, dict(messages=Q, use_beam_search=True), 400, 'use_beam_search'),
-    (C, dict(messages=Q, best_of=2), 400, 'best_of'),
-    (CMPL, dict(prompt='hi', best_of=3), 400, 'best_of'),
-    (C, dict(messages=Q, length_penalty=0.5), 400, 'length_penalty'),
+    (C, dict(messages=Q, use_beam_search=True, stream=True), 400, 'stream'),  # vLLM's 400 for a beam-search stream
+    (CMPL, dict(prompt='hi', use_beam_search=True, stream=True), 400, 'stream'),
+    (CMPL, dict(prompt='hi', use_beam_search=True, n=11), 400, 'n'),  # 2n log-probs a step, more than max_logprobs
+    (C, dict(messages=Q, use_beam_search=True, guided_regex='a+'), 400, 'guided_regex'),
     (C, dict(messages=Q, priority=1), 400, 'priority'),  # fcfs server
     (C, dict(messages=Q, guided_regex='(['), 400, 'guided_regex'),
     (C, dict(messages=Q, guided_choice=['a'], guided_regex='b'), 400, None),
@@ -260,6 +260,7 @@ def test_big_request_does_not_stall_other_streams(server):
     assert max(gaps) < bound, (max(gaps), step)
 
 
+@pytest.mark.own_server
 def test_queue_full_is_503():
     if not serve_has('--max-num-queued-requests'):
         pytest.skip('cvllm-serve has no --max-num-queued-requests flag yet')
@@ -288,6 +289,7 @@ def test_queue_full_is_503():
         assert ok.status_code == 200 and metric(s.url, 'cvllm:num_requests_waiting') == 0
 
 
+@pytest.mark.own_server
 def test_priority_policy():
     if not serve_has('--scheduling-policy'):
         pytest.skip('cvllm-serve has no --scheduling-policy flag yet')

@@ -145,6 +145,32 @@ def test_n_and_seed(client):
     assert chat_text(client, **kw) == chat_text(client, **kw)
 
 
+def test_beam_search(server, client):
+    "vLLM's `use_beam_search` through the official client: width 1 is greedy; n=3 is 3 beams, best first; no stream."
+    prompt, G = 'The capital of France is', dict(temperature=0, extra_body={'repetition_penalty': 1.0})
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=0, **G).choices[0]
+    one = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={'use_beam_search': True}
+    )
+    assert one.choices[0].text == greedy.text
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        n=3,
+        logprobs=1,
+        extra_body={'use_beam_search': True, 'length_penalty': 0.0, 'best_of': 9},  # best_of: ignored, as vLLM
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    sums = [sum(c.logprobs.token_logprobs) for c in r.choices]
+    if all(c.finish_reason == 'length' for c in r.choices):  # length_penalty 0: ranked by cumulative log-prob
+        assert sums == sorted(sums, reverse=True) and sums[0] >= sum(greedy.logprobs.token_logprobs) - 1e-4
+    s = httpx.post(server.url + '/v1/completions', json=dict(prompt=prompt, use_beam_search=True, stream=True))
+    assert s.status_code == 400
+    assert_error(400, s.json(), 'stream')
+
+
 def test_stop_strings_never_leak(client):
     full = chat_text(client, messages=Q, max_tokens=16, temperature=0)
     words = full.split()
@@ -415,6 +441,7 @@ def test_malformed_bodies_never_crash(server):
     assert httpx.post(url, json=dict(messages=Q, max_tokens=2), timeout=60).status_code == 200
 
 
+@pytest.mark.own_server
 def test_api_key_and_refused_flags():
     with ServerProcess('--load-format', 'dummy', '--max-model-len', '128', '--mem', '8', '--api-key', 'sekrit') as s:
         for headers in (
@@ -473,6 +500,7 @@ def test_generation_config_defaults(client):
     )
 
 
+@pytest.mark.own_server
 def test_fp8_kvcache_serving():
     """`--fp8-kvcache` (candle-vllm) serves from an FP8 KV cache; greedy text equals the offline API's with kv_cache_dtype='fp8'
     (the request sets repetition_penalty, which the offline SamplingParams set and the GGUF defaults would otherwise fill)."""
@@ -501,6 +529,7 @@ def test_fp8_kvcache_serving():
     assert got == want and len(got) > 0, (got, want)
 
 
+@pytest.mark.own_server
 def test_quantized_serving():
     "`--quantization gguf` keeps the embedded Q4_1 blocks quantized; greedy text equals the offline API's with the same setting."
     from cvllm_lab import LLM, SamplingParams

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from ..sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['BeamSearchParams', 'BeamSearchSequence', 'BeamSearchOutput', 'get_beam_search_score', 'beam_search']
+__all__ = ['BeamSearchParams', 'BeamSearchSequence', 'BeamSearchOutput', 'get_beam_search_score', 'check_beam_params',
+           'beam_step_params', 'beam_search_steps', 'drive_beam_search', 'adrive_beam_search', 'generated',
+           'beam_search']
 
 # %% ../../nbs/52a_beam_search.ipynb #266ada2d
 @dataclass
@@ -58,52 +60,103 @@ def _prompt_ids(llm, p) -> list[int]:
     return llm.get_tokenizer().encode(p)
 
 
-def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    "vLLM's `LLM.beam_search` over `llm`'s engine: one output per prompt, its best `beam_width` sequences first."
+def check_beam_params(params: BeamSearchParams, max_logprobs: int):
+    "`ValueError` for a width or length the search can't run with (each step asks for `2 * beam_width` log-probs)."
     W = params.beam_width
     if W < 1 or params.max_tokens < 1:
         raise ValueError(f'beam_width and max_tokens must be >= 1, got {W} and {params.max_tokens}')
-    if 2 * W > llm.engine.cfg.max_logprobs:
-        raise ValueError(
-            f'beam_width={W} needs 2 * {W} log-probs per step; max_logprobs is {llm.engine.cfg.max_logprobs}'
-        )
-    eos, max_len = llm.engine.eos_token_ids, llm.engine.cfg.max_model_len
-    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-    starts = [_prompt_ids(llm, p) for p in prompts]
-    live = [[BeamSearchSequence(t)] for t in starts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    if 2 * W > max_logprobs:
+        raise ValueError(f'beam_width={W} needs 2 * {W} log-probs per step; max_logprobs is {max_logprobs}')
+
+
+def beam_step_params(params: BeamSearchParams, detokenize: bool = False) -> SamplingParams:
+    "The sampling params of one beam's request in a step: one token, `2 * beam_width` log-probs."
+    return SamplingParams(
+        logprobs=2 * params.beam_width,
+        max_tokens=1,
+        temperature=params.temperature,
+        ignore_eos=True,
+        detokenize=detokenize,
+    )
+
+
+def beam_search_steps(starts: list[list[int]], params: BeamSearchParams, eos_token_ids, max_model_len: int):
+    """The search without an engine, a generator: each step it yields the token lists of the live beams (each to be
+    run as one request by `beam_step_params`), is sent back each one's log-prob dict (the first generated position's,
+    in the same order), and at the end returns each prompt's best `beam_width` sequences, best first. The offline
+    `beam_search` below and the server (`serving_completions`) drive it, each over its own engine."""
+    W, eos = params.beam_width, eos_token_ids
+    live = [[BeamSearchSequence(list(t))] for t in starts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in starts]
     score = lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos, params.length_penalty)
-    sp = SamplingParams(logprobs=2 * W, max_tokens=1, temperature=params.temperature, ignore_eos=True, detokenize=False)
     for _ in range(params.max_tokens):
         flat = [(i, b) for i, bs in enumerate(live) for b in bs]
         if not flat:
             break
-        outs = llm.generate([{'prompt_token_ids': b.tokens} for _, b in flat], sp, use_tqdm=False)
-        cands: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, b), o in zip(flat, outs):
-            lps = o.outputs[0].logprobs[0]
+        got = yield [b.tokens for _, b in flat]
+        cands: list[list[BeamSearchSequence]] = [[] for _ in starts]
+        for (i, b), lps in zip(flat, got):
             for t, lp in lps.items():
                 nb = BeamSearchSequence(b.tokens + [t], b.logprobs + [lps], b.cum_logprob + lp.logprob)
                 if t in eos and not params.ignore_eos:
-                    nb.finish_reason = 'stop'
+                    nb.finish_reason, nb.stop_reason = 'stop', t
                     done[i].append(nb)
-                elif len(nb.tokens) >= max_len:
+                elif len(nb.tokens) >= max_model_len:
                     nb.finish_reason = 'length'
                     done[i].append(nb)
                 else:
                     cands[i].append(nb)
         live = [sorted(c, key=score, reverse=True)[:W] for c in cands]
-    tok = llm.get_tokenizer()
     res = []
     for i, bs in enumerate(live):
         for b in bs:
             b.finish_reason = b.finish_reason or 'length'
-        best = sorted(done[i] + bs, key=score, reverse=True)[:W]
-        for b in best:
-            if tok is not None:
-                gen = b.tokens[len(starts[i]) :]
-                if b.finish_reason == 'stop' and not params.include_stop_str_in_output:
-                    gen = gen[:-1]
-                b.text = tok.decode(b.tokens[: len(starts[i])] + gen)
-        res.append(BeamSearchOutput(best))
+        res.append(sorted(done[i] + bs, key=score, reverse=True)[:W])
     return res
+
+
+def drive_beam_search(steps, expand):
+    "Drive `beam_search_steps` with `expand(token_lists) -> log-prob dicts` (blocking); its result."
+    try:
+        todo = next(steps)
+        while True:
+            todo = steps.send(expand(todo))
+    except StopIteration as e:
+        return e.value
+
+
+async def adrive_beam_search(steps, expand):
+    "The same with an `async` `expand` (the server's engine)."
+    try:
+        todo = next(steps)
+        while True:
+            todo = steps.send(await expand(todo))
+    except StopIteration as e:
+        return e.value
+
+
+def generated(b: BeamSearchSequence, n_prompt: int, include_stop_str_in_output: bool = False) -> list[int]:
+    "A sequence's generated tokens, without the EOS that ended it unless `include_stop_str_in_output`."
+    gen = b.tokens[n_prompt:]
+    return gen[:-1] if b.finish_reason == 'stop' and not include_stop_str_in_output else gen
+
+
+def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    "vLLM's `LLM.beam_search` over `llm`'s engine: one output per prompt, its best `beam_width` sequences first."
+    check_beam_params(params, llm.engine.cfg.max_logprobs)
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    starts = [_prompt_ids(llm, p) for p in prompts]
+    sp = beam_step_params(params)
+
+    def expand(todo):
+        outs = llm.generate([{'prompt_token_ids': t} for t in todo], sp, use_tqdm=False)
+        return [o.outputs[0].logprobs[0] for o in outs]
+
+    steps = beam_search_steps(starts, params, llm.engine.eos_token_ids, llm.engine.cfg.max_model_len)
+    best = drive_beam_search(steps, expand)
+    tok = llm.get_tokenizer()
+    for s, bs in zip(starts, best):
+        for b in bs:
+            if tok is not None:
+                b.text = tok.decode(s + generated(b, len(s), params.include_stop_str_in_output))
+    return [BeamSearchOutput(bs) for bs in best]

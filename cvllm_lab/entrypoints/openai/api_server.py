@@ -54,6 +54,7 @@ from .tool_parsers import TOOL_PARSERS
 from .metrics import ServerMetrics
 from .streams import ClientGone
 from .serving_completions import APIError, CompletionHandlers
+from . import serving_beam_search  # noqa: F401 (patches the beam-search handlers on)
 from ..anthropic.serving_messages import add_messages_routes
 from .serving_responses import add_responses_routes
 from .serving_embeddings import add_embeddings_routes

@@ -22,6 +22,7 @@ from cvllm_lab.entrypoints.openai.request_checks import (
     RequestBody,
     StrictModel,
     StructuredOutputsParams,
+    fail,
 )
 
 # %% auto #0
@@ -181,9 +182,6 @@ class _SamplingRequest(RequestBody):
     UNSUPPORTED: ClassVar[
         dict
     ] = {  # vLLM/OpenAI fields that change the output and are not built: refused unless default
-        'use_beam_search': (None, False),
-        'best_of': (None, 1),
-        'length_penalty': (None, 1, 1.0),
         'early_stopping': (None, False),
         'bad_words': (None, []),
         'truncate_prompt_tokens': (None,),
@@ -233,7 +231,31 @@ class _SamplingRequest(RequestBody):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: it names an implementation (ours is llguidance)
+    use_beam_search: bool = False  # vLLM's beam search: `n` is the beam width and the number of sequences returned
+    length_penalty: float = (
+        1.0  # beam search's score: cum logprob / len ** length_penalty (ignored without it, as vLLM)
+    )
     user: str | None = None
+
+    @model_validator(mode='before')
+    @classmethod
+    def _check_beam(cls, data):
+        "Beam search (vLLM's `to_beam_search_params`) with what it can't honour: streaming (vLLM's 400) and constraints."
+        if not isinstance(data, dict) or data.get('use_beam_search') is not True:
+            return data
+        if data.get('stream') is True:
+            fail(('stream',), 'Streaming is not currently supported with beam search', True)
+        rf = data.get('response_format')
+        for k in ('structured_outputs', *_GUIDED, 'logit_bias', 'allowed_token_ids', 'response_format', 'tool_choice'):
+            v = data.get(k)
+            if v is None or (k == 'response_format' and isinstance(rf, dict) and rf.get('type') == 'text'):
+                continue
+            if k == 'tool_choice' and v in ('none', 'auto'):
+                continue
+            fail((k,), f'{k} is not supported with beam search (it would constrain the sampled tokens)', v)
+        if data.get('min_tokens', 0) not in (0, None):
+            fail(('min_tokens',), 'min_tokens is not supported with beam search', data['min_tokens'])
+        return data
 
     @field_validator('n')
     @classmethod

@@ -109,6 +109,8 @@ async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tup
 
 @patch
 async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Request) -> Response:
+    if req.use_beam_search:
+        return await self.beam_chat(req, request)
     ctx, stream, rid = await self.open_chat(req)
     if req.stream:
         return SSEResponse(self.chat_events(ctx, stream, rid), on_close=stream.close)
@@ -289,6 +291,8 @@ async def completion(self: CompletionHandlers, req: CompletionRequest, request: 
         raise APIError(
             f'At most {self.cfg.max_prompts} prompts x n per request, got {len(prompts) * req.n}', param='prompt'
         )
+    if req.use_beam_search:
+        return await self.beam_completion(req, request, prompts)
     rid, items = random_id('cmpl-'), []
     for k, (text, ids) in enumerate(await asyncio.to_thread(self.prompt_ids, prompts)):
         items.append(
@@ -321,6 +325,16 @@ async def completion(self: CompletionHandlers, req: CompletionRequest, request: 
         outs = await unless_disconnected(request, run())
     finally:
         close()
+    return JSONResponse(
+        CompletionResponse(
+            id=rid, model=self.model_name, choices=self.completion_choices(req, items, outs), usage=self.usage(outs)
+        ).model_dump()
+    )
+
+
+@patch
+def completion_choices(self: CompletionHandlers, req: CompletionRequest, items, outs) -> list[CompletionChoice]:
+    "The choices of finished outputs, `n` per prompt (`items[k][0]`: prompt `k`'s text, for `echo`)."
     choices = []
     for k, out in enumerate(outs):
         echo = self.echo_text(items[k], out) if req.echo else ''
@@ -339,9 +353,7 @@ async def completion(self: CompletionHandlers, req: CompletionRequest, request: 
                     stop_reason=o.stop_reason,
                 )
             )
-    return JSONResponse(
-        CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage(outs)).model_dump()
-    )
+    return choices
 
 # %% ../../../nbs/77a_serving_completions.ipynb #6b542934
 @patch
