@@ -20,7 +20,7 @@ from cvllm_lab.entrypoints.beam_search import (
     generated,
 )
 from .protocol import ChatCompletionRequest, CompletionRequest, random_id
-from .response_models import ChatCompletionResponse, CompletionResponse
+from .response_models import CompletionResponse
 from .reasoning import ReasoningParser
 from .tool_parsers import get_tool_parser
 from .streams import last_output, unless_disconnected
@@ -124,11 +124,4 @@ async def beam_chat(self: CompletionHandlers, req: ChatCompletionRequest, reques
     out = await unless_disconnected(
         request, self.beam_output(rid, prompt, ids, params, req.priority, req.logprobs, req.skip_special_tokens)
     )
-    return JSONResponse(
-        ChatCompletionResponse(
-            id=rid,
-            model=self.model_name,
-            choices=[self.chat_choice(ctx, o) for o in out.outputs],
-            usage=self.usage([out]),
-        ).model_dump(exclude_none=False)
-    )
+    return self.chat_response(ctx, rid, out)

@@ -108,6 +108,19 @@ async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tup
 
 
 @patch
+def chat_response(self: CompletionHandlers, ctx, rid: str, out) -> JSONResponse:
+    "A finished chat request's body: one choice per output of `out`, parsed as `ctx` says, and its usage."
+    return JSONResponse(
+        ChatCompletionResponse(
+            id=rid,
+            model=self.model_name,
+            choices=[self.chat_choice(ctx, o) for o in out.outputs],
+            usage=self.usage([out]),
+        ).model_dump(exclude_none=False)
+    )
+
+
+@patch
 async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Request) -> Response:
     if req.use_beam_search:
         return await self.beam_chat(req, request)
@@ -118,14 +131,7 @@ async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Re
         out = await unless_disconnected(request, last_output(stream))
     finally:
         stream.close()
-    return JSONResponse(
-        ChatCompletionResponse(
-            id=rid,
-            model=self.model_name,
-            choices=[self.chat_choice(ctx, o) for o in out.outputs],
-            usage=self.usage([out]),
-        ).model_dump(exclude_none=False)
-    )
+    return self.chat_response(ctx, rid, out)
 
 # %% ../../../nbs/77a_serving_completions.ipynb #f870b670
 def _top(d: dict, k: int) -> list[tuple[str, float]]:
