@@ -6,8 +6,8 @@ function is defined, so it must be set before any kernel module is imported: her
 Markers: `cuda` tests need a CUDA GPU (select them with `-m cuda`) and are skipped without one; `interp` tests run
 the Triton kernels under the interpreter (the CPU path) and are skipped where it is off, i.e. on a GPU machine;
 `own_server` tests start a server of their own and run first in their module, before the module's shared server
-fixture starts, so that two servers (four processes, ~2.5 GB) are never alive at once: that overlap made the suite's
-peak memory.
+fixture starts, so that two servers (an API process and an engine core each) are never alive at once: the suite's
+peak memory would be theirs together.
 """
 
 import os
