@@ -104,7 +104,7 @@ class LoRALinear(nn.Module):
         return y
 
     def extra_repr(self):
-        return f'slots={self.lora_a.shape[0]}, max_rank={self.max_rank}, slices={self.slices}' 
+        return f'slots={self.lora_a.shape[0]}, max_rank={self.max_rank}, slices={self.slices}'
 
 # %% ../../nbs/25a_lora.ipynb #25969fe2
 def _plain_linear(mod: nn.Module) -> bool:
