@@ -40,6 +40,11 @@ Attention sinks (`sinks`, gpt-oss): one learned logit per query head, fp32 `[num
 softmax denominator as a key with no value: `out = sum_j e^(s_j) v_j / (e^(sink_h) + sum_j e^(s_j))`, so a head can
 put weight on nothing. The sink is not scaled by the softmax scale (it is a logit already), and it is there whatever
 the mask or window (in the kernel: the recurrence starts from `m = sink`, `l = 1` in split 0, constexpr `SINKS`).
+
+Chunked local attention (`attention_chunk_size` C, Llama 4): positions are cut into chunks of C and a query at `p`
+sees the keys `p // C * C .. p`, its own chunk up to itself. Like a sliding window it is a lower bound on the key
+position, per query (`p // C * C` instead of `p - W + 1`); the kernel starts a tile's key loop at the chunk of its
+first query and masks per row (constexpr `CHUNK`).
 """
 
 import functools
@@ -85,11 +90,12 @@ from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None, sinks=None):
+def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None, sinks=None, chunk=None):
     """Masked attention of a padded batch in fp32: `q` `[B, H, M, D]`, `k`/`v` `[B, Hkv, L, D]`,
     `qpos` `[B, M]` absolute query positions, `kv_len` `[B]`. Returns `[B, H, M, D]` fp32.
     `softcap`: scores become `softcap * tanh(scores / softcap)` before the mask (Gemma 2). `sinks` `[H]`: one more
-    logit per head in each softmax, whose value is zero (gpt-oss)."""
+    logit per head in each softmax, whose value is zero (gpt-oss). `chunk`: a query sees only the keys of its own
+    chunk of `chunk` positions (Llama 4's chunked local attention)."""
     B, H, M, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -97,6 +103,8 @@ def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None,
     mask = (kpos <= qpos[..., None]) & (kpos < kv_len[:, None, None])  # [B, M, L]
     if sliding_window is not None:
         mask &= kpos > qpos[..., None] - sliding_window
+    if chunk is not None:
+        mask &= kpos >= qpos[..., None] // chunk * chunk
     mask |= ~mask.any(-1, keepdim=True)  # padded query rows: attend anywhere, result is dropped
     # GQA without copying K/V: the G heads sharing a KV head become G*M rows of that head
     qg = q.float().reshape(B, Hkv, G * M, D)
@@ -146,6 +154,7 @@ def paged_attention_ref(
     softcap: float | None = None,
     out=None,
     sinks=None,
+    attention_chunk_size: int | None = None,
 ):
     """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]` (in `out` if given).
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
@@ -153,7 +162,9 @@ def paged_attention_ref(
     `max_seq_len` are accepted for parity with `paged_attention` and not needed here. FP8 caches are read
     through their per-row scales `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`. `softcap` (Gemma 2's
     `attn_logit_softcapping`): each score `s` becomes `softcap * tanh(s / softcap)`. `sinks` `[num_heads]` (gpt-oss):
-    a learned logit per head added to every softmax's denominator."""
+    a learned logit per head added to every softmax's denominator. `attention_chunk_size` (Llama 4): a query at
+    position `p` sees the keys from `p // C * C` to `p`, its own chunk."""
+    C = attention_chunk_size
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None, 'an FP8 cache needs its scales'
     T, H, D = q.shape
@@ -170,7 +181,7 @@ def paged_attention_ref(
         k = _gather_kv(k_cache, block_tables[idx], L, k_scale)
         v = _gather_kv(v_cache, block_tables[idx], L, v_scale)
         o = _dense_attention(
-            q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap, sinks
+            q[rows][:, :, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window, softcap, sinks, C
         )
         out[rows] = o[:, :, 0].to(q.dtype)
     for b in range(B):
@@ -186,7 +197,9 @@ def paged_attention_ref(
             v = _gather_kv(v_cache, block_tables[b : b + 1], L, v_scale)
             qpos = torch.arange(ctx + s, ctx + e, device=dev)[None]
             qc = q[qsl[b] + s : qsl[b] + e].transpose(0, 1)[None]  # [1, H, m, D]
-            o = _dense_attention(qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap, sinks)
+            o = _dense_attention(
+                qc, k, v, qpos, torch.tensor([L], device=dev), scale, sliding_window, softcap, sinks, C
+            )
             out[qsl[b] + s : qsl[b] + e] = o[0].transpose(0, 1).to(q.dtype)
     return out if dst is None else dst.copy_(out)
 
@@ -262,6 +275,7 @@ def paged_attention(
     softcap: float | None = None,
     config: dict | None = None,
     sinks=None,
+    attention_chunk_size: int | None = None,
 ):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
@@ -272,7 +286,8 @@ def paged_attention(
     launch config (`decode_config`; queries of 2 to `DECODE_MAX_QUERY_LEN` tokens always take `default`).
     Batch-invariant mode (`batch_invariant`): the prefill path for every batch, so a row's keys are summed in the same
     tiles, in the same order, whatever the batch and the chunking (`kv_start` is tile-aligned; masked tiles add
-    exact zeros). `sinks`: fp32 `[num_heads]` attention-sink logits (gpt-oss), as in the reference."""
+    exact zeros). `sinks`: fp32 `[num_heads]` attention-sink logits (gpt-oss), `attention_chunk_size`: chunked
+    local attention (Llama 4), as in the reference."""
     T, H, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -365,6 +380,7 @@ def paged_attention(
         PAGE=page,
         TILE_N=tile_n,
         WINDOW=sliding_window or 0,
+        CHUNK=attention_chunk_size or 0,
         DIRECT=decode,
         SPLIT=split,
         PRECISION=precision,

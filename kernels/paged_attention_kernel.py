@@ -25,6 +25,9 @@ Attention sinks (`SINKS`, gpt-oss): a per-head logit in the denominator only. Sp
 `m = sink * log2(e)`, `l = 1`, `acc = 0` (a key of score `sink` and value 0), the other splits from `-inf, 0, 0`, so
 the merge needs nothing new.
 
+Chunked local attention (`CHUNK`, Llama 4): a query at `p` sees the keys from `p // CHUNK * CHUNK`, its own chunk;
+the key loop starts at the chunk of the tile's first query and each row masks the keys before its chunk.
+
 Logit soft-capping (`SOFTCAP`): the kernel applies `cap * tanh(s / cap)` to the log2-unit scores as
 `cap log2(e) tanh(s / (cap log2(e)))`, the same map, behind a constexpr flag (no cost when off).
 """
@@ -85,6 +88,7 @@ def paged_attention_kernel(
     PAGE: tl.constexpr,
     TILE_N: tl.constexpr,
     WINDOW: tl.constexpr,  # sliding window (0: off)
+    CHUNK: tl.constexpr,  # chunked local attention: a query sees its own chunk of CHUNK positions (0: off)
     DIRECT: tl.constexpr,  # program 0-axis index == sequence index (every q_len <= BLOCK_Q)
     SPLIT: tl.constexpr,  # write unnormalized partials for merge_splits_kernel instead of the output
     PRECISION: tl.constexpr,
@@ -148,6 +152,8 @@ def paged_attention_kernel(
         kv_start = 0
         if WINDOW > 0:
             kv_start = tl.maximum(ctx_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
+        if CHUNK > 0:  # the chunk of the tile's first query (later queries' chunks start no earlier)
+            kv_start = tl.maximum(kv_start, (ctx_len + q_tile * BLOCK_Q) // CHUNK * CHUNK)
         kv_start = (kv_start // TILE_N) * TILE_N
         # this program's share, in whole tiles (split == 0 of 1 takes everything)
         tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), num_splits)
@@ -190,6 +196,8 @@ def paged_attention_kernel(
             visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+            if CHUNK > 0:
+                visible = visible & (offs_n[None, :] >= (q_pos // CHUNK * CHUNK)[:, None])
             s = tl.where(visible, s, float('-inf'))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)  # fully masked row so far: avoid inf - inf

@@ -49,9 +49,12 @@ def make_batch(q_lens, ctx_lens, H, Hkv, D, block_size, dtype, device=DEV, extra
     return [q, k_cache, v_cache] + [t.to(device) for t in (qsl, sl, bt)]
 
 
-def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, window=None, softcap=None, sinks=None):
+def naive_attention(
+    q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, window=None, softcap=None, sinks=None, chunk=None
+):
     """Token by token: gather the visible keys through the block table, softmax in fp64 (scores soft-capped first;
-    `sinks` `[H]`: one more logit per head in the softmax, its probability dropped)."""
+    `sinks` `[H]`: one more logit per head in the softmax, its probability dropped; `chunk`: keys of the query's own
+    chunk of `chunk` positions only)."""
     T, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -59,7 +62,11 @@ def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, win
         s, e, L = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
         for i in range(s, e):
             pos = L - (e - s) + (i - s)
-            keys = [j for j in range(pos + 1) if window is None or j > pos - window]
+            keys = [
+                j
+                for j in range(pos + 1)
+                if (window is None or j > pos - window) and (chunk is None or j // chunk == pos // chunk)
+            ]
             blk = [int(block_tables[b, j // bs]) for j in keys]
             k = torch.stack([k_cache[p, j % bs] for p, j in zip(blk, keys)]).double()  # [n, Hkv, D]
             v = torch.stack([v_cache[p, j % bs] for p, j in zip(blk, keys)]).double()
@@ -264,6 +271,33 @@ def test_sinks_reference_matches_naive_loop(window):
     ref = paged_attention_ref(*args, scale=0.25, sliding_window=window, sinks=sinks)
     assert (ref.double() - naive_attention(*args, scale=0.25, window=window, sinks=sinks)).abs().max() < 1e-5
     assert (ref - paged_attention_ref(*args, scale=0.25, sliding_window=window)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize('chunk', [4, 8, 16])
+def test_chunked_reference_matches_naive_loop(chunk, monkeypatch):
+    "Llama 4's chunked local attention: the reference against the fp64 loop (chunk boundaries inside blocks and on them)."
+    torch.manual_seed(13)
+    monkeypatch.setattr(pa, 'REF_SCORE_BUDGET', 4 * 30)
+    args = make_batch(
+        [1, 9, 5, 1, 3], [20, 0, 13, 0, 30], H=4, Hkv=2, D=16, block_size=4, dtype=torch.float32, device='cpu'
+    )
+    ref = paged_attention_ref(*args, scale=0.25, attention_chunk_size=chunk)
+    assert (ref.double() - naive_attention(*args, scale=0.25, chunk=chunk)).abs().max() < 1e-5
+    assert (ref - paged_attention_ref(*args, scale=0.25)).abs().max() > 1e-2  # the chunks changed the result
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('chunk', [5, 16])
+def test_chunked_local_attention(dtype, chunk):
+    """Chunked local attention in the kernel: prefill (query tiles across chunk boundaries), chunked prefill over a
+    cached prefix, decode in a mixed batch; then split-KV decode (the splits cover the query's chunk only)."""
+    torch.manual_seed(14)
+    args = make_batch([37, 1, 20, 1, 12], [0, 45, 33, 3, 17], 4, 2, 32, 16, dtype)
+    out = paged_attention(*args, scale=0.3, attention_chunk_size=chunk)
+    assert_close(out, paged_attention_ref(*args, scale=0.3, attention_chunk_size=chunk), dtype)
+    dec = make_batch([1, 1, 1], [50, 90, 3], 4, 2, 32, 16, dtype)
+    out = paged_attention(*dec, scale=0.3, attention_chunk_size=chunk, num_kv_splits=3)
+    assert_close(out, paged_attention_ref(*dec, scale=0.3, attention_chunk_size=chunk), dtype)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])

@@ -53,6 +53,7 @@ class Attention(nn.Module):
         backend: str = 'torch',
         logits_soft_cap: float | None = None,
         sinks: bool = False,
+        attention_chunk_size: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
@@ -65,6 +66,11 @@ class Attention(nn.Module):
         # varlen prefill kernels and the CPU fast path's decode attention have no sinks, so such a layer keeps to the paged kernels
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         if sinks:
+            self.supports_cpu_decode_attention = False
+        # chunked local attention (Llama 4): a query sees its own chunk of `attention_chunk_size` positions; only the
+        # paged kernels mask by chunk, so such a layer keeps to them too (its KV cache spec: `ChunkedLocalAttentionSpec`)
+        self.attention_chunk_size = attention_chunk_size
+        if attention_chunk_size:
             self.supports_cpu_decode_attention = False
         self.set_backend(backend)
         self.kv_cache: torch.Tensor | None = None
@@ -270,7 +276,7 @@ def cudnn_prefill_attention(q, k, v, n: int, scale):
 @patch
 def _prefill_split_ok(self: Attention, q, kc) -> bool:
     "Whether this layer can send the step's prefills to `prefill_fn`."
-    if self.prefill_fn is None or self.logits_soft_cap or self.sinks is not None:
+    if self.prefill_fn is None or self.logits_soft_cap or self.sinks is not None or self.attention_chunk_size:
         return False
     if self.kv_scale is not None or kc.dtype != q.dtype:
         return False
@@ -320,6 +326,8 @@ def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: i
     kw = dict(sliding_window=self.sliding_window, k_scale=ks, v_scale=vs, softcap=self.logits_soft_cap)
     if self.sinks is not None:  # (only then: the CPU fast path's attention functions take no `sinks`)
         kw['sinks'] = self.sinks
+    if self.attention_chunk_size:  # (likewise)
+        kw['attention_chunk_size'] = self.attention_chunk_size
     d = ctx.decodes
     if d is None or not 0 < d.num_decodes < n:
         return self._attn_fn(

@@ -32,6 +32,7 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'DeepseekV2ForCausalLM': ('deepseek_v2', 'DeepseekV2ForCausalLM'),
     'DeepseekV3ForCausalLM': ('deepseek_v2', 'DeepseekV3ForCausalLM'),
     'GptOssForCausalLM': ('gpt_oss', 'GptOssForCausalLM'),
+    'Llama4ForCausalLM': ('llama4', 'Llama4ForCausalLM'),
     # pooling-only (encoders: embeddings and classifiers, `is_pooling_model`)
     'BertModel': ('bert', 'BertEmbeddingModel'),
     'BertForSequenceClassification': ('bert', 'BertForSequenceClassification'),
@@ -59,6 +60,7 @@ _MODEL_TYPES = {
     'deepseek_v2': 'DeepseekV2ForCausalLM',
     'deepseek_v3': 'DeepseekV3ForCausalLM',
     'gpt_oss': 'GptOssForCausalLM',
+    'llama4_text': 'Llama4ForCausalLM',
     'bert': 'BertModel',
     'roberta': 'RobertaModel',
     'xlm-roberta': 'XLMRobertaModel',
