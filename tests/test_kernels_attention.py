@@ -525,6 +525,21 @@ def test_cuda_prefill_real_sizes(dtype, D):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_cuda_chunked_llama4_sizes(dtype):
+    """Llama 4 Scout's attention shape (40 heads, 8 KV heads, D=128) with 2048-token chunks (8192 in the model): long
+    prefill over several chunks, chunked prefill behind a cached prefix that ends mid-chunk, decodes; then split-KV
+    decode of long contexts."""
+    torch.manual_seed(15)
+    args = make_batch([5000, 1, 700, 1, 2048], [0, 7000, 3000, 100, 2048], 40, 8, 128, 16, dtype)
+    out = paged_attention(*args, scale=128**-0.5, attention_chunk_size=2048)
+    assert_close(out, paged_attention_ref(*args, scale=128**-0.5, attention_chunk_size=2048), dtype)
+    dec = make_batch([1] * 8, [8000, 2047, 2048, 6000, 1, 4100, 300, 8191], 40, 8, 128, 16, dtype)
+    out = paged_attention(*dec, scale=128**-0.5, attention_chunk_size=2048, max_seq_len=8192)
+    assert_close(out, paged_attention_ref(*dec, scale=128**-0.5, attention_chunk_size=2048), dtype)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize('window', [None, 4096])
 def test_cuda_softcap_gemma2_sizes(window):
     "Gemma 2 2B's attention shape (8 heads, 4 KV heads, D=256, cap 50) in bf16: prefill, chunked, decode."

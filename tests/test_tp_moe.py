@@ -1,7 +1,7 @@
 """The MoE families at tensor parallel 2 and 4 (CPU, gloo): every expert's intermediate dimension split over the ranks.
 
-Model level: each rank builds Qwen2-MoE (shared expert, sigmoid gate, one dense layer), Qwen3-MoE and Mixtral in
-the group, loads the full HF state dict (each expert's gate/up rows and down columns cut to the rank's slice by
+Model level: each rank builds Qwen2-MoE (shared expert, sigmoid gate, one dense layer), Qwen3-MoE and Mixtral (and,
+at TP 2, Llama 4: chunked and NoPE attention, top-1 experts and a shared expert) in the group, loads the full HF state dict (each expert's gate/up rows and down columns cut to the rank's slice by
 `FusedMoE.weight_loader`) and rank 0's logits must match `transformers` within 1e-4 (fp32). Engine level:
 `LLM(..., tensor_parallel_size=N)` gives TP 1's greedy tokens and prompt log-probs within 1e-4 through the paged,
 chunked, batched path (4-token blocks, 8-token prefill chunks, a 16-token step budget). DeepSeek-V2/V3 run at TP 2
@@ -54,10 +54,25 @@ def moe_config(name):
         cfg = T.Qwen3MoeConfig(
             **BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
         )
+    elif name == 'llama4':  # chunked RoPE layers with the QK norm, a NoPE layer, top-1 experts + shared expert
+        cfg = T.Llama4TextConfig(
+            **{**BASE, 'intermediate_size': 32, 'num_hidden_layers': 4},
+            intermediate_size_mlp=96,
+            head_dim=16,
+            num_local_experts=4,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+        )
     else:
         cfg = T.MixtralConfig(**{**BASE, 'intermediate_size': 32}, num_local_experts=4, num_experts_per_tok=2)
     cfg.architectures = [
-        {'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM', 'mixtral': 'MixtralForCausalLM'}[name]
+        {
+            'qwen2_moe': 'Qwen2MoeForCausalLM',
+            'qwen3_moe': 'Qwen3MoeForCausalLM',
+            'mixtral': 'MixtralForCausalLM',
+            'llama4': 'Llama4ForCausalLM',
+        }[name]
     ]
     return cfg
 
@@ -135,6 +150,13 @@ def test_moe_families_at_tp_match_hf(world):
         assert res[n] < 1e-4, (n, res[n])
     assert res['qwen3_moe.w13'] == (8, 2 * 32 // world, 64)  # each rank: its slice of every expert's 32 rows
     assert res['mixtral.w13'] == (4, 2 * 32 // world, 64)
+
+
+def test_llama4_at_tp2_matches_hf():
+    "Llama 4's heads, experts, shared expert and dense MLP sharded (router replicated): rank 0 = HF within 1e-4."
+    res = run_ranks(2, ['llama4'])
+    assert res['llama4'] < 1e-4, res['llama4']
+    assert res['llama4.w13'] == (4, 2 * 32 // 2, 64)
 
 
 def test_deepseek_at_tp2_matches_hf():
