@@ -30,6 +30,7 @@ from ..layers.pooler import PoolingParams
 from .worker import make_executor
 from .spec_decode import Drafter
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
+from .lora_manager import LoRARequest
 
 _log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, tag='add', array_like=True, omit_default
     priority: int = 0
     pooling_params: dict | None = None  # a pooling request (50b): PoolingParams' fields, verified; `params` unused
 
+    lora_request: dict | None = None  # its LoRA adapter: `LoRARequest`'s fields (51b)
 
 class EngineCoreAbort(msgspec.Struct, tag='abort', array_like=True):
     "API -> core: the clients of these requests went away; free their blocks now."
@@ -224,6 +226,7 @@ class EngineCore:
             small_step_tokens=cfg.small_step_tokens,
         )
         self.parents: dict[str, list[Request]] = {}  # request id -> its samples (the scheduler's requests)
+        self.scheduler.max_loras = cfg.max_loras if cfg.enable_lora else 0  # distinct adapters among running requests
         self.sent: dict[str, list[int]] = {}  # request id -> per sample, the output tokens already sent
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)
         self.last_scheduled: list[Request] = []  # the requests of the latest step (to find who made a step fail)
@@ -305,6 +308,12 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
         return
     params = SamplingParams(**req.params, logits_processors=req.logits_processors or None)
     max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
+    lora = None
+    if req.lora_request is not None:
+        if getattr(self.runner, 'lora_manager', None) is None:
+            raise ValueError('A LoRA adapter needs an engine started with enable_lora=True (--enable-lora)')
+        lora = LoRARequest(**req.lora_request)
+        self.runner.lora_manager.add(lora)  # read into the CPU cache now: a bad adapter fails its request here
     children = []
     for i in range(params.n):
         procs = params.logits_processors  # stateful processors (grammars): one copy per sample
@@ -319,7 +328,14 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
         )
         cid = rid if params.n == 1 else f'{i}_{rid}'
         r = Request(
-            cid, ids, p, self.eos_token_ids, self.cfg.block_size, req.arrival_time or None, priority=req.priority
+            cid,
+            ids,
+            p,
+            self.eos_token_ids,
+            self.cfg.block_size,
+            req.arrival_time or None,
+            priority=req.priority,
+            lora_request=lora,
         )
         r.parent_id, r.index = rid, i
         children.append(r)

@@ -87,12 +87,13 @@ def add_request(
     params: SamplingParams | None = None,
     arrival_time: float | None = None,
     priority: int = 0,
+    lora_request=None,
 ) -> str:
-    "Validate and queue a request (its `params.n` samples, each with `priority`); returns its id."
+    "Validate and queue a request (its `params.n` samples, each with `priority`; `lora_request`: its adapter); returns its id."
     rid = str(next(self._ids)) if request_id is None else str(request_id)
     if rid in self.output_processor.states:
         raise ValueError(f'Request id {rid!r} is already in use')
-    req, text, params = self.input_processor.process(rid, prompt, params, arrival_time, priority)
+    req, text, params = self.input_processor.process(rid, prompt, params, arrival_time, priority, lora_request)
     self.core.add_request(req)  # all samples or none (QueueFullError when the waiting queue is full)
     self.output_processor.add_request(rid, text, req.prompt_token_ids, params, req.arrival_time)
     return rid

@@ -8,6 +8,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/model_runner.html.md"""
 from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
+import numpy as np
 import torch
 from fastcore.basics import patch
 from ..config import EngineConfig, set_current_engine_config
@@ -30,6 +31,7 @@ from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
 from .spec_decode import sample_drafts
 from cvllm_lab.engine.input_batch import (
+from .lora_manager import make_lora_manager
     PREFILL_SPLIT_MIN_TOKENS,
     DecodeGraphs,
     InputBatch,
@@ -54,9 +56,12 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps):
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
         # the CPU fast path rebuilds layers (int4 kernels, an 8-bit LM head) from whole tensors: one process only
-        self.cpu_fast = self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path
+        self.cpu_fast = (
+            self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path and not cfg.enable_lora
+        )
         self.model = self._load(src, progress)
         self.compute_logits, self.lm_head = getattr(self.model, 'compute_logits', None), None  # on CPU: see setup_cpu
+        self.lora_manager = make_lora_manager(self.model, cfg, self.device) if cfg.enable_lora else None  # 51b
         self.pooling = cfg.runner == 'pooling'  # the model's pooler ends each step, not the sampler (50b)
         if self.pooling:
             self.setup_pooler(src)
@@ -68,7 +73,7 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps):
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
         self.keep_rows = (
-            cfg.keep_rows and not self.pooling
+            cfg.keep_rows and not self.pooling and not cfg.enable_lora
         )  # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
         self.decodes_apart = cfg.decodes_apart  # a step's leading decodes: a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
@@ -310,6 +315,8 @@ def _forward(
     ):
         raise ValueError('prev_tokens feed a decode step of one token per request, in the same rows')
     if (
+    if self.lora_manager is not None:  # each row's adapter slot, for the LoRA layers (graph replays included)
+        self.lora_manager.set_step([r.lora_int_id for r in so.scheduled], np.diff(b.query_start_loc))
         self.graphs
         and b.max_query_len == 1
         and not b.prompt_logprobs

@@ -65,6 +65,7 @@ class Request:
         prompt: str | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_request=None,
     ):
         if sampling_params is None:
             if pooling_params is None:
@@ -103,6 +104,8 @@ class Request:
         self.has_placeholder = False
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step (51a)
         self.num_new_tokens = 0  # tokens the latest step appended (several with drafts accepted)
+        self.lora_request = lora_request  # its LoRA adapter (`LoRARequest`, 51b); None: the base model
+        self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id
         self._update_block_hashes()
 
     @property
@@ -153,7 +156,8 @@ class Request:
         "Hash the full blocks not hashed yet; a block holding the placeholder waits until it is resolved."
         bs = self.block_size
         for i in range(len(self.block_hashes), (self.num_tokens - self.has_placeholder) // bs):
-            parent = self.block_hashes[-1] if i else None
+            # an adapter's KV differs from the base's: its id seeds the chain, so prefixes are shared per adapter only
+            parent = self.block_hashes[-1] if i else (b'lora:%d' % self.lora_int_id if self.lora_int_id else None)
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs]))
 
     def __repr__(self):

@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.max_loras = 0  # multi-LoRA: distinct adapters the running requests may use (0: no limit)
         # speculative decoding's counters (vLLM's names; per position: drafts accepted at position i of a run)
         self.spec_stats = dict(
             spec_decode_num_drafts=0,
@@ -180,6 +181,8 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     if not out.preempted:  # don't admit new work in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.max_loras and req.lora_int_id and not self._lora_fits(req.lora_int_id):
+                break  # its adapter would be one too many in the batch: it waits for a running adapter to finish
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = self._num_new(req, num_hit, budget)
             if self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit:
@@ -221,6 +224,13 @@ def reset_request(self: Scheduler, req: Request):
     req.num_computed_tokens = 0
     if req.status == RequestStatus.RUNNING:
         req.status = RequestStatus.PREEMPTED
+
+# %% ../../nbs/11_scheduler.ipynb #24593987
+@patch
+def _lora_fits(self: Scheduler, lora_int_id: int) -> bool:
+    "Whether a request of adapter `lora_int_id` may join the running ones: its adapter is among theirs or a slot is left."
+    ids = {r.lora_int_id for r in self.running if r.lora_int_id}
+    return lora_int_id in ids or len(ids) < self.max_loras
 
 # %% ../../nbs/11_scheduler.ipynb #b62d45bc
 @patch

@@ -49,11 +49,18 @@ class LLM:
         return SamplingParams(**diff_sampling_param(e.cfg.generation_config, e.src.root, e.src.is_gguf))
 
     def generate(
-        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
-        "Generate for one prompt or a list of prompts; outputs in input order."
+        "Generate for one prompt or a list of prompts (`lora_request`: one `LoRARequest` for all, or one each); outputs in input order."
         if _is_single_prompt(prompts):
             prompts = [prompts]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f'{len(prompts)} prompts but {len(loras)} LoRA requests')
         params = (
             sampling_params
             if isinstance(sampling_params, list)
@@ -63,8 +70,8 @@ class LLM:
             raise ValueError(f'{len(prompts)} prompts but {len(params)} sampling params')
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(None, p, sp))
+            for p, sp, lr in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(None, p, sp, lora_request=lr))
         except Exception:
             self.engine.abort_request(ids)
             raise
