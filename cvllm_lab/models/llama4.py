@@ -69,6 +69,8 @@ def check_llama4_config(config):
         refuse(config, 'no_rope_layers', f'need at least {n} entries')
     if rope_parameters(config)['rope_type'] not in _ROPE_TYPES:
         refuse(config, 'rope_parameters', f'rope_type one of {_ROPE_TYPES}')
+    if getattr(config, 'quantization_config', None):  # its stacked FP8 / int4 experts would load as plain numbers
+        refuse(config, 'quantization_config', 'Llama 4 loads unquantized (bf16 / fp32) checkpoints')
 
 # %% ../../nbs/30a_llama4.ipynb #32f929f0
 def l2_norm(x, eps: float):
