@@ -298,6 +298,9 @@ def test_chunked_local_attention(dtype, chunk):
     dec = make_batch([1, 1, 1], [50, 90, 3], 4, 2, 32, 16, dtype)
     out = paged_attention(*dec, scale=0.3, attention_chunk_size=chunk, num_kv_splits=3)
     assert_close(out, paged_attention_ref(*dec, scale=0.3, attention_chunk_size=chunk), dtype)
+    short = make_batch([3, 1, 6], [6, 20, 13], 4, 2, 32, 16, dtype)  # the decode path's 8-query tile across a boundary
+    out = paged_attention(*short, scale=0.3, attention_chunk_size=chunk, num_kv_splits=2)
+    assert_close(out, paged_attention_ref(*short, scale=0.3, attention_chunk_size=chunk), dtype)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
