@@ -43,7 +43,7 @@ def _refuse(field: str, value, why: str):
 def check_gemma4_config(config):
     "Raise `ValueError` naming the field when `config` asks for something this implementation does not do."
     if getattr(config, 'text_config', None) is not None:
-        _refuse('text_config', '...', "a multimodal Gemma 4 config: load the text model's Gemma4TextConfig")
+        _refuse('text_config', '...', 'a multimodal Gemma 4 config: build the model from its text_config')
     act = getattr(config, 'hidden_activation', None)
     if act not in _ACTIVATIONS:
         _refuse('hidden_activation', act, f'only {" / ".join(_ACTIVATIONS)}')
@@ -293,11 +293,16 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Llama's loader; a KV-shared layer's `q_proj` goes to `q_only` (its K/V weights, which some checkpoints
-        carry, are skipped as transformers skips them), a `k_eq_v` layer's `k_proj` to its K and V rows."""
+        carry, are skipped as transformers skips them), a `k_eq_v` layer's `k_proj` to its K and V rows. From a
+        multimodal checkpoint (`Gemma4ForConditionalGeneration`), the language model's tensors; the towers skipped."""
         unused = tuple(f'.self_attn.{m}.' for m in ('k_proj', 'v_proj', 'k_norm', 'v_norm'))
+        towers = tuple(f'model.{m}.' for m in ('vision_tower', 'audio_tower', 'embed_vision', 'embed_audio'))
 
         def renamed():
             for name, w in weights:
+                if name.startswith(towers):
+                    continue
+                name = name.replace('model.language_model.', 'model.', 1)
                 i = int(name.split('.')[2]) if name.startswith('model.layers.') else None
                 if i is not None and not isinstance(self.model.layers[i].self_attn, Gemma4Attention):
                     if any(u in name for u in unused):

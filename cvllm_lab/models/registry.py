@@ -10,7 +10,8 @@ import importlib
 import importlib.util
 
 # %% auto #0
-__all__ = ['MODEL_REGISTRY', 'register_model', 'supported_architectures', 'get_model_class', 'is_pooling_model']
+__all__ = ['MODEL_REGISTRY', 'register_model', 'supported_architectures', 'get_model_class', 'is_pooling_model',
+           'text_stack_config']
 
 # %% ../../nbs/32_registry.ipynb #0af874ba
 _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvllm_lab.models, class)
@@ -27,6 +28,7 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'Gemma2ForCausalLM': ('gemma', 'Gemma2ForCausalLM'),
     'Gemma3ForCausalLM': ('gemma', 'Gemma3ForCausalLM'),
     'Gemma4ForCausalLM': ('gemma4', 'Gemma4ForCausalLM'),
+    'Gemma4ForConditionalGeneration': ('gemma4', 'Gemma4ForCausalLM'),  # its text stack (`text_stack_config`)
     'Phi3ForCausalLM': ('phi3', 'Phi3ForCausalLM'),
     'StableLmForCausalLM': ('stablelm', 'StableLmForCausalLM'),
     'Glm4ForCausalLM': ('glm4', 'Glm4ForCausalLM'),
@@ -111,3 +113,18 @@ def get_model_class(config) -> type:
 def is_pooling_model(cls) -> bool:
     "Whether a model class is pooling-only (an encoder with a pooler, no LM head): it serves `runner='pooling'` only."
     return bool(getattr(cls, 'is_pooling_model', False))
+
+# %% ../../nbs/32_registry.ipynb #b8abb63b
+_TEXT_STACKS = {'Gemma4ForConditionalGeneration': 'Gemma4ForCausalLM'}  # multimodal architecture -> its text model
+
+
+def text_stack_config(config):
+    "The text model's config of a multimodal checkpoint in `_TEXT_STACKS` (named as the causal LM); any other config as is."
+    archs, text = list(getattr(config, 'architectures', None) or []), getattr(config, 'text_config', None)
+    if not archs or archs[0] not in _TEXT_STACKS or text is None:
+        return config
+    text.architectures = [_TEXT_STACKS[archs[0]]]
+    for k in ('eos_token_id', 'bos_token_id', 'pad_token_id', 'quantization_config'):
+        if getattr(text, k, None) is None and getattr(config, k, None) is not None:
+            setattr(text, k, getattr(config, k))
+    return text

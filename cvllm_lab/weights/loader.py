@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from ..utils.progress import tqdm
 from ..config import EngineConfig, default_model_path
-from ..models.registry import get_model_class
+from ..models.registry import get_model_class, text_stack_config
 from ..models.llama import check_tensor_parallel
 from ..utils.parallel_state import get_tensor_model_parallel_world_size
 from ..tokenizer import gguf_cache_dir
@@ -199,7 +199,7 @@ def _gguf_arch_config(path: Path):
 
 
 def load_hf_config(src: ModelSource, overrides: dict | None = None):
-    "The model's HF config (from config.json or the GGUF metadata), with `overrides` applied."
+    "The model's HF config (from config.json or the GGUF metadata; a multimodal one's text model where we serve it), with `overrides` applied."
     from transformers import AutoConfig
 
     try:
@@ -221,6 +221,7 @@ def load_hf_config(src: ModelSource, overrides: dict | None = None):
             cfg = AutoConfig.from_pretrained(str(src.root))
     except Exception as e:
         raise ValueError(f'Cannot read the model config of {src.root / (src.gguf_file or "config.json")}: {e}') from e
+    cfg = text_stack_config(cfg)  # a multimodal checkpoint served as its text model (`32_registry`)
     for k, v in (overrides or {}).items():
         setattr(cfg, k, v)
     return cfg
