@@ -12,6 +12,7 @@ import time
 from fastcore.basics import patch
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
+from ..utils.harmony import is_harmony, render_harmony
 from ..utils.template_bounds import RenderBounds, render_bounded
 from .core import EngineCoreRequest, EngineInfo
 from ..layers.pooler import PoolingParams
@@ -86,6 +87,7 @@ class InputProcessor:
         self.cfg, self.vocab_size = info.cfg, info.vocab_size
         self.max_model_len = info.cfg.max_model_len
         self.template = getattr(tokenizer, 'chat_template', None) or ''
+        self.harmony = is_harmony(info.hf_config, self.template)  # gpt-oss: conversations render as harmony (72a)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -117,6 +119,8 @@ class InputProcessor:
         kw = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _NO_TEMPLATE_KWARGS}
         template = kw.pop('chat_template', None) if chat_template is None else chat_template
         kw.pop('chat_template', None)
+        if self.harmony and template is None:
+            return self.render_harmony(messages, tools, add_generation_prompt, continue_final_message, kw)
         if template is not None and not trusted:
             text = self.render_request_template(
                 template, messages, tools, add_generation_prompt, continue_final_message, kw
@@ -133,6 +137,20 @@ class InputProcessor:
             )
         except Exception as e:
             raise InputError(f'Cannot apply the chat template: {e}', 'messages') from None
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def render_harmony(
+        self, messages, tools, add_generation_prompt, continue_final_message, kw
+    ) -> tuple[str, list[int]]:
+        "A gpt-oss conversation through `render_harmony`, `reasoning_effort` from the template kwargs (HF's template takes it too)."
+        if continue_final_message:
+            raise InputError(
+                'continue_final_message is not supported with the harmony format', 'continue_final_message'
+            )
+        try:
+            text = render_harmony(messages, tools, kw.get('reasoning_effort') or 'medium', add_generation_prompt)
+        except ValueError as e:
+            raise InputError(str(e), 'messages') from None
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
 # %% ../../nbs/57_input_processor.ipynb #b1edb13a

@@ -22,6 +22,7 @@ from ..quant.apply import METHODS
 
 CHECKPOINT_QUANT = ('gptq', 'awq', 'fp8', 'gguf', 'w4a16', 'marlin')  # `marlin`: a GPTQ/AWQ checkpoint, or in situ
 from .openai.reasoning import REASONING_TAGS
+from ..utils.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from .openai.tool_parsers import TOOL_PARSERS
 
 # %% auto #0
@@ -171,15 +172,15 @@ def make_parser() -> argparse.ArgumentParser:
         '--enforce-parser',
         '--tool-call-parser',
         dest='tool_parser',
-        choices=sorted(TOOL_PARSERS),
-        help='tool-call parser (default: picked from the chat template, else hermes)',
+        choices=sorted([*TOOL_PARSERS, HARMONY_TOOL_PARSER]),
+        help='tool-call parser (default: picked from the chat template, else hermes; openai: harmony, on by itself for gpt-oss)',
     )
     g.add_argument('--enable-auto-tool-choice', action='store_true', help='accepted: tool_choice auto is always on')
     g.add_argument(
         '--reasoning-parser',
         default='auto',
-        choices=['auto', 'none', *REASONING_TAGS],
-        help='split <think> reasoning into reasoning_content (auto: when the chat template uses <think>)',
+        choices=['auto', 'none', *REASONING_TAGS, HARMONY_REASONING_PARSER],
+        help='split <think> reasoning into reasoning_content (auto: when the chat template uses <think>; openai_gptoss: harmony, on by itself for gpt-oss)',
     )
     g.add_argument(
         '--trust-request-chat-template',

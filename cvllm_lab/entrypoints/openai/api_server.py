@@ -51,6 +51,7 @@ from cvllm_lab.entrypoints.openai.request_checks import (
     validation_error_body,
 )
 from .tool_parsers import TOOL_PARSERS
+from ...utils.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER, harmony_stop_ids
 from .metrics import ServerMetrics
 from .streams import ClientGone
 from .serving_completions import APIError, CompletionHandlers
@@ -143,8 +144,12 @@ class OpenAIServing(CompletionHandlers):
         self.template = getattr(self.tok, 'chat_template', None) or ''
         self.model_names = cfg.served_model_names or [Path(eng.src.gguf_file or eng.src.root.name).stem]
         self.model_name = self.model_names[0]
+        self.ip = aengine.input_processor  # the engine's one set of input rules and messages (57_input_processor)
+        asked = {cfg.tool_parser, cfg.reasoning_parser} & {HARMONY_TOOL_PARSER, HARMONY_REASONING_PARSER}
+        self.harmony = self.ip.harmony = self.ip.harmony or bool(asked)  # gpt-oss: one parser does both (72b)
+        self.harmony_stops = harmony_stop_ids(self.tok) if self.harmony else []
         self.tool_parser = cfg.tool_parser or pick_tool_parser(self.template)
-        if self.tool_parser not in TOOL_PARSERS:
+        if self.tool_parser not in TOOL_PARSERS and not self.harmony:
             raise ValueError(f'Unknown tool parser {self.tool_parser!r}; choose from {sorted(TOOL_PARSERS)}')
         rp = cfg.reasoning_parser
         self.reasoning = ('qwen3' if '<think>' in self.template else None) if rp == 'auto' else rp
@@ -152,7 +157,6 @@ class OpenAIServing(CompletionHandlers):
         self.vocab_size, self.policy = eng.vocab_size, eng.cfg.scheduling_policy
         self.defaults = diff_sampling_param(eng.cfg.generation_config, eng.src.root, eng.src.is_gguf)
         # no token spells more characters than the longest in the vocabulary, so a longer text can't fit the context
-        self.ip = aengine.input_processor  # the engine's one set of input rules and messages (57_input_processor)
         self.draining = False  # shutting down: new requests get 503 (server_ops.Server)
 
     def check(self, req):
@@ -360,7 +364,7 @@ def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple[str, list[i
             req.template_tools(),
             req.add_generation_prompt,
             req.continue_final_message,
-            req.chat_template_kwargs,
+            req.template_kwargs(),
         )
     except InputError as e:
         raise self.input_error(e, 'messages') from None

@@ -337,6 +337,14 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None  # vLLM's: the request's own template (refused unless the server trusts them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    reasoning_effort: Literal['low', 'medium', 'high'] | None = None  # gpt-oss's `Reasoning:` line; a template kwarg
+
+    def template_kwargs(self) -> dict:
+        "`chat_template_kwargs` with `reasoning_effort` added when set (vLLM's: the template or harmony reads it)."
+        kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kw['reasoning_effort'] = self.reasoning_effort
+        return kw
 
     @field_validator('tool_choice', mode='before')
     @classmethod

@@ -219,6 +219,8 @@ def to_chat_request(
         body['tools'] = fns
     if req.reasoning and req.reasoning.effort is not None:
         body['chat_template_kwargs'] = {'enable_thinking': req.reasoning.effort != 'none'}
+        if req.reasoning.effort in ('low', 'medium', 'high'):  # gpt-oss's levels (harmony's `Reasoning:` line)
+            body['reasoning_effort'] = req.reasoning.effort
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:

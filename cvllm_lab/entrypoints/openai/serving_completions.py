@@ -33,6 +33,7 @@ from cvllm_lab.entrypoints.openai.response_models import (
 from .request_checks import error_body
 from .reasoning import ReasoningParser
 from .tool_parsers import ToolParser, get_tool_parser, tool_choice_schema
+from .harmony import HarmonyChatParser
 from cvllm_lab.entrypoints.openai.streams import (
     SSEResponse,
     last_output,
@@ -80,6 +81,7 @@ class ChatCtx:
     prompt: str
     tool_parser: ToolParser | None
     reasoning: ReasoningParser | None
+    harmony: HarmonyChatParser | None = None  # gpt-oss: one parser for reasoning, content and tool calls (72a)
 
 
 @patch
@@ -88,22 +90,28 @@ async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tup
     here, Anthropic's Messages in `anthropic.serving_messages`). Returns the output shaping's context, the request's
     stream and its id."""
     self.check(req)
-    prompt, ids = await asyncio.to_thread(self.render, req)
     forced = req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice)
+    if forced and self.harmony:  # a JSON grammar would stop the model writing harmony's headers
+        raise APIError(
+            'tool_choice "required" or a named function is not supported for a harmony model', param='tool_choice'
+        )
+    prompt, ids = await asyncio.to_thread(self.render, req)
     parser = None
-    if req.tools and req.tool_choice != 'none':
+    if req.tools and req.tool_choice != 'none' and not self.harmony:
         parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
     try:
         schema = tool_choice_schema(req.tools, req.tool_choice, req.parallel_tool_calls) if forced else None
     except ValueError as e:
         raise APIError(str(e), param='tool_choice') from None
     rid = random_id('chatcmpl-')
-    core_req, _, params = self.process(
-        rid, prompt, ids, self.sampling_params(req, len(ids), 'messages'), req.priority, 'messages'
-    )
+    sp = self.sampling_params(req, len(ids), 'messages')
+    if self.harmony:  # the headers must reach the parser, and the model stops after a final answer or a call
+        sp.skip_special_tokens = False
+        sp.stop_token_ids = sp.stop_token_ids + [t for t in self.harmony_stops if t not in sp.stop_token_ids]
+    core_req, _, params = self.process(rid, prompt, ids, sp, req.priority, 'messages')
     procs = await self.logits_processors(req, schema)  # a grammar is built only for a request that passed every check
-    reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
-    ctx = ChatCtx(req, prompt, parser, reasoning)
+    reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning and not self.harmony else None
+    ctx = ChatCtx(req, prompt, parser, reasoning, HarmonyChatParser() if self.harmony else None)
     return ctx, await self.add(core_req, prompt, params, procs), rid
 
 
@@ -123,6 +131,8 @@ def chat_response(self: CompletionHandlers, ctx, rid: str, out) -> JSONResponse:
 @patch
 async def chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Request) -> Response:
     if req.use_beam_search:
+        if self.harmony:
+            raise APIError('use_beam_search is not supported for a harmony model', param='use_beam_search')
         return await self.beam_chat(req, request)
     ctx, stream, rid = await self.open_chat(req)
     if req.stream:
@@ -148,10 +158,13 @@ def chat_logprobs(self: CompletionHandlers, token_ids, lps, k) -> ChatLogprobs:
 
 @patch
 def chat_choice(self: CompletionHandlers, ctx: ChatCtx, o: CompletionOutput) -> ChatChoice:
-    reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
-    calls = []
-    if ctx.tool_parser is not None:
-        content, calls = ctx.tool_parser.extract(content or '')
+    if ctx.harmony is not None:
+        reasoning, content, calls = ctx.harmony.extract(o.text)
+    else:
+        reasoning, content = ctx.reasoning.extract(o.text) if ctx.reasoning else (None, o.text)
+        calls = []
+        if ctx.tool_parser is not None:
+            content, calls = ctx.tool_parser.extract(content or '')
     lp = self.chat_logprobs(o.token_ids, o.logprobs, ctx.req.top_logprobs or 0) if ctx.req.logprobs else None
     return ChatChoice(
         index=o.index,
@@ -163,13 +176,16 @@ def chat_choice(self: CompletionHandlers, ctx: ChatCtx, o: CompletionOutput) -> 
 
 # %% ../../../nbs/77a_serving_completions.ipynb #0b8b0b43
 class DeltaPipe:
-    "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup."
+    "One choice's streamed text -> message deltas: reasoning split first, then tool-call markup (harmony: one parser)."
 
     def __init__(self, ctx: ChatCtx):
+        self.h = ctx.harmony.stream() if ctx.harmony else None
         self.r = ctx.reasoning.stream() if ctx.reasoning else None
         self.t = ctx.tool_parser.stream() if ctx.tool_parser else None
 
     def feed(self, text: str, final: bool) -> list[DeltaMessage]:
+        if self.h:
+            return (self.h.feed(text) if text else []) + (self.h.finish() if final else [])
         if self.r:
             ds = (self.r.feed(text) if text else []) + (self.r.finish() if final else [])
         else:
@@ -183,7 +199,7 @@ class DeltaPipe:
 
     @property
     def has_tool_calls(self) -> bool:
-        return self.t is not None and self.t.has_tool_calls
+        return (self.h or self.t) is not None and (self.h or self.t).has_tool_calls
 
 
 @dataclass
