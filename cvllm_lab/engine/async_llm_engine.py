@@ -28,6 +28,7 @@ from .core_client import CoreClient, InprocClient, MPClient, EngineError, Engine
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor, EngineObserver, RequestOutput
 from .scheduler import QueueFullError
+from .sleep import EngineSleepingError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,12 @@ log = logging.getLogger(__name__)
 __all__ = ['log', 'AsyncLLMEngine', 'RequestStream', 'AsyncLLM']
 
 # %% ../../nbs/74_async_engine.ipynb #00cc3eba
-_ERRORS = {'ValueError': ValueError, 'EngineError': EngineError, 'QueueFullError': QueueFullError}
+_ERRORS = {
+    'ValueError': ValueError,
+    'EngineError': EngineError,
+    'QueueFullError': QueueFullError,
+    'EngineSleepingError': EngineSleepingError,  # the server's 503 with Retry-After (77j)
+}
 
 
 def _error(kind: str, msg: str) -> Exception:

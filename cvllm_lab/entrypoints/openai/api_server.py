@@ -60,6 +60,7 @@ from ..anthropic.serving_messages import add_messages_routes
 from .serving_responses import add_responses_routes
 from .serving_embeddings import add_embeddings_routes
 from .serving_scores import add_score_routes
+from .serving_sleep import add_sleep_routes
 from .tool_server import ToolServerConfig, ToolServers
 from .server_ops import error_responses, stream_responses, tokenizer_info
 
@@ -266,6 +267,7 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     add_responses_routes(app, srv)  # OpenAI's Responses API over the same chat path (`serving_responses`)
     add_embeddings_routes(app, srv)  # OpenAI's embeddings API over the pooling runner (`serving_embeddings`)
     add_score_routes(app, srv)  # vLLM's /score, /rerank, /classify, /pooling (`serving_scores`)
+    add_sleep_routes(app, aengine, cfg.api_key)  # --enable-sleep-mode: the RL hooks (77j)
 
     @app.get('/v1/models', response_model=ModelList, responses=error_responses(*key))
     async def models():
