@@ -142,7 +142,6 @@ class EngineConfig:
     attention_backend: str = 'auto'  # 'torch' | 'triton'
     kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
     enforce_eager: bool = False
-    enable_sleep_mode: bool = False  # vLLM's: sleep() / wake_up() may give the device memory back (51c_sleep)
     async_scheduling: bool | None = None  # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None
     fuse_mlp_act: bool = True  # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV
@@ -183,20 +182,20 @@ class EngineConfig:
     # vLLM's speculative_config: {'method': 'ngram', 'num_speculative_tokens': k, ...}; a `SpeculativeConfig` once
     # finalized (01c); the engine's side: 51a
     speculative_config: dict | SpeculativeConfig | None = None
-
     # multi-LoRA (vLLM's names; 25a, 51b): requests name adapters, at most `max_loras` distinct ones per step
     enable_lora: bool = False
     max_loras: int = 1  # device slots (adapters in one batch)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in the CPU cache (None: max_loras)
+
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."
-        if self.device == 'auto':  # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
         if self.enable_lora:
             if self.max_loras < 1 or self.max_lora_rank < 1:
                 raise ValueError(f'max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}: both must be >= 1')
             if self.tensor_parallel_size > 1 or self.device_ids:
                 raise NotImplementedError('LoRA with tensor parallelism is not supported yet')
+        if self.device == 'auto':  # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
             self.device = envs.CVLLM_LAB_DEVICE or ('cuda' if torch.cuda.is_available() else 'cpu')
         if self.attention_backend == 'auto':
             self.attention_backend = 'triton' if self.device.startswith('cuda') else 'torch'

@@ -28,10 +28,9 @@ from .model_runner import ModelRunner
 from .pooling_runner import model_max_len, resolve_convert, resolve_runner, st_max_seq_length
 from ..layers.pooler import PoolingParams
 from .worker import make_executor
-from .sleep import CoreSleep
 from .spec_decode import Drafter
+from .lora_manager import core_lora_request
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
-from .lora_manager import LoRARequest
 
 _log = logging.getLogger(__name__)
 
@@ -50,8 +49,8 @@ class EngineCoreRequest(msgspec.Struct, tag='add', array_like=True, omit_default
     arrival_time: float = 0.0
     priority: int = 0
     pooling_params: dict | None = None  # a pooling request (50b): PoolingParams' fields, verified; `params` unused
-
     lora_request: dict | None = None  # its LoRA adapter: `LoRARequest`'s fields (51b)
+
 
 class EngineCoreAbort(msgspec.Struct, tag='abort', array_like=True):
     "API -> core: the clients of these requests went away; free their blocks now."
@@ -162,8 +161,8 @@ class EngineInfo:
     )
 
 
-class EngineCore(CoreSleep):
-    "Owns the scheduler, the KV cache manager and the executor: core requests in, per-sample token deltas out, one step at a time (sleep mode: 51c)."
+class EngineCore:
+    "Owns the scheduler, the KV cache manager and the executor: core requests in, per-sample token deltas out, one step at a time."
 
     def __init__(self, cfg: EngineConfig, progress: bool = True):
         src = resolve_model_source(cfg.model)
@@ -226,8 +225,8 @@ class EngineCore(CoreSleep):
             mixed_ahead=cfg.mixed_ahead,
             small_step_tokens=cfg.small_step_tokens,
         )
-        self.parents: dict[str, list[Request]] = {}  # request id -> its samples (the scheduler's requests)
         self.scheduler.max_loras = cfg.max_loras if cfg.enable_lora else 0  # distinct adapters among running requests
+        self.parents: dict[str, list[Request]] = {}  # request id -> its samples (the scheduler's requests)
         self.sent: dict[str, list[int]] = {}  # request id -> per sample, the output tokens already sent
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)
         self.last_scheduled: list[Request] = []  # the requests of the latest step (to find who made a step fail)
@@ -276,7 +275,6 @@ class EngineCore(CoreSleep):
 @patch
 def add_request(self: EngineCore, req: EngineCoreRequest):
     "Queue a core request as its `n` samples (all or none)."
-    self.check_awake()  # asleep, or weights dropped at level 2: EngineSleepingError (51c)
     rid, ids = req.request_id, req.prompt_token_ids
     if rid in self.parents:
         raise ValueError(f'Request id {rid!r} is already in use')
@@ -308,14 +306,9 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
         self.parents[rid], self.sent[rid] = [r], [0]
         self.counters['prompt_tokens'] += len(ids)
         return
+    kw = dict(priority=req.priority, lora_request=core_lora_request(self.runner, req.lora_request))  # 51b
     params = SamplingParams(**req.params, logits_processors=req.logits_processors or None)
     max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
-    lora = None
-    if req.lora_request is not None:
-        if getattr(self.runner, 'lora_manager', None) is None:
-            raise ValueError('A LoRA adapter needs an engine started with enable_lora=True (--enable-lora)')
-        lora = LoRARequest(**req.lora_request)
-        self.runner.lora_manager.add(lora)  # read into the CPU cache now: a bad adapter fails its request here
     children = []
     for i in range(params.n):
         procs = params.logits_processors  # stateful processors (grammars): one copy per sample
@@ -329,16 +322,7 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
             prompt_logprobs=params.prompt_logprobs if i == 0 else None,
         )
         cid = rid if params.n == 1 else f'{i}_{rid}'
-        r = Request(
-            cid,
-            ids,
-            p,
-            self.eos_token_ids,
-            self.cfg.block_size,
-            req.arrival_time or None,
-            priority=req.priority,
-            lora_request=lora,
-        )
+        r = Request(cid, ids, p, self.eos_token_ids, self.cfg.block_size, req.arrival_time or None, **kw)
         r.parent_id, r.index = rid, i
         children.append(r)
     self.scheduler.add_request(children)  # QueueFullError when the waiting queue is full

@@ -187,9 +187,12 @@ def process(
     params: SamplingParams | None = None,
     arrival_time: float | None = None,
     priority: int = 0,
+    lora_request=None,
 ) -> tuple[EngineCoreRequest, str | None, SamplingParams]:
     """Tokenize and validate a request: its core request, prompt text and sampling params (as the front end keeps
     them); `PoolingParams` (a pooling request, 50b) go to `process_pooling`."""
+    if lora_request is not None and (isinstance(params, PoolingParams) or self.info.runner == 'pooling'):
+        raise InputError('LoRA adapters are for generation, not pooling', 'lora_request')
     if isinstance(params, PoolingParams):
         return self.process_pooling(request_id, prompt, params, arrival_time, priority)
     if self.info.runner == 'pooling':
@@ -205,12 +208,11 @@ def process(
         params = params.clone(detokenize=False)  # no text side
     fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != 'logits_processors'}
     req = EngineCoreRequest(request_id, ids, fields, params.logits_processors, arrival_time or time.time(), priority)
-    lora_request=None,
+    if lora_request is not None:
+        req.lora_request = lora_request.to_dict()
     return req, text, params
 
 # %% ../../nbs/57_input_processor.ipynb #104ea460
-    if lora_request is not None and (isinstance(params, PoolingParams) or self.info.runner == 'pooling'):
-        raise InputError('LoRA adapters are for generation, not pooling', 'lora_request')
 def compress_token_type_ids(tt, n: int) -> int:
     "A sentence pair's token types `[0, ..., 0, 1, ..., 1]` as the index of the first 1 (`n`: none), as vLLM sends them."
     tt = list(tt)
@@ -226,8 +228,6 @@ def compress_token_type_ids(tt, n: int) -> int:
 def process_pooling(
     self: InputProcessor, request_id: str, prompt, params: PoolingParams, arrival_time=None, priority: int = 0
 ) -> tuple[EngineCoreRequest, str | None, PoolingParams]:
-    if lora_request is not None:
-        req.lora_request = lora_request.to_dict()
     "A pooling request's core request, prompt text and verified params."
     if self.info.runner != 'pooling':
         raise InputError(

@@ -29,10 +29,9 @@ from .request import Request
 from ..utils.kv_cache_spec import StateSpec
 from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
-from .sleep import RunnerSleep
 from .spec_decode import sample_drafts
-from cvllm_lab.engine.input_batch import (
 from .lora_manager import make_lora_manager
+from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
     DecodeGraphs,
     InputBatch,
@@ -50,9 +49,9 @@ from ..quant.cpu_layer import cpu_fast_path
 __all__ = ['CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
+class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps):
     """Runs the model for scheduled batches over a paged KV cache (a step's inputs and decode graphs: notebook 50a; the
-    pooler in the sampler's place for `runner='pooling'`: 50b; sleep mode and weight updates: 51c)."""
+    pooler in the sampler's place for `runner='pooling'`: 50b)."""
 
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)
@@ -61,8 +60,8 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
             self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path and not cfg.enable_lora
         )
         self.model = self._load(src, progress)
-        self.compute_logits, self.lm_head = getattr(self.model, 'compute_logits', None), None  # on CPU: see setup_cpu
         self.lora_manager = make_lora_manager(self.model, cfg, self.device) if cfg.enable_lora else None  # 51b
+        self.compute_logits, self.lm_head = getattr(self.model, 'compute_logits', None), None  # on CPU: see setup_cpu
         self.pooling = cfg.runner == 'pooling'  # the model's pooler ends each step, not the sampler (50b)
         if self.pooling:
             self.setup_pooler(src)
@@ -315,9 +314,9 @@ def _forward(
         and (b.max_query_len != 1 or len(prev_tokens) != len(b.input_ids))
     ):
         raise ValueError('prev_tokens feed a decode step of one token per request, in the same rows')
-    if (
     if self.lora_manager is not None:  # each row's adapter slot, for the LoRA layers (graph replays included)
         self.lora_manager.set_step([r.lora_int_id for r in so.scheduled], np.diff(b.query_start_loc))
+    if (
         self.graphs
         and b.max_query_len == 1
         and not b.prompt_logprobs

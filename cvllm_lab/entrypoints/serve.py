@@ -16,6 +16,7 @@ from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
 from ..utils.spec_config import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from .openai.serving_embeddings import add_pooling_args, pooling_kwargs
 from .openai.api_server import ServerConfig
+from .openai.serving_lora import add_lora_args, lora_engine_kwargs, lora_server_kwargs
 from .openai.tool_server import add_tool_server_args, tool_server_config
 from .openai.protocol import DEFAULT_MAX_N
 from ..quant.apply import METHODS
@@ -126,7 +127,6 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--max-logprobs', type=int, default=20)
     g.add_argument('--enforce-eager', action='store_true', help='no CUDA graphs: every decode step runs eagerly')
-    g.add_argument('--enable-sleep-mode', action='store_true', help='serve /sleep, /wake_up, /update_weights_from_disk')
     g.add_argument(
         '--async-scheduling',
         action=argparse.BooleanOptionalAction,
@@ -159,6 +159,7 @@ def make_parser() -> argparse.ArgumentParser:
         default='auto',
         help="default sampling: auto (the model's generation_config.json; GGUF: conservative defaults), vllm (none), or a folder",
     )
+    add_lora_args(p)  # vLLM's LoRA flags (77k)
     g = p.add_argument_group('server')
     g.add_argument(
         '--host',
@@ -395,7 +396,6 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_cache_memory=args.mem << 20 if args.mem else None,
         enforce_eager=args.enforce_eager,
-        enable_sleep_mode=args.enable_sleep_mode,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=tp,
         device_ids=ids,
@@ -408,6 +408,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         generation_config=args.generation_config,
         trust_request_chat_template=args.trust_request_chat_template,
         speculative_config=args.speculative_config,
+        **lora_engine_kwargs(args),
     )
     scfg = ServerConfig(
         served_model_names=list(args.served_model_name or []),
@@ -424,6 +425,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         engine_iteration_timeout=args.engine_iteration_timeout or None,
         tokenizer_info=args.enable_tokenizer_info_endpoint,
         tool_servers=tool_server_config(args),
+        **lora_server_kwargs(args),
     )
     return ecfg, scfg
 

@@ -61,6 +61,7 @@ from .serving_responses import add_responses_routes
 from .serving_embeddings import add_embeddings_routes
 from .serving_scores import add_score_routes
 from .serving_sleep import add_sleep_routes
+from .serving_lora import ServedLoRAs, add_lora_routes, runtime_lora_updating
 from .tool_server import ToolServerConfig, ToolServers
 from .server_ops import error_responses, stream_responses, tokenizer_info
 
@@ -104,6 +105,8 @@ class ServerConfig:
     engine_iteration_timeout: float | None = 60  # /health is 503 once the core owes a message this long (None: never)
     tokenizer_info: bool = True  # serve GET /tokenizer_info (vLLM's, behind --enable-tokenizer-info-endpoint there)
     tool_servers: ToolServerConfig | None = None  # --tool-server: MCP servers the Responses API runs tools on
+    lora_modules: list = field(default_factory=list)  # --lora-modules: `LoRARequest`s served by name (77k)
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (77k)
 
 
 class TokenizeRequest(RequestBody):
@@ -145,6 +148,7 @@ class OpenAIServing(CompletionHandlers):
         self.template = getattr(self.tok, 'chat_template', None) or ''
         self.model_names = cfg.served_model_names or [Path(eng.src.gguf_file or eng.src.root.name).stem]
         self.model_name = self.model_names[0]
+        self.loras = ServedLoRAs(cfg.lora_modules, eng.cfg.enable_lora)  # LoRA adapters by name (77k)
         self.ip = aengine.input_processor  # the engine's one set of input rules and messages (57_input_processor)
         asked = {cfg.tool_parser, cfg.reasoning_parser} & {HARMONY_TOOL_PARSER, HARMONY_REASONING_PARSER}
         self.harmony = self.ip.harmony = self.ip.harmony or bool(asked)  # gpt-oss: one parser does both (72b)
@@ -164,7 +168,7 @@ class OpenAIServing(CompletionHandlers):
         "What the request models can't know: the served model names, this server's largest `n`, whether it is shutting down."
         if self.draining:
             raise APIError('The server is shutting down', 503, 'ServiceUnavailableError')
-        if req.model is not None and req.model not in self.model_names:
+        if not self.loras.select(req.model) and req.model is not None and req.model not in self.model_names:
             raise APIError(  # vLLM's (and OpenAI's) 404
                 f'The model {req.model!r} does not exist; this server serves {self.model_names}',
                 404,
@@ -268,6 +272,7 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     add_embeddings_routes(app, srv)  # OpenAI's embeddings API over the pooling runner (`serving_embeddings`)
     add_score_routes(app, srv)  # vLLM's /score, /rerank, /classify, /pooling (`serving_scores`)
     add_sleep_routes(app, aengine, cfg.api_key)  # --enable-sleep-mode: the RL hooks (77j)
+    add_lora_routes(app, aengine, srv.loras, runtime_lora_updating(cfg.allow_runtime_lora_updating), cfg.api_key)
 
     @app.get('/v1/models', response_model=ModelList, responses=error_responses(*key))
     async def models():
@@ -280,6 +285,7 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
                 )
                 for n in srv.model_names
             ]
+            + [ModelCard(**d, max_model_len=srv.max_model_len) for d in srv.loras.cards(srv.model_name)]
         ).model_dump()
 
     @app.get(
@@ -395,7 +401,8 @@ def process(
 ):
     "The input processor's one pass over a request (token ids, limits, sampling fields, priority), before any grammar is built."
     try:
-        return self.ip.process(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params, priority=priority)
+        lora = self.loras.current()  # the adapter `check` found for the request's `model` (77k)
+        return self.ip.process(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params, None, priority, lora)
     except InputError as e:
         raise self.input_error(e, param) from None
 

@@ -239,6 +239,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = 'cvllm_lab'
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (77k)
     max_model_len: int | None = None
 
 
