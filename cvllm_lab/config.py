@@ -142,6 +142,7 @@ class EngineConfig:
     attention_backend: str = 'auto'  # 'torch' | 'triton'
     kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False  # vLLM's: sleep() / wake_up() may give the device memory back (51c_sleep)
     async_scheduling: bool | None = None  # None: on for CUDA, off for CPU (where nothing overlaps)
     quantization: str | None = None
     fuse_mlp_act: bool = True  # quantized CUDA models: silu(gate) * up in the packed gate/up GEMV

@@ -28,6 +28,7 @@ from .model_runner import ModelRunner
 from .pooling_runner import model_max_len, resolve_convert, resolve_runner, st_max_seq_length
 from ..layers.pooler import PoolingParams
 from .worker import make_executor
+from .sleep import CoreSleep
 from .spec_decode import Drafter
 from .lora_manager import core_lora_request
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
@@ -161,8 +162,8 @@ class EngineInfo:
     )
 
 
-class EngineCore:
-    "Owns the scheduler, the KV cache manager and the executor: core requests in, per-sample token deltas out, one step at a time."
+class EngineCore(CoreSleep):
+    "Owns the scheduler, the KV cache manager and the executor: core requests in, per-sample token deltas out, one step at a time (sleep mode: 51c)."
 
     def __init__(self, cfg: EngineConfig, progress: bool = True):
         src = resolve_model_source(cfg.model)
@@ -275,6 +276,7 @@ class EngineCore:
 @patch
 def add_request(self: EngineCore, req: EngineCoreRequest):
     "Queue a core request as its `n` samples (all or none)."
+    self.check_awake()  # asleep, or weights dropped at level 2: EngineSleepingError (51c)
     rid, ids = req.request_id, req.prompt_token_ids
     if rid in self.parents:
         raise ValueError(f'Request id {rid!r} is already in use')

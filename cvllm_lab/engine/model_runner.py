@@ -29,6 +29,7 @@ from .request import Request
 from ..utils.kv_cache_spec import StateSpec
 from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
+from .sleep import RunnerSleep
 from .spec_decode import sample_drafts
 from .lora_manager import make_lora_manager
 from cvllm_lab.engine.input_batch import (
@@ -49,9 +50,9 @@ from ..quant.cpu_layer import cpu_fast_path
 __all__ = ['CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps):
+class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
     """Runs the model for scheduled batches over a paged KV cache (a step's inputs and decode graphs: notebook 50a; the
-    pooler in the sampler's place for `runner='pooling'`: 50b)."""
+    pooler in the sampler's place for `runner='pooling'`: 50b; sleep mode and weight updates: 51c)."""
 
     def __init__(self, cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True):
         self.cfg, self.hf_config, self.device = cfg, hf_config, torch.device(cfg.device)

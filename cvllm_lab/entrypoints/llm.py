@@ -125,6 +125,41 @@ def beam_search(self: LLM, prompts, params: BeamSearchParams, use_tqdm: bool = F
     "vLLM's `LLM.beam_search`: for each prompt, the best `params.beam_width` sequences by length-penalized log-prob."
     return run_beam_search(self, prompts, params)
 
+# %% ../../nbs/52_llm.ipynb #7f279a78
+@patch
+def sleep(self: LLM, level: int = 1):
+    "Give the device memory back: level 1 keeps the weights in host memory, level 2 drops them (reload after `wake_up`)."
+    self.engine.core.sleep(level)
+
+
+@patch
+def wake_up(self: LLM, tags: list[str] | None = None):
+    "Bring back `tags` (`['weights']`, `['kv_cache']`; None: both)."
+    self.engine.core.wake_up(tags)
+
+
+@patch
+def is_sleeping(self: LLM) -> bool:
+    return self.engine.core.is_sleeping()
+
+
+@patch
+def update_weights(self: LLM, weights) -> int:
+    "Load `(name, tensor)` pairs in the checkpoint's names into the served model (in place); returns how many."
+    return self.engine.core.update_weights(weights)
+
+
+@patch
+def reload_weights(self: LLM, path: str | None = None) -> int:
+    "Load every weight again from the model's checkpoint, or from `path` (the same architecture); returns how many."
+    return self.engine.core.reload_weights(path)
+
+
+@patch
+def reset_prefix_cache(self: LLM) -> bool:
+    "Forget the cached prefix blocks (False while requests hold blocks)."
+    return self.engine.core.kv.reset_prefix_cache()
+
 # %% ../../nbs/52_llm.ipynb #a104c652
 def _with_task(p: PoolingParams | None, task: str) -> PoolingParams:
     p = (p or PoolingParams()).clone()

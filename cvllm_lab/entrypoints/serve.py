@@ -127,6 +127,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--max-logprobs', type=int, default=20)
     g.add_argument('--enforce-eager', action='store_true', help='no CUDA graphs: every decode step runs eagerly')
+    g.add_argument('--enable-sleep-mode', action='store_true', help='serve /sleep, /wake_up, /update_weights_from_disk')
     g.add_argument(
         '--async-scheduling',
         action=argparse.BooleanOptionalAction,
@@ -396,6 +397,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_cache_memory=args.mem << 20 if args.mem else None,
         enforce_eager=args.enforce_eager,
+        enable_sleep_mode=args.enable_sleep_mode,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=tp,
         device_ids=ids,
