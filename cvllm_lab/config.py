@@ -139,6 +139,10 @@ class EngineConfig:
     gpu_memory_fraction: float | None = None  # candle-vllm: fraction of the memory left after weights for KV
     kv_cache_memory: int | None = None  # bytes for the KV cache (candle-vllm --mem is MB); wins over the above
     num_gpu_blocks_override: int | None = None
+    # vLLM's CPU tier for KV blocks (10a_kv_offload): GiB of host memory (pinned on CUDA) that prefix-cached blocks
+    # evicted from the device go to and load back from; None: no CPU tier. 'native' is the one backend
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = 'native'
     attention_backend: str = 'auto'  # 'torch' | 'triton'
     kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
     enforce_eager: bool = False

@@ -31,6 +31,7 @@ from .worker import make_executor
 from .sleep import CoreSleep
 from .spec_decode import Drafter
 from .lora_manager import core_lora_request
+from .kv_offload import make_cpu_tier
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
 
 _log = logging.getLogger(__name__)
@@ -205,6 +206,8 @@ class EngineCore(CoreSleep):
             num_state_slots=slots,
             seeded_hits=bool(cfg.batch_invariant),  # else a seeded sample could depend on the cache (10)
         )
+        if cfg.kv_offloading_size:  # the CPU tier below the prefix cache (10a_kv_offload)
+            self.kv.cpu_tier = make_cpu_tier(cfg, self.runner, self.kv)
         # one max_model_len request must fit the pool alone, counted per group by its spec (a sliding group holds its
         # window and a step, a full one every block): else it would wait forever (vLLM's check_enough_kv_cache_memory)
         per = self.kv.max_blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens)
@@ -263,6 +266,7 @@ class EngineCore(CoreSleep):
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            **(self.kv.cpu_tier.stats() if self.kv.cpu_tier is not None else {}),
             **self.counters,
             **(self.scheduler.spec_stats if self.drafter else {}),
         )

@@ -65,6 +65,7 @@ class KVCacheManager:
         self.req_block_ids: list[dict[str, list[int]]] = [{} for _ in G]  # the same, as ids: the block tables
         self.num_hashed: dict[str, int] = {}  # how many of a request's blocks are registered
         self.hits = self.queries = 0  # prefix-cache token counters (for metrics)
+        self.cpu_tier = None  # the CPU tier below the prefix cache (`CpuKVTier`, 10a_kv_offload), if any
 
     @property
     def sliding_windows(self) -> list[int | None]:
@@ -92,32 +93,46 @@ def get_computed_blocks(self: KVCacheManager, req: Request) -> tuple[list[list[K
         return [[] for _ in self.specs], 0
     # at least one token must be computed to produce logits, so a full hit drops its last block
     hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
-    n = len(hashes)
-    full = [g for g, s in enumerate(self.specs) if not s.frees_blocks]
-    for i, h in enumerate(hashes):  # full attention: every block of the prefix must be cached
-        if any(h not in self.cached[g] for g in full):
-            n = i
-            break
-    while self.windowed:  # a windowed group's hit at n may not be one at a shorter n
-        m = min(self._window_hit(g, hashes, n) for g in self.windowed)
-        if m == n:
-            break
-        n = m
+    on_gpu = lambda g, h: h in self.cached[g]
+    n = n_gpu = self._hit_len(hashes, on_gpu)
+    tier = self.cpu_tier
+    if tier is not None:  # the CPU tier may carry the prefix further: a block counts on either tier, per group
+        n = self._hit_len(hashes, lambda g, h: h in self.cached[g] or tier.has(g, h))
+        tier.queries += req.num_tokens
+        tier.hits += (n - n_gpu) * self.block_size
     hit = []
     for g, s in enumerate(self.specs):  # a windowed group needs only its window's blocks
         k = s.window_start(n * self.block_size) // self.block_size if s.frees_blocks else 0
-        hit.append([self.null_block] * k + [self.cached[g][h] for h in hashes[k:n]])
+        # None: the block is on the CPU tier only; `allocate_slots` gives it a fresh block and loads it back
+        hit.append([self.null_block] * k + [self.cached[g].get(h) for h in hashes[k:n]])
     self.queries += req.num_tokens
-    self.hits += n * self.block_size
+    self.hits += n_gpu * self.block_size
     return hit, n * self.block_size
 
 
 @patch
-def _window_hit(self: KVCacheManager, g: int, hashes: list[bytes], n: int) -> int:
+def _hit_len(self: KVCacheManager, hashes: list[bytes], present) -> int:
+    "The longest prefix of `hashes` every group can serve, `present(g, h)` saying whether group g holds block hash h."
+    n = len(hashes)
+    full = [g for g, s in enumerate(self.specs) if not s.frees_blocks]
+    for i, h in enumerate(hashes):  # full attention: every block of the prefix must be cached
+        if any(not present(g, h) for g in full):
+            n = i
+            break
+    while self.windowed:  # a windowed group's hit at n may not be one at a shorter n
+        m = min(self._window_hit(g, hashes, n, present) for g in self.windowed)
+        if m == n:
+            break
+        n = m
+    return n
+
+
+@patch
+def _window_hit(self: KVCacheManager, g: int, hashes: list[bytes], n: int, present=None) -> int:
     """Windowed group `g`'s longest hit of at most `n` blocks: the blocks from its window's start up to the hit point
     are cached (vLLM's SlidingWindowManager scans from the right); a shorter prefix counts when all of it is cached."""
     spec, cached, bs = self.specs[g], self.cached[g], self.block_size
-    misses = [i for i in range(n) if hashes[i] not in cached]
+    misses = [i for i in range(n) if not (hashes[i] in cached if present is None else present(g, hashes[i]))]
     j = len(misses) - 1
     for m in range(n, -1, -1):  # the largest m with no miss in [window_start(m) // bs, m)
         while j >= 0 and misses[j] >= m:
@@ -149,8 +164,10 @@ def allocate_slots(
     hits = new_computed_blocks or [()] * self.num_groups
     pooled = self.free_slots is not None  # state slots from their own pool, not blocks
     needs = [max(need, 0) if s.grows else int(g in slots and not pooled) for g, s in enumerate(self.specs)]
+    loading = [sum(b is None for b in h) for h in hits]  # hits on the CPU tier only: fresh blocks, loaded back
+    needs = [n + k for n, k in zip(needs, loading)]
     # cached hits sitting in the free queue come back out of it
-    reviving = sum(b.ref_cnt == 0 and b is not self.null_block for h in hits for b in h)
+    reviving = sum(b is not None and b.ref_cnt == 0 and b is not self.null_block for h in hits for b in h)
     if sum(needs) > self.num_free_blocks - reviving or (pooled and slots and not self.free_slots):
         if not blocks:
             del self.req_blocks[0][rid]
@@ -159,16 +176,23 @@ def allocate_slots(
         self.req_slot[rid] = slot = self.free_slots.popleft()
         for g in self.states:
             self.req_block_ids[g][rid] = [slot]
-    for g in range(self.num_groups):
-        blocks = self.req_blocks[g].setdefault(rid, [])
-        for b in hits[g]:
-            if b is self.null_block:
+    for h in hits:  # every group's hits first: a new block must not evict one of them
+        for b in h:
+            if b is None or b is self.null_block:
                 continue
             if b.ref_cnt == 0:
                 del self.free_queue[b.block_id]
             b.ref_cnt += 1
-        blocks.extend(hits[g])
-        for _ in range(needs[g]):
+    for g in range(self.num_groups):
+        blocks = self.req_blocks[g].setdefault(rid, [])
+        for i, b in enumerate(hits[g]):
+            if b is None:  # from the CPU tier: a fresh block under the hash, its rows copied back before the forward
+                b = self._take_free_block()
+                b.block_hash, b.group = req.block_hashes[i], g
+                self.cached[g].setdefault(b.block_hash, b)
+                self.cpu_tier.load(g, b.block_hash, b.block_id)
+            blocks.append(b)
+        for _ in range(needs[g] - loading[g]):
             blocks.append(self._take_free_block())
         ids = self.req_block_ids[g].setdefault(rid, [])
         ids.extend(b.block_id for b in blocks[len(ids) :])
@@ -192,12 +216,16 @@ def _free_skipped_blocks(self: KVCacheManager, rid: str, num_computed: int):
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue[b.block_id] = b  # keeps its hash: still a prefix-cache hit
+                if self.cpu_tier is not None and b.block_hash is not None:
+                    self.cpu_tier.store(g, b.block_hash, b.block_id)  # computed (before the window): a copy below
             blocks[i], ids[i] = self.null_block, self.null_block.block_id
 
 
 @patch
 def _take_free_block(self: KVCacheManager) -> KVCacheBlock:
     _, b = self.free_queue.popitem(last=False)
+    if self.cpu_tier is not None:  # its copy to the CPU tier (if one is on its way) ends before the block is rewritten
+        self.cpu_tier.before_reuse(b.block_id)
     if b.block_hash is not None:  # evict the cached content it held
         if self.cached[b.group].get(b.block_hash) is b:
             del self.cached[b.group][b.block_hash]
@@ -230,14 +258,19 @@ def free(self: KVCacheManager, req: Request):
     "Release all of the request's blocks (tail first, so its prefix stays cached longest) and its state slot."
     if (slot := self.req_slot.pop(req.request_id, None)) is not None:
         self.free_slots.append(slot)
+    done = req.num_computed_tokens // self.block_size  # blocks written by launched steps: the CPU tier may copy them
     for g in range(self.num_groups):
         self.req_block_ids[g].pop(req.request_id, None)
-        for b in reversed(self.req_blocks[g].pop(req.request_id, [])):
+        blocks = self.req_blocks[g].pop(req.request_id, [])
+        for i in range(len(blocks) - 1, -1, -1):
+            b = blocks[i]
             if b is self.null_block:
                 continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue[b.block_id] = b
+                if self.cpu_tier is not None and b.block_hash is not None and i < done:
+                    self.cpu_tier.store(g, b.block_hash, b.block_id)
     self.num_hashed.pop(req.request_id, None)
 
 
@@ -250,6 +283,8 @@ def reset_prefix_cache(self: KVCacheManager) -> bool:
         c.clear()
     for b in self.blocks:
         b.block_hash = None
+    if self.cpu_tier is not None:
+        self.cpu_tier.reset()
     return True
 
 # %% ../../nbs/10_kv_cache_manager.ipynb #14a23cc6

@@ -67,6 +67,17 @@ class ServerMetrics(EngineObserver):
         for name, doc, v in (
             ('prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.', s.get('prefix_cache_queries', 0)),
             ('prefix_cache_hits', 'Prompt tokens found in the prefix cache.', s.get('prefix_cache_hits', 0)),
+            # the CPU tier (10a_kv_offload; vLLM's names for a connector's tier): prompt tokens looked up, found there
+            (
+                'external_prefix_cache_queries',
+                'Prompt tokens looked up in the CPU tier.',
+                s.get('external_prefix_cache_queries', 0),
+            ),
+            (
+                'external_prefix_cache_hits',
+                'Prompt tokens loaded back from the CPU tier.',
+                s.get('external_prefix_cache_hits', 0),
+            ),
             ('prompt_tokens', 'Prompt tokens of accepted requests.', s.get('prompt_tokens', 0)),
             ('generation_tokens', 'Generated tokens.', s.get('generation_tokens', 0)),
             ('num_preemptions', 'Sequences preempted for lack of KV blocks.', s.get('num_preemptions', 0)),
