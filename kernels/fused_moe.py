@@ -83,6 +83,8 @@ __all__ = [
 ]
 from cvllm_lab.kernels.interpret import INTERPRET as _INTERPRET  # decided once (`interpret.py`)
 
+ACTIVATIONS = ('silu', 'swigluoai', 'gelu_tanh')  # SwiGLU, gpt-oss's clamped SwiGLU, GeGLU (Gemma 4)
+
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)  # token counts the config tables are keyed by
 # assignments (T * top_k) up to which one Triton program aligns them (a first guess, to tune with the configs)
 ALIGN_ONE_PROGRAM_MAX = (
@@ -148,9 +150,10 @@ def fused_moe_ref(
     """Plain-PyTorch MoE, a loop over experts, in fp32; returns `[T, H]` in `x`'s dtype.
     `renormalize` divides each token's `topk_weights` by their sum first; `w13_scale`/`w2_scale`: FP8 experts.
     gpt-oss: `w13_bias [E, 2I]` (gate, then up) and `w2_bias [E, H]` added to each expert's two products, and
-    `activation='swigluoai'`, its clamped SwiGLU (`activation.swigluoai_and_mul_ref`, `swiglu_alpha`, `swiglu_limit`)."""
-    if activation not in ('silu', 'swigluoai'):
-        raise ValueError(f'unknown MoE activation {activation!r} (silu, swigluoai)')
+    `activation='swigluoai'`, its clamped SwiGLU (`activation.swigluoai_and_mul_ref`, `swiglu_alpha`, `swiglu_limit`).
+    Gemma 4: `activation='gelu_tanh'`, GeGLU (`gelu(gate, approximate='tanh') * up`)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f'unknown MoE activation {activation!r} ({", ".join(ACTIVATIONS)})')
     T, H = x.shape
     w = topk_weights.float()
     if renormalize:
@@ -165,6 +168,9 @@ def fused_moe_ref(
             h = h + w13_bias[e].float()
         if activation == 'swigluoai':
             y = swigluoai_and_mul_ref(h, swiglu_alpha, swiglu_limit) @ w2e.T
+        elif activation == 'gelu_tanh':
+            gate, up = h.chunk(2, dim=-1)
+            y = (F.gelu(gate, approximate='tanh') * up) @ w2e.T
         else:
             gate, up = h.chunk(2, dim=-1)
             y = (F.silu(gate) * up) @ w2e.T
@@ -382,7 +388,7 @@ def fused_moe(
     SWAP, SORTED, XSORT, ATOMIC, PERSISTENT, CTAS_PER_SM, down, decode); `w13_scale`/`w2_scale`: the experts are block-FP8 (`float8_e4m3fn`) with these `[E, N/128, K/128]`
     scales (grouped path only). gpt-oss: `w13_bias [E, 2I]`, `w2_bias [E, H]` added in the GEMMs' epilogues and
     `activation='swigluoai'` (its clamped SwiGLU, a separate elementwise pass); they take the grouped path, no fused
-    activation. The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
+    activation. Gemma 4's `activation='gelu_tanh'` (GeGLU) takes it too, its activation a pass of its own. The intermediates are kept in `x`'s dtype; the GEMMs accumulate in fp32.
     Returns `[T, H]` in `x`'s dtype."""
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -414,8 +420,8 @@ def fused_moe(
     if renormalize:
         tw = _renormalized(tw)
     tw = tw.contiguous()
-    if activation not in ('silu', 'swigluoai'):
-        raise ValueError(f'unknown MoE activation {activation!r} (silu, swigluoai)')
+    if activation not in ACTIVATIONS:
+        raise ValueError(f'unknown MoE activation {activation!r} ({", ".join(ACTIVATIONS)})')
     plain = w13_bias is None and w2_bias is None and activation == 'silu'  # else gpt-oss's experts: no fused epilogues
     if cfg.get('decode') and not fp8 and plain:
         return fused_moe_decode(x, w13, w2, tw, topk_ids, cfg['decode'])
@@ -436,6 +442,9 @@ def fused_moe(
         grouped_gemm(a1, w13, inter13, tw, sorted_ids, expert_ids, ntpp, bias=w13_bias, **gemm1)
         if activation == 'swigluoai':
             inter = swigluoai_and_mul_ref(inter13, swiglu_alpha, swiglu_limit)
+        elif activation == 'gelu_tanh':  # GeGLU (Gemma 4), in fp32
+            gate, up = inter13.float().chunk(2, dim=-1)
+            inter = (F.gelu(gate, approximate='tanh') * up).to(inter13.dtype)
         else:
             inter = silu_and_mul(inter13)  # non-interleaved: gate = [:, :I], up = [:, I:]
     if cfg.get('ATOMIC'):  # the k weighted outputs added into fp32 token rows

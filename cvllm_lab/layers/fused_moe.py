@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from ..kernels.batch_invariant import linear
-from ..kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
+from ..kernels.fused_moe import ACTIVATIONS, fused_moe, fused_moe_ref, select_experts
 from .linear import _tp, divide, loaded_shape, narrow_loaded
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
@@ -41,7 +41,8 @@ class FusedMoE(nn.Module):
     `w2_weight [E, H, I]`, with `I` this tensor-parallel rank's slice of every expert's intermediate dimension; the
     partial sums all-reduced at the end unless `reduce_results=False` (a caller adding a shared expert first).
     gpt-oss: `has_bias` adds `w13_bias [E, 2I]` and `w2_bias [E, H]` (on rank 0 only at tensor parallel > 1: the
-    all-reduce adds it once) and `activation='swigluoai'` is its clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`)."""
+    all-reduce adds it once) and `activation='swigluoai'` is its clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`);
+    Gemma 4: `activation='gelu_tanh'`, GeGLU."""
 
     def __init__(
         self,
@@ -59,8 +60,8 @@ class FusedMoE(nn.Module):
         swiglu_limit: float = 7.0,
     ):
         super().__init__()
-        if activation not in ('silu', 'swigluoai'):
-            raise ValueError(f'unknown MoE activation {activation!r} (silu, swigluoai)')
+        if activation not in ACTIVATIONS:
+            raise ValueError(f'unknown MoE activation {activation!r} ({", ".join(ACTIVATIONS)})')
         if not 0 < top_k <= num_experts:
             raise ValueError(f'top_k={top_k} must be in 1..num_experts={num_experts}')
         self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)

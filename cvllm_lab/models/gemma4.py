@@ -1,4 +1,4 @@
-"""`Gemma4ForCausalLM`: token ids -> embeddings scaled by sqrt(hidden), plus per-layer input embeddings (PLE) -> blocks of RMSNorm-wrapped attention (q/k/v norms, sliding layers with their own RoPE, global layers with their own head size and a proportional partial RoPE, late layers reusing an earlier layer's KV cache) and a GELU-tanh MLP, each layer ending with its per-layer input and a learned scalar -> final norm -> tied, soft-capped logits.
+"""`Gemma4ForCausalLM`: token ids -> embeddings scaled by sqrt(hidden), plus per-layer input embeddings (PLE) -> blocks of RMSNorm-wrapped attention (q/k/v norms, sliding layers with their own RoPE, global layers with their own head size and a proportional partial RoPE, late layers reusing an earlier layer's KV cache) and a GELU-tanh MLP (with routed GeGLU experts beside it on the MoE model), each layer ending with its per-layer input and a learned scalar -> final norm -> tied, soft-capped logits.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/gemma4.html.md"""
 
@@ -14,13 +14,15 @@ from ..layers.basic import RMSNorm, GeluAndMul, Linear
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary import RotaryEmbedding
 from ..layers.attention import Attention
+from ..layers.fused_moe import FusedMoE, expert_shard
+from ..kernels.batch_invariant import linear
 from .llama import LlamaForCausalLM, LlamaAttention, LlamaMLP
 from ..utils.context import get_forward_context
 
 # %% auto #0
 __all__ = ['gemma4_layer_types', 'check_gemma4_config', 'gemma4_rope_params', 'gemma4_head_shape', 'gemma4_kv_sources',
-           'gemma4_inv_freq', 'Gemma4Rotary', 'Gemma4Attention', 'Gemma4SharedKVAttention', 'Gemma4DecoderLayer',
-           'Gemma4ForCausalLM']
+           'gemma4_inv_freq', 'Gemma4Rotary', 'Gemma4Attention', 'Gemma4SharedKVAttention', 'Gemma4Router',
+           'Gemma4DecoderLayer', 'Gemma4ForCausalLM']
 
 # %% ../../nbs/36a_gemma4.ipynb #48a45ac4
 _LAYER_TYPES = ('sliding_attention', 'full_attention')
@@ -47,12 +49,12 @@ def check_gemma4_config(config):
     act = getattr(config, 'hidden_activation', None)
     if act not in _ACTIVATIONS:
         _refuse('hidden_activation', act, f'only {" / ".join(_ACTIVATIONS)}')
-    for f, why in [
-        ('enable_moe_block', 'the MoE block beside the MLP (26B-A4B) is not implemented'),
-        ('use_bidirectional_attention', 'causal attention only'),
-    ]:
-        if getattr(config, f, None):
-            _refuse(f, getattr(config, f), why)
+    if getattr(config, 'use_bidirectional_attention', None):
+        _refuse('use_bidirectional_attention', config.use_bidirectional_attention, 'causal attention only')
+    if getattr(config, 'enable_moe_block', False):
+        for f in ('num_experts', 'top_k_experts', 'moe_intermediate_size'):
+            if not getattr(config, f, None):
+                _refuse(f, getattr(config, f, None), 'the MoE block (enable_moe_block) needs it')
     types = gemma4_layer_types(config)
     if len(types) != config.num_hidden_layers or set(types) - set(_LAYER_TYPES):
         _refuse('layer_types', types, f'need {config.num_hidden_layers} entries of {_LAYER_TYPES}')
@@ -181,6 +183,22 @@ class _LayerView:
         return getattr(self._c, name)
 
 
+class Gemma4Router(nn.Module):
+    """The MoE router's logits: the residual stream RMS-normed (no weight), times `scale / sqrt(hidden)`, projected.
+    `per_expert_scale` is loaded here and folded into the experts' down projections (`Gemma4ForCausalLM.load_weights`)."""
+
+    def __init__(self, config):
+        super().__init__()
+        H, E = config.hidden_size, config.num_experts
+        self.eps, self.root = config.rms_norm_eps, H**-0.5
+        self.proj = nn.Linear(H, E, bias=False).requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(H), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(E), requires_grad=False)
+
+    def forward(self, h):
+        return linear(_rms(h, self.eps) * self.scale * self.root, self.proj.weight)
+
+
 class Gemma4DecoderLayer(nn.Module):
     """Gemma 4 block: pre/post-normed attention and MLP, then the gated per-layer input (PLE), then times
     `layer_scalar`; `forward(positions, h, per_layer_input)` returns the new residual stream."""
@@ -196,6 +214,14 @@ class Gemma4DecoderLayer(nn.Module):
         self.mlp.act = GeluAndMul('tanh')
         self.post_feedforward_layernorm = RMSNorm(H, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        if getattr(config, 'enable_moe_block', False):  # an MoE beside the MLP, on the same residual stream
+            self.router = Gemma4Router(config)
+            self.experts = FusedMoE(
+                config.num_experts, config.top_k_experts, H, config.moe_intermediate_size, activation='gelu_tanh'
+            )
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
         if P:
             self.per_layer_input_gate = Linear(H, P)
             self.per_layer_projection = Linear(P, H)
@@ -208,7 +234,13 @@ class Gemma4DecoderLayer(nn.Module):
             a, h = a[keep], h[keep]
             per_layer_input = None if per_layer_input is None else per_layer_input[keep]
         x, h = self.pre_feedforward_layernorm(a, h)  # norm(h + attn), and h + attn
-        h = h + self.post_feedforward_layernorm(self.mlp(x))
+        m = self.mlp(x)
+        if hasattr(self, 'experts'):
+            if self.experts.quant_method is not None:
+                raise NotImplementedError('quantized Gemma 4 experts (GeGLU) are not supported yet')
+            e = self.experts(self.pre_feedforward_layernorm_2(h), self.router(h))
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(e)
+        h = h + self.post_feedforward_layernorm(m)
         if per_layer_input is not None:
             g = F.gelu(self.per_layer_input_gate(h), approximate='tanh') * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
@@ -298,11 +330,19 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         unused = tuple(f'.self_attn.{m}.' for m in ('k_proj', 'v_proj', 'k_norm', 'v_norm'))
         towers = tuple(f'model.{m}.' for m in ('vision_tower', 'audio_tower', 'embed_vision', 'embed_audio'))
 
+        moe = {n: m for n, m in self.named_modules() if isinstance(m, FusedMoE)}
+
         def renamed():
             for name, w in weights:
                 if name.startswith(towers):
                     continue
                 name = name.replace('model.language_model.', 'model.', 1)
+                if hit := expert_shard(name):  # transformers' fused `experts.gate_up_proj` / `down_proj`
+                    path, e, sid = hit
+                    if path not in moe:
+                        raise KeyError(f'Checkpoint tensor {name!r}: layer {path} has no experts')
+                    moe[path].load(sid, w, e)
+                    continue
                 i = int(name.split('.')[2]) if name.startswith('model.layers.') else None
                 if i is not None and not isinstance(self.model.layers[i].self_attn, Gemma4Attention):
                     if any(u in name for u in unused):
@@ -313,4 +353,16 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                 if i in self.k_eq_v and '.self_attn.k_proj.' in name:
                     yield name.replace('.k_proj.', '.v_proj.'), w  # V = K's projection
 
-        return super().load_weights(renamed())
+        loaded = super().load_weights(renamed())
+        for path, m in moe.items():
+            if m.missing_shards():
+                raise ValueError(f'Checkpoint is missing expert tensors of {path}: (expert, shard) {m.missing_shards()[:4]}')
+            r = self.get_submodule(path.rsplit('.', 1)[0]).router  # the router's per-expert output scales, folded
+            m.w2_weight.data.mul_(r.per_expert_scale.data[:, None, None].to(m.w2_weight.dtype))
+            r.per_expert_scale.data.fill_(1.0)  # (now inside w2)
+        return loaded
+
+    def _expected_keys(self, params) -> set[str]:
+        "Llama's expected tensors without the experts' (checked per expert by `load_weights`)."
+        moe = tuple(f'{n}.' for n, m in self.named_modules() if isinstance(m, FusedMoE))
+        return {k for k in super()._expected_keys(params) if not k.startswith(moe)}
