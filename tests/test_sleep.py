@@ -104,51 +104,57 @@ def test_tensor_parallel_sleep_and_update():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 def test_cuda_sleep_gives_memory_back():
     """sleep(level=1) gives back most of the weights and the KV cache (as `mem_get_info` sees it); after wake_up the
-    recaptured CUDA graphs answer as before; an update to another model's weights answers as that model loaded fresh
-    (the graphs kept: the update copied in place)."""
-    from transformers import LlamaConfig
+    recaptured CUDA graphs answer as before; an update to another model's tensors (checkpoint names) answers as that
+    model loaded fresh, with the same graph objects (the update copied in place)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    d = tempfile.mkdtemp()
-    LlamaConfig(
+    cfg = LlamaConfig(
         vocab_size=32000,
         hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=8,
+        intermediate_size=2816,
+        num_hidden_layers=4,
         num_attention_heads=16,
         num_key_value_heads=4,
         max_position_embeddings=4096,
-        architectures=['LlamaForCausalLM'],
-    ).save_pretrained(d)
-    kw = dict(
-        load_format='dummy', skip_tokenizer_init=True, max_model_len=1024, kv_cache_memory=2 << 30, progress=False
+        eos_token_id=None,
+        bos_token_id=None,
     )
+    dirs, sds = [], []
+    for seed in (0, 1):  # random checkpoints (HF's init: meaningful logits, unlike dummy weights)
+        torch.manual_seed(seed)
+        hf = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        dirs.append(tempfile.mkdtemp())
+        hf.save_pretrained(dirs[-1])
+        sds.append(hf.state_dict())
+        del hf
+    kw = dict(skip_tokenizer_init=True, max_model_len=1024, kv_cache_memory=2 << 30, dtype='bfloat16', progress=False)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [list(range(1 + i, 200 + i)) for i in range(4)]
 
     def greedy(llm):
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
-    llm = LLM(d, enable_sleep_mode=True, **kw)
+    llm = LLM(dirs[0], enable_sleep_mode=True, **kw)
     runner = llm.engine.runner
     assert runner.graphs, 'CUDA graphs were captured'
     ref = greedy(llm)
-    weights = sum(s.nbytes() for s in runner.tagged_storages()['params'])
-    kv = sum(s.nbytes() for s in runner.tagged_storages()['kv_cache'])
+    parts = runner.tagged_storages()
+    weights, kv = (sum(s.nbytes() for s in parts[k]) for k in ('params', 'kv_cache'))
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     llm.sleep(level=1)
     freed = torch.cuda.mem_get_info()[0] - free0
-    print(f'sleep(1) freed {freed / 2**30:.2f} GiB of weights {weights / 2**30:.2f} + KV cache {kv / 2**30:.2f} GiB')
+    print(f'sleep(1) freed {freed / 2**30:.2f} GiB; weights {weights / 2**30:.2f} GiB, KV cache {kv / 2**30:.2f} GiB')
     assert freed >= 0.9 * (weights + kv), (freed, weights, kv)
     llm.wake_up()
     assert runner.graphs, 'CUDA graphs captured again'
     assert greedy(llm) == ref
-    other = LLM(d, seed=1, **kw)
+    other = LLM(dirs[1], **kw)
     want = greedy(other)
-    assert want != ref
-    new = [(n, p.detach().clone()) for n, p in other.engine.runner.model.named_parameters()]
+    other.engine.shutdown()
     del other
+    assert want != ref
     graphs = dict(runner.graphs)
-    llm.update_weights(new)
+    llm.update_weights(sds[1].items())
     assert runner.graphs == graphs  # the same graph objects: nothing recaptured
     assert greedy(llm) == want
