@@ -356,7 +356,9 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         loaded = super().load_weights(renamed())
         for path, m in moe.items():
             if m.missing_shards():
-                raise ValueError(f'Checkpoint is missing expert tensors of {path}: (expert, shard) {m.missing_shards()[:4]}')
+                raise ValueError(
+                    f'Checkpoint is missing expert tensors of {path}: (expert, shard) {m.missing_shards()[:4]}'
+                )
             r = self.get_submodule(path.rsplit('.', 1)[0]).router  # the router's per-expert output scales, folded
             m.w2_weight.data.mul_(r.per_expert_scale.data[:, None, None].to(m.w2_weight.dtype))
             r.per_expert_scale.data.fill_(1.0)  # (now inside w2)
