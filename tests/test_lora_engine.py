@@ -4,7 +4,8 @@ A tiny random Llama and two PEFT adapters of different ranks (made with `peft`, 
 rsLoRA on a subset of the projections): greedy tokens equal and prompt log-probs within 1e-3 of the merged reference
 for the base and each adapter, all three in one batch; with one device slot for two adapters (the scheduler admits
 one adapter at a time, the manager swaps); the same prompt under two adapters one after the other (the prefix cache
-keys blocks by adapter, so the second does not reuse the first's KV).
+keys blocks by adapter, so the second does not reuse the first's KV). A tiny Qwen3-MoE with LoRA on its attention
+(the experts take none yet).
 """
 
 import tempfile
@@ -148,3 +149,33 @@ def test_refusals(setup):
     lora = engine(root, max_lora_rank=4)
     with pytest.raises(ValueError, match='max_lora_rank'):
         lora.generate([[1, 2, 3]], SP, use_tqdm=False, lora_request=reqs['a2'])
+
+
+def test_qwen3_moe_attention_lora():
+    """A tiny Qwen3-MoE with a rank-8 adapter on q/k/v/o (LoRA on the experts is not supported yet): the base and the
+    adapter in one batch."""
+    from helpers import tiny_qwen3_moe
+
+    _, hf, d = tiny_qwen3_moe(hidden=64, head_dim=16)
+    torch.manual_seed(3)
+    m = peft.get_peft_model(
+        hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])
+    )
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if 'lora_B' in n:
+                p.normal_(0, 0.3)
+    m.save_pretrained(d / 'ad')
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 13)]
+    with m.disable_adapter():
+        base = [reference(m, p) for p in prompts]
+    merged = m.merge_and_unload().eval()
+    refs = [base[0], reference(merged, prompts[1])]
+    assert (refs[1][1] - base[1][1]).abs().max() > 0.05  # the adapter matters
+    llm = LLM(str(d), dtype='float32', progress=False, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8,
+              block_size=4, max_model_len=64, num_gpu_blocks_override=64)  # fmt: skip
+    outs = llm.generate(prompts, SP, use_tqdm=False, lora_request=[None, LoRARequest('ad', 1, str(d / 'ad'))])
+    for o, (toks, lp) in zip(outs, refs):
+        got = torch.tensor([[x[t].logprob for t in range(V)] for x in o.prompt_logprobs[1:]])
+        assert o.outputs[0].token_ids == toks and (got - lp).abs().max().item() < 1e-3
