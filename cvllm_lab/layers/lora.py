@@ -97,10 +97,9 @@ class LoRALinear(nn.Module):
         if not m.runs:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        T = x2.shape[0]
-        mp = (m.sorted_ids[:T], m.seg_start, m.seg_len)
-        t = lora_shrink(x2.to(self.lora_a.dtype), self.lora_a, mp)
-        lora_expand(t, self.lora_b, mp, self.offsets, y2, max(self.slices))
+        # the whole buffers: segment starts count every row of the buffer (rows past the step's are -1, sorted first)
+        t = lora_shrink(x2.to(self.lora_a.dtype), self.lora_a, m.mapping)
+        lora_expand(t, self.lora_b, m.mapping, self.offsets, y2, max(self.slices))
         return y
 
     def extra_repr(self):
