@@ -6,6 +6,7 @@ CUDA graphs work after a wake-up (recaptured) and after a weight update (kept: t
 
 from __future__ import annotations
 import tempfile
+import time
 import httpx
 import pytest
 import torch
@@ -142,11 +143,17 @@ def test_cuda_sleep_gives_memory_back():
     weights, kv = (sum(s.nbytes() for s in parts[k]) for k in ('params', 'kv_cache'))
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
     llm.sleep(level=1)
+    t1 = time.perf_counter()
     freed = torch.cuda.mem_get_info()[0] - free0
-    print(f'sleep(1) freed {freed / 2**30:.2f} GiB; weights {weights / 2**30:.2f} GiB, KV cache {kv / 2**30:.2f} GiB')
     assert freed >= 0.9 * (weights + kv), (freed, weights, kv)
     llm.wake_up()
+    t2 = time.perf_counter()
+    print(
+        f'sleep(1) freed {freed / 2**30:.2f} GiB (weights {weights / 2**30:.2f} GiB, KV cache {kv / 2**30:.2f} GiB) '
+        f'in {t1 - t0:.2f} s; wake_up (with the graph capture) {t2 - t1:.2f} s'
+    )
     assert runner.graphs, 'CUDA graphs captured again'
     assert greedy(llm) == ref
     other = LLM(dirs[1], **kw)
