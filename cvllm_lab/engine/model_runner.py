@@ -31,6 +31,7 @@ from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
 from .sleep import RunnerSleep
 from .spec_decode import sample_drafts
+from .draft_model import DraftModelProposer
 from .lora_manager import make_lora_manager
 from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
@@ -61,6 +62,10 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
             self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path and not cfg.enable_lora
         )
         self.model = self._load(src, progress)
+        spec = cfg.speculative_config  # a draft model: its own cache at the target's block ids (51d)
+        self.draft = (
+            DraftModelProposer(cfg, hf_config, progress) if spec is not None and spec.method == 'draft_model' else None
+        )
         self.lora_manager = make_lora_manager(self.model, cfg, self.device) if cfg.enable_lora else None  # 51b
         self.compute_logits, self.lm_head = getattr(self.model, 'compute_logits', None), None  # on CPU: see setup_cpu
         self.pooling = cfg.runner == 'pooling'  # the model's pooler ends each step, not the sampler (50b)
@@ -89,6 +94,8 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
         self.kv_caches = bind_kv_cache(
             self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_groups
         )
+        if self.draft is not None:
+            self.draft.bind(self.num_blocks)
         if progress:
             print(
                 f'KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens_capacity} tokens '
@@ -129,8 +136,9 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
 
     @property
     def bytes_per_block(self) -> int:
-        "Cache bytes of one block over every cache tensor (each layer's own row layout; with KV cache groups, one per group slot)."
-        return self.block_size * kv_cache_bytes_per_token(
+        "Cache bytes of one block over every cache tensor (each layer's own row layout; with KV cache groups, one per group slot; a draft model's too)."
+        draft = self.draft.bytes_per_block if getattr(self, 'draft', None) is not None else 0  # its rows per block too
+        return draft + self.block_size * kv_cache_bytes_per_token(
             self.model.attention_layers(), self.attn_groups, self.kv_dtype
         )
 
@@ -365,6 +373,7 @@ def launch(
     b = self.prepare_inputs(so)
     if prev_reqs is not None:
         b.prev_rows = placeholder_rows(so, b, prev_reqs)
+    dprobs = self.draft.step(so, b) if self.draft is not None else None  # the draft model's drafts and q (51d)
     hidden = self._forward(so, b, prev_tokens)
     sample_reqs = b.sample_reqs
     if b.spec_drafts is None and not b.prompt_logprobs and sample_reqs and all(map(Sampler.host_free, sample_reqs)):
@@ -384,7 +393,7 @@ def launch(
             lp, torch.tensor(targets, device=lp.device), r.sampling_params.prompt_logprobs
         )
     if sample_reqs and b.spec_drafts is not None:  # drafts to verify (51a)
-        sample_drafts(self.sampler, self.compute_logits(hidden[b.sample_at]), sample_reqs, b.spec_drafts, out)
+        sample_drafts(self.sampler, self.compute_logits(hidden[b.sample_at]), sample_reqs, b.spec_drafts, out, dprobs)
     elif sample_reqs:
         s = self.sampler(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):

@@ -69,7 +69,9 @@ class Drafter:
     "Sets each running request's `spec_token_ids` after a step (the engine core's proposer side)."
 
     def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
-        self.cfg, self.proposer = cfg, NgramProposer(cfg, max_model_len)
+        self.cfg, self.max_model_len = cfg, max_model_len
+        # a draft model drafts in the runner, at the next step (51d): here only how many rows each request gets
+        self.proposer = NgramProposer(cfg, max_model_len) if cfg.method == 'ngram' else None
 
     def propose_for(self, reqs: list[Request]):
         "Drafts for the caught-up, eligible requests of `reqs`; none for the others."
@@ -80,15 +82,20 @@ class Drafter:
                 todo.append(r)
         if not todo:
             return
-        k, big = self.cfg.num_speculative_tokens, self.proposer.max_model_len
+        k, big = self.cfg.num_speculative_tokens, self.max_model_len
         ks = [min(k, (r.sampling_params.max_tokens or big) - r.num_output_tokens - 1) for r in todo]
+        if self.proposer is None:  # placeholders (token 0), room left before max_model_len
+            for r, n in zip(todo, ks):
+                r.spec_token_ids = [0] * max(0, min(n, big - r.num_tokens))
+            return
         for r, d in zip(todo, self.proposer.propose([r.all_token_ids for r in todo], ks)):
             r.spec_token_ids = d
 
 # %% ../../nbs/51a_spec_decode.ipynb #ae975e2a
-def sample_drafts(sampler, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]], out):
+def sample_drafts(sampler, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]], out, draft_probs=None):
     """Sample a step whose requests have `len(drafts[i]) + 1` logits rows each into `out` (a `ModelRunnerOutput`):
-    a token id for a request without drafts, the list of its emitted tokens for one with (and log-probs alike)."""
+    a token id for a request without drafts, the list of its emitted tokens for one with (and log-probs alike).
+    `draft_probs`: a draft model's `q`, one row per draft (None: the n-gram's point masses)."""
     counts = [len(d) + 1 for d in drafts]
     first = np.cumsum([0] + counts[:-1]).tolist()
     plain, spec = [i for i, d in enumerate(drafts) if not d], [i for i, d in enumerate(drafts) if d]
@@ -105,6 +112,7 @@ def sample_drafts(sampler, logits: torch.Tensor, reqs: list[Request], drafts: li
         process_logits(lg, sps, [counts[i] for i in spec]),
         [drafts[i] for i in spec],
         [p.greedy for p in sps],
+        draft_probs=draft_probs,
         generators=[r.generator for r in sreqs],
     )
     raw = torch.log_softmax(lg.float(), -1) if any(p.logprobs is not None for p in sps) else None

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 __all__ = ['BUILT_METHODS', 'PLANNED_METHODS', 'SPECULATIVE_CONFIG_HELP', 'SpeculativeConfig', 'speculative_config_arg']
 
 # %% ../../nbs/01c_spec_config.ipynb #1381a727
-BUILT_METHODS = ('ngram',)  # what this engine runs
+BUILT_METHODS = ('ngram', 'draft_model')  # what this engine runs
 # vLLM's other methods: known names, refused with a message that says they are not built here yet
-PLANNED_METHODS = ('draft_model', 'eagle', 'eagle3', 'mtp', 'deepseek_mtp', 'medusa', 'mlp_speculator', 'suffix')
+PLANNED_METHODS = ('eagle', 'eagle3', 'mtp', 'deepseek_mtp', 'medusa', 'mlp_speculator', 'suffix')
 
 
 @dataclass
@@ -73,12 +73,15 @@ class SpeculativeConfig:
             if not 1 <= lo <= hi:
                 raise ValueError(f'need 1 <= prompt_lookup_min ({lo}) <= prompt_lookup_max ({hi})')
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.method == 'draft_model' and not self.model:
+            raise ValueError('speculative method draft_model needs the draft model: "model": PATH')
         return self
 
 # %% ../../nbs/01c_spec_config.ipynb #070caf38
 SPECULATIVE_CONFIG_HELP = (
     'vLLM\'s speculative decoding config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-    '"prompt_lookup_max": 4}\' (n-gram prompt lookup; greedy output unchanged; other methods are refused)'
+    '"prompt_lookup_max": 4}\' (n-gram prompt lookup) or \'{"method": "draft_model", "model": PATH, '
+    '"num_speculative_tokens": 4}\' (a smaller model, same vocabulary); greedy output unchanged; other methods are refused'
 )
 
 
