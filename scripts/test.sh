@@ -41,6 +41,23 @@ echo "== nbdev-test"
 python tools/nbtest.py --jobs 2 ${NBDEV_FLAGS:+--flags "$NBDEV_FLAGS"} || { echo "nbdev-test failed"; exit 1; }
 echo "== pytest"
 # the kernels under the Triton interpreter (`interp`) are pure Python on one core each: two processes at a time
-# (pytest-xdist); everything else (servers, multi-process runs, timing checks) one at a time
+# (pytest-xdist)
 time python -m pytest -q -m interp -n 2 tests "$@"
-time python -m pytest -q -m "not interp" tests "$@"
+# the rest in two pytest processes side by side, each running its tests one at a time: the modules that start servers
+# (`server`, marked in tests/conftest.py) and everything else (tensor-parallel ranks, in-process engines). One alone
+# keeps a core idle most of the time (a server starting, a test waiting on a stream); together they use both, and at
+# most one server and one group of ranks are alive at once. Each line is prefixed with its group. The `timing` tests
+# (they compare wall-clock times) run last, alone.
+pids=()
+for group in server "not server"; do
+  tag=$([ "$group" = server ] && echo server || echo rest)
+  ( SECONDS=0 rc=0
+    python -m pytest -q -m "not interp and not timing and $group" tests "$@" 2>&1 | sed -u "s/^/[$tag] /" || rc=$?
+    echo "[$tag] done in $((SECONDS / 60)) min $((SECONDS % 60)) s"; exit $rc ) &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+[ $rc = 0 ] || { echo "pytest failed"; exit 1; }
+# the tests that assert on wall-clock times, alone
+time python -m pytest -q -m "timing and not interp" tests "$@"

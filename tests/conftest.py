@@ -7,7 +7,10 @@ Markers: `cuda` tests need a CUDA GPU (select them with `-m cuda`) and are skipp
 the Triton kernels under the interpreter (the CPU path) and are skipped where it is off, i.e. on a GPU machine;
 `own_server` tests start a server of their own and run first in their module, before the module's shared server
 fixture starts, so that two servers (an API process and an engine core each) are never alive at once: the suite's
-peak memory would be theirs together.
+peak memory would be theirs together. `server` marks every test of a module that starts servers (one that imports
+`_serverproc.ServerProcess`): `scripts/test.sh` runs those in one pytest process and the rest in another, side by
+side, so that at most one server and one multi-process group (tensor parallel ranks) are alive at a time; `timing`
+tests (they compare times measured on a quiet machine) run after them, alone.
 """
 
 import os
@@ -27,8 +30,11 @@ if not _cuda:
 def pytest_configure(config):
     config.addinivalue_line('markers', 'interp: runs Triton kernels under the interpreter (skipped on a GPU machine)')
     config.addinivalue_line('markers', "own_server: starts its own server (runs before its module's shared one)")
+    config.addinivalue_line('markers', 'server: in a module that starts servers (set here, from its imports)')
+    config.addinivalue_line('markers', 'timing: asserts on wall-clock times (run alone, not beside other tests)')
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: it reads the `server` marks set here
 def pytest_collection_modifyitems(config, items):
     interp = os.environ.get('TRITON_INTERPRET') == '1'
     for item in items:
@@ -36,6 +42,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason='needs a CUDA GPU'))
         if item.get_closest_marker('interp') and not interp:
             item.add_marker(pytest.mark.skip(reason='CPU tests run the Triton interpreter'))
+        if getattr(item.module, 'ServerProcess', None) is not None:
+            item.add_marker(pytest.mark.server)
     modules = {}  # first position of each module: files keep their order, `own_server` tests move to their front
     for i, item in enumerate(items):
         modules.setdefault(item.module.__name__ if item.module else '', i)

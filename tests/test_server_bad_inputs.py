@@ -229,6 +229,7 @@ def test_request_success_counts_requests(server):
     assert metric(server.url, 'cvllm:request_success_total') == before + 1
 
 
+@pytest.mark.timing
 def test_big_request_does_not_stall_other_streams(server):
     "While 2 MB requests are posted, another greedy stream's tokens keep arriving about one step apart."
     big = json.dumps(

@@ -56,6 +56,7 @@ def huge() -> list[tuple[str, bytes, int, str | None]]:
     ]
 
 
+@pytest.mark.timing
 def test_huge_and_untrusted_requests_are_refused_fast(server, huge):
     "Each is a 400 in OpenAI's shape naming its field (or a 413), in well under a second."
     for name, b, status, param in huge:
@@ -70,6 +71,7 @@ def test_huge_and_untrusted_requests_are_refused_fast(server, huge):
     assert '--trust-request-chat-template' in msg, msg
 
 
+@pytest.mark.timing
 def test_neighbour_and_health_undisturbed(server, huge):
     "A greedy stream gives the same text as alone while all of the above are posted, and /health stays under 1 s."
     ref = httpx.post(server.url + CMPL, json=STORY, timeout=120).json()['choices'][0]['text']
@@ -137,6 +139,7 @@ def test_trusted_request_template_is_bounded():
         assert httpx.get(s.url + '/health', timeout=1).status_code == 200
 
 
+@pytest.mark.timing
 def test_stop_strings_do_not_slow_a_neighbour(server):
     "Four requests with the most stop strings allowed (128 of 128 characters) cost a greedy neighbour no more per token than four without."
     import random
@@ -164,6 +167,7 @@ def test_stop_strings_do_not_slow_a_neighbour(server):
     assert with_stops < 1.25 * base + 0.01, (base, with_stops)
 
 
+@pytest.mark.timing
 def test_stop_string_flood_does_not_delay_a_neighbour(server):
     "While 100k-stop-string bodies are posted and refused, a greedy stream's tokens keep arriving about one step apart."
     import statistics

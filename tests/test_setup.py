@@ -28,6 +28,7 @@ OFFLINE = {
 }
 
 
+@pytest.mark.timing
 def test_setup_is_idempotent_and_offline():
     t = time.perf_counter()
     r = subprocess.run(['scripts/setup.sh'], cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=60)
