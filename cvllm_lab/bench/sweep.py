@@ -252,9 +252,10 @@ def param_count(hf: dict) -> int:
     Hv = hf.get('linear_num_value_heads') or 0
     vd = Hv * (hf.get('linear_value_head_dim') or 0)
     gdn = h * (2 * kd + 2 * vd + 2 * Hv) + vd * h
-    E = hf.get('num_experts') or hf.get('n_routed_experts') or 0
+    E = hf.get('num_experts') or hf.get('n_routed_experts') or hf.get('num_local_experts') or 0
     shared = hf.get('shared_expert_intermediate_size') or 0
-    mlp = 3 * h * (E * hf['moe_intermediate_size'] + shared) if E else 3 * h * hf['intermediate_size']
+    inter = hf.get('moe_intermediate_size') or hf['intermediate_size']  # Mixtral, Llama 4, gpt-oss: the expert width
+    mlp = 3 * h * (E * inter + shared) if E else 3 * h * hf['intermediate_size']
     mixers = sum(gdn if t == 'linear_attention' else attn for t in (hf.get('layer_types') or ['full_attention'] * L))
     return V * h * (1 if hf.get('tie_word_embeddings') else 2) + mixers + L * mlp
 
