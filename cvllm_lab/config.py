@@ -192,6 +192,9 @@ class EngineConfig:
     max_loras: int = 1  # device slots (adapters in one batch)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in the CPU cache (None: max_loras)
+    # images (vLLM's names; 57a): per-prompt counts as JSON or a dict ({'image': 4}; None: one), the folder file:// URLs may read
+    limit_mm_per_prompt: dict | str | None = None
+    allowed_local_media_path: str | None = None
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."

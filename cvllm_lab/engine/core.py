@@ -31,6 +31,7 @@ from .worker import make_executor
 from .sleep import CoreSleep
 from .spec_decode import Drafter
 from .lora_manager import core_lora_request
+from ..utils.multimodal import MultiModalInputs
 from .kv_offload import make_cpu_tier
 from ..weights.loader import ModelSource, resolve_model_source, load_hf_config
 
@@ -52,6 +53,7 @@ class EngineCoreRequest(msgspec.Struct, tag='add', array_like=True, omit_default
     priority: int = 0
     pooling_params: dict | None = None  # a pooling request (50b): PoolingParams' fields, verified; `params` unused
     lora_request: dict | None = None  # its LoRA adapter: `LoRARequest`'s fields (51b)
+    mm_inputs: dict | None = None  # its images: `MultiModalInputs.to_dict()` (57a)
 
 
 class EngineCoreAbort(msgspec.Struct, tag='abort', array_like=True):
@@ -313,6 +315,8 @@ def add_request(self: EngineCore, req: EngineCoreRequest):
         self.counters['prompt_tokens'] += len(ids)
         return
     kw = dict(priority=req.priority, lora_request=core_lora_request(self.runner, req.lora_request))  # 51b
+    if req.mm_inputs is not None:  # one copy shared by the samples (their encoder cache too)
+        kw['mm_inputs'] = MultiModalInputs.from_dict(req.mm_inputs)
     params = SamplingParams(**req.params, logits_processors=req.logits_processors or None)
     max_tokens = params.max_tokens or self.cfg.max_model_len - len(ids)
     children = []

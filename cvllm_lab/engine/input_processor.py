@@ -14,6 +14,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
 from ..utils.harmony import is_harmony, render_harmony
 from ..utils.template_bounds import RenderBounds, render_bounded
+from ..utils.multimodal import MediaError, MultiModalProcessor, extract_images, is_multimodal
 from .core import EngineCoreRequest, EngineInfo
 from ..layers.pooler import PoolingParams
 
@@ -96,6 +97,35 @@ class InputProcessor:
             return None
         toks = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         return self.max_model_len * max(max((len(t or '') for t in toks), default=0), 1)
+
+    @functools.cached_property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        "The image path of a vision-language model (57a); None for a text-only one."
+        if not is_multimodal(self.info.hf_config):
+            return None
+        c = self.cfg
+        return MultiModalProcessor(
+            self.info.hf_config, self.info.src.root, c.limit_mm_per_prompt, c.allowed_local_media_path
+        )
+
+    def render_chat_mm(self, messages: list[dict], *args, **kw) -> tuple[str, list[int], dict | None]:
+        """`render_chat` for a conversation that may hold images: `(text, ids, multi_modal_data)`, the image parts
+        loaded (57a) and rendered as the template's placeholders; `multi_modal_data` None without images."""
+        has = any(
+            isinstance(m.get('content'), list)
+            and any(isinstance(p, dict) and p.get('type') in ('image_url', 'image_pil') for p in m['content'])
+            for m in messages
+        )
+        if not has:
+            return (*self.render_chat(messages, *args, **kw), None)
+        if self.mm_processor is None:
+            raise InputError('This model does not take images (image_url content parts)', 'messages')
+        mp = self.mm_processor
+        try:
+            messages, images = extract_images(messages, mp.allowed_local_media_path, mp.limits)
+        except MediaError as e:
+            raise InputError(str(e), 'messages') from None
+        return (*self.render_chat(messages, *args, **kw), {'image': images})
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
@@ -203,6 +233,15 @@ def process(
         )
     params = params or SamplingParams()
     text, ids = self.tokenize(prompt)
+    data = prompt.get('multi_modal_data') if isinstance(prompt, dict) else None
+    mm = None
+    if data:  # images: the model's processor expands their placeholders (57a)
+        if self.mm_processor is None:
+            raise InputError('This model does not take images (multi_modal_data)', 'multi_modal_data')
+        try:
+            ids, mm = self.mm_processor(ids, self.mm_processor.images_of(data))
+        except MediaError as e:
+            raise InputError(str(e), 'multi_modal_data') from None
     self.validate(ids, params, priority)
     if self.tokenizer is None and params.detokenize:
         params = params.clone(detokenize=False)  # no text side
@@ -210,6 +249,8 @@ def process(
     req = EngineCoreRequest(request_id, ids, fields, params.logits_processors, arrival_time or time.time(), priority)
     if lora_request is not None:
         req.lora_request = lora_request.to_dict()
+    if mm is not None:
+        req.mm_inputs = mm.to_dict()
     return req, text, params
 
 # %% ../../nbs/57_input_processor.ipynb #104ea460

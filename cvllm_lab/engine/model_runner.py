@@ -327,6 +327,7 @@ def _forward(
         self.lora_manager.set_step([r.lora_int_id for r in so.scheduled], np.diff(b.query_start_loc))
     if (
         self.graphs
+        and not hasattr(self.model, 'step_inputs')  # its positions are per request (M-RoPE)
         and b.max_query_len == 1
         and not b.prompt_logprobs
         and len(so.scheduled) <= max(self.graphs)
@@ -349,8 +350,13 @@ def _forward(
     n = 0 if b.sample_index is None or b.prompt_logprobs or not self.keep_rows else b.sample_index.numel()
     if 0 < n < len(ids):
         ctx.keep_rows = b.sample_index
+    mm = getattr(self.model, 'step_inputs', None)  # a vision-language model: M-RoPE positions, image rows (31b)
     with set_forward_context(ctx):
-        h = self.model(ids, pos)
+        if mm is not None:
+            ns = [so.num_scheduled_tokens[r.request_id] for r in so.scheduled]
+            h = self.model(ids, *mm(so.scheduled, [r.num_computed_tokens for r in so.scheduled], ns, ids))
+        else:
+            h = self.model(ids, pos)
     b.rows_kept = ctx.keep_rows is not None and h.shape[0] == n
     return h
 

@@ -66,6 +66,7 @@ class Request:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         lora_request=None,
+        mm_inputs=None,
     ):
         if sampling_params is None:
             if pooling_params is None:
@@ -106,6 +107,7 @@ class Request:
         self.num_new_tokens = 0  # tokens the latest step appended (several with drafts accepted)
         self.lora_request = lora_request  # its LoRA adapter (`LoRARequest`, 51b); None: the base model
         self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id
+        self.mm_inputs = mm_inputs  # its images and M-RoPE positions (`MultiModalInputs`, 57a); None: text only
         self._update_block_hashes()
 
     @property
@@ -158,6 +160,8 @@ class Request:
         for i in range(len(self.block_hashes), (self.num_tokens - self.has_placeholder) // bs):
             # an adapter's KV differs from the base's: its id seeds the chain, so prefixes are shared per adapter only
             parent = self.block_hashes[-1] if i else (b'lora:%d' % self.lora_int_id if self.lora_int_id else None)
+            if self.mm_inputs is not None:  # the images this block's tokens stand for: other images, other KV
+                parent = (parent or b'') + self.mm_inputs.block_key(i * bs, (i + 1) * bs)
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs]))
 
     def __repr__(self):

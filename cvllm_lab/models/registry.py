@@ -29,6 +29,7 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'Gemma3ForCausalLM': ('gemma', 'Gemma3ForCausalLM'),
     'Gemma4ForCausalLM': ('gemma4', 'Gemma4ForCausalLM'),
     'Gemma4ForConditionalGeneration': ('gemma4', 'Gemma4ForCausalLM'),  # its text stack (`text_stack_config`)
+    'Qwen2_5_VLForConditionalGeneration': ('qwen2_5_vl', 'Qwen2_5_VLForConditionalGeneration'),  # images in (31b)
     'Phi3ForCausalLM': ('phi3', 'Phi3ForCausalLM'),
     'StableLmForCausalLM': ('stablelm', 'StableLmForCausalLM'),
     'Glm4ForCausalLM': ('glm4', 'Glm4ForCausalLM'),
@@ -116,11 +117,31 @@ def is_pooling_model(cls) -> bool:
 
 # %% ../../nbs/32_registry.ipynb #b8abb63b
 _TEXT_STACKS = {'Gemma4ForConditionalGeneration': 'Gemma4ForCausalLM'}  # multimodal architecture -> its text model
+# vision-language models served with their tower: the engine reads the text sizes at the config's top level
+_VISION_MODELS = {'Qwen2_5_VLForConditionalGeneration'}
+_LIFTED = (
+    'vocab_size',
+    'hidden_size',
+    'max_position_embeddings',
+    'num_hidden_layers',
+    'num_attention_heads',
+    'num_key_value_heads',
+    'head_dim',
+    'rms_norm_eps',
+    'eos_token_id',
+    'bos_token_id',
+)
 
 
 def text_stack_config(config):
-    "The text model's config of a multimodal checkpoint in `_TEXT_STACKS` (named as the causal LM); any other config as is."
+    """The text model's config of a multimodal checkpoint in `_TEXT_STACKS` (named as the causal LM); a vision-language
+    model's (`_VISION_MODELS`) with its text sizes copied to the top; any other config as is."""
     archs, text = list(getattr(config, 'architectures', None) or []), getattr(config, 'text_config', None)
+    if archs and archs[0] in _VISION_MODELS and text is not None:  # the whole config, with the text sizes on top
+        for k in _LIFTED:
+            if getattr(config, k, None) is None and getattr(text, k, None) is not None:
+                setattr(config, k, getattr(text, k))
+        return config
     if not archs or archs[0] not in _TEXT_STACKS or text is None:
         return config
     text.architectures = [_TEXT_STACKS[archs[0]]]
