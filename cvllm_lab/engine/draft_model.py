@@ -19,12 +19,34 @@ from cvllm_lab.utils.context import (
     set_forward_context,
 )
 from ..layers.rejection_sampler import process_logits
+from ..tokenizer import load_tokenizer
 from ..weights.loader import load_model, load_hf_config, resolve_model_source
 
 # %% auto #0
-__all__ = ['DraftModelProposer', 'sample_from_q']
+__all__ = ['check_same_vocab', 'DraftModelProposer', 'sample_from_q']
 
 # %% ../../nbs/51d_draft_model.ipynb #6954ab07
+def _vocab(src) -> dict[str, int] | None:
+    "A model's token -> id map (`src`: a `ModelSource` or `(root, gguf_file)`), or None where it has no tokenizer."
+    root, gguf = (src.root, src.gguf_file) if hasattr(src, 'root') else src
+    try:
+        return load_tokenizer(root, gguf).get_vocab()
+    except ValueError:
+        return None
+
+
+def check_same_vocab(target_src, draft_src):
+    "Refuse a draft whose tokenizer maps any token to another id than the target's (skipped where either has none)."
+    a, b = _vocab(target_src), _vocab(draft_src)
+    if a is None or b is None or a == b:
+        return
+    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda x: (x[1], x[0]))[0]
+    raise ValueError(
+        f"The draft model's tokenizer differs from the target's (token {diff[0]!r}, id {diff[1]} is in only one): "
+        "a draft model must share the target's tokenizer"
+    )
+
+
 class DraftModelProposer:
     "The draft model and its paged KV cache (the target's block ids); `step` catches it up and writes drafts into a step."
 
@@ -42,6 +64,7 @@ class DraftModelProposer:
                 "a draft model must share the target's tokenizer"
             )
         self.vocab_size = V
+        check_same_vocab((cfg.tokenizer, None) if cfg.tokenizer else resolve_model_source(cfg.model), src)
         dcfg = replace(cfg, model=spec.model, quantization=None, speculative_config=None, enable_lora=False)
         with set_current_engine_config(dcfg):
             self.model = load_model(dcfg, self.hf_config, src, progress)
