@@ -52,8 +52,10 @@ class DraftModelProposer:
 
     def __init__(self, cfg: EngineConfig, target_hf_config, progress: bool = True):
         spec = cfg.speculative_config
-        if cfg.tensor_parallel_size > 1 or cfg.kv_offloading_size:
-            raise NotImplementedError('A draft model with tensor parallel or the CPU KV tier is not built yet')
+        if cfg.tensor_parallel_size > 1 or cfg.kv_offloading_size or cfg.enable_sleep_mode:
+            raise NotImplementedError(
+                'A draft model with tensor parallel, the CPU KV tier or sleep mode is not built yet'
+            )
         self.k, self.device, self.block_size = spec.num_speculative_tokens, torch.device(cfg.device), cfg.block_size
         src = resolve_model_source(spec.model)
         self.hf_config = load_hf_config(src, None)
