@@ -15,9 +15,7 @@ from typing import ClassVar
 from pathlib import Path
 from fastcore.basics import patch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 import cvllm_lab
 from ...sampling_params import SamplingParams, diff_sampling_param
@@ -26,7 +24,7 @@ from ...tokenizer import apply_chat_template
 from ...engine.core import EngineCore
 from ...engine.input_processor import InputError, adapt_messages
 from ...engine.output_processor import RequestOutput
-from ...engine.async_llm_engine import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from ...engine.async_llm_engine import AsyncLLM, RequestStream
 from cvllm_lab.entrypoints.openai.protocol import (
     DEFAULT_MAX_N,
     ChatCompletionRequest,
@@ -48,12 +46,10 @@ from cvllm_lab.entrypoints.openai.request_checks import (
     BodyLimit,
     RequestBody,
     error_body,
-    validation_error_body,
 )
 from .tool_parsers import TOOL_PARSERS
 from ...utils.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER, harmony_stop_ids
 from .metrics import ServerMetrics
-from .streams import ClientGone
 from .serving_completions import APIError, CompletionHandlers
 from . import serving_beam_search  # noqa: F401 (patches the beam-search handlers on)
 from ..anthropic.serving_messages import add_messages_routes
@@ -63,7 +59,12 @@ from .serving_scores import add_score_routes
 from .serving_sleep import add_sleep_routes
 from .serving_lora import ServedLoRAs, add_lora_routes, runtime_lora_updating
 from .tool_server import ToolServerConfig, ToolServers
-from .server_ops import error_responses, stream_responses, tokenizer_info
+from cvllm_lab.entrypoints.openai.server_ops import (
+    add_error_handlers,
+    error_responses,
+    stream_responses,
+    tokenizer_info,
+)
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
@@ -224,40 +225,7 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
     errors = error_responses(400, *key, 404, 413, 500, 503)  # what the API routes answer (server_ops)
     app.add_middleware(BodyLimit, limit=cfg.max_request_body_bytes, containers=cfg.max_request_body_containers)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e):
-        bad = next((x for x in e.errors() if x.get('type') == 'json_invalid'), None)
-        if bad:
-            return JSONResponse(error_body(f'Malformed JSON body: {bad.get("ctx", {}).get("error", "")}'), 400)
-        return JSONResponse(validation_error_body(e.errors()), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        kind = {404: 'NotFoundError', 405: 'MethodNotAllowed', 413: 'RequestTooLargeError'}.get(
-            e.status_code, 'BadRequestError'
-        )
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code)
-
-    @app.exception_handler(ClientGone)
-    async def _gone(request, e):
-        return Response(status_code=499)
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request, e):  # the engine core is gone: the server can't serve, tell clients so
-        return JSONResponse(error_body(str(e), 'ServiceUnavailable', code=503), 503)
-
-    @app.exception_handler(EngineError)
-    async def _engine_error(request, e):
-        return JSONResponse(error_body(str(e), 'InternalServerError'), 500)
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e):
-        log.exception('Unhandled error on %s', request.url.path)
-        return JSONResponse(error_body(f'Internal server error: {e!r}', 'InternalServerError'), 500)
+    add_error_handlers(app)  # every failure in OpenAI's error shape (server_ops)
 
     @app.post('/v1/chat/completions', responses=stream_responses(ChatCompletionResponse, ChatCompletionChunk) | errors)
     async def chat(req: ChatCompletionRequest, request: Request):

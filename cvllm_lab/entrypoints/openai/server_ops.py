@@ -10,12 +10,21 @@ import asyncio
 import logging
 import time
 import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from ...engine.async_llm_engine import EngineDeadError, EngineError
+from .request_checks import error_body, validation_error_body
+from .serving_completions import APIError
+from .streams import ClientGone
 
 log = logging.getLogger('cvllm_lab.entrypoints.openai')
 
 # %% auto #0
-__all__ = ['log', 'ERROR_WHEN', 'ErrorDetail', 'ErrorResponse', 'error_responses', 'stream_responses', 'tokenizer_info', 'Server']
+__all__ = ['log', 'ERROR_WHEN', 'ErrorDetail', 'ErrorResponse', 'error_responses', 'stream_responses', 'add_error_handlers',
+           'tokenizer_info', 'Server']
 
 # %% ../../../nbs/77b_server_ops.ipynb #8da6b22f
 class ErrorDetail(BaseModel):
@@ -56,6 +65,45 @@ def stream_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict:
             'content': {'text/event-stream': {'schema': {'type': 'string'}}},
         }
     }
+
+# %% ../../../nbs/77b_server_ops.ipynb #e06b4950
+def add_error_handlers(app: FastAPI):
+    "Every failure of `app`'s routes answered in OpenAI's error shape (the status codes of `ERROR_WHEN`)."
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e):
+        bad = next((x for x in e.errors() if x.get('type') == 'json_invalid'), None)
+        if bad:
+            return JSONResponse(error_body(f'Malformed JSON body: {bad.get("ctx", {}).get("error", "")}'), 400)
+        return JSONResponse(validation_error_body(e.errors()), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        kind = {404: 'NotFoundError', 405: 'MethodNotAllowed', 413: 'RequestTooLargeError'}.get(
+            e.status_code, 'BadRequestError'
+        )
+        return JSONResponse(error_body(str(e.detail), kind), e.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e):
+        return Response(status_code=499)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request, e):  # the engine core is gone: the server can't serve, tell clients so
+        return JSONResponse(error_body(str(e), 'ServiceUnavailable', code=503), 503)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request, e):
+        return JSONResponse(error_body(str(e), 'InternalServerError'), 500)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e):
+        log.exception('Unhandled error on %s', request.url.path)
+        return JSONResponse(error_body(f'Internal server error: {e!r}', 'InternalServerError'), 500)
 
 # %% ../../../nbs/77b_server_ops.ipynb #7324d6cd
 _SKIP = object()
