@@ -105,11 +105,11 @@ def forward(self: DraftModelProposer, runs: list[tuple[list[int], int, list[int]
 def sample_from_q(logits: torch.Tensor, params: list, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
     "Per row: `q` (softmax of the filtered logits) and a token drawn from it (the argmax for a greedy request)."
     q = process_logits(logits, params, [1] * len(params)).softmax(-1)
-    e = torch.empty(q.shape).exponential_()
+    e = torch.empty_like(q).exponential_()  # on the device; a seeded request's row from its (host) generator
     for i, g in enumerate(generators):
         if g is not None:
-            e[i] = torch.empty(q.shape[1]).exponential_(generator=g)
-    drawn = (q / e.to(q.device)).argmax(-1)
+            e[i] = torch.empty(q.shape[1]).exponential_(generator=g).to(q.device)
+    drawn = (q / e).argmax(-1)
     greedy = torch.tensor([p.greedy for p in params], device=q.device)
     return q, torch.where(greedy, logits.argmax(-1), drawn)
 
