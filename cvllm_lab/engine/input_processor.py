@@ -127,6 +127,15 @@ class InputProcessor:
             raise InputError(str(e), 'messages') from None
         return (*self.render_chat(messages, *args, **kw), {'image': images})
 
+    def process_images(self, ids: list[int], multi_modal_data: dict):
+        "`(ids, MultiModalInputs)`: a prompt's images through the model's processor (57a), as `InputError`s if bad."
+        if self.mm_processor is None:
+            raise InputError('This model does not take images (multi_modal_data)', 'multi_modal_data')
+        try:
+            return self.mm_processor(ids, self.mm_processor.images_of(multi_modal_data))
+        except MediaError as e:
+            raise InputError(str(e), 'multi_modal_data') from None
+
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         "`(text, token_ids)` of a prompt given as text, token ids, or a dict with `prompt`/`prompt_token_ids`."
         return tokenize_prompt(self.tokenizer, prompt)
@@ -233,15 +242,10 @@ def process(
         )
     params = params or SamplingParams()
     text, ids = self.tokenize(prompt)
-    data = prompt.get('multi_modal_data') if isinstance(prompt, dict) else None
-    mm = None
-    if data:  # images: the model's processor expands their placeholders (57a)
-        if self.mm_processor is None:
-            raise InputError('This model does not take images (multi_modal_data)', 'multi_modal_data')
-        try:
-            ids, mm = self.mm_processor(ids, self.mm_processor.images_of(data))
-        except MediaError as e:
-            raise InputError(str(e), 'multi_modal_data') from None
+    # images: the model's processor expands their placeholders (57a), or did already (`mm_inputs`: the server's render)
+    mm, data = (prompt.get('mm_inputs'), prompt.get('multi_modal_data')) if isinstance(prompt, dict) else (None, None)
+    if data and mm is None:
+        ids, mm = self.process_images(ids, data)
     self.validate(ids, params, priority)
     if self.tokenizer is None and params.detokenize:
         params = params.clone(detokenize=False)  # no text side

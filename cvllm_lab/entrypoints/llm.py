@@ -89,18 +89,14 @@ class LLM:
     ) -> list[RequestOutput]:
         "Generate replies to one conversation (a list of messages) or a list of conversations; `chat_template`: yours, not the model's."
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        render = (
-            self.engine.input_processor.render_chat
-        )  # the server's rendering, so the same prompt as /v1/chat/completions
-        prompts = [
-            dict(
-                zip(
-                    ('prompt', 'prompt_token_ids'),
-                    render(c, tools, add_generation_prompt, False, chat_template_kwargs, chat_template, trusted=True),
-                )
+        # the server's rendering, so the same prompt as /v1/chat/completions; image parts load here (57a)
+        render = self.engine.input_processor.render_chat_mm
+        prompts = []
+        for c in convs:
+            text, ids, mm = render(
+                c, tools, add_generation_prompt, False, chat_template_kwargs, chat_template, trusted=True
             )
-            for c in convs
-        ]
+            prompts.append(dict(prompt=text, prompt_token_ids=ids) | ({} if mm is None else {'multi_modal_data': mm}))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ from .openai.serving_embeddings import add_pooling_args, pooling_kwargs
 from .openai.api_server import ServerConfig
 from .openai.serving_lora import add_lora_args, lora_engine_kwargs, lora_server_kwargs
 from ..engine.kv_offload import add_kv_offload_args, kv_offload_kwargs
+from ..utils.multimodal import add_mm_args, mm_kwargs
 from .openai.tool_server import add_tool_server_args, tool_server_config
 from .openai.protocol import DEFAULT_MAX_N
 from ..quant.apply import METHODS
@@ -105,6 +106,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     g.add_argument('--mem', type=int, help='candle-vllm: KV cache size in MB (wins over the fractions)')
     add_kv_offload_args(g)  # vLLM's CPU tier for KV blocks (10a)
+    add_mm_args(g)  # images: vLLM's per-prompt limit and local folder (57a)
     g.add_argument(
         '--kv-cache-dtype',
         choices=list(KV_CACHE_DTYPES),
@@ -399,6 +401,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_cache_memory=args.mem << 20 if args.mem else None,
         **kv_offload_kwargs(args),
+        **mm_kwargs(args),
         enforce_eager=args.enforce_eager,
         enable_sleep_mode=args.enable_sleep_mode,
         async_scheduling=args.async_scheduling,

@@ -22,7 +22,7 @@ import functools
 __all__ = ['IMAGE_FETCH_TIMEOUT', 'MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'MROPE_ARCHS', 'MediaError', 'decode_image', 'fetch_url',
            'load_image', 'parse_limit_mm_per_prompt', 'check_image_count', 'extract_images', 'mrope_positions',
            'ImageItem', 'MultiModalInputs', 'image_hash', 'expand_image_tokens', 'process_images', 'is_multimodal',
-           'MultiModalProcessor']
+           'MultiModalProcessor', 'add_mm_args', 'mm_kwargs']
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #caa46f6f
 class MediaError(ValueError):
@@ -312,3 +312,21 @@ class MultiModalProcessor:
     def __call__(self, ids: list[int], images: list) -> tuple[list[int], MultiModalInputs]:
         rope = lambda ids, grids: mrope_positions(ids, self.image_token_id, grids, self.merge)
         return process_images(self.image_processor, ids, images, self.image_token_id, rope)
+
+# %% ../../nbs/57a_multimodal_inputs.ipynb #60258c05
+def add_mm_args(g):
+    "vLLM's `--limit-mm-per-prompt` and `--allowed-local-media-path` on an argparse group."
+    g.add_argument(
+        '--limit-mm-per-prompt',
+        help='images one prompt may carry, as JSON: \'{"image": 4}\' (default: one; a vision-language model)',
+    )
+    g.add_argument(
+        '--allowed-local-media-path',
+        help='a folder whose files requests may name as file:// image URLs (default: none)',
+    )
+
+
+def mm_kwargs(args) -> dict:
+    if args.limit_mm_per_prompt is not None:
+        parse_limit_mm_per_prompt(args.limit_mm_per_prompt)  # a bad value fails at start-up, by name
+    return dict(limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_local_media_path=args.allowed_local_media_path)

@@ -200,7 +200,7 @@ async def count_tokens(srv, request: Request):
     try:
         req = to_chat_request(await parse_body(request, CountTokensRequest))
         srv.check(req)
-        _, ids = await asyncio.to_thread(srv.render, req)
+        _, ids, _ = await asyncio.to_thread(srv.render, req)
     except Exception as e:
         err = as_messages_error(e)
         return JSONResponse(err.body(), err.status)

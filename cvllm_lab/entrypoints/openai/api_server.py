@@ -331,17 +331,19 @@ def build_app(aengine: AsyncLLM, cfg: ServerConfig | None = None) -> FastAPI:
 
 # %% ../../../nbs/77_api_server.ipynb #46cfcbfd
 @patch
-def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    "The prompt text and token ids of a chat request (blocking: the handlers run it in a worker thread)."
+def render(self: OpenAIServing, req: ChatCompletionRequest) -> tuple:
+    """The prompt text, token ids and images (`MultiModalInputs` or None, 57a: loaded, processed, placeholders
+    expanded) of a chat request (blocking: the handlers run it in a worker thread)."""
     try:  # the input processor's rendering: the offline LLM.chat renders a conversation the same way
         self.ip.check_chars(sum(len(m.text) for m in req.messages), 'messages')  # before any templating
-        return self.ip.render_chat(
+        text, ids, data = self.ip.render_chat_mm(
             req.template_messages(),
             req.template_tools(),
             req.add_generation_prompt,
             req.continue_final_message,
             req.template_kwargs(),
         )
+        return (text, ids, None) if data is None else (text, *self.ip.process_images(ids, data))
     except InputError as e:
         raise self.input_error(e, 'messages') from None
 
@@ -365,12 +367,20 @@ def sampling_params(self: OpenAIServing, req, n_prompt: int, param: str) -> Samp
 
 @patch
 def process(
-    self: OpenAIServing, rid: str, prompt: str | None, ids: list[int], params: SamplingParams, priority: int, param: str
+    self: OpenAIServing,
+    rid: str,
+    prompt: str | None,
+    ids: list[int],
+    params: SamplingParams,
+    priority: int,
+    param: str,
+    mm=None,
 ):
     "The input processor's one pass over a request (token ids, limits, sampling fields, priority), before any grammar is built."
     try:
         lora = self.loras.current()  # the adapter `check` found for the request's `model` (77k)
-        return self.ip.process(rid, {'prompt': prompt, 'prompt_token_ids': ids}, params, None, priority, lora)
+        p = {'prompt': prompt, 'prompt_token_ids': ids, 'mm_inputs': mm}  # mm: the images `render` processed
+        return self.ip.process(rid, p, params, None, priority, lora)
     except InputError as e:
         raise self.input_error(e, param) from None
 

@@ -27,9 +27,10 @@ from cvllm_lab.entrypoints.openai.request_checks import (
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS', 'MAX_PARTS',
-           'MAX_PROMPTS', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ChatMessageParam',
-           'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat',
-           'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
+           'MAX_PROMPTS', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ImageURL',
+           'ImageURLPart', 'ChatMessageParam', 'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice',
+           'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest',
+           'to_sampling_kwargs']
 
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
 DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
@@ -60,11 +61,21 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str  # data: base64, http(s), or file:// under --allowed-local-media-path (57a)
+    detail: Literal['auto', 'low', 'high'] | None = None
+
+
+class ImageURLPart(StrictModel):
+    type: Literal['image_url'] = 'image_url'
+    image_url: ImageURL
+
+
 class ChatMessageParam(OpenAIBaseModel):
     "One message of a chat request."
 
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -79,10 +90,10 @@ class ChatMessageParam(OpenAIBaseModel):
             raise ValueError('content must be a string or an array of content parts')
         for p in v:
             t = p.get('type') if isinstance(p, dict) else None
-            if t != 'text':
+            if t not in ('text', 'image_url'):  # images: a vision model's (57a); others refuse them when rendering
                 raise ValueError(
                     f'content part type {t!r} is not supported: this server accepts only text '
-                    "content (a string or parts of type 'text')"
+                    'and image_url content parts'
                 )
         return v
 
@@ -91,11 +102,17 @@ class ChatMessageParam(OpenAIBaseModel):
         "The content as one string (text parts joined by newlines)."
         if self.content is None:
             return ''
-        return self.content if isinstance(self.content, str) else '\n'.join(p.text for p in self.content)
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else '\n'.join(p.text for p in self.content if p.type == 'text')
+        )
 
     def template_dict(self) -> dict:
         "The message as chat templates expect it: string content, tool-call arguments parsed to dicts."
         d = {'role': self.role, 'content': self.text}
+        if isinstance(self.content, list) and any(p.type == 'image_url' for p in self.content):
+            d['content'] = [p.model_dump(exclude_none=True) for p in self.content]  # parts: images load later (57a)
         for k in ('name', 'tool_call_id', 'reasoning_content'):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)

@@ -116,7 +116,9 @@ async def beam_completion(self: CompletionHandlers, req: CompletionRequest, requ
 async def beam_chat(self: CompletionHandlers, req: ChatCompletionRequest, request: Request) -> Response:
     "`/v1/chat/completions` with `use_beam_search`: the rendered conversation's search, each choice parsed as a chat answer."
     self.check(req)
-    prompt, ids = await asyncio.to_thread(self.render, req)
+    prompt, ids, mm = await asyncio.to_thread(self.render, req)
+    if mm is not None:
+        raise APIError('Beam search does not take images yet', param='messages')
     parser = get_tool_parser(self.tool_parser, req.tools) if req.tools and req.tool_choice != 'none' else None
     reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning else None
     ctx, rid = ChatCtx(req, prompt, parser, reasoning), random_id('chatcmpl-')

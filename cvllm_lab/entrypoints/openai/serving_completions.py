@@ -95,7 +95,7 @@ async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tup
         raise APIError(
             'tool_choice "required" or a named function is not supported for a harmony model', param='tool_choice'
         )
-    prompt, ids = await asyncio.to_thread(self.render, req)
+    prompt, ids, mm = await asyncio.to_thread(self.render, req)  # images loaded and processed there too (57a)
     parser = None
     if req.tools and req.tool_choice != 'none' and not self.harmony:
         parser = get_tool_parser('json' if forced else self.tool_parser, req.tools)
@@ -108,7 +108,7 @@ async def open_chat(self: CompletionHandlers, req: ChatCompletionRequest) -> tup
     if self.harmony:  # the headers must reach the parser, and the model stops after a final answer or a call
         sp.skip_special_tokens = False
         sp.stop_token_ids = sp.stop_token_ids + [t for t in self.harmony_stops if t not in sp.stop_token_ids]
-    core_req, _, params = self.process(rid, prompt, ids, sp, req.priority, 'messages')
+    core_req, _, params = self.process(rid, prompt, ids, sp, req.priority, 'messages', mm)
     procs = await self.logits_processors(req, schema)  # a grammar is built only for a request that passed every check
     reasoning = ReasoningParser.for_prompt(prompt, self.reasoning) if self.reasoning and not self.harmony else None
     ctx = ChatCtx(req, prompt, parser, reasoning, HarmonyChatParser() if self.harmony else None)
