@@ -31,13 +31,14 @@ def process_logits(logits: torch.Tensor, params: list, counts: list[int]) -> tor
 
 # %% ../../nbs/23b_rejection_sampler.ipynb #1307d206
 def _uniform_and_exp(B: int, K: int, V: int, generators, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    "Per request: `K` uniforms and `V` Exp(1) draws, from its generator when it has one."
-    u, e = torch.rand(B, K), torch.empty(B, V).exponential_()
+    """Per request: `K` uniforms and `V` Exp(1) draws, from its (host) generator when it has one. The rest are drawn on
+    `dev`: a [B, V] host draw and copy would cost milliseconds a step at a real vocabulary on a GPU."""
+    u, e = torch.rand(B, K, device=dev), torch.empty(B, V, device=dev).exponential_()
     for b, g in enumerate(generators or []):
         if g is not None:
-            u[b] = torch.rand(K, generator=g)
-            e[b] = torch.empty(V).exponential_(generator=g)
-    return u.to(dev), e.to(dev)
+            u[b] = torch.rand(K, generator=g).to(dev)
+            e[b] = torch.empty(V).exponential_(generator=g).to(dev)
+    return u, e
 
 
 def rejection_sample(
