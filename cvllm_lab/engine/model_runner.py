@@ -353,8 +353,10 @@ def _forward(
     mm = getattr(self.model, 'step_inputs', None)  # a vision-language model: M-RoPE positions, image rows (31b)
     with set_forward_context(ctx):
         if mm is not None:
-            ns = [so.num_scheduled_tokens[r.request_id] for r in so.scheduled]
-            h = self.model(ids, *mm(so.scheduled, [r.num_computed_tokens for r in so.scheduled], ns, ids))
+            qsl = np.asarray(b.query_start_loc)  # each request's rows: from its first position (the host's copy)
+            h = self.model(
+                ids, *mm(so.scheduled, np.asarray(b.positions)[qsl[:-1]].tolist(), np.diff(qsl).tolist(), ids)
+            )
         else:
             h = self.model(ids, pos)
     b.rows_kept = ctx.keep_rows is not None and h.shape[0] == n
