@@ -164,6 +164,20 @@ ENV_VARS = [
         'CVLLM_LAB_COMMIT', None, str, 'the commit a benchmark row names, for a copy without `.git`', 'bench.offline'
     ),
     EnvVar(
+        'VLLM_IMAGE_FETCH_TIMEOUT',
+        '5',
+        float,
+        "vLLM's: seconds the API process waits for an http(s) image URL of a request",
+        'utils.multimodal',
+    ),
+    EnvVar(
+        'CVLLM_LAB_MAX_IMAGE_BYTES',
+        str(20 << 20),
+        int,
+        'encoded bytes one image of a request may have (a data: URL, a fetched body, a file): more is a 400',
+        'utils.multimodal',
+    ),
+    EnvVar(
         'TRITON_INTERPRET',
         None,
         str,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import os
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -17,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import functools
+from .. import envs
 
 # %% auto #0
-__all__ = ['IMAGE_FETCH_TIMEOUT', 'MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'MROPE_ARCHS', 'MediaError', 'decode_image', 'fetch_url',
-           'load_image', 'parse_limit_mm_per_prompt', 'check_image_count', 'extract_images', 'mrope_positions',
-           'ImageItem', 'MultiModalInputs', 'image_hash', 'expand_image_tokens', 'process_images', 'is_multimodal',
+__all__ = ['MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'MROPE_ARCHS', 'MediaError', 'decode_image', 'fetch_url', 'load_image',
+           'parse_limit_mm_per_prompt', 'check_image_count', 'extract_images', 'mrope_positions', 'ImageItem',
+           'MultiModalInputs', 'image_hash', 'expand_image_tokens', 'process_images', 'is_multimodal',
            'MultiModalProcessor', 'add_mm_args', 'mm_kwargs']
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #caa46f6f
@@ -29,8 +29,7 @@ class MediaError(ValueError):
     "A bad image in a request (not an image, too large, a URL that fails, too many): the API's 400."
 
 
-IMAGE_FETCH_TIMEOUT = float(os.environ.get('VLLM_IMAGE_FETCH_TIMEOUT', '5'))  # seconds, vLLM's variable
-MAX_IMAGE_BYTES = int(os.environ.get('CVLLM_LAB_MAX_IMAGE_BYTES', str(20 << 20)))  # encoded bytes per image
+MAX_IMAGE_BYTES = envs.CVLLM_LAB_MAX_IMAGE_BYTES  # encoded bytes per image (01a)
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height; past it PIL's decompression-bomb guard would warn
 
 
@@ -55,7 +54,7 @@ def fetch_url(url: str, timeout: float | None = None, max_bytes: int | None = No
     "GET an http(s) URL with a timeout, reading at most `max_bytes` (+1 to tell a larger body)."
     cap = max_bytes or MAX_IMAGE_BYTES
     try:
-        with urllib.request.urlopen(url, timeout=timeout or IMAGE_FETCH_TIMEOUT) as r:
+        with urllib.request.urlopen(url, timeout=timeout or envs.VLLM_IMAGE_FETCH_TIMEOUT) as r:
             data = r.read(cap + 1)
     except Exception as e:
         raise MediaError(f'Could not fetch the image URL {url[:200]!r}: {e}') from None
