@@ -15,6 +15,7 @@ from ..layers.basic import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_parameters
 from .llama import LlamaAttention, LlamaDecoderLayer
 from .qwen import Qwen2ForCausalLM
+from ..utils.parallel_state import get_tensor_model_parallel_world_size
 
 # %% auto #0
 __all__ = ['MRotaryEmbedding', 'MRopeAttention', 'MRopeDecoderLayer', 'vision_rotary', 'window_index', 'image_seqlens',
@@ -219,6 +220,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def __init__(self, config, max_model_len: int | None = None, attention_backend: str = 'torch'):
         nn.Module.__init__(self)
+        if get_tensor_model_parallel_world_size() > 1:  # the tower is not sharded, the workers get no images yet
+            raise NotImplementedError('Qwen2_5_VLForConditionalGeneration at tensor parallel > 1 is not supported yet')
         tc = config.text_config
         tc.tie_word_embeddings = getattr(config, 'tie_word_embeddings', False)
         self.config, self.mm_config = tc, config

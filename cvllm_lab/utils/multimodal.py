@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import functools
-from .. import envs
+import cvllm_lab.envs as envs
 
 # %% auto #0
 __all__ = ['MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'MROPE_ARCHS', 'MediaError', 'decode_image', 'fetch_url', 'load_image',
