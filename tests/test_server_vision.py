@@ -8,9 +8,11 @@ in notebook 31b); bad images are 400s in OpenAI's error shape and leave the serv
 
 from __future__ import annotations
 import base64
+import json
 import http.server
 import io
 import threading
+from pathlib import Path
 import httpx
 import numpy as np
 import pytest
@@ -122,6 +124,7 @@ def server(model):
         '{"image": 2}',
         '--allowed-local-media-path',
         str(media),
+        '--ui-server',
     ) as s:
         yield s
 
@@ -197,3 +200,33 @@ def test_bad_images_are_400(server, model, web):
     _err(post(server, ask(good), use_beam_search=True, n=2), 'Beam search')
     r = post(server, ask(good))  # and the server goes on serving
     assert r.status_code == 200, r.text
+
+
+def test_chat_page_attaches_an_image(server, model):
+    "The web page's Image button: the picture is shown, sent as an image_url part, and the answer is the API's."
+    chromium = Path('/usr/bin/chromium')
+    if not chromium.exists():
+        pytest.skip('Debian chromium is not installed (apt-get install -y chromium chromium-driver)')
+    sync_api = pytest.importorskip('playwright.sync_api', reason='the playwright Python package is not installed')
+    d, media = model
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(chromium), args=['--headless', '--no-sandbox', '--disable-gpu'])
+        pg = b.new_page()
+        pg.goto(server.url + '/')
+        pg.wait_for_function("document.querySelectorAll('#model option').length > 0")
+        for k, v in (('temperature', 0), ('max_tokens', 8)):
+            pg.fill(f'#{k}', str(v))
+            pg.dispatch_event(f'#{k}', 'change')
+        pg.set_input_files('#image', str(media / 'a.png'))
+        pg.wait_for_function("document.querySelectorAll('#attached img').length === 1")
+        pg.fill('#prompt', 'w5 w6')
+        pg.click('#send')
+        pg.wait_for_function("JSON.parse(localStorage.getItem('cvllm.history') || '[]').length === 2")
+        assert len(pg.query_selector_all('.msg.user img.att')) == 1
+        assert pg.query_selector_all('#attached img') == []  # sent: nothing attached to the next message
+        history = json.loads(pg.evaluate("localStorage.getItem('cvllm.history')"))
+        b.close()
+    assert history[0]['images'][0].startswith('data:image/png;base64,')
+    want = post(server, ask(data_url((media / 'a.png').read_bytes())), ignore_eos=False)
+    assert want.status_code == 200, want.text
+    assert history[1]['content'] == want.json()['choices'][0]['message']['content']
