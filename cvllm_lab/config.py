@@ -90,6 +90,7 @@ KV_CACHE_DTYPES = {
     'bfloat16': torch.bfloat16,
     'fp8': torch.float8_e4m3fn,
     'fp8_e4m3': torch.float8_e4m3fn,
+    'int4': torch.uint8,  # two 4-bit codes per byte + fp16 scales per 32 of the head dim (`44a_kv4`)
 }
 
 # %% ../nbs/00_config.ipynb #3ade8aa7
@@ -144,7 +145,7 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = 'native'
     attention_backend: str = 'auto'  # 'torch' | 'triton'
-    kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales)
+    kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales) | 'int4'
     enforce_eager: bool = False
     enable_sleep_mode: bool = False  # vLLM's: sleep() / wake_up() may give the device memory back (51c_sleep)
     async_scheduling: bool | None = None  # None: on for CUDA, off for CPU (where nothing overlaps)
@@ -298,7 +299,7 @@ class EngineConfig:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        "Storage dtype of the KV cache: the model dtype, or `float8_e4m3fn`."
+        "Storage dtype of the KV cache: the model dtype, `float8_e4m3fn`, or `uint8` (int4: packed codes)."
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @property

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_lab.kernels.kv_cache_int4 import KV4_DTYPE, quantize_kv4_ref, reshape_and_cache_int4, rotate_kv4
+
 __all__ = [
     'reshape_and_cache',
     'reshape_and_cache_ref',
@@ -61,7 +63,10 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=No
     slots = slot_mapping[keep].long()
     for x, cache, sc in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         x = x[keep]
-        if cache.dtype == FP8_DTYPE:
+        if cache.dtype == KV4_DTYPE:  # int4: packed codes and fp16 group scales (`kv_cache_int4`)
+            x, s = quantize_kv4_ref(rotate_kv4(x.float()), x.shape[-1] // sc.shape[-1])
+            sc.view(-1, *sc.shape[2:]).index_copy_(0, slots, s)
+        elif cache.dtype == FP8_DTYPE:
             x, s = quantize_kv_ref(x)
             sc.view(-1, sc.shape[-1]).index_copy_(0, slots, s)
         _write_rows(cache, slots, x)
@@ -220,6 +225,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, 
     T, Hkv, D = key.shape
     if T == 0:
         return
+    if k_cache.dtype == KV4_DTYPE:
+        return reshape_and_cache_int4(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     fp8 = check_fp8_scales(k_cache, k_scale, v_scale)
     _reshape_and_cache_kernel[(T,)](

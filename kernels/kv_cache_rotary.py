@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from cvllm_lab.kernels.kv_cache import check_fp8_scales, reshape_and_cache_ref, store_kv
+from cvllm_lab.kernels.kv_cache_int4 import KV4_DTYPE, reshape_and_cache_int4
 from cvllm_lab.kernels.pdl import pdl_kw, pdl_launch, pdl_wait
 from cvllm_lab.kernels.rotary import rotary_pairs, rotate_heads, apply_rotary_ref
 
@@ -217,6 +218,27 @@ def rotary_and_cache(
     )
     if T == 0:
         return q if q_out is None else q_out
+    if k_cache.dtype == KV4_DTYPE:  # int4: this kernel rotates (no slot written), `reshape_and_cache_int4` writes
+        kr = torch.empty(key.shape, dtype=key.dtype, device=key.device) if k_out is None else k_out
+        none = torch.full_like(slot_mapping, -1)
+        qo = rotary_and_cache(
+            q,
+            key,
+            value,
+            positions,
+            cos_sin_cache,
+            head_dim,
+            is_neox,
+            kr[None],
+            kr[None],
+            none,
+            k_out=kr,
+            q_out=q_out,
+            rms=rms,
+        )  # kr[None]: a stand-in cache, never written
+        v = value if rms is None else value * torch.rsqrt(rms[0] / rms[1] + rms[2])[:, None, None]
+        reshape_and_cache_int4(kr, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return qo
     fp8 = check_fp8_scales(k_cache, k_scale, v_scale)
     ko = key if k_out is None else k_out
     qo = q if q_out is None else q_out

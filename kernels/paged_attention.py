@@ -33,6 +33,10 @@ FP8 KV cache (`kv_cache_dtype='fp8'`, written by `kv_cache`): the caches are `fl
 The cache writes (`reshape_and_cache` of `kv_cache`, `rotary_and_cache` of `kv_cache_rotary`) are re-exported here;
 how the kernel reads the scales is told in `paged_attention_kernel`.
 
+Int4 KV cache (`kv_cache_dtype='int4'`, `kv_cache_int4`): `uint8` caches `[num_blocks, block_size, Hkv, D // 2]` of
+packed 4-bit codes and fp16 scales `[num_blocks, block_size, Hkv, D // group]`; the kernel dequantizes each K and V
+tile as it loads it (constexpr `KV4`), the reference through `dequantize_kv4_ref`.
+
 Logit soft-capping (`softcap`, Gemma 2's `attn_logit_softcapping`): each score becomes `cap * tanh(s / cap)`
 before the causal / sliding-window mask and the softmax (in the kernel behind a constexpr flag, `SOFTCAP`).
 
@@ -63,6 +67,7 @@ from cvllm_lab.kernels.kv_cache import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
+from cvllm_lab.kernels.kv_cache_int4 import KV4_DTYPE, check_kv4_scales, dequantize_kv4_ref, rotate_kv4
 from cvllm_lab.kernels.kv_cache_rotary import rotary_and_cache, rotary_and_cache_ref
 from cvllm_lab.kernels.paged_attention_kernel import merge_splits_kernel, paged_attention_kernel
 from cvllm_lab.kernels.pdl import pdl_kw
@@ -125,14 +130,23 @@ def _dense_attention(q, k, v, qpos, kv_len, scale, sliding_window, softcap=None,
 
 
 def _gather_kv(cache, block_tables, n, scale=None):
-    "Dense `[B, Hkv, n, D]` view of the first `n` tokens of each sequence (FP8: dequantized to fp32 with `scale`)."
+    """Dense `[B, Hkv, n, D]` view of the first `n` tokens of each sequence (FP8 / int4: dequantized to fp32 with
+    `scale`)."""
     bs = cache.shape[1]
     nblk = (n + bs - 1) // bs
     idx = block_tables[:, :nblk].long()
-    g = cache[idx]  # [B, nblk, bs, Hkv, D]
-    if scale is not None:
+    g = cache[idx]  # [B, nblk, bs, Hkv, D] (int4: D // 2 bytes)
+    if cache.dtype == KV4_DTYPE:
+        g = dequantize_kv4_ref(g, scale[idx])
+    elif scale is not None:
         g = g.float() * scale[idx][..., None]
-    return g.reshape(g.shape[0], nblk * bs, *cache.shape[2:])[:, :n].transpose(1, 2)
+    return g.reshape(g.shape[0], nblk * bs, *g.shape[3:])[:, :n].transpose(1, 2)
+
+
+def _unrotate(o, out):
+    "The output of attention over int4 (rotated) rows, rotated back (into `out` if given)."
+    o = rotate_kv4(o, inverse=True)
+    return o if out is None else out.copy_(o)
 
 
 REF_SCORE_BUDGET = 1 << 26  # fp32 scores per query chunk of the reference's prefill path (256 MiB)
@@ -155,6 +169,7 @@ def paged_attention_ref(
     out=None,
     sinks=None,
     attention_chunk_size: int | None = None,
+    _rotated: bool = False,
 ):
     """Causal attention of varlen queries over paged K/V; returns `[num_tokens, num_heads, head_dim]` (in `out` if given).
     Single-token queries (decode) are batched together; longer ones go one sequence at a time, in query
@@ -165,8 +180,28 @@ def paged_attention_ref(
     a learned logit per head added to every softmax's denominator. `attention_chunk_size` (Llama 4): a query at
     position `p` sees the keys from `p // C * C` to `p`, its own chunk."""
     C = attention_chunk_size
-    if k_cache.dtype == FP8_DTYPE:
-        assert k_scale is not None and v_scale is not None, 'an FP8 cache needs its scales'
+    if k_cache.dtype in (FP8_DTYPE, KV4_DTYPE):
+        assert k_scale is not None and v_scale is not None, 'an FP8 / int4 cache needs its scales'
+    if k_cache.dtype == KV4_DTYPE and not _rotated:  # int4 rows are rotated: attend with q rotated, rotate back
+        o = paged_attention_ref(
+            rotate_kv4(q),
+            k_cache,
+            v_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale,
+            sliding_window,
+            max_query_len,
+            max_seq_len,
+            k_scale,
+            v_scale,
+            softcap,
+            sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
+            _rotated=True,
+        )
+        return _unrotate(o, out)
     T, H, D = q.shape
     qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
     B, dev = len(sl), q.device
@@ -276,6 +311,7 @@ def paged_attention(
     config: dict | None = None,
     sinks=None,
     attention_chunk_size: int | None = None,
+    _rotated: bool = False,
 ):
     """Triton `paged_attention_ref` for mixed batches (prefill, chunked prefill, decode), GQA, fp32/fp16/bf16
     queries over a cache of the same dtype or FP8 (with `k_scale`/`v_scale` `[num_blocks, block_size, Hkv]`).
@@ -294,6 +330,30 @@ def paged_attention(
     assert H % Hkv == 0, (H, Hkv)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     fp8 = check_fp8_scales(k_cache, k_scale, v_scale)
+    kv4 = check_kv4_scales(k_cache, k_scale, v_scale)  # int4: packed codes, a scale per group of the head dim
+    if kv4 and not _rotated:  # int4 rows are rotated: attend with q rotated, rotate the output back
+        o = paged_attention(
+            rotate_kv4(q),
+            k_cache,
+            v_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale,
+            sliding_window,
+            max_query_len,
+            max_seq_len,
+            None,
+            num_kv_splits,
+            k_scale,
+            v_scale,
+            softcap,
+            config,
+            sinks,
+            attention_chunk_size,
+            _rotated=True,
+        )
+        return _unrotate(o, out)
     if out is None:
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
@@ -351,8 +411,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        k_scale if fp8 else q,
-        v_scale if fp8 else q,
+        k_scale if fp8 or kv4 else q,
+        v_scale if fp8 or kv4 else q,
         q if sinks is None else sinks.float().contiguous(),
         qk_scale,
         float(softcap or 1.0),
@@ -386,6 +446,8 @@ def paged_attention(
         PRECISION=precision,
         DOT_F32=dot_f32,
         FP8_KV=fp8,
+        KV4=kv4,
+        KV4_GROUP=D // k_scale.shape[-1] if kv4 else 1,
         SOFTCAP=bool(softcap),
         SINKS=sinks is not None,
         num_warps=warps,

@@ -21,6 +21,11 @@ Data flow: `q [T, H, D]`, the paged caches (and FP8 scales), `query_start_loc`, 
 FP8 KV cache: the attention kernel folds the key scales into the fp32 scores, `s_j = (q . k8_j) * ks_j` (the same
 sum, one multiply per score), and dequantizes each V tile in fp32 before `P @ V`, which runs in q's dtype.
 
+Int4 KV cache (`KV4`): element `d` of a cached row is the nibble `d % 2` of byte `d // 2`, a code `c` in 0..15 whose
+value is `(c - 8) * scale[d // KV4_GROUP]` (fp16 scales per group of the head dim, at `(slot * Hkv + head) * NG`).
+Each K and V tile is dequantized in fp32 as it is loaded, cast to q's dtype, and the dots run as for a
+bf16 cache: the scales vary along the head dim, so they cannot be folded into the scores as FP8's are.
+
 Attention sinks (`SINKS`, gpt-oss): a per-head logit in the denominator only. Split 0 starts its recurrence from
 `m = sink * log2(e)`, `l = 1`, `acc = 0` (a key of score `sink` and value 0), the other splits from `-inf, 0, 0`, so
 the merge needs nothing new.
@@ -94,6 +99,8 @@ def paged_attention_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast bf16 dot operands (the Triton interpreter mis-multiplies bf16)
     FP8_KV: tl.constexpr,  # float8_e4m3fn caches with per-row scales; dots run in q's dtype
+    KV4: tl.constexpr,  # int4 caches: uint8 [.., D // 2] packed codes, fp16 scales per KV4_GROUP elements
+    KV4_GROUP: tl.constexpr,
     SOFTCAP: tl.constexpr,  # tanh soft-capping of the scores (Gemma 2)
     SINKS: tl.constexpr,  # a learned per-head logit in every softmax's denominator (gpt-oss)
     PDL: tl.constexpr,
@@ -139,6 +146,11 @@ def paged_attention_kernel(
         token = (q_start + q_idx).to(tl.int64)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < head_dim
+        col = offs_d  # the element's column in a cache row (int4: its byte; the nibble is d % 2)
+        if KV4:
+            col = offs_d // 2
+            shift = ((offs_d % 2) * 4)[None, :]
+            n_groups = head_dim // KV4_GROUP
         q = tl.load(
             q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
             mask=row_ok[:, None] & d_ok[None, :],
@@ -177,10 +189,15 @@ def paged_attention_kernel(
             page_off = offs_n % PAGE
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(
-                k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None] + offs_d[None, :],
+                k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None] + col[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
+            if KV4:  # dequantize the tile: (code - 8) * its group's scale
+                sc_row = ((blk * PAGE + page_off) * num_kv_heads + kvh) * n_groups  # the row's first scale
+                sc_idx = sc_row[:, None] + (offs_d // KV4_GROUP)[None, :]
+                k_sc = tl.load(k_scale_ptr + sc_idx, mask=kv_mask, other=0.0).to(tl.float32)
+                k = ((((k.to(tl.int32) >> shift) & 15) - 8).to(tl.float32) * k_sc).to(q.dtype)
             if FP8_KV:
                 k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
                 scale_idx = (blk * PAGE + page_off) * num_kv_heads + kvh
@@ -205,10 +222,13 @@ def paged_attention_kernel(
             p = tl.math.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None] + offs_d[None, :],
+                v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None] + col[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
+            if KV4:
+                v_sc = tl.load(v_scale_ptr + sc_idx, mask=kv_mask, other=0.0).to(tl.float32)
+                v = ((((v.to(tl.int32) >> shift) & 15) - 8).to(tl.float32) * v_sc).to(q.dtype)
             if FP8_KV:  # dequantize the tile in fp32 (folding vs into p could underflow fp16 probabilities)
                 v_scale = tl.load(v_scale_ptr + scale_idx, mask=n_ok, other=0.0)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)

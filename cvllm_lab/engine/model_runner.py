@@ -126,6 +126,8 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
 
     @property
     def kv_cache_desc(self) -> str:
+        if self.kv_dtype == torch.uint8:
+            return 'int4 (two per byte) + fp16 scale per 32 of the head dim, per token and KV head'
         return (
             'fp8 e4m3 + fp32 scale per token and KV head' if self.fp8_kv else str(self.kv_dtype).removeprefix('torch.')
         )

@@ -110,7 +110,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument(
         '--kv-cache-dtype',
         choices=list(KV_CACHE_DTYPES),
-        help='KV cache storage: auto (the model dtype, default) or fp8 = fp8_e4m3 (with a scale per token and KV head)',
+        help='KV cache storage: auto (the model dtype), fp8 = fp8_e4m3, int4 (4-bit + fp16 scale per 32; notebook 44a)',
     )
     g.add_argument('--fp8-kvcache', action='store_true', help='candle-vllm: FP8 KV cache (= --kv-cache-dtype fp8)')
     g.add_argument(

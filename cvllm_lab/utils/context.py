@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
 import torch
+from ..kernels.kv_cache_int4 import KV4_DTYPE, KV4_SCALE_DTYPE, kv4_group, kv4_rotation
 from cvllm_lab.utils.kv_cache_spec import (
     KVCacheSpec,
     FullAttentionSpec,
@@ -174,9 +175,13 @@ class DecodeSplit:
 # %% ../../nbs/12_forward_context.ipynb #bc033ab3
 def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
     """Cache bytes one token takes in attention `layer`: a row of its own `kv_cache_shape`, else K and V of every KV
-    head; FP8 adds a 4-byte scale per row (per KV head; per latent row for a layer with its own shape)."""
+    head; FP8 adds a 4-byte scale per row (per KV head; per latent row for a layer with its own shape); int4 (`uint8`)
+    is half a byte per element and a 2-byte scale per group of the head dim (`kernels/kv_cache_int4`)."""
     es = torch.empty(0, dtype=dtype).element_size()
     scale = 4 if dtype == torch.float8_e4m3fn else 0
+    if dtype == KV4_DTYPE and not hasattr(layer, 'kv_cache_shape'):
+        D = layer.head_dim
+        return 2 * layer.num_kv_heads * (D // 2 + 2 * (D // kv4_group(D)))
     if hasattr(layer, 'kv_cache_shape'):
         shape = layer.kv_cache_shape(1, 1)
         return math.prod(shape) * es + scale * math.prod(shape[:-1])
@@ -224,6 +229,17 @@ def kv_cache_bytes_per_token(layers, groups: list[KVCacheGroupSpec] | None = Non
 def _new_kv_cache(a, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     "One layer's `(kv_cache, kv_scale)` for `num_blocks` blocks (zeros: a never-written block reads as finite values)."
     fp8 = dtype == torch.float8_e4m3fn
+    if dtype == KV4_DTYPE:  # int4: packed codes [.., D // 2] and fp16 scales per group of the head dim
+        if hasattr(a, 'kv_cache_shape'):
+            raise NotImplementedError(
+                f"kv_cache_dtype='int4' is not built for {type(a).__name__}'s own cache layout (the MLA latent cache)"
+            )
+        shape, g = (2, num_blocks, block_size, a.num_kv_heads), kv4_group(a.head_dim)
+        kv4_rotation(a.head_dim, device)  # its rotation, made now (not first inside a CUDA graph capture)
+        return (
+            torch.zeros(*shape, a.head_dim // 2, dtype=dtype, device=device),
+            torch.zeros(*shape, a.head_dim // g, dtype=KV4_SCALE_DTYPE, device=device),
+        )
     if hasattr(a, 'kv_cache_shape'):  # a layer with its own layout (MLA's latent rows; FP8: one fp32 scale per row)
         shape = a.kv_cache_shape(num_blocks, block_size)
         return (
