@@ -135,9 +135,13 @@ class VisionAttention(nn.Module):
         q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
         out = torch.empty_like(q)
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one segment at a time: no mask, no padding
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+        by_len: dict[int, list[int]] = {}  # segments of one length run as one batch: no mask, no padding
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            by_len.setdefault(b - a, []).append(a)
+        for n, starts in by_len.items():
+            rows = (torch.tensor(starts, device=x.device)[:, None] + torch.arange(n, device=x.device)).flatten()
+            qs, ks, vs = (t[rows].view(len(starts), n, self.heads, self.hd).transpose(1, 2) for t in (q, k, v))
+            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(-1, self.heads, self.hd)
         return self.proj(out.reshape(N, -1))
 
 
@@ -180,7 +184,7 @@ class PatchMerger(nn.Module):
     def forward(self, x):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
-# %% ../../nbs/31b_qwen2_5_vl.ipynb #0db15567
+# %% ../../nbs/31b_qwen2_5_vl.ipynb #88ae4a68
 class Qwen2_5_VisionTransformer(nn.Module):
     """Qwen2.5-VL's vision tower: patch embedding (a Conv3d with stride = kernel, i.e. one matmul per flattened
     patch), blocks with window attention except `fullatt_block_indexes`, then the merger; the output is one row per
@@ -213,7 +217,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
             x = blk(x, cu_full if i in self.full else cu_win, cos, sin)
         return self.merger(x)[torch.argsort(widx)]
 
-# %% ../../nbs/31b_qwen2_5_vl.ipynb #7a7a6f30
+# %% ../../nbs/31b_qwen2_5_vl.ipynb #fc282727
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     """Qwen2.5-VL: the Qwen2 text stack with M-RoPE (`MRopeDecoderLayer`) and the vision tower `visual`. `forward`
     takes `inputs_embeds` (the token embeddings with image rows merged, `embed_input`) and `[3, T]` positions."""
@@ -276,7 +280,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.visual.load_state_dict(vis)
         return loaded | {f'visual.{k}' for k in vis}
 
-# %% ../../nbs/31b_qwen2_5_vl.ipynb #1a0e8c6b
+# %% ../../nbs/31b_qwen2_5_vl.ipynb #d0f5fbfd
 @patch
 def step_inputs(self: Qwen2_5_VLForConditionalGeneration, reqs, starts, counts, ids: torch.Tensor):
     """`(positions [3, T], inputs_embeds)` of a step whose requests run tokens `starts[i] .. starts[i] + counts[i]`
