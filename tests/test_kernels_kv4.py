@@ -115,6 +115,25 @@ def test_rotary_and_cache_int4():
     assert outs[0][2].any()  # something was written
 
 
+def test_rotary_and_cache_int4_rms_q_out():
+    "The decode step's form: fp32 sums in, q_out in bf16, a deferred RMSNorm's 1/rms applied as they are read."
+    torch.manual_seed(4)
+    T, H, Hkv, D = 3, 4, 2, 32
+    cos_sin = torch.randn(16, D)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    rms = (torch.rand(T) * 50 + 1, D, 1e-6)
+    pos, slots = torch.tensor([2, 5, 7]), torch.tensor([1, 4, 6])
+    outs = []
+    for fn in (rotary_and_cache_ref, rotary_and_cache):
+        (kc, vc), (ks, vs) = _caches(2, 4, Hkv, D, 'cpu')
+        qo = torch.empty(T, H, D, dtype=torch.bfloat16)
+        fn(q, k, v, pos, cos_sin, D, False, kc, vc, slots, ks, vs, q_out=qo, rms=rms)
+        outs.append((qo, kc, vc, ks, vs))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        assert torch.equal(a, b)
+
+
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
