@@ -346,8 +346,8 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
     tp, ids = parallel_from_args(args)
     quant = quantization_from_args(args)
     kv_dtype = args.kv_cache_dtype or ('fp8' if args.fp8_kvcache else 'auto')
-    if args.fp8_kvcache and kv_dtype == 'auto':
-        _refuse('--fp8-kvcache', 'conflicts with --kv-cache-dtype auto; give one')
+    if args.fp8_kvcache and kv_dtype in ('auto', 'int4'):
+        _refuse('--fp8-kvcache', f'conflicts with --kv-cache-dtype {kv_dtype}; give one')
     device = args.device
     if ids is not None:
         import torch
