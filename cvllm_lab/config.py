@@ -196,6 +196,7 @@ class EngineConfig:
     # images (vLLM's names; 57a): per-prompt counts as JSON or a dict ({'image': 4}; None: one), the folder file:// URLs may read
     limit_mm_per_prompt: dict | str | None = None
     allowed_local_media_path: str | None = None
+    max_num_encoder_input_tokens: int | None = None  # image tokens a step may start encoding (None: token budget)
 
     def finalize(self, max_position_embeddings: int | None = None) -> 'EngineConfig':
         "Resolve `auto` values and check the settings against each other."

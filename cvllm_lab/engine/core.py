@@ -232,6 +232,7 @@ class EngineCore(CoreSleep):
             small_step_tokens=cfg.small_step_tokens,
         )
         self.scheduler.max_loras = cfg.max_loras if cfg.enable_lora else 0  # distinct adapters among running requests
+        self.scheduler.max_num_encoder_input_tokens = cfg.max_num_encoder_input_tokens or cfg.max_num_batched_tokens
         self.parents: dict[str, list[Request]] = {}  # request id -> its samples (the scheduler's requests)
         self.sent: dict[str, list[int]] = {}  # request id -> per sample, the output tokens already sent
         self.counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0)

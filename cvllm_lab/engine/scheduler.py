@@ -70,6 +70,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.max_loras = 0  # multi-LoRA: distinct adapters the running requests may use (0: no limit)
+        self.max_num_encoder_input_tokens = 0  # images (31b): encoder tokens one step may start (0: no limit)
         # speculative decoding's counters (vLLM's names; per position: drafts accepted at position i of a run)
         self.spec_stats = dict(
             spec_decode_num_drafts=0,
@@ -138,6 +139,24 @@ def _num_new(self: Scheduler, req: Request, num_computed: int, budget: int) -> i
 
 
 @patch
+def _encoder_cut(self: Scheduler, req: Request, c: int, n: int, left: int) -> tuple[int, int]:
+    """`(n, used)`: a request's `n` new tokens from `c`, cut before the first image they reach whose encoder tokens
+    exceed `left`, the step's encoder budget (`max_num_encoder_input_tokens`), so a burst of images does not stall
+    the step; an image already encoded (its rows kept on the request) costs nothing, and a step that has started no
+    image yet starts one of any size (so none waits forever)."""
+    mm, used = getattr(req, 'mm_inputs', None), 0
+    if mm is None or not self.max_num_encoder_input_tokens:
+        return n, 0
+    for k, it in enumerate(mm.items):
+        if it.offset >= c + n or it.offset + it.length <= c or k in mm.encoder_cache:
+            continue
+        if used + it.length > left and (used or left < self.max_num_encoder_input_tokens):
+            return max(it.offset - c, 0), used
+        used += it.length
+    return n, used
+
+
+@patch
 def _preempt(self: Scheduler, out: SchedulerOutput) -> Request:
     "Free the blocks of a running request (fcfs: the newest; priority: the highest `(priority, arrival)`) and requeue it."
     victim = self.running[-1] if self.policy == 'fcfs' else max(self.running, key=_KEY)
@@ -153,10 +172,11 @@ def _preempt(self: Scheduler, out: SchedulerOutput) -> Request:
 def schedule(self: Scheduler) -> SchedulerOutput:
     "Pick this step's requests and token counts."
     out, budget = SchedulerOutput(), self.max_num_batched_tokens
+    enc = self.max_num_encoder_input_tokens  # images' encoder tokens left this step (31b)
     i = 0
     while i < len(self.running) and budget > 0:
         req = self.running[i]
-        n = self._num_new(req, req.num_computed_tokens, budget)
+        n, e = self._encoder_cut(req, req.num_computed_tokens, self._num_new(req, req.num_computed_tokens, budget), enc)
         if n <= 0:
             i += 1
             continue
@@ -176,7 +196,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
             out.num_scheduled_tokens[req.request_id] = n
             if (k := req.num_computed_tokens + n - req.num_tokens) > 0:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:k]
-            budget -= n
+            budget, enc = budget - n, enc - e
             i += 1
     if not out.preempted:  # don't admit new work in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -184,9 +204,9 @@ def schedule(self: Scheduler) -> SchedulerOutput:
             if self.max_loras and req.lora_int_id and not self._lora_fits(req.lora_int_id):
                 break  # its adapter would be one too many in the batch: it waits for a running adapter to finish
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = self._num_new(req, num_hit, budget)
-            if self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit:
-                break  # must fit whole
+            n, e = self._encoder_cut(req, num_hit, self._num_new(req, num_hit, budget), enc)
+            if n <= 0 or (self.prefill_chunk_size == 0 and n < req.num_tokens - num_hit):
+                break  # must fit whole, or its next image waits for the next step's encoder budget
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break
             self.waiting.popleft()
@@ -197,7 +217,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
             self.running.append(req)
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.request_id] = n
-            budget -= n
+            budget, enc = budget - n, enc - e
     out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r in out.scheduled}
     if self.kv.num_groups > 1:
         out.group_block_tables = [out.block_tables] + [
