@@ -60,7 +60,10 @@ def _rotation(D: int, device: str) -> torch.Tensor:
 def kv4_rotation(D: int, device='cpu') -> torch.Tensor:
     """The fixed orthogonal fp32 `[D, D]` that int4 rows are rotated by before quantization (built on the CPU and
     kept per device: `bind_kv_cache` makes it before any CUDA graph is captured, so a capture only reads it)."""
-    return _rotation(D, str(torch.device(device)))
+    device = torch.device(device)
+    if device.type == 'cuda' and device.index is None:  # one key per GPU: 'cuda' and 'cuda:0' are the same tensor
+        device = torch.device('cuda', torch.cuda.current_device())
+    return _rotation(D, str(device))
 
 
 def rotate_kv4(x, inverse: bool = False):

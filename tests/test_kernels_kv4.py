@@ -1,6 +1,6 @@
 """The int4 KV cache (`kernels/kv_cache_int4.py`): the Triton write against its reference (the same bytes and scales),
 the paged attention kernel over an int4 cache against the reference (decode, prefill and chunked prefill, GQA), and
-the quantization error of the format. CPU sizes run under TRITON_INTERPRET=1; the `cuda` ones on a GPU."""
+the quantization error of the format. CPU sizes run under TRITON_INTERPRET=1; the `cuda` ones on a GPU (conftest skips them without one)."""
 
 import pytest
 import torch
@@ -14,8 +14,6 @@ from cvllm_lab.kernels.paged_attention import (
     rotary_and_cache,
     rotary_and_cache_ref,
 )
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 
 
 def _caches(nb, bs, Hkv, D, device):
@@ -134,7 +132,6 @@ def test_rotary_and_cache_int4_rms_q_out():
         assert torch.equal(a, b)
 
 
-@cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_attention_matches_ref_cuda(dtype):
@@ -144,7 +141,6 @@ def test_attention_matches_ref_cuda(dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-@cuda
 @pytest.mark.cuda
 def test_write_matches_ref_cuda():
     torch.manual_seed(3)
@@ -157,3 +153,44 @@ def test_write_matches_ref_cuda():
     reshape_and_cache(k, v, kc2, vc2, slots, ks2, vs2)
     assert torch.equal(ks, ks2) and torch.equal(vs, vs2)
     assert (kc != kc2).float().mean() < 1e-3 and (vc != vc2).float().mean() < 1e-3  # division rounding ties only
+
+
+@pytest.mark.cuda
+def test_engine_int4_cuda_graphs():
+    "LLM(kv_cache_dtype='int4') on a GPU: CUDA graphs on give the eager run's tokens; prompt log-probs near the bf16 cache."
+    import tempfile
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from cvllm_lab import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        architectures=['LlamaForCausalLM'],
+    )
+    d = tempfile.mkdtemp()
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{'prompt_token_ids': torch.randint(0, 256, (n,), generator=g).tolist()} for n in (90, 300, 17, 64)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(progress=False, skip_tokenizer_init=True, dtype='bfloat16', max_model_len=512, kv_cache_memory=64 << 20)
+    runs = {}
+    for name, extra in (
+        ('bf16', {}),
+        ('int4', {'kv_cache_dtype': 'int4'}),
+        ('int4-eager', {'kv_cache_dtype': 'int4', 'enforce_eager': True}),
+    ):
+        llm = LLM(d, **kw, **extra)
+        runs[name] = llm.generate(prompts, sp, use_tqdm=False)
+        del llm
+        torch.cuda.empty_cache()
+    for a, b in zip(runs['int4'], runs['int4-eager']):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    lp = lambda o: torch.tensor([next(iter(x.values())).logprob for x in o.prompt_logprobs[1:]])
+    diff = torch.cat([(lp(a) - lp(b)).abs() for a, b in zip(runs['int4'], runs['bf16'])])
+    assert diff.max() < 0.2 and diff.mean() < 0.05, (diff.max(), diff.mean())
