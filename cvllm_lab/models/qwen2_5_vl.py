@@ -18,9 +18,9 @@ from .qwen import Qwen2ForCausalLM
 from ..utils.parallel_state import get_tensor_model_parallel_world_size
 
 # %% auto #0
-__all__ = ['MRotaryEmbedding', 'MRopeAttention', 'MRopeDecoderLayer', 'vision_rotary', 'window_index', 'image_seqlens',
-           'rotate_half', 'VisionAttention', 'VisionMLP', 'VisionBlock', 'PatchMerger', 'Qwen2_5_VisionTransformer',
-           'Qwen2_5_VLForConditionalGeneration']
+__all__ = ['ENCODER_CACHE_ROWS', 'MRotaryEmbedding', 'MRopeAttention', 'MRopeDecoderLayer', 'vision_rotary', 'window_index',
+           'image_seqlens', 'rotate_half', 'VisionAttention', 'VisionMLP', 'VisionBlock', 'PatchMerger',
+           'Qwen2_5_VisionTransformer', 'Qwen2_5_VLForConditionalGeneration']
 
 # %% ../../nbs/31b_qwen2_5_vl.ipynb #81529300
 class MRotaryEmbedding(RotaryEmbedding):
@@ -281,6 +281,23 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         return loaded | {f'visual.{k}' for k in vis}
 
 # %% ../../nbs/31b_qwen2_5_vl.ipynb #d0f5fbfd
+ENCODER_CACHE_ROWS = 16384  # image rows kept across requests, by content hash (a 1024x1024 image: 1369)
+
+
+@patch
+def encoded(self: Qwen2_5_VLForConditionalGeneration, it, dev) -> torch.Tensor:
+    """An image's rows: from the model's cache of recent images (keyed by content hash, least recently used out past
+    `ENCODER_CACHE_ROWS`), else through the tower."""
+    lru = self.__dict__.setdefault('_encoder_lru', {})
+    e = lru.pop(it.hash, None)
+    if e is None:
+        e = self.embed_image(it.pixel_values.to(dev), [it.grid_thw])
+    lru[it.hash] = e  # newest last
+    while sum(v.shape[0] for v in lru.values()) > ENCODER_CACHE_ROWS and len(lru) > 1:
+        del lru[next(iter(lru))]
+    return e
+
+
 @patch
 def step_inputs(self: Qwen2_5_VLForConditionalGeneration, reqs, starts, counts, ids: torch.Tensor):
     """`(positions [3, T], inputs_embeds)` of a step whose requests run tokens `starts[i] .. starts[i] + counts[i]`
@@ -298,7 +315,7 @@ def step_inputs(self: Qwen2_5_VLForConditionalGeneration, reqs, starts, counts, 
                 continue
             e = mm.encoder_cache.get(k)
             if e is None:
-                e = mm.encoder_cache[k] = self.embed_image(it.pixel_values.to(dev), [it.grid_thw])
+                e = mm.encoder_cache[k] = self.encoded(it, dev)
             rows.append(torch.arange(row + lo - c, row + hi - c))
             embs.append(e[lo - it.offset : hi - it.offset])
             if hi == it.offset + it.length:  # the run is complete in the KV cache: its embeddings are not needed again
