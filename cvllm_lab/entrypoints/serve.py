@@ -6,228 +6,25 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/serve.html.md"""
 
 # %% ../../nbs/78_serve.ipynb #06f1bf0a
 from __future__ import annotations
-import argparse
 import logging
 import os
 import sys
 from pathlib import Path
 import cvllm_lab.envs as envs
-from ..config import EngineConfig, DTYPES, KV_CACHE_DTYPES
-from ..utils.spec_config import SPECULATIVE_CONFIG_HELP, speculative_config_arg
-from .openai.serving_embeddings import add_pooling_args, pooling_kwargs
+from ..config import EngineConfig
+from .openai.serving_embeddings import pooling_kwargs
 from .openai.api_server import ServerConfig
-from .openai.serving_lora import add_lora_args, lora_engine_kwargs, lora_server_kwargs
-from ..engine.kv_offload import add_kv_offload_args, kv_offload_kwargs
-from ..utils.multimodal import add_mm_args, mm_kwargs
-from .openai.tool_server import add_tool_server_args, tool_server_config
-from .openai.protocol import DEFAULT_MAX_N
+from .openai.serving_lora import lora_engine_kwargs, lora_server_kwargs
+from ..engine.kv_offload import kv_offload_kwargs
+from ..utils.multimodal import mm_kwargs
+from .openai.tool_server import tool_server_config
 from ..quant.apply import METHODS
 
-CHECKPOINT_QUANT = ('gptq', 'awq', 'fp8', 'gguf', 'w4a16', 'marlin')  # `marlin`: a GPTQ/AWQ checkpoint, or in situ
-from .openai.reasoning import REASONING_TAGS
-from ..utils.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
-from .openai.tool_parsers import TOOL_PARSERS
+from .serve_args import CHECKPOINT_QUANT, make_parser
 
 # %% auto #0
-__all__ = ['CHECKPOINT_QUANT', 'make_parser', 'model_from_args', 'yarn_overrides', 'quantization_from_args', 'parallel_from_args',
-           'configs_from_args', 'main', 'serve']
-
-# %% ../../nbs/78_serve.ipynb #a1b9ea84
-class _Parser(argparse.ArgumentParser):
-    "argparse, but an error is one line (and a pointer to --help), not the error after 40 lines of usage."
-
-    def error(self, message):
-        self.exit(2, f'{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n')
-
-
-def make_parser() -> argparse.ArgumentParser:
-    "The command line: vLLM's long flag names, candle-vllm's short names as aliases."
-    from cvllm_lab.models.registry import supported_architectures
-
-    p = _Parser(
-        prog='cvllm-serve',
-        allow_abbrev=False,
-        description='OpenAI-compatible server for cvllm_lab (embedded SmolLM2-135M-Instruct by default).',
-        epilog='Supported architectures: ' + ', '.join(supported_architectures()),
-    )
-    g = p.add_argument_group('model')
-    g.add_argument(
-        '--model',
-        '--m',
-        dest='model',
-        help='HF model folder, .gguf file, or a repo id already in the local hub cache (nothing is downloaded: `hf download REPO --local-dir DIR` first; default: the embedded model)',
-    )
-    g.add_argument('--w', dest='weights', help='candle-vllm: weights folder (with --f: the GGUF file in it)')
-    g.add_argument('--f', dest='gguf', help='candle-vllm: GGUF file (relative to --w if given)')
-    g.add_argument('--tokenizer', help="tokenizer folder (default: the model's own)")
-    g.add_argument(
-        '--served-model-name', nargs='+', help='name(s) clients use in `model` (default: the model file/folder name)'
-    )
-    g.add_argument('--dtype', default='auto', choices=['auto', *DTYPES], help='weights and activations dtype')
-    g.add_argument(
-        '--load-format', default='auto', choices=['auto', 'dummy'], help='dummy: random weights (for testing)'
-    )
-    g.add_argument(
-        '--quantization',
-        '-q',
-        help=f'checkpoint format ({", ".join(CHECKPOINT_QUANT)}) or an in-situ method ({", ".join(METHODS)})',
-    )
-    g.add_argument('--isq', help=f'candle-vllm: quantize while loading ({", ".join(METHODS)})')
-    g.add_argument('--yarn-scaling-factor', type=float, help='extend the context with YaRN RoPE scaling by this factor')
-    add_pooling_args(p)  # --runner, --convert, --pooler-config (serving_embeddings)
-    g = p.add_argument_group('engine')
-    g.add_argument('--max-model-len', type=int, help="context length (default: the model's)")
-    g.add_argument('--max-num-seqs', type=int, default=256, help='sequences per batch')
-    g.add_argument(
-        '--max-num-batched-tokens',
-        type=int,
-        help="tokens per step (default: vLLM's server budget, 8192 on GPUs of >= 70 GiB, 2048 on smaller ones, 8192 on CPU)",
-    )
-    g.add_argument(
-        '--prefill-chunk-size',
-        type=int,
-        help='per-request prefill tokens per step (default: the step budget); 0 = no chunking',
-    )
-    g.add_argument(
-        '--enable-prefix-caching',
-        '--prefix-cache',
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help='reuse KV blocks of shared prompt prefixes (default on)',
-    )
-    g.add_argument('--block-size', type=int, default=16)
-    g.add_argument(
-        '--gpu-memory-utilization', type=float, default=0.9, help='fraction of GPU memory the engine may use'
-    )
-    g.add_argument(
-        '--gpu-memory-fraction',
-        type=float,
-        help='candle-vllm: fraction of the memory left after weights for the KV cache',
-    )
-    g.add_argument('--mem', type=int, help='candle-vllm: KV cache size in MB (wins over the fractions)')
-    add_kv_offload_args(g)  # vLLM's CPU tier for KV blocks (10a)
-    add_mm_args(g)  # images: vLLM's per-prompt limit and local folder (57a)
-    g.add_argument(
-        '--kv-cache-dtype',
-        choices=list(KV_CACHE_DTYPES),
-        help='KV cache storage: auto (the model dtype), fp8 = fp8_e4m3, int4 (4-bit + fp16 scale per 32; notebook 44a)',
-    )
-    g.add_argument('--fp8-kvcache', action='store_true', help='candle-vllm: FP8 KV cache (= --kv-cache-dtype fp8)')
-    g.add_argument(
-        '--tensor-parallel-size',
-        '-tp',
-        type=int,
-        default=1,
-        help='ranks (GPUs) one model is split over; under torchrun: nnodes x nproc-per-node',
-    )
-    g.add_argument('--device', default='auto', help='auto, cpu, cuda or cuda:N')
-    g.add_argument('--d', dest='device_ids', help='candle-vllm: device ids, e.g. 0, or 0,1 for tensor parallel 2')
-    g = p.add_argument_group('multi-node (start every node with torchrun; these are checked against its environment)')
-    g.add_argument('--num-nodes', type=int, help='candle-vllm: nodes (torchrun --nnodes)')
-    g.add_argument('--node-rank', type=int, help="candle-vllm: this node's rank (torchrun --node-rank)")
-    g.add_argument('--master-addr', help="candle-vllm: node 0's address (torchrun --master-addr)")
-    g.add_argument('--master-port', type=int, help="candle-vllm: node 0's rendezvous port (torchrun --master-port)")
-    g = p.add_argument_group('engine, continued')
-    g.add_argument('--seed', type=int, default=0)
-    g.add_argument('--max-logprobs', type=int, default=20)
-    g.add_argument('--enforce-eager', action='store_true', help='no CUDA graphs: every decode step runs eagerly')
-    g.add_argument('--enable-sleep-mode', action='store_true', help='serve /sleep, /wake_up, /update_weights_from_disk')
-    g.add_argument(
-        '--async-scheduling',
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch the next decode step before reading this one's tokens (default: on for CUDA)",
-    )
-    g.add_argument(
-        '--batch-invariant',
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a request's output does not depend on the rest of the batch, chunking or the prefix cache (vLLM's VLLM_BATCH_INVARIANT; default: $CVLLM_LAB_BATCH_INVARIANT, off)",
-    )
-    g.add_argument(
-        '--threads', type=int, help='PyTorch intra-op threads on CPU (1 is often fastest on a busy small box)'
-    )
-    g.add_argument(
-        '--max-num-queued-requests',
-        type=int,
-        help='waiting requests before new ones get 503 + Retry-After (default: no limit)',
-    )
-    g.add_argument(
-        '--scheduling-policy',
-        default='fcfs',
-        choices=['fcfs', 'priority'],
-        help="priority: a request's lower `priority` runs first (ties by arrival)",
-    )
-    g.add_argument('--speculative-config', type=speculative_config_arg, help=SPECULATIVE_CONFIG_HELP)
-    g.add_argument(
-        '--generation-config',
-        default='auto',
-        help="default sampling: auto (the model's generation_config.json; GGUF: conservative defaults), vllm (none), or a folder",
-    )
-    add_lora_args(p)  # vLLM's LoRA flags (77k)
-    g = p.add_argument_group('server')
-    g.add_argument(
-        '--host',
-        default='0.0.0.0',
-        help='interface to listen on (default: %(default)s, every interface, as vLLM; 127.0.0.1: this machine only)',
-    )
-    g.add_argument('--port', '--p', type=int, default=8000, help='TCP port (default: %(default)s)')
-    g.add_argument(
-        '--api-key', default=envs.CVLLM_API_KEY, help='require `Authorization: Bearer KEY` (env CVLLM_API_KEY)'
-    )
-    g.add_argument(
-        '--enforce-parser',
-        '--tool-call-parser',
-        dest='tool_parser',
-        choices=sorted([*TOOL_PARSERS, HARMONY_TOOL_PARSER]),
-        help='tool-call parser (default: picked from the chat template, else hermes; openai: harmony, on by itself for gpt-oss)',
-    )
-    g.add_argument('--enable-auto-tool-choice', action='store_true', help='accepted: tool_choice auto is always on')
-    g.add_argument(
-        '--reasoning-parser',
-        default='auto',
-        choices=['auto', 'none', *REASONING_TAGS, HARMONY_REASONING_PARSER],
-        help='split <think> reasoning into reasoning_content (auto: when the chat template uses <think>; openai_gptoss: harmony, on by itself for gpt-oss)',
-    )
-    g.add_argument(
-        '--trust-request-chat-template',
-        action='store_true',
-        help="let chat requests bring their own chat_template (rendered in a sandbox, at most 5 s and 64 characters a token of context); off: such requests are a 400 (vLLM's)",
-    )
-    g.add_argument('--max-gen-tokens', type=int, help='candle-vllm: cap on generated tokens per request')
-    g.add_argument('--max-n', type=int, default=DEFAULT_MAX_N, help='largest n a request may ask for')
-    g.add_argument('--max-request-body-bytes', type=int, default=16 << 20, help='larger request bodies get 413')
-    g.add_argument(
-        '--max-request-body-containers',
-        type=int,
-        default=1 << 18,
-        help='request bodies with more JSON arrays and objects ([ and { characters, counted before parsing) get 413',
-    )
-    g.add_argument('--ui-server', action='store_true', help='serve the built-in chat web page at /')
-    g.add_argument(
-        '--uvicorn-log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug', 'trace']
-    )
-    g.add_argument('--disable-uvicorn-access-log', action='store_true')
-    g.add_argument(
-        '--shutdown-timeout',
-        type=float,
-        default=5,
-        help="on SIGTERM/Ctrl-C, seconds the requests in flight get to finish (new ones get 503) before the rest end with an error event (vLLM's; 0: at once; default: %(default)s)",
-    )
-    g.add_argument(
-        '--engine-iteration-timeout',
-        type=float,
-        default=60,
-        help="/health answers 503 once the engine core has owed a message this many seconds (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; 0: never; default: %(default)s)",
-    )
-    g.add_argument(
-        '--enable-tokenizer-info-endpoint',
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="serve GET /tokenizer_info (vLLM's; lm-eval's local-completions tokenizes with it; default on)",
-    )
-    add_tool_server_args(p)  # --tool-server and the tool loop's bounds (tool_server)
-    return p
+__all__ = ['model_from_args', 'yarn_overrides', 'quantization_from_args', 'parallel_from_args', 'configs_from_args', 'main',
+           'serve']
 
 # %% ../../nbs/78_serve.ipynb #d8d12b7c
 def _refuse(flag: str, why: str):
