@@ -53,7 +53,7 @@ def test_write_matches_ref(D, Hkv):
     assert kc.view(-1, Hkv, D // 2)[0].eq(0x88).all()
 
 
-def _attention_case(device, dtype, q_lens, ctx_lens, H=4, Hkv=2, D=64, bs=8, seed=0):
+def _attention_case(device, dtype, q_lens, ctx_lens, H=4, Hkv=2, D=64, bs=8, seed=0, **kw):
     torch.manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     nblk = [-(-s // bs) for s in seq_lens]
@@ -74,8 +74,8 @@ def _attention_case(device, dtype, q_lens, ctx_lens, H=4, Hkv=2, D=64, bs=8, see
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (q, kc, vc, qsl, sl, bt.to(device), D**-0.5)
-    ref = paged_attention_ref(*args, k_scale=ks, v_scale=vs)
-    out = paged_attention(*args, k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(*args, k_scale=ks, v_scale=vs, **kw)
+    out = paged_attention(*args, k_scale=ks, v_scale=vs, **kw)
     return out, ref
 
 
@@ -84,6 +84,15 @@ def test_attention_matches_ref(q_lens, ctx_lens):
     "Decode (one-token queries: the split-KV path) and prefill / chunked prefill (the tiled path), GQA 2."
     out, ref = _attention_case('cpu', torch.float32, q_lens, ctx_lens)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_attention_options_pass_through_the_rotation():
+    "Sliding window, soft-cap and sinks reach the kernel and the reference through the int4 wrappers (and matter)."
+    kw = dict(sliding_window=6, softcap=5.0, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    out, ref = _attention_case('cpu', torch.float32, [1, 9], [20, 7], **kw)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    plain, _ = _attention_case('cpu', torch.float32, [1, 9], [20, 7])
+    assert (plain - out).abs().max() > 1e-2
 
 
 def test_attention_matches_ref_bf16():
