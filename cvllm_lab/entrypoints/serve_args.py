@@ -21,7 +21,15 @@ from .openai.reasoning import REASONING_TAGS
 from ..utils.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from .openai.tool_parsers import TOOL_PARSERS
 
-CHECKPOINT_QUANT = ('gptq', 'awq', 'fp8', 'gguf', 'w4a16', 'marlin')  # `marlin`: a GPTQ/AWQ checkpoint, or in situ
+CHECKPOINT_QUANT = (
+    'gptq',
+    'awq',
+    'fp8',
+    'modelopt_fp4',
+    'gguf',
+    'w4a16',
+    'marlin',
+)  # `marlin`: a GPTQ/AWQ checkpoint, or in situ
 
 # %% auto #0
 __all__ = ['CHECKPOINT_QUANT', 'make_parser']

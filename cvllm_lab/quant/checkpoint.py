@@ -22,6 +22,7 @@ from .base import QuantLinear
 from .gguf import GGUFLinear, shard_gguf_tensor
 from .w4a16 import W4A16Linear, awq_to_levels, gptq_to_levels, shard_w4a16_tensor
 from .fp8 import FP8Linear, FP8_METHODS, fp8_checkpoint_config, fp8_shard_tensors
+from .nvfp4 import NVFP4Linear, is_modelopt_config, nvfp4_checkpoint_config
 from .apply import decoder_linears, replace_module
 
 # %% auto #0
@@ -71,7 +72,9 @@ def _as_dict(qc):
 def normalize_quant_config(qc: dict) -> dict:
     """Normalize a checkpoint quantization config to `{method: gptq|awq, bits, group, sym, zero_plus_one}` or, for
     the FP8 methods, `{method: 'fp8', weights, activations, scale_ub}` (`fp8_checkpoint_config`); MXFP4 (gpt-oss's
-    experts): `{method: 'mxfp4', modules_to_not_convert}`."""
+    experts): `{method: 'mxfp4', modules_to_not_convert}`; ModelOpt NVFP4: `{method: 'nvfp4', group, exclude}` (43b)."""
+    if is_modelopt_config(qc):  # ModelOpt (hf_quant_config.json or quant_method 'modelopt'): NVFP4 (43b)
+        return nvfp4_checkpoint_config(qc)
     method = str(qc.get('quant_method', 'gptq')).lower()
     if method == 'gptq':
         bits, group = int(qc.get('bits', 4)), int(qc.get('group_size', 128))
@@ -105,10 +108,10 @@ def checkpoint_quantization(src, hf_config=None) -> dict | None:
     qc = _as_dict(getattr(hf_config, 'quantization_config', None))
     if qc is None:
         root = Path(getattr(src, 'root', src))
-        for f in (root / 'quantize_config.json', root / 'config.json'):
+        for f in (root / 'quantize_config.json', root / 'hf_quant_config.json', root / 'config.json'):
             if f.exists():
                 d = json.loads(f.read_text())
-                qc = d if f.name == 'quantize_config.json' else d.get('quantization_config')
+                qc = d if f.name != 'config.json' else d.get('quantization_config')
                 if qc:
                     break
     return normalize_quant_config(qc) if qc else None
@@ -132,6 +135,7 @@ QUANT_SUFFIXES = (
     'weight_scale_inv',
     'weight_scale',
     'input_scale',
+    'weight_scale_2',
 )  # what a collector takes
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
@@ -232,6 +236,8 @@ def _shard_payload(sid, t: dict, qcfg):
         raise ValueError(f'shard {sid!r}: no weight among {sorted(t)}')
     if not isinstance(w, torch.Tensor):
         return 'gguf', w.qtype, w.data  # GGUFRaw
+    if qcfg['method'] == 'nvfp4' and w.dtype == torch.uint8:  # packed FP4 + e4m3 scales + global scale
+        return 'nvfp4', None, t
     if w.dtype in FP8_DTYPES:
         if qcfg['method'] != 'fp8':
             raise ValueError(f'shard {sid!r}: an FP8 weight in a {qcfg["method"]} checkpoint')
@@ -251,6 +257,8 @@ def _build(kind, key, datas, in_features, device, dtype, qcfg):
         return GGUFLinear.from_gguf(raw, key, (raw.shape[0], in_features))
     if kind == 'fp8':
         return FP8Linear.from_shards(key, datas, qcfg)
+    if kind == 'nvfp4':
+        return NVFP4Linear.from_shards(datas)
     w = torch.cat(datas, 0).to(device=device, dtype=dtype)
     lin = Linear(in_features, w.shape[0]).to(device)
     lin.weight.data = w
@@ -407,6 +415,13 @@ def _route(model, name: str):
     return path, shard, suffix
 
 
+def _nvfp4_tensor(suffix: str, t) -> bool:
+    "A quantized tensor of an NVFP4 checkpoint (packed weight or one of its scales)."
+    return suffix in ('weight_scale', 'weight_scale_2', 'input_scale') or (
+        suffix == 'weight' and t.dtype == torch.uint8
+    )
+
+
 KV_SCALE_SUFFIXES = ('.k_scale', '.v_scale', '.kv_scale', '.q_scale', '.prob_scale')  # FP8 attention/KV scales
 
 
@@ -426,12 +441,16 @@ def load_quantized(model: nn.Module, weights, qcfg: dict, progress: bool = True,
 
     def rest():
         for name, t in weights:
-            if qcfg['method'] == 'fp8' and name.endswith(KV_SCALE_SUFFIXES):
+            if qcfg['method'] in ('fp8', 'nvfp4') and name.endswith(KV_SCALE_SUFFIXES):
                 continue  # our FP8 KV cache sets its own
             if hit := _fp8_expert(model, moe, name, t):
                 _load_fp8_expert(moe[hit[0]], *hit[1:], t, scaled.setdefault(hit[0], set()))
                 continue
             path, shard, suffix = _route(model, name)
+            if qcfg['method'] == 'nvfp4' and path not in cols and _nvfp4_tensor(suffix, t):
+                raise NotImplementedError(
+                    f'{name}: NVFP4 weights outside the decoder linears (NVFP4 MoE experts are not supported yet)'
+                )
             if path in cols and suffix in QUANT_SUFFIXES:
                 cols[path].add(shard, suffix, t)
             elif not isinstance(t, torch.Tensor):

@@ -369,12 +369,14 @@ def checkpoint_quant_config(src: ModelSource, hf_config, quantization: str | Non
         return {'method': 'gguf'}
     qcfg = checkpoint_quantization(src, hf_config)
     from cvllm_lab.quant.fp8 import FP8_METHODS
+    from cvllm_lab.quant.nvfp4 import NVFP4_NAMES
 
     if (
         qcfg
         and q not in (None, qcfg['method'])
         and not (q in ('marlin', 'w4a16') and qcfg['method'] in ('gptq', 'awq'))
         and not (q in FP8_METHODS and qcfg['method'] == 'fp8')
+        and not (q in NVFP4_NAMES and qcfg['method'] == 'nvfp4')
     ):
         raise ValueError(
             f'{src.root} is already quantized ({qcfg["method"]}); quantization={quantization!r} cannot be applied to it'

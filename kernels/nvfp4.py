@@ -1,0 +1,193 @@
+"""NVFP4 (NVIDIA ModelOpt's 4-bit floating point) weights: the format, its plain-PyTorch references, and a Triton
+weight-only matmul that keeps the weights 4-bit in memory and dequantizes them in the tile.
+
+Format (ModelOpt's `NVFP4QTensor`, `quant_algo: NVFP4`, `group_size: 16`): a linear weight `W [N, K]` is stored as
+
+    weight          uint8          [N, K/2]    FP4 E2M1 codes, two per byte, the even column in the low nibble
+    weight_scale    float8_e4m3fn  [N, K/16]   one scale per 16 values along K
+    weight_scale_2  float32        []          the tensor's global scale: amax(|W|) / (6 * 448)
+    input_scale     float32        []          the activations' global scale (amax(|x|) / (6 * 448), calibrated)
+
+    W[n, k] = FP4(code[n, k]) * float(weight_scale[n, k // 16]) * weight_scale_2
+
+(E2M1 values as in `mxfp4.FP4_VALUES`.) 4.5 bits per weight, plus the one fp32 scale. The quantizer picks
+`weight_scale = e4m3(amax(group) / 6 / weight_scale_2)` and rounds `W / (weight_scale * weight_scale_2)` to the nearest
+FP4 code (`quantize_nvfp4_ref`, which is how the test checkpoints are made).
+
+Kernel (`nvfp4_matmul`): `y = x @ W.T * row_scale`, where `row_scale [N]` holds each output row's global scale
+(`weight_scale_2` of the shard the row belongs to: the shards of a fused qkv / gate_up layer keep their own, exactly).
+Grid `(M, N / BLOCK_N)`: a program reads its row of `x` per K tile (even and odd columns apart, matching the low and
+high nibbles), the tile's bytes `[BLOCK_N, BLOCK_K / 2]` and their e4m3 group scales as bytes, decodes both
+arithmetically (no lookup table) and accumulates in fp32. One row per program is the decode shape (weights read once
+per token row); prefill-sized tiles on tensor cores (`tl.dot`) are not written yet. Weight-only: `x` stays in its
+16/32-bit dtype (Hopper has no FP4 tensor cores); `fake_quantize_nvfp4_act_ref` is what a W4A4 (Blackwell) kernel
+would round the activations to with the checkpoint's `input_scale`.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_lab.kernels.mxfp4 import FP4_VALUES, _fp4
+
+__all__ = [
+    'NVFP4_GROUP',
+    'E4M3_MAX',
+    'nvfp4_global_scale',
+    'quantize_nvfp4_ref',
+    'dequantize_nvfp4_ref',
+    'fake_quantize_nvfp4_act_ref',
+    'nvfp4_matmul_ref',
+    'nvfp4_matmul',
+]
+
+NVFP4_GROUP = 16  # values per e4m3 scale
+E4M3_MAX = 448.0
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between FP4 magnitudes
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    "ModelOpt's `weight_scale_2`: `amax(|w|) / (6 * 448)` (1 for an all-zero tensor), fp32 scalar."
+    s = w.float().abs().amax() / (6.0 * E4M3_MAX)
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    "fp32 values (already scaled into +-6) -> FP4 E2M1 codes (int64): nearest magnitude, ties to the even code."
+    b = torch.tensor(_BOUNDS, device=x.device)
+    a = x.abs()
+    code = torch.bucketize(a, b)  # a == bound -> the lower code
+    tie_up = torch.isin(a, b[[1, 3, 5]])  # ties at 0.75, 1.75, 3.5 go to the even (upper) code
+    code = code + tie_up.long()
+    return code + 8 * ((x < 0) & (code > 0))  # sign bit; zero stays +0
+
+
+def quantize_nvfp4_ref(w: torch.Tensor, global_scale: torch.Tensor | None = None):
+    """Float `w [N, K]` (K a multiple of 16) -> `(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16],
+    weight_scale_2 fp32 [])`, ModelOpt's layout and rounding."""
+    N, K = w.shape
+    assert K % NVFP4_GROUP == 0, K
+    gs = nvfp4_global_scale(w) if global_scale is None else global_scale.float().reshape(())
+    g = w.float().reshape(N, K // NVFP4_GROUP, NVFP4_GROUP)
+    bs = g.abs().amax(-1) / (6.0 * gs)
+    bs = torch.where(bs == 0, torch.ones_like(bs), bs).to(torch.float8_e4m3fn)
+    code = _fp4_codes((g / (bs.float() * gs)[..., None]).reshape(N, K))
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return packed, bs, gs
+
+
+def dequantize_nvfp4_ref(weight, weight_scale, weight_scale_2=None, dtype=torch.float32):
+    """`weight uint8 [N, K/2]`, `weight_scale` e4m3 (or fp32) `[N, K/16]`, global scale (a scalar or per row `[N]`;
+    None: 1) -> `[N, K]` in `dtype`: `FP4(code) * weight_scale * weight_scale_2`."""
+    assert weight.dtype == torch.uint8, weight.dtype
+    N, K2 = weight.shape
+    assert weight_scale.shape == (N, K2 * 2 // NVFP4_GROUP), (weight.shape, weight_scale.shape)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=weight.device)
+    b = weight.long()
+    v = torch.stack([lut[b & 0xF], lut[b >> 4]], -1).reshape(N, -1, NVFP4_GROUP)  # low nibble first
+    v = v * weight_scale.float()[..., None]
+    if weight_scale_2 is not None:
+        gs = weight_scale_2.float()
+        v = v * (gs.reshape(N, 1, 1) if gs.numel() == N and gs.numel() > 1 else gs.reshape(()))
+    return v.reshape(N, -1).to(dtype)
+
+
+def fake_quantize_nvfp4_act_ref(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """What a W4A4 NVFP4 GEMM does to `x [.., K]` with the checkpoint's static global `input_scale`: per 16 values an
+    e4m3 scale `amax / 6 / input_scale`, values rounded to FP4; returned dequantized, in fp32."""
+    shp = x.shape
+    x2 = x.float().reshape(-1, shp[-1])
+    q, s, _ = quantize_nvfp4_ref(x2, input_scale.float().reshape(()))
+    return dequantize_nvfp4_ref(q, s, input_scale).reshape(shp)
+
+
+@triton.jit
+def _e4m3(byte):
+    "float8 e4m3fn bytes (int32) -> fp32: sign, 4-bit exponent (bias 7; 0 is subnormal), 3-bit mantissa."
+    e = (byte >> 3) & 15
+    m = (byte & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * tl.math.exp2((e - 7).to(tl.float32)))
+    return tl.where((byte & 128) != 0, -mag, mag)
+
+
+@triton.jit(do_not_specialize=['M'])
+def _nvfp4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    rs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_cm,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # values per K step, a multiple of 16 (BLOCK_K / 2 bytes per row)
+):
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble) and 2j + 1 (high)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col = k0 + 2 * offs_j
+        k_ok = col < K
+        mask = n_ok[:, None] & k_ok[None, :]
+        byte = tl.load(w_rows + (col // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = _e4m3(tl.load(s_rows + (col // 16)[None, :], mask=mask, other=0).to(tl.int32))
+        x0 = tl.load(x_row + col, mask=k_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row + col + 1, mask=k_ok, other=0.0).to(tl.float32)
+        w = _fp4(byte & 15) * x0[None, :] + _fp4(byte >> 4) * x1[None, :]
+        acc += tl.sum(w * sc, 1)
+    acc *= tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)
+    tl.store(c_ptr + row.to(tl.int64) * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_ok)
+
+
+def nvfp4_matmul_ref(x, weight, weight_scale, row_scale):
+    "`nvfp4_matmul` on the dequantized weight, in fp32; `[.., N]` in `x`'s dtype."
+    w = dequantize_nvfp4_ref(weight, weight_scale, row_scale)
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def nvfp4_matmul(x, weight, weight_scale, row_scale, block_n: int = 64, block_k: int = 128):
+    """`y [.., N] = x [.., K] @ W.T`, `W` the NVFP4 weight `weight uint8 [N, K/2]`, `weight_scale` e4m3 `[N, K/16]`,
+    `row_scale fp32 [N]` (each row's global scale); fp32 sums, written in `x`'s dtype."""
+    N, K2 = weight.shape
+    K = 2 * K2
+    assert x.shape[-1] == K and weight_scale.shape == (N, K // NVFP4_GROUP), (x.shape, weight.shape, weight_scale.shape)
+    assert block_k % NVFP4_GROUP == 0 and row_scale.shape == (N,), row_scale.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    s = weight_scale.contiguous()
+    s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s  # the kernel decodes the bytes itself
+    assert s.dtype == torch.uint8, s.dtype
+    block_n = min(block_n, triton.next_power_of_2(N))
+    block_k = min(block_k, max(NVFP4_GROUP, triton.next_power_of_2(K)))
+    _nvfp4_kernel[(M, triton.cdiv(N, block_n))](
+        x2,
+        weight.contiguous(),
+        s,
+        row_scale.float().contiguous(),
+        out,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        K2,
+        s.stride(0),
+        out.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out.reshape(*lead, N)
