@@ -22,13 +22,19 @@ arithmetically (no lookup table) and accumulates in fp32. One row per program is
 per token row); prefill-sized tiles on tensor cores (`tl.dot`) are not written yet. Weight-only: `x` stays in its
 16/32-bit dtype (Hopper has no FP4 tensor cores); `fake_quantize_nvfp4_act_ref` is what a W4A4 (Blackwell) kernel
 would round the activations to with the checkpoint's `input_scale`.
+
+MoE (`nvfp4_moe_matmul`, `fused_moe_nvfp4`): the same kernel with `HAS_IDS`: row `r` of the flattened top-k
+assignments reads row `r // k` of `x` and expert `ids[r]`'s weights `[E, N, K/2]`, scales and row scales, as MXFP4's
+MoE matmul does; `fused_moe_nvfp4_ref` loops over the used experts on dequantized weights.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from cvllm_lab.kernels.mxfp4 import FP4_VALUES, _fp4
+import torch.nn.functional as F
+
+from cvllm_lab.kernels.mxfp4 import FP4_VALUES, _act, _fp4
 
 __all__ = [
     'NVFP4_GROUP',
@@ -39,6 +45,9 @@ __all__ = [
     'fake_quantize_nvfp4_act_ref',
     'nvfp4_matmul_ref',
     'nvfp4_matmul',
+    'nvfp4_moe_matmul',
+    'fused_moe_nvfp4',
+    'fused_moe_nvfp4_ref',
 ]
 
 NVFP4_GROUP = 16  # values per e4m3 scale
@@ -117,22 +126,29 @@ def _nvfp4_kernel(
     s_ptr,
     rs_ptr,
     c_ptr,
+    ids_ptr,
     M,
     N,
     K,
     stride_xm,
+    stride_we,
     stride_wn,
+    stride_se,
     stride_sn,
+    stride_re,
     stride_cm,
+    HAS_IDS: tl.constexpr,  # MoE: row r uses expert ids[r] (and reads x row r // A_ROW_DIV)
+    A_ROW_DIV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # values per K step, a multiple of 16 (BLOCK_K / 2 bytes per row)
 ):
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    e = tl.load(ids_ptr + row).to(tl.int64) if HAS_IDS else 0
+    x_row = x_ptr + (row // A_ROW_DIV).to(tl.int64) * stride_xm
+    w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
     offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble) and 2j + 1 (high)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -145,7 +161,7 @@ def _nvfp4_kernel(
         x1 = tl.load(x_row + col + 1, mask=k_ok, other=0.0).to(tl.float32)
         w = _fp4(byte & 15) * x0[None, :] + _fp4(byte >> 4) * x1[None, :]
         acc += tl.sum(w * sc, 1)
-    acc *= tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)
+    acc *= tl.load(rs_ptr + e * stride_re + offs_n, mask=n_ok, other=0.0)
     tl.store(c_ptr + row.to(tl.int64) * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -179,15 +195,90 @@ def nvfp4_matmul(x, weight, weight_scale, row_scale, block_n: int = 64, block_k:
         s,
         row_scale.float().contiguous(),
         out,
+        out,
         M,
         N,
         K,
         x2.stride(0),
+        0,
         K2,
+        0,
         s.stride(0),
+        0,
         out.stride(0),
+        HAS_IDS=False,
+        A_ROW_DIV=1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
     )
     return out.reshape(*lead, N)
+
+
+def nvfp4_moe_matmul(a, weight, weight_scale, row_scale, expert_ids, a_row_div: int = 1, block_n=64, block_k=128):
+    """`c [R, N]`, row `r` = `a[r // a_row_div] @ W[expert_ids[r]].T` with the NVFP4 experts `weight uint8 [E, N, K/2]`,
+    `weight_scale` e4m3 `[E, N, K/16]`, `row_scale fp32 [E, N]`; fp32 sums, written in `a`'s dtype."""
+    E, N, K2 = weight.shape
+    K = 2 * K2
+    assert a.shape[-1] == K and weight_scale.shape == (E, N, K // NVFP4_GROUP) and row_scale.shape == (E, N)
+    ids = expert_ids.reshape(-1).to(torch.int32).contiguous()
+    R = ids.numel()
+    out = torch.empty(R, N, dtype=a.dtype, device=a.device)
+    if R == 0:
+        return out
+    a, weight, rs = a.contiguous(), weight.contiguous(), row_scale.float().contiguous()
+    s = weight_scale.contiguous()
+    s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s
+    block_n = min(block_n, triton.next_power_of_2(N))
+    block_k = min(block_k, max(NVFP4_GROUP, triton.next_power_of_2(K)))
+    _nvfp4_kernel[(R, triton.cdiv(N, block_n))](
+        a,
+        weight,
+        s,
+        rs,
+        out,
+        ids,
+        R,
+        N,
+        K,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        s.stride(0),
+        s.stride(1),
+        rs.stride(0),
+        out.stride(0),
+        HAS_IDS=True,
+        A_ROW_DIV=a_row_div,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
+
+
+def fused_moe_nvfp4(
+    x, w13, w13_scale, w13_row_scale, w2, w2_scale, w2_row_scale, topk_weights, topk_ids, activation='silu'
+):
+    """MoE over NVFP4 experts (`w13 [E, 2I, H]` gate rows then up rows, `w2 [E, H, I]`, each as packed codes, e4m3
+    group scales and per-row global scales): the first `nvfp4_moe_matmul` per (token, expert) assignment, the
+    activation, the second, then each token's k outputs weighted and summed in fp32. `[T, H]` in `x`'s dtype."""
+    T, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    h = nvfp4_moe_matmul(x, w13, w13_scale, w13_row_scale, ids, a_row_div=k)
+    y = nvfp4_moe_matmul(_act(h, activation, 0.0, 0.0), w2, w2_scale, w2_row_scale, ids)
+    return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1).to(x.dtype)
+
+
+def fused_moe_nvfp4_ref(
+    x, w13, w13_scale, w13_row_scale, w2, w2_scale, w2_row_scale, topk_weights, topk_ids, activation='silu'
+):
+    "`fused_moe_nvfp4` as a loop over the used experts, each dequantized to fp32 when used; `[T, H]` in `x`'s dtype."
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    w = topk_weights.float()
+    for e in torch.unique(topk_ids).tolist():
+        t, j = torch.where(topk_ids == e)
+        h = F.linear(x[t].float(), dequantize_nvfp4_ref(w13[e], w13_scale[e], w13_row_scale[e]))
+        y = F.linear(_act(h, activation, 0.0, 0.0), dequantize_nvfp4_ref(w2[e], w2_scale[e], w2_row_scale[e]))
+        out.index_add_(0, t, y * w[t, j, None])
+    return out.to(x.dtype)

@@ -14,6 +14,8 @@ from cvllm_lab.kernels.mxfp4 import FP4_VALUES
 from cvllm_lab.kernels.nvfp4 import (
     dequantize_nvfp4_ref,
     fake_quantize_nvfp4_act_ref,
+    fused_moe_nvfp4,
+    fused_moe_nvfp4_ref,
     nvfp4_matmul,
     nvfp4_matmul_ref,
     quantize_nvfp4_ref,
@@ -80,6 +82,40 @@ def test_fake_quantized_activations():
     xq = fake_quantize_nvfp4_act_ref(x, isc)
     assert 0.03 < rel_err(xq, x) < 0.15
     assert torch.equal(fake_quantize_nvfp4_act_ref(xq, isc), xq)  # idempotent
+
+
+def _experts(E, N, K, device='cpu', seed=0):
+    "E experts `[N, K]` in NVFP4, each its own global scale: (codes, scales, per-row global scales)."
+    g = torch.Generator().manual_seed(seed)
+    qs = [quantize_nvfp4_ref(torch.randn(N, K, generator=g) * 0.05 * (1 + e)) for e in range(E)]
+    q, s = torch.stack([a for a, _, _ in qs]), torch.stack([b for _, b, _ in qs])
+    rs = torch.stack([c.expand(N) for _, _, c in qs])
+    return q.to(device), s.to(device), rs.to(device)
+
+
+def _moe_case(E, H, I, T, k, device='cpu'):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(device)
+    tw = torch.rand(T, k, generator=g).to(device)
+    ti = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)
+    return x, _experts(E, 2 * I, H, device), _experts(E, H, I, device, 1), tw, ti
+
+
+@pytest.mark.interp
+def test_fused_moe_nvfp4_interp():
+    x, w13, w2, tw, ti = _moe_case(E=6, H=48, I=32, T=5, k=2)
+    ref = fused_moe_nvfp4_ref(x, *w13, *w2, tw, ti)
+    assert rel_err(fused_moe_nvfp4(x, *w13, *w2, tw, ti), ref) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('T', [1, 16])
+def test_fused_moe_nvfp4_cuda(T):
+    x, w13, w2, tw, ti = _moe_case(E=32, H=2048, I=768, T=T, k=4, device='cuda')
+    xb = x.bfloat16()
+    ref = fused_moe_nvfp4_ref(xb, *w13, *w2, tw, ti)
+    assert rel_err(fused_moe_nvfp4(xb, *w13, *w2, tw, ti).float(), ref.float()) < 2e-2
 
 
 @pytest.mark.cuda

@@ -5,7 +5,8 @@ quantize_nvfp4_ref`: per decoder linear `weight` uint8 `[N, K/2]` low nibble fir
 `weight_scale_2` and `input_scale` fp32 scalars; `lm_head` excluded, `hf_quant_config.json` beside the config; the
 q/k/v and gate/up shards each with their own global scale). It is loaded by `LLM(path)` and compared with the same
 model whose weights are the dequantized ones, in fp32: prompt log-probs within 1e-3 and greedy tokens equal. The
-dequantized weights are within FP4's bound of the original ones. NVFP4 MoE experts are refused by name.
+dequantized weights are within FP4's bound of the original ones. A tiny Qwen3-MoE with NVFP4 attention and
+per-expert NVFP4 experts (ModelOpt's config.json form, `quant_method: modelopt`) likewise.
 """
 
 import json
@@ -121,6 +122,10 @@ def test_nvfp4_checkpoint_through_llm(ckpts):
     assert qkv.row_scale.unique().numel() == 3  # q, k and v each keep their own global scale
     assert torch.equal(qkv.dequantize(), torch.cat([deq[f'model.layers.0.self_attn.{p}_proj.weight'] for p in 'qkv']))
     assert qkv.input_scale.item() == pytest.approx(0.01) and qkv.act_quant is None  # kept, unused: weight-only
+    x = torch.randn(3, H)
+    for m in lay[:4]:  # the Triton kernel (interpreter on CPU) on the loaded layers, against their CPU forward
+        xi = x if m.input_size == H else torch.randn(3, m.input_size)
+        assert (m.forward_kernel(xi) - m(xi)).abs().max().item() < 1e-5
     _, ld, td = _run(d_dir)
     for a, b in zip(lq, ld):
         assert (a - b).abs().max().item() < 1e-3
@@ -131,37 +136,59 @@ def test_nvfp4_checkpoint_through_llm(ckpts):
         _run(q_dir, quantization='gptq')
 
 
-def test_nvfp4_moe_experts_refused(tmp_path):
-    "A Qwen3-MoE whose experts are NVFP4: refused by name (the fused MoE path does not take NVFP4 yet)."
+def test_nvfp4_moe_checkpoint_through_llm(tmp_path):
+    """A Qwen3-MoE with NVFP4 attention and experts (per-expert tensors, as ModelOpt exports them; the router and
+    `lm_head` excluded): the experts kept 4-bit in `NvFp4MoEMethod`, log-probs within 1e-3 of the dequantized fp32
+    model and tokens equal."""
     from helpers import tiny_qwen3_moe
 
+    from cvllm_lab.quant.nvfp4 import NvFp4MoEMethod
+
     _, hf, _ = tiny_qwen3_moe(hidden=64, head_dim=16)
-    hf.save_pretrained(tmp_path)
-    tiny_tokenizer(V).save_pretrained(tmp_path)
-    sd = {k: v.float().contiguous() for k, v in hf.state_dict().items()}
-    out = {}
-    for k, v in sd.items():  # per-expert tensors, as checkpoints (and ModelOpt's export) name them
+    q_dir, d_dir = tmp_path / 'nvfp4', tmp_path / 'dequant'
+    for d in (q_dir, d_dir):
+        hf.save_pretrained(d)
+        tiny_tokenizer(V).save_pretrained(d)
+        for f in d.glob('*.safetensors'):
+            f.unlink()
+    out, deq = {}, {}
+
+    def put(k, w):
+        q, s, gs = quantize_nvfp4_ref(w.contiguous())
+        base = k[: -len('weight')]
+        out.update(
+            {k: q, base + 'weight_scale': s, base + 'weight_scale_2': gs, base + 'input_scale': torch.tensor(0.01)}
+        )
+        deq[k] = dequantize_nvfp4_ref(q, s, gs)
+
+    for k, v in hf.state_dict().items():  # per-expert tensors, as checkpoints (and ModelOpt's export) name them
+        v = v.float()
         if k.endswith(('experts.gate_up_proj', 'experts.down_proj')):
             names = ('gate_proj', 'up_proj') if k.endswith('gate_up_proj') else ('down_proj',)
             for e in range(v.shape[0]):
                 for name, w in zip(names, v[e].chunk(len(names))):
-                    q, s, gs = quantize_nvfp4_ref(w.contiguous())
-                    base = f'{k.rpartition(".")[0]}.{e}.{name}.'
-                    out |= {base + 'weight': q, base + 'weight_scale': s, base + 'weight_scale_2': gs}
+                    put(f'{k.rpartition(".")[0]}.{e}.{name}.weight', w)
+        elif '.layers.' in k and k.endswith('_proj.weight'):
+            put(k, v)
         else:
-            out[k] = v
-    for f in tmp_path.glob('*.safetensors'):
-        f.unlink()
-    save_file(out, tmp_path / 'model.safetensors')
-    cfg = json.loads((tmp_path / 'config.json').read_text())
+            out[k] = deq[k] = v.contiguous()
+    save_file(out, q_dir / 'model.safetensors')
+    save_file(deq, d_dir / 'model.safetensors', metadata={'format': 'pt'})
+    cfg = json.loads((q_dir / 'config.json').read_text())
     cfg['quantization_config'] = {
         'quant_method': 'modelopt',
         'quant_algo': 'NVFP4',
         'group_size': 16,
-        'ignore': ['lm_head'],
+        'ignore': ['lm_head', '*.mlp.gate'],
     }
-    (tmp_path / 'config.json').write_text(json.dumps(cfg))
-    with pytest.raises(
-        NotImplementedError, match=r'experts\.\d+\.\w+_proj\.weight.*NVFP4 MoE experts are not supported'
-    ):
-        LLM(str(tmp_path), dtype='float32', progress=False, max_model_len=64, num_gpu_blocks_override=16)
+    (q_dir / 'config.json').write_text(json.dumps(cfg))
+    llm, lq, tq = _run(q_dir)
+    moes = [
+        m for m in llm.engine.runner.model.modules() if isinstance(getattr(m, 'quant_method', None), NvFp4MoEMethod)
+    ]
+    assert len(moes) == 2 and moes[0].w13_weight.dtype == torch.uint8
+    assert sum(isinstance(m, NVFP4Linear) for m in llm.engine.runner.model.modules()) == 2 * 2  # qkv, o per layer
+    _, ld, td = _run(d_dir)
+    for a, b in zip(lq, ld):
+        assert (a - b).abs().max().item() < 1e-3
+    assert tq == td

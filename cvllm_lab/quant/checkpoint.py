@@ -22,7 +22,7 @@ from .base import QuantLinear
 from .gguf import GGUFLinear, shard_gguf_tensor
 from .w4a16 import W4A16Linear, awq_to_levels, gptq_to_levels, shard_w4a16_tensor
 from .fp8 import FP8Linear, FP8_METHODS, fp8_checkpoint_config, fp8_shard_tensors
-from .nvfp4 import NVFP4Linear, is_modelopt_config, nvfp4_checkpoint_config
+from .nvfp4 import NVFP4Linear, NvFp4MoEMethod, is_modelopt_config, nvfp4_checkpoint_config
 from .apply import decoder_linears, replace_module
 
 # %% auto #0
@@ -415,6 +415,28 @@ def _route(model, name: str):
     return path, shard, suffix
 
 
+def _nvfp4_expert(model, moe: dict, name: str, t) -> tuple | None:
+    """(layer path, expert, shard, suffix) for a per-expert tensor of an NVFP4 checkpoint (packed uint8 weight or a
+    scale) of one of `model`'s `FusedMoE` layers; None otherwise (float experts go to the model's own loader)."""
+    for src_, dst in getattr(model, 'ckpt_module_names', {}).items():
+        name = name.replace(src_, dst)
+    base, _, suffix = name.rpartition('.')
+    if suffix not in ('weight', 'weight_scale', 'weight_scale_2', 'input_scale'):
+        return None
+    hit = expert_shard(base + '.weight')
+    if hit is None or hit[0] not in moe or hit[1] is None or (suffix == 'weight' and t.dtype != torch.uint8):
+        return None
+    return hit + (suffix,)
+
+
+def _load_nvfp4_expert(layer: FusedMoE, e: int, sid: str, suffix: str, t: torch.Tensor, scaled: set):
+    "Expert `e`'s shard tensor into `NvFp4MoEMethod`'s buffers (attached on the first one); `scaled` gets its global scales."
+    if layer.quant_method is None:
+        NvFp4MoEMethod.attach(layer)
+    if layer.quant_method.load_expert(layer, e, sid, suffix, t) and suffix == 'weight_scale_2':
+        scaled.add((e, sid))
+
+
 def _nvfp4_tensor(suffix: str, t) -> bool:
     "A quantized tensor of an NVFP4 checkpoint (packed weight or one of its scales)."
     return suffix in ('weight_scale', 'weight_scale_2', 'input_scale') or (
@@ -436,20 +458,27 @@ def load_quantized(model: nn.Module, weights, qcfg: dict, progress: bool = True,
         cols[name] = _Collector(lin)
         cols[name].name, cols[name].qcfg = name, qcfg
         replace_module(model, name, cols[name])
-    moe = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)} if qcfg['method'] == 'fp8' else {}
+    moe = (
+        {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
+        if qcfg['method'] in ('fp8', 'nvfp4')
+        else {}
+    )
     scaled = {}  # FP8 expert layer path -> {(expert, shard) whose scale loaded}
 
     def rest():
         for name, t in weights:
             if qcfg['method'] in ('fp8', 'nvfp4') and name.endswith(KV_SCALE_SUFFIXES):
                 continue  # our FP8 KV cache sets its own
+            if qcfg['method'] == 'nvfp4' and (hit := _nvfp4_expert(model, moe, name, t)):
+                _load_nvfp4_expert(moe[hit[0]], *hit[1:], t, scaled.setdefault(hit[0], set()))
+                continue
             if hit := _fp8_expert(model, moe, name, t):
                 _load_fp8_expert(moe[hit[0]], *hit[1:], t, scaled.setdefault(hit[0], set()))
                 continue
             path, shard, suffix = _route(model, name)
             if qcfg['method'] == 'nvfp4' and path not in cols and _nvfp4_tensor(suffix, t):
                 raise NotImplementedError(
-                    f'{name}: NVFP4 weights outside the decoder linears (NVFP4 MoE experts are not supported yet)'
+                    f'{name}: NVFP4 weights outside the decoder linears and per-expert MoE tensors are not supported'
                 )
             if path in cols and suffix in QUANT_SUFFIXES:
                 cols[path].add(shard, suffix, t)

@@ -11,15 +11,18 @@ import torch.nn.functional as F
 from cvllm_lab.kernels.nvfp4 import (
     NVFP4_GROUP,
     dequantize_nvfp4_ref,
+    fused_moe_nvfp4,
+    fused_moe_nvfp4_ref,
     fake_quantize_nvfp4_act_ref,
     nvfp4_matmul,
     quantize_nvfp4_ref,
 )
 from ..layers.basic import Linear
+from ..layers.fused_moe import FusedMoE
 from .base import QuantLinear
 
 # %% auto #0
-__all__ = ['NVFP4_NAMES', 'NVFP4Linear', 'is_modelopt_config', 'nvfp4_checkpoint_config']
+__all__ = ['NVFP4_NAMES', 'NVFP4Linear', 'NvFp4MoEMethod', 'is_modelopt_config', 'nvfp4_checkpoint_config']
 
 # %% ../../nbs/43b_nvfp4.ipynb #11ea0f21
 class NVFP4Linear(QuantLinear):
@@ -93,6 +96,92 @@ class NVFP4Linear(QuantLinear):
 
     def extra_repr(self):
         return f'in={self.input_size}, out={self.output_sizes}, act_quant={self.act_quant}'
+
+# %% ../../nbs/43b_nvfp4.ipynb #8b09887b
+class NvFp4MoEMethod:
+    """Experts as NVFP4: `w13_weight uint8 [E, 2I, H/2]`, `w13_weight_scale` e4m3 `[E, 2I, H/16]`, `w13_row_scale fp32
+    [E, 2I]` (and `w2_*` for `[E, H, I]`), run by `fused_moe_nvfp4` on CUDA, the dequantizing loop on CPU."""
+
+    @classmethod
+    def attach(cls, layer: FusedMoE) -> NvFp4MoEMethod:
+        "Give a float `FusedMoE` zeroed NVFP4 expert buffers (unit scales), to be filled per expert."
+        if layer.tp_size > 1:
+            raise NotImplementedError(
+                f'NVFP4 experts at tensor parallel {layer.tp_size} are not sharded yet; use tensor_parallel_size=1'
+            )
+        E, H, I, dev = layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.w13_weight.device
+        for n in ('w13_weight', 'w2_weight'):
+            delattr(layer, n)
+        for n, (N, K) in (('w13', (2 * I, H)), ('w2', (H, I))):
+            if K % NVFP4_GROUP:
+                raise NotImplementedError(f'NVFP4 experts: {n} input size {K} is not a multiple of {NVFP4_GROUP}')
+            layer.register_buffer(f'{n}_weight', torch.zeros(E, N, K // 2, dtype=torch.uint8, device=dev))
+            layer.register_buffer(
+                f'{n}_weight_scale', torch.ones(E, N, K // NVFP4_GROUP, device=dev).to(torch.float8_e4m3fn)
+            )
+            layer.register_buffer(f'{n}_row_scale', torch.ones(E, N, device=dev))
+        layer.quant_method = m = cls()
+        return m
+
+    @classmethod
+    def quantize(cls, layer: FusedMoE) -> FusedMoE:
+        "In-situ: each expert's gate, up and down quantized as ModelOpt would (own global scales)."
+        w13, w2, I = layer.w13_weight.data, layer.w2_weight.data, layer.intermediate_size
+        m = cls.attach(layer)
+        for e in range(layer.num_experts):
+            for sid, w in (('w1', w13[e, :I]), ('w3', w13[e, I:]), ('w2', w2[e])):
+                q, s, gs = quantize_nvfp4_ref(w)
+                for suffix, t in (('weight', q), ('weight_scale', s), ('weight_scale_2', gs)):
+                    m.load_expert(layer, e, sid, suffix, t)
+        return layer
+
+    def load_expert(self, layer: FusedMoE, e: int, sid: str, suffix: str, t: torch.Tensor) -> bool:
+        "Copy expert `e`'s shard `sid` (`w1`, `w3`, `w2`) tensor `suffix`; False for one not kept (`input_scale`)."
+        if suffix == 'input_scale':
+            return False  # weight-only (see above)
+        I = layer.intermediate_size
+        rows = slice(None) if sid == 'w2' else slice(0, I) if sid == 'w1' else slice(I, 2 * I)
+        n = 'w2' if sid == 'w2' else 'w13'
+        name = {'weight': 'weight', 'weight_scale': 'weight_scale', 'weight_scale_2': 'row_scale'}[suffix]
+        dst = getattr(layer, f'{n}_{name}')[e, rows]
+        if suffix == 'weight_scale_2':
+            if t.numel() != 1:
+                raise NotImplementedError(f'expert {e} {sid}: weight_scale_2 of {t.numel()} values')
+            dst.fill_(t.float().item())
+            return True
+        if dst.shape != t.shape or dst.dtype != t.dtype:
+            raise ValueError(
+                f'expert {e} {sid}: {suffix} {t.dtype} {tuple(t.shape)}, want {dst.dtype} {tuple(dst.shape)}'
+            )
+        dst.copy_(t)
+        if suffix == 'weight':
+            layer.loaded_shards.add((e, sid))
+        return True
+
+    def weight_loader(self, layer, loaded, shard_id, expert_id=None):
+        raise ValueError(f'NVFP4 experts load per expert (experts.E.gate_proj.weight and scales), got {shard_id!r}')
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def dequantize(self, layer: FusedMoE, dtype=torch.float32):
+        "`(w13 [E, 2I, H], w2 [E, H, I])` in `dtype`."
+        return tuple(
+            torch.stack(
+                [
+                    dequantize_nvfp4_ref(
+                        *(getattr(layer, f'{n}_{b}')[e] for b in ('weight', 'weight_scale', 'row_scale')), dtype=dtype
+                    )
+                    for e in range(layer.num_experts)
+                ]
+            )
+            for n in ('w13', 'w2')
+        )
+
+    def apply(self, layer: FusedMoE, x, topk_weights, topk_ids):
+        run = fused_moe_nvfp4 if x.is_cuda else fused_moe_nvfp4_ref
+        w = [getattr(layer, f'{n}_{b}') for n in ('w13', 'w2') for b in ('weight', 'weight_scale', 'row_scale')]
+        return run(x, *w, topk_weights, topk_ids, activation=layer.activation)
 
 # %% ../../nbs/43b_nvfp4.ipynb #863da375
 NVFP4_NAMES = ('modelopt_fp4', 'modelopt', 'nvfp4')  # --quantization names that accept an NVFP4 checkpoint
