@@ -31,7 +31,7 @@ from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
 from .sleep import RunnerSleep
 from .spec_decode import sample_drafts
-from .draft_model import DraftModelProposer
+from .mtp import make_proposer
 from .lora_manager import make_lora_manager
 from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
@@ -62,10 +62,9 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
             self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path and not cfg.enable_lora
         )
         self.model = self._load(src, progress)
-        spec = cfg.speculative_config  # a draft model: its own cache at the target's block ids (51d)
-        self.draft = (
-            DraftModelProposer(cfg, hf_config, progress) if spec is not None and spec.method == 'draft_model' else None
-        )
+        # a draft model (51d) or the target's MTP layers (51e): a cache of their own at the target's block ids
+        self.draft = make_proposer(cfg, hf_config, self.model, src, progress)
+        mtp = getattr(self.draft, 'needs_hidden', False)  # it reads every row of the target: no keep_rows, no graphs
         self.lora_manager = make_lora_manager(self.model, cfg, self.device) if cfg.enable_lora else None  # 51b
         self.compute_logits, self.lm_head = getattr(self.model, 'compute_logits', None), None  # on CPU: see setup_cpu
         self.pooling = cfg.runner == 'pooling'  # the model's pooler ends each step, not the sampler (50b)
@@ -79,7 +78,7 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
         self.prefill_split_min_tokens = PREFILL_SPLIT_MIN_TOKENS
         self.prefill_split_max_keys = max(cfg.max_num_batched_tokens, cfg.max_model_len)
         self.keep_rows = (
-            cfg.keep_rows and not self.pooling and not cfg.enable_lora
+            cfg.keep_rows and not self.pooling and not cfg.enable_lora and not mtp
         )  # eager steps: the last layer's MLP for the sampled rows only (`_forward`)
         self.decodes_apart = cfg.decodes_apart  # a step's leading decodes: a paged call of their own (`DecodeSplit`)
         layers = self.model.attention_layers()
@@ -110,7 +109,7 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
 
             set_batch_invariant(bool(cfg.batch_invariant))
             self.tok_host = [torch.zeros(cfg.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
-            if not cfg.enforce_eager and cfg.attention_backend == 'triton' and not self.pooling:
+            if not cfg.enforce_eager and cfg.attention_backend == 'triton' and not self.pooling and not mtp:
                 self.capture_cudagraphs(progress)
             if not self.pooling:  # (its steps sample)
                 with cudnn_plans_at_once():
@@ -385,6 +384,8 @@ def launch(
         b.prev_rows = placeholder_rows(so, b, prev_reqs)
     dprobs = self.draft.step(so, b) if self.draft is not None else None  # the draft model's drafts and q (51d)
     hidden = self._forward(so, b, prev_tokens)
+    if getattr(self.draft, 'needs_hidden', False):  # MTP: this step's target rows, for the next step's drafts
+        self.draft.keep_hidden(so, b)
     sample_reqs = b.sample_reqs
     if b.spec_drafts is None and not b.prompt_logprobs and sample_reqs and all(map(Sampler.host_free, sample_reqs)):
         tokens = self.sampler.sample_tokens(self.compute_logits(hidden[b.sample_at]), sample_reqs)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 __all__ = ['BUILT_METHODS', 'PLANNED_METHODS', 'SPECULATIVE_CONFIG_HELP', 'SpeculativeConfig', 'speculative_config_arg']
 
 # %% ../../nbs/01c_spec_config.ipynb #1381a727
-BUILT_METHODS = ('ngram', 'draft_model')  # what this engine runs
+BUILT_METHODS = ('ngram', 'draft_model', 'mtp', 'deepseek_mtp')  # what this engine runs
 # vLLM's other methods: known names, refused with a message that says they are not built here yet
-PLANNED_METHODS = ('eagle', 'eagle3', 'mtp', 'deepseek_mtp', 'medusa', 'mlp_speculator', 'suffix')
+PLANNED_METHODS = ('eagle', 'eagle3', 'medusa', 'mlp_speculator', 'suffix')
 
 
 @dataclass
@@ -81,7 +81,8 @@ class SpeculativeConfig:
 SPECULATIVE_CONFIG_HELP = (
     'vLLM\'s speculative decoding config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4}\' (n-gram prompt lookup) or \'{"method": "draft_model", "model": PATH, '
-    '"num_speculative_tokens": 4}\' (a smaller model, same vocabulary); greedy output unchanged; other methods are refused'
+    '"num_speculative_tokens": 4}\' (a smaller model, same vocabulary) or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+    "(the model's own MTP layers, DeepSeek-V3); greedy output unchanged; other methods are refused"
 )
 
 
