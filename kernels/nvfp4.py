@@ -19,7 +19,10 @@ Kernel (`nvfp4_matmul`): `y = x @ W.T * row_scale`, where `row_scale [N]` holds 
 Grid `(M, N / BLOCK_N)`: a program reads its row of `x` per K tile (even and odd columns apart, matching the low and
 high nibbles), the tile's bytes `[BLOCK_N, BLOCK_K / 2]` and their e4m3 group scales as bytes, decodes both
 arithmetically (no lookup table) and accumulates in fp32. One row per program is the decode shape (weights read once
-per token row); prefill-sized tiles on tensor cores (`tl.dot`) are not written yet. Weight-only: `x` stays in its
+per token row). Above `MM_MIN_ROWS` rows (prefill, large batches) `_nvfp4_mm_kernel` tiles `[BLOCK_M, BLOCK_N]` on
+tensor cores: the even and odd columns of `x` against the decoded low and high nibbles, two `tl.dot`s per K step; a
+decoded weight (FP4 value times e4m3 scale: at most 7 significant bits) is exact in bf16, so only `x`'s own dtype
+and fp32 accumulation matter (fp32 inputs use IEEE fp32 dots, not TF32). Its GPU speed is not measured yet. Weight-only: `x` stays in its
 16/32-bit dtype (Hopper has no FP4 tensor cores); `fake_quantize_nvfp4_act_ref` is what a W4A4 (Blackwell) kernel
 would round the activations to with the checkpoint's `input_scale`.
 
@@ -27,6 +30,8 @@ MoE (`nvfp4_moe_matmul`, `fused_moe_nvfp4`): the same kernel with `HAS_IDS`: row
 assignments reads row `r // k` of `x` and expert `ids[r]`'s weights `[E, N, K/2]`, scales and row scales, as MXFP4's
 MoE matmul does; `fused_moe_nvfp4_ref` loops over the used experts on dequantized weights.
 """
+
+import os
 
 import torch
 import triton
@@ -44,6 +49,7 @@ __all__ = [
     'dequantize_nvfp4_ref',
     'fake_quantize_nvfp4_act_ref',
     'nvfp4_matmul_ref',
+    'MM_MIN_ROWS',
     'nvfp4_matmul',
     'nvfp4_moe_matmul',
     'fused_moe_nvfp4',
@@ -51,6 +57,8 @@ __all__ = [
 ]
 
 NVFP4_GROUP = 16  # values per e4m3 scale
+MM_MIN_ROWS = 8  # above this many rows `nvfp4_matmul` runs the tensor-core tile kernel, at or below the row kernel
+TRITON_INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1'
 E4M3_MAX = 448.0
 _BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between FP4 magnitudes
 
@@ -165,6 +173,58 @@ def _nvfp4_kernel(
     tl.store(c_ptr + row.to(tl.int64) * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _nvfp4_mm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    rs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # values per K step (BLOCK_K / 2 bytes per weight row), a multiple of 32
+    DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs; the interpreter, whose bf16 dots are wrong)
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col = k0 + 2 * offs_j  # even columns; byte j holds col (low nibble) and col + 1 (high)
+        k_ok = col < K
+        wmask = n_ok[:, None] & k_ok[None, :]
+        byte = tl.load(w_rows + (col // 2)[None, :], mask=wmask, other=0).to(tl.int32)
+        sc = _e4m3(tl.load(s_rows + (col // 16)[None, :], mask=wmask, other=0).to(tl.int32))
+        xmask = m_ok[:, None] & k_ok[None, :]
+        x0 = tl.load(x_rows + col[None, :], mask=xmask, other=0.0)
+        x1 = tl.load(x_rows + col[None, :] + 1, mask=xmask, other=0.0)
+        if DOT_FP32:
+            x0, x1 = x0.to(tl.float32), x1.to(tl.float32)
+        # FP4 value x e4m3 scale has at most 7 significant bits: exact in bf16, so the tensor cores see the true weight
+        w0 = (_fp4(byte & 15) * sc).to(x0.dtype)
+        w1 = (_fp4(byte >> 4) * sc).to(x0.dtype)
+        if DOT_FP32:  # true fp32 products (no TF32): fp32 models match their reference
+            acc = tl.dot(x0, tl.trans(w0), acc, input_precision='ieee')
+            acc = tl.dot(x1, tl.trans(w1), acc, input_precision='ieee')
+        else:
+            acc = tl.dot(x0, tl.trans(w0), acc)
+            acc = tl.dot(x1, tl.trans(w1), acc)
+    acc *= tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 def nvfp4_matmul_ref(x, weight, weight_scale, row_scale):
     "`nvfp4_matmul` on the dequantized weight, in fp32; `[.., N]` in `x`'s dtype."
     w = dequantize_nvfp4_ref(weight, weight_scale, row_scale)
@@ -187,6 +247,28 @@ def nvfp4_matmul(x, weight, weight_scale, row_scale, block_n: int = 64, block_k:
     s = weight_scale.contiguous()
     s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s  # the kernel decodes the bytes itself
     assert s.dtype == torch.uint8, s.dtype
+    if M > MM_MIN_ROWS:  # tiles on tensor cores (prefill, large batches)
+        bm, bn, bk = (16, 32, 32) if TRITON_INTERPRETED else (64, 64, 64)
+        _nvfp4_mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x2,
+            weight.contiguous(),
+            s,
+            row_scale.float().contiguous(),
+            out,
+            M,
+            N,
+            K,
+            x2.stride(0),
+            K2,
+            s.stride(0),
+            out.stride(0),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            DOT_FP32=TRITON_INTERPRETED or x.dtype == torch.float32,
+            num_warps=4,
+        )
+        return out.reshape(*lead, N)
     block_n = min(block_n, triton.next_power_of_2(N))
     block_k = min(block_k, max(NVFP4_GROUP, triton.next_power_of_2(K)))
     _nvfp4_kernel[(M, triton.cdiv(N, block_n))](

@@ -1,7 +1,7 @@
 """The NVFP4 weight-only matmul (`kernels/nvfp4.py`) against its plain-PyTorch reference.
 
-Interpreter (CPU, `interp`): small odd shapes (N not a multiple of the tile, K not a multiple of BLOCK_K), fp32 and
-bf16 inputs, per-row global scales, and every finite e4m3 scale byte decoded in the kernel as torch decodes it; the
+Interpreter (CPU, `interp`): small odd shapes (N not a multiple of the tile, K not a multiple of BLOCK_K), the row
+kernel (up to `MM_MIN_ROWS` rows) and the tile kernel (more rows; its bf16 dots run in fp32 there), fp32 and bf16 inputs, per-row global scales, and every finite e4m3 scale byte decoded in the kernel as torch decodes it; the
 quantizer's rounding (nearest FP4 value, ties to the even code) on the midpoints. CUDA (`-m cuda`): Llama-3-8B-sized
 projections at decode and small-batch rows.
 """
@@ -32,7 +32,9 @@ def _layer(N, K, seed=0, device='cpu'):
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize('M,N,K', [(1, 40, 48), (3, 72, 160), (5, 16, 16)])
+@pytest.mark.parametrize(
+    'M,N,K', [(1, 40, 48), (3, 72, 160), (5, 16, 16), (9, 40, 48), (20, 72, 160)]
+)  # > 8 rows: tiles
 def test_nvfp4_matmul_interp(M, N, K):
     _, q, s, rs = _layer(N, K)
     x = torch.randn(M, K)
