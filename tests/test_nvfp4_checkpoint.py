@@ -82,16 +82,12 @@ def ckpts(tmp_path_factory):
 
 
 def _run(path, **kw):
-    llm = LLM(
-        str(path),
-        dtype='float32',
-        progress=False,
-        block_size=4,
-        max_model_len=64,
-        num_gpu_blocks_override=64,
-        enable_prefix_caching=True,
-        **kw,
-    )
+    kw = (
+        dict(block_size=4, max_model_len=64, num_gpu_blocks_override=64)
+        if kw.get('device') != 'cuda'
+        else dict(block_size=16, max_model_len=64, kv_cache_memory=64 << 20)
+    ) | kw
+    llm = LLM(str(path), dtype='float32', progress=False, enable_prefix_caching=True, **kw)
     sp = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=-1, ignore_eos=True)
     outs = llm.generate([{'prompt_token_ids': p} for p in PROMPTS], sp, use_tqdm=False)
     lps = [torch.tensor([[d[t].logprob for t in range(V)] for d in o.prompt_logprobs[1:]]) for o in outs]
@@ -189,6 +185,18 @@ def test_nvfp4_moe_checkpoint_through_llm(tmp_path):
     assert len(moes) == 2 and moes[0].w13_weight.dtype == torch.uint8
     assert sum(isinstance(m, NVFP4Linear) for m in llm.engine.runner.model.modules()) == 2 * 2  # qkv, o per layer
     _, ld, td = _run(d_dir)
+    for a, b in zip(lq, ld):
+        assert (a - b).abs().max().item() < 1e-3
+    assert tq == td
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_nvfp4_checkpoint_on_gpu(ckpts):
+    "On CUDA the NVFP4 layers run the Triton kernels (row kernel for decode, tiles for the prompt): fp32, 1e-3, tokens equal."
+    q_dir, d_dir, _, _ = ckpts
+    _, lq, tq = _run(q_dir, device='cuda')
+    _, ld, td = _run(d_dir, device='cuda')
     for a, b in zip(lq, ld):
         assert (a - b).abs().max().item() < 1e-3
     assert tq == td
