@@ -247,5 +247,8 @@ def make_proposer(cfg: EngineConfig, hf_config, target: nn.Module, src=None, pro
     spec = cfg.speculative_config
     if spec is None or spec.method not in ('draft_model', 'mtp', 'deepseek_mtp'):
         return None
-    return DraftModelProposer(cfg, hf_config, progress) if spec.method == 'draft_model' else MtpProposer(cfg, target, src, progress)
-
+    return (
+        DraftModelProposer(cfg, hf_config, progress)
+        if spec.method == 'draft_model'
+        else MtpProposer(cfg, target, src, progress)
+    )
