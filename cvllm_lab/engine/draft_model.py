@@ -23,7 +23,7 @@ from ..tokenizer import load_tokenizer
 from ..weights.loader import load_model, load_hf_config, resolve_model_source
 
 # %% auto #0
-__all__ = ['check_same_vocab', 'DraftModelProposer', 'sample_from_q']
+__all__ = ['check_same_vocab', 'DraftModelProposer', 'runs_context', 'sample_from_q']
 
 # %% ../../nbs/51d_draft_model.ipynb #6954ab07
 def _vocab(src) -> dict[str, int] | None:
@@ -82,10 +82,9 @@ class DraftModelProposer:
         self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device, self.groups)
 
 # %% ../../nbs/51d_draft_model.ipynb #21253bd2
-@patch
-def forward(self: DraftModelProposer, runs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-    "Hidden states of the draft over `runs`: per request (tokens, first position, block table); rows in order."
-    bs, dev = self.block_size, self.device
+def runs_context(runs: list[tuple[list[int], int, list[int]]], block_size: int, device) -> tuple:
+    """A proposer's step over `runs` (per request: tokens, first position, block table): its `ForwardContext`, token
+    ids and positions, rows in order (the draft model and the MTP layers read their caches at the target's block ids)."""
     ns = [len(t) for t, _, _ in runs]
     qsl = np.zeros(len(runs) + 1, dtype=np.int32)
     np.cumsum(ns, out=qsl[1:])
@@ -95,11 +94,18 @@ def forward(self: DraftModelProposer, runs: list[tuple[list[int], int, list[int]
     bt = np.zeros((len(runs), max(len(t) for _, _, t in runs)), dtype=np.int32)
     for i, (_, _, t) in enumerate(runs):
         bt[i, : len(t)] = t
-    slots = bt[np.repeat(np.arange(len(runs)), ns), pos // bs].astype(np.int64) * bs + pos % bs
-    on = lambda x: torch.from_numpy(x).to(dev)
+    slots = bt[np.repeat(np.arange(len(runs)), ns), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    on = lambda x: torch.from_numpy(x).to(device)
     ctx = ForwardContext(on(slots), on(qsl), on(seq_lens), on(bt), max(ns), int(seq_lens.max()))
+    return ctx, on(ids), on(pos)
+
+
+@patch
+def forward(self: DraftModelProposer, runs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    "Hidden states of the draft over `runs`: per request (tokens, first position, block table); rows in order."
+    ctx, ids, pos = runs_context(runs, self.block_size, self.device)
     with set_forward_context(ctx):
-        return self.model(on(ids), on(pos))
+        return self.model(ids, pos)
 
 # %% ../../nbs/51d_draft_model.ipynb #757bd986
 def sample_from_q(logits: torch.Tensor, params: list, generators: list) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from ..config import EngineConfig, set_current_engine_config
-from ..utils.context import ForwardContext, bind_kv_cache, kv_cache_bytes_per_token, set_forward_context
+from ..utils.context import bind_kv_cache, kv_cache_bytes_per_token, set_forward_context
 from ..layers.basic import RMSNorm
-from .draft_model import sample_from_q
+from .draft_model import runs_context, sample_from_q
 from ..weights.loader import iterate_weights, resolve_model_source
 
 # %% auto #0
@@ -148,21 +148,9 @@ class MtpProposer:
 @patch
 def forward(self: MtpProposer, runs: list[tuple[list[int], int, list[int]]], hidden: torch.Tensor, i: int = 0):
     "MTP layer `i` over `runs` (per request: tokens, first position, block table) with `hidden`, one row per token."
-    bs, dev = self.block_size, self.device
-    ns = [len(t) for t, _, _ in runs]
-    qsl = np.zeros(len(runs) + 1, dtype=np.int32)
-    np.cumsum(ns, out=qsl[1:])
-    ids = np.fromiter((x for t, _, _ in runs for x in t), dtype=np.int64, count=int(qsl[-1]))
-    pos = np.concatenate([np.arange(p, p + n, dtype=np.int64) for (_, p, _), n in zip(runs, ns)])
-    seq_lens = np.array([p + n for (_, p, _), n in zip(runs, ns)], dtype=np.int32)
-    bt = np.zeros((len(runs), max(len(t) for _, _, t in runs)), dtype=np.int32)
-    for j, (_, _, t) in enumerate(runs):
-        bt[j, : len(t)] = t
-    slots = bt[np.repeat(np.arange(len(runs)), ns), pos // bs].astype(np.int64) * bs + pos % bs
-    on = lambda x: torch.from_numpy(x).to(dev)
-    ctx = ForwardContext(on(slots), on(qsl), on(seq_lens), on(bt), max(ns), int(seq_lens.max()))
+    ctx, ids, pos = runs_context(runs, self.block_size, self.device)
     with set_forward_context(ctx):
-        return self.model(on(ids), on(pos), hidden, i)
+        return self.model(ids, pos, hidden, i)
 
 # %% ../../nbs/51e_mtp.ipynb #d891a4f2
 @patch
