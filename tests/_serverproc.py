@@ -10,6 +10,8 @@ import tempfile
 import time
 import httpx
 
+import _heavy
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -39,19 +41,24 @@ class ServerProcess:
             *args,
         ]
         env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
+        _heavy.acquire()  # released in `stop`: no tensor-parallel test of the other pytest process meanwhile
+        self._heavy = True
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f'cvllm-serve exited with {self.proc.returncode}:\n{self.output()}')
+                msg = f'cvllm-serve exited with {self.proc.returncode}:\n{self.output()}'
+                self.stop()
+                raise RuntimeError(msg)
             try:
                 if httpx.get(self.url + '/health', timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        msg = f'cvllm-serve did not come up in {timeout} s:\n{self.output()}'
         self.stop()
-        raise RuntimeError(f'cvllm-serve did not come up in {timeout} s:\n{self.output()}')
+        raise RuntimeError(msg)
 
     def output(self) -> str:
         self.log.flush()
@@ -67,6 +74,9 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+        if self._heavy:
+            self._heavy = False
+            _heavy.release()
 
     def __enter__(self):
         return self

@@ -9,7 +9,7 @@ the Triton kernels under the interpreter (the CPU path) and are skipped where it
 fixture starts, so that two servers (an API process and an engine core each) are never alive at once: the suite's
 peak memory would be theirs together. `server` marks every test of a module that starts servers (one that imports
 `_serverproc.ServerProcess`): `scripts/test.sh` runs those in one pytest process and the rest in another, side by
-side, so that at most one server and one multi-process group (tensor parallel ranks) are alive at a time; `timing`
+side, and a server and a `test_tp_*` module's ranks never live at the same time (`tests/_heavy.py`); `timing`
 tests (they compare times measured on a quiet machine) run after them, alone.
 """
 
@@ -46,7 +46,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.server)
     modules = {}  # first position of each module: files keep their order, `own_server` tests move to their front
     for i, item in enumerate(items):
-        modules.setdefault(item.module.__name__ if item.module else '', i)
-    items.sort(
-        key=lambda it: (modules[it.module.__name__ if it.module else ''], not it.get_closest_marker('own_server'))
+        modules.setdefault(_module(item), i)
+    items.sort(  # tensor-parallel modules last: they wait for the other pytest process's servers (`tp_modules_alone`)
+        key=lambda it: (_is_tp(it), modules[_module(it)], not it.get_closest_marker('own_server'))
     )
+
+
+def _module(item) -> str:
+    return item.module.__name__ if item.module else ''
+
+
+def _is_tp(item) -> bool:
+    return _module(item).rpartition('.')[2].startswith('test_tp_')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def tp_modules_alone(request):
+    """A `test_tp_*` module holds the suite's heavy-process lock (`tests/_heavy.py`) from its first test to its last,
+    so its ranks are never alive beside a server of the other pytest process."""
+    import _heavy
+
+    tp = request.module.__name__.rpartition('.')[2].startswith('test_tp_')
+    if tp:
+        _heavy.acquire()
+    yield
+    if tp:
+        _heavy.release()
