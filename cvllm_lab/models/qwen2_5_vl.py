@@ -48,7 +48,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 # %% ../../nbs/31b_qwen2_5_vl.ipynb #431404e7
 class MRopeAttention(LlamaAttention):
-    "Qwen2 attention rotated by M-RoPE before the paged attention (which then sees no rotary: any backend)."
+    "Qwen2 attention (optionally with q/k norms) rotated by M-RoPE before the paged attention (which then sees no rotary: any backend)."
 
     supports_fp32_stream = False
 
@@ -59,7 +59,11 @@ class MRopeAttention(LlamaAttention):
 
     def attend_qkv(self, positions, qkv, dtype=None, rms=None):
         assert rms is None, 'M-RoPE attention does not take deferred norms'
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], -1)
+        if self.q_norm is not None:  # Qwen3's per-head q/k norms (Qwen3-VL, 31c)
+            q = self.q_norm(q.reshape(T, self.H, self.D)).view(T, -1)
+            k = self.k_norm(k.reshape(T, self.Hkv, self.D)).view(T, -1)
         q, k = self.mrope(positions, q, k)
         return self.attn(q, k, v, dtype=dtype)
 
@@ -321,8 +325,14 @@ def step_inputs(self: Qwen2_5_VLForConditionalGeneration, reqs, starts, counts, 
             if hi == it.offset + it.length:  # the run is complete in the KV cache: its embeddings are not needed again
                 del mm.encoder_cache[k]
         row += n
+    return torch.cat(pos, 1).to(dev), *self.merge_rows(ids, torch.cat(rows).to(dev) if rows else None, embs)
+
+
+@patch
+def merge_rows(self: Qwen2_5_VLForConditionalGeneration, ids, rows, embs) -> tuple:
+    "`(inputs_embeds,)`: the token embeddings of `ids` with the encoder's rows `embs` written at `rows`."
     h = self.model.embed_tokens(ids)
-    if rows:
+    if rows is not None:
         h = h.clone()
-        h[torch.cat(rows).to(dev)] = torch.cat(embs).to(h.dtype)
-    return torch.cat(pos, 1).to(dev), h
+        h[rows] = torch.cat(embs).to(h.dtype)
+    return (h,)

@@ -270,7 +270,10 @@ def process_images(image_processor, ids: list[int], images: list, image_token_id
     return ids, mm
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #f9ab695c
-MROPE_ARCHS = {'Qwen2_5_VLForConditionalGeneration'}  # image models whose positions are M-RoPE's
+MROPE_ARCHS = {  # image models whose positions are M-RoPE's
+    'Qwen2_5_VLForConditionalGeneration',
+    'Qwen3VLForConditionalGeneration',
+}
 
 
 def is_multimodal(hf_config) -> bool:
