@@ -50,10 +50,16 @@ def quantize_kv_ref(x):
 
 
 def _write_rows(cache, slots, rows):
-    flat = cache.view(-1, *cache.shape[2:])
+    """`rows` into `cache [num_blocks, block_size, ..]` at `slots`; a cache whose blocks sit in larger pages (a view of
+    a shared KV cache slot, `bind_kv_cache`) by block and offset."""
     if cache.dtype == FP8_DTYPE:  # CPU has no fp8 index_copy_: copy the bytes
-        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-    flat.index_copy_(0, slots, rows.to(flat.dtype))
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    rows = rows.to(cache.dtype)
+    if cache.is_contiguous():
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+    else:
+        bs = cache.shape[1]
+        cache[slots // bs, slots % bs] = rows
 
 
 def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
@@ -65,10 +71,10 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=No
         x = x[keep]
         if cache.dtype == KV4_DTYPE:  # int4: packed codes and fp16 group scales (`kv_cache_int4`)
             x, s = quantize_kv4_ref(rotate_kv4(x.float()), x.shape[-1] // sc.shape[-1])
-            sc.view(-1, *sc.shape[2:]).index_copy_(0, slots, s)
+            _write_rows(sc, slots, s)
         elif cache.dtype == FP8_DTYPE:
             x, s = quantize_kv_ref(x)
-            sc.view(-1, sc.shape[-1]).index_copy_(0, slots, s)
+            _write_rows(sc, slots, s)
         _write_rows(cache, slots, x)
 
 

@@ -84,7 +84,7 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
         layers = self.model.attention_layers()
         # tensor parallel: the workers mirror one block table per request (`56_worker`), so one group there
         self.attn_groups = (
-            kv_cache_groups(layers)
+            kv_cache_groups(layers, self.kv_dtype)
             if cfg.tensor_parallel_size == 1
             else [KVCacheGroupSpec(None, tuple(range(len(layers))))]
         )

@@ -294,9 +294,9 @@ def _split_prefill(self: Attention, q, kc, vc, ks, vs, ctx, bt, kv=None):
     s, t0 = p.seq_start, p.token_start
     if kv is None:
         cu_k, max_k, _, _ = p.keys(w)
-        kv = self.kv_cache.flatten(1, 2).index_select(
-            1, p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1])
-        )  # K and V at once
+        sl, c, bs = p.kv_slots(bt, self.kv_cache_group, w, kc.shape[1]), self.kv_cache, kc.shape[1]
+        # K and V at once; a cache whose blocks sit in larger pages (a shared KV cache slot) by block and offset
+        kv = c.flatten(1, 2).index_select(1, sl) if c.is_contiguous() else c[:, sl // bs, sl % bs]
     else:
         cu_k, max_k = p.cu_seqlens_q, p.max_seqlen_q
     cudnn = (

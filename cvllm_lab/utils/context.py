@@ -21,8 +21,8 @@ from cvllm_lab.utils.kv_cache_spec import (
 
 # %% auto #0
 __all__ = ['to_device', 'PrefillMetadata', 'ForwardContext', 'get_forward_context', 'set_forward_context', 'DecodeSplit',
-           'kv_bytes_per_token', 'kv_cache_groups', 'kv_cache_bytes_per_token', 'bind_kv_cache', 'state_bytes_per_slot',
-           'bind_state_cache', 'prefill_context']
+           'kv_bytes_per_token', 'kv_cache_groups', 'group_slots', 'kv_block_parts', 'kv_cache_bytes_per_token',
+           'bind_kv_cache', 'state_bytes_per_slot', 'bind_state_cache', 'prefill_context']
 
 # %% ../../nbs/12_forward_context.ipynb #3943b42b
 def to_device(a: np.ndarray, device) -> torch.Tensor:
@@ -188,69 +188,105 @@ def kv_bytes_per_token(layer, dtype=torch.float32) -> int:
     return 2 * layer.num_kv_heads * (layer.head_dim * es + scale)
 
 
-def kv_cache_groups(layers) -> list[KVCacheGroupSpec]:
-    """vLLM's hybrid grouping: layers by KV cache spec (full, sliding window W, ...), each cut into groups of the same
-    size (the smallest type's count; the largest's when within 1.25x), full attention first. One group (today's
-    layout) when every layer has the same type, or the layers' caches differ in shape (they could not share tensors)."""
-    by_type: dict[KVCacheSpec, list[int]] = {}  # layers by spec (`12a_kv_cache_spec`): full, each window, ...
-    for i, a in enumerate(layers):
-        by_type.setdefault(layer_kv_cache_spec(a), []).append(i)
-    uniform = len(
-        {(getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None), hasattr(a, 'kv_cache_shape')) for a in layers}
-    ) == 1 and not hasattr(layers[0], 'kv_cache_shape')
-    if len(by_type) == 1 or not uniform:
-        return [
-            KVCacheGroupSpec(
-                next(iter(by_type)) if len(by_type) == 1 else FullAttentionSpec(), tuple(range(len(layers)))
-            )
-        ]
+def kv_cache_groups(layers, dtype=None) -> list[KVCacheGroupSpec]:
+    """vLLM's hybrid grouping: layers by KV cache spec (full, sliding window W, ...) and head shape (KV heads, head
+    size: Gemma 4's global layers have their own), each cut into groups of the same size (the smallest type's count;
+    the largest's when within 1.25x), full attention first. One group (the layout before groups) when every layer has
+    the same spec, a layer has its own cache layout (MLA), or the head shapes differ under an FP8 / int4 cache (whose
+    kernels read their per-row scales as contiguous tensors: no padded pages)."""
+    specs = [layer_kv_cache_spec(a) for a in layers]
+    shape = lambda a: (getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None))
+    mixed = len({shape(a) for a in layers}) > 1
+    own = any(hasattr(a, 'kv_cache_shape') for a in layers)
+    if len(set(specs)) == 1 or own or (mixed and dtype in (torch.float8_e4m3fn, KV4_DTYPE)):
+        return [KVCacheGroupSpec(specs[0] if len(set(specs)) == 1 else FullAttentionSpec(), tuple(range(len(layers))))]
+    by_type: dict[tuple, list[int]] = {}  # layers by (spec, head shape): full, each window, ... (`12a_kv_cache_spec`)
+    for i, (a, s) in enumerate(zip(layers, specs)):
+        by_type.setdefault((s, shape(a)), []).append(i)
     lo, hi = min(map(len, by_type.values())), max(map(len, by_type.values()))
     size = hi if hi < 1.25 * lo else lo
-    order = lambda s: (
-        not s.grows,
-        s.frees_blocks,
-        getattr(s, 'sliding_window', 0) or getattr(s, 'attention_chunk_size', 0),
+    order = lambda k: (
+        not k[0].grows,
+        k[0].frees_blocks,
+        getattr(k[0], 'sliding_window', 0) or getattr(k[0], 'attention_chunk_size', 0),
     )
     return [
-        KVCacheGroupSpec(s, tuple(ids[i : i + size]))
-        for s in sorted(by_type, key=order)  # full attention first
-        for ids in [by_type[s]]
+        KVCacheGroupSpec(k[0], tuple(ids[i : i + size]))
+        for k in sorted(by_type, key=order)  # full attention first
+        for ids in [by_type[k]]
         for i in range(0, len(ids), size)
     ]
 
 
+def group_slots(layers, groups: list[KVCacheGroupSpec]) -> list[list]:
+    "The layers of each shared cache slot: slot `j` holds the `j`-th layer of every group (`bind_kv_cache`)."
+    return [
+        [layers[g.layers[j]] for g in groups if j < len(g.layers)] for j in range(max(len(g.layers) for g in groups))
+    ]
+
+
+def kv_block_parts(a, block_size: int, dtype) -> list[tuple[tuple, torch.dtype]]:
+    """A K/V layer's cache tensors, one block of K (or V) each: `(shape, dtype)` of the values (int4: packed codes)
+    and, for FP8 / int4, of their scales. `_new_kv_cache` allocates `[2, num_blocks, *shape]` of each."""
+    h, D = (block_size, a.num_kv_heads), a.head_dim
+    if dtype == KV4_DTYPE:
+        return [(h + (D // 2,), dtype), (h + (D // kv4_group(D),), KV4_SCALE_DTYPE)]
+    if dtype == torch.float8_e4m3fn:
+        return [(h + (D,), dtype), (h, torch.float32)]
+    return [(h + (D,), dtype)]
+
+
 def kv_cache_bytes_per_token(layers, groups: list[KVCacheGroupSpec] | None = None, dtype=torch.float32) -> int:
-    "Cache bytes one block slot costs over all of `bind_kv_cache`'s tensors (groups: one per layer of the largest group)."
+    """Cache bytes one block slot costs over all of `bind_kv_cache`'s tensors; with groups, per shared slot its largest
+    page of each tensor (a slot's layers of a smaller head shape use part of each page)."""
     if groups is None or len(groups) == 1:
         return sum(kv_bytes_per_token(a, dtype) for a in layers)
-    return max(len(g.layers) for g in groups) * kv_bytes_per_token(layers[0], dtype)
+    es = lambda dt: torch.empty(0, dtype=dt).element_size()
+    return sum(
+        2 * max(math.prod(shape) * es(dt) for shape, dt in parts)
+        for slot in group_slots(layers, groups)
+        for parts in zip(*(kv_block_parts(a, 1, dtype) for a in slot))
+    )
 
 
 def _new_kv_cache(a, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     "One layer's `(kv_cache, kv_scale)` for `num_blocks` blocks (zeros: a never-written block reads as finite values)."
-    fp8 = dtype == torch.float8_e4m3fn
-    if dtype == KV4_DTYPE:  # int4: packed codes [.., D // 2] and fp16 scales per group of the head dim
-        if hasattr(a, 'kv_cache_shape'):
+    if hasattr(a, 'kv_cache_shape'):  # a layer with its own layout (MLA's latent rows; FP8: one fp32 scale per row)
+        if dtype == KV4_DTYPE:
             raise NotImplementedError(
                 f"kv_cache_dtype='int4' is not built for {type(a).__name__}'s own cache layout (the MLA latent cache)"
             )
-        shape, g = (2, num_blocks, block_size, a.num_kv_heads), kv4_group(a.head_dim)
-        kv4_rotation(a.head_dim, device)  # its rotation, made now (not first inside a CUDA graph capture)
-        return (
-            torch.zeros(*shape, a.head_dim // 2, dtype=dtype, device=device),
-            torch.zeros(*shape, a.head_dim // g, dtype=KV4_SCALE_DTYPE, device=device),
-        )
-    if hasattr(a, 'kv_cache_shape'):  # a layer with its own layout (MLA's latent rows; FP8: one fp32 scale per row)
         shape = a.kv_cache_shape(num_blocks, block_size)
+        fp8 = dtype == torch.float8_e4m3fn
         return (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None,
         )
-    shape = (2, num_blocks, block_size, a.num_kv_heads)
-    return (
-        torch.zeros(*shape, a.head_dim, dtype=dtype, device=device),
-        torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None,
-    )
+    if dtype == KV4_DTYPE:
+        kv4_rotation(a.head_dim, device)  # its rotation, made now (not first inside a CUDA graph capture)
+    ts = [torch.zeros(2, num_blocks, *s, dtype=dt, device=device) for s, dt in kv_block_parts(a, block_size, dtype)]
+    return ts[0], (ts[1] if len(ts) > 1 else None)
+
+
+def _shared_kv_cache(slot, num_blocks: int, block_size: int, dtype, device) -> list[tuple]:
+    """The `(kv_cache, kv_scale)` of each layer of a shared slot: per tensor one buffer `[2, num_blocks, page]`, the
+    page the largest layer's block, and each layer a view of it with its own head shape, block `b` at page `b`'s start
+    (vLLM's `page_size_padded`); layers of one shape share one view."""
+    parts = [kv_block_parts(a, block_size, dtype) for a in slot]
+    views = [[] for _ in slot]
+    for p in range(len(parts[0])):
+        page = max(math.prod(ps[p][0]) for ps in parts)
+        raw, made = torch.zeros(2, num_blocks, page, dtype=parts[0][p][1], device=device), {}
+        for i, ps in enumerate(parts):
+            shape = ps[p][0]
+            if shape not in made:
+                inner = torch.empty(shape, device='meta').stride()
+                made[shape] = raw.as_strided((2, num_blocks, *shape), (num_blocks * page, page, *inner))
+            views[i].append(made[shape])
+    if dtype == KV4_DTYPE:
+        for a in slot:
+            kv4_rotation(a.head_dim, device)
+    return [(v[0], v[1] if len(v) > 1 else None) for v in views]
 
 
 def bind_kv_cache(
@@ -262,20 +298,19 @@ def bind_kv_cache(
     groups: list[KVCacheGroupSpec] | None = None,
 ) -> list[torch.Tensor]:
     """Allocate every attention layer's paged cache (and its per-token scales for an FP8 cache); returns the caches.
-    With several KV cache `groups` the `j`-th layer of every group shares one tensor (`kv_cache_group` says whose table)."""
+    With several KV cache `groups` the `j`-th layer of every group shares one slot's memory (`_shared_kv_cache`;
+    `kv_cache_group` says whose table)."""
     layers = model.attention_layers()
     if groups is None or len(groups) == 1:
         for a in layers:
             (a.kv_cache, a.kv_scale), a.kv_cache_group = _new_kv_cache(a, num_blocks, block_size, dtype, device), 0
         return [a.kv_cache for a in layers]
-    shared = [
-        _new_kv_cache(layers[0], num_blocks, block_size, dtype, device)
-        for _ in range(max(len(g.layers) for g in groups))
-    ]
     for g, spec in enumerate(groups):
-        for j, li in enumerate(spec.layers):
-            layers[li].kv_cache, layers[li].kv_scale = shared[j]
+        for li in spec.layers:
             layers[li].kv_cache_group = g
+    for slot in group_slots(layers, groups):
+        for a, (kv, scale) in zip(slot, _shared_kv_cache(slot, num_blocks, block_size, dtype, device)):
+            a.kv_cache, a.kv_scale = kv, scale
     return [a.kv_cache for a in layers]
 
 # %% ../../nbs/12_forward_context.ipynb #bed3fb41
