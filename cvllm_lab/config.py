@@ -225,8 +225,9 @@ class EngineConfig:
             raise ValueError(f'Unknown runner {self.runner!r}; use one of {", ".join(RUNNERS)}')
         if self.convert not in CONVERTS:
             raise ValueError(f'Unknown convert {self.convert!r}; use one of {", ".join(CONVERTS)}')
-        if self.runner == 'pooling':  # a pooling request runs whole in one step and is done (50b): nothing to overlap,
-            self.async_scheduling, self.enable_prefix_caching = False, False  # no prefix whose rows it could skip
+        if self.runner == 'pooling':  # a pooling request ends in the pooler (50b): nothing to overlap, and no
+            # prefix whose rows a MEAN / ALL pooler could skip
+            self.async_scheduling, self.enable_prefix_caching = False, False
         if self.speculative_config is not None:  # the next step's input depends on how many drafts are accepted
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.async_scheduling or tp or self.runner == 'pooling':
@@ -247,12 +248,11 @@ class EngineConfig:
             )
         if self.usage_context not in TOKEN_BUDGETS:
             raise ValueError(f'Unknown usage_context {self.usage_context!r}; use llm or server')
-        if self.runner == 'pooling':  # whole prompts (an encoder sees every row at once), many packed in the budget
-            self.prefill_chunk_size = 0
-            if self.max_num_batched_tokens is None:  # CPU: 2048, whose matmuls stay in cache (results/NOTES.md)
-                cpu = not self.device.startswith('cuda')
-                budget = POOLING_CPU_TOKENS if cpu else default_max_num_batched_tokens(self.device, self.usage_context)
-                self.max_num_batched_tokens = max(budget, self.max_model_len)
+        if self.runner == 'pooling' and self.max_num_batched_tokens is None:  # many prompts packed in the budget
+            cpu = not self.device.startswith('cuda')  # CPU: 2048, whose matmuls stay in cache (results/NOTES.md)
+            budget = POOLING_CPU_TOKENS if cpu else default_max_num_batched_tokens(self.device, self.usage_context)
+            # an encoder's prompt runs whole (the core sets prefill_chunk_size=0, 50b): the budget holds the longest
+            self.max_num_batched_tokens = max(budget, self.max_model_len) if self.prefill_chunk_size == 0 else budget
         if self.max_num_batched_tokens is None:
             if self.prefill_chunk_size == 0:
                 self.max_num_batched_tokens = self.max_model_len

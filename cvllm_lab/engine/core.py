@@ -25,7 +25,7 @@ from .request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager
 from .async_scheduler import AsyncScheduler
 from .model_runner import ModelRunner
-from .pooling_runner import model_max_len, resolve_convert, resolve_runner, st_max_seq_length
+from .pooling_runner import model_max_len, resolve_pooling
 from ..layers.pooler import PoolingParams
 from .worker import make_executor
 from .sleep import CoreSleep
@@ -171,10 +171,7 @@ class EngineCore(CoreSleep):
     def __init__(self, cfg: EngineConfig, progress: bool = True):
         src = resolve_model_source(cfg.model)
         hf_config = load_hf_config(src, cfg.hf_overrides)
-        cfg.runner = resolve_runner(cfg, hf_config)  # 'auto': pooling for a pooling-only architecture (50b)
-        cfg.convert = resolve_convert(cfg, hf_config)  # 'embed': a generative model under the pooling runner
-        if cfg.runner == 'pooling' and cfg.max_model_len is None and not src.is_gguf:
-            cfg.max_model_len = st_max_seq_length(src.root)  # sentence-transformers' truncation, as vLLM reads it
+        resolve_pooling(cfg, hf_config, src)  # runner, convert; a pooling model's context and chunking (50b)
         self.cfg = cfg = cfg.finalize(model_max_len(hf_config))  # RoBERTa: its positions allow 2 fewer
         tok_root, tok_file = (cfg.tokenizer, None) if cfg.tokenizer else (src.root, src.gguf_file)
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(tok_root, tok_file)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import torch
+import numpy as np
 from ..config import EngineConfig
 from ..layers.pooler import Pooler, PoolerConfig, PoolingMetadata, model_pooler_config
 from ..models.registry import get_model_class, is_pooling_model
 from ..weights.loader import resolve_model_source
 
 # %% auto #0
-__all__ = ['resolve_runner', 'resolve_convert', 'st_max_seq_length', 'model_max_len', 'PoolingSteps']
+__all__ = ['resolve_runner', 'resolve_convert', 'st_max_seq_length', 'is_chunked_prefill_supported', 'set_pooling_chunking',
+           'resolve_pooling', 'model_max_len', 'PoolingSteps']
 
 # %% ../../nbs/50b_pooling_runner.ipynb #3afe0ae6
 def resolve_runner(cfg: EngineConfig, hf_config) -> str:
@@ -60,6 +62,40 @@ def st_max_seq_length(root) -> int | None:
         return None
 
 
+def is_chunked_prefill_supported(hf_config) -> bool:
+    "Whether a pooling model's prompt may run in chunks: a causal model (a converted decoder), not an encoder."
+    cls = get_model_class(hf_config)
+    return bool(getattr(cls, 'is_causal', not is_pooling_model(cls)))
+
+
+def set_pooling_chunking(cfg: EngineConfig, hf_config):
+    """Before `cfg.finalize`: an encoder under the pooling runner gets `prefill_chunk_size=0` (its prompt runs whole),
+    and a `max_num_batched_tokens` below its `max_model_len` is refused by name (vLLM's rule without chunked prefill:
+    the budget must hold the longest prompt; left unset, finalize raises it to that)."""
+    if cfg.runner != 'pooling' or is_chunked_prefill_supported(hf_config):
+        return
+    cfg.prefill_chunk_size = 0
+    n, longest = cfg.max_num_batched_tokens, cfg.max_model_len or model_max_len(hf_config)
+    if n is not None and longest is not None and n < longest:
+        arch = (getattr(hf_config, 'architectures', None) or [get_model_class(hf_config).__name__])[0]
+        raise ValueError(
+            f'{arch} is an encoder (bidirectional attention): its prompts cannot be split across steps (no chunked '
+            f'prefill), so max_num_batched_tokens ({n}) must be >= max_model_len ({longest}); raise it or lower '
+            'max_model_len'
+        )
+
+
+def resolve_pooling(cfg: EngineConfig, hf_config, src):
+    """The core's first settings: `cfg.runner` and `cfg.convert` resolved; for a pooling model the default context (a
+    sentence-transformers folder's `max_seq_length`, where the reference model truncates, as vLLM reads it) and
+    whether its prompts chunk (`set_pooling_chunking`)."""
+    cfg.runner = resolve_runner(cfg, hf_config)  # 'auto': pooling for a pooling-only architecture
+    cfg.convert = resolve_convert(cfg, hf_config)  # 'embed': a generative model under the pooling runner
+    if cfg.runner == 'pooling' and cfg.max_model_len is None and not src.is_gguf:
+        cfg.max_model_len = st_max_seq_length(src.root)
+    set_pooling_chunking(cfg, hf_config)
+
+
 def model_max_len(hf_config) -> int | None:
     "The longest context the model's positions allow: its class's `max_model_len_of(config)` (RoBERTa: 2 fewer), else `max_position_embeddings`."
     cls = get_model_class(hf_config)
@@ -88,6 +124,7 @@ class PoolingSteps:
         self.pooler_config = model_pooler_config(root, self.hf_config, default, self.cfg.pooler_config)
         self.model.pooler.set_config(self.pooler_config)
         self.supported_tasks = self.model.pooler.get_supported_tasks()  # e.g. {'embed', 'encode'}
+        self.pool_chunks = is_chunked_prefill_supported(self.hf_config)  # a causal model: prompts may come in chunks
 
     def token_classifier(self, src) -> torch.nn.Linear:
         """vLLM's `classifier_from_token` (an `hf_overrides` key): a classifier made of the LM head's rows of these
@@ -135,17 +172,35 @@ class PoolingSteps:
 
     @torch.inference_mode()
     def pool_step(self, so) -> dict[str, torch.Tensor]:
-        "Run one step of whole prompts and pool them: `{request id: pooled tensor on the host}`."
+        """Run one step and pool the requests whose prompt it ends: `{request id: pooled tensor on the host}`. A chunk
+        that does not end its prompt (causal models only) pools nothing; its rows are kept on the request
+        (`pooling_hidden`) when the request's pooling reads more than the last row."""
         reqs = so.scheduled
         for r in reqs:
             if r.pooling_params is None:
                 raise ValueError(f'Request {r.request_id!r} has no pooling params: the pooling runner does not sample')
-            if r.num_computed_tokens + so.num_scheduled_tokens[r.request_id] != r.num_tokens:
-                raise ValueError(
-                    f'Pooling request {r.request_id!r} is not scheduled whole (prefill_chunk_size must be 0)'
-                )
         b = self.prepare_inputs(so)
         hidden = self._forward(so, b, token_type_ids=self.token_types(reqs, b.query_start_loc))
-        meta = PoolingMetadata([int(x) for x in b.query_start_loc], [r.pooling_params for r in reqs])
+        qsl = [int(x) for x in b.query_start_loc]
+        done, rows = [], []
+        for r, a, e in zip(reqs, qsl[:-1], qsl[1:]):
+            parts = ((r.pooling_hidden or []) if r.num_computed_tokens else []) + [hidden[a:e]]  # 0: (re)started
+            if r.num_computed_tokens + e - a < r.num_tokens:
+                if not self.pool_chunks:
+                    raise ValueError(f'Pooling request {r.request_id!r} of an encoder is not scheduled whole')
+                keep = self.model.pooler.pooling_kind(r.pooling_params.task) != 'LAST'
+                r.pooling_hidden = [p.clone() for p in parts] if keep else None  # (not a view of the whole step)
+                continue
+            r.pooling_hidden = None
+            done.append(r)
+            rows.append(parts)
+        if not done:
+            return {}
+        if len(done) == len(reqs) and all(len(p) == 1 for p in rows):  # whole prompts: the step's rows as they are
+            meta = PoolingMetadata(qsl, [r.pooling_params for r in done])
+        else:
+            hidden = torch.cat([x for p in rows for x in p])
+            lens = [sum(len(x) for x in p) for p in rows]
+            meta = PoolingMetadata([0, *np.cumsum(lens).tolist()], [r.pooling_params for r in done])
         out = self.model.pooler(hidden, meta)
-        return {r.request_id: t.to('cpu', non_blocking=False) for r, t in zip(reqs, out)}
+        return {r.request_id: t.to('cpu', non_blocking=False) for r, t in zip(done, out)}

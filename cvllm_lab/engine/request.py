@@ -79,6 +79,7 @@ class Request:
         self.request_id, self.prompt, self.sampling_params = request_id, prompt, sampling_params
         self.pooling_params = pooling_params  # a pooling request: its prompt runs once, pooled, then it is finished
         self.pooling_output = None  # ... its pooled tensor (the scheduler sets it after the step)
+        self.pooling_hidden: list | None = None  # ... a chunked prompt's rows so far, when its pooler reads them (50b)
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

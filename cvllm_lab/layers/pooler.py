@@ -244,6 +244,12 @@ class Pooler(nn.Module):
     def get_supported_tasks(self) -> set[str]:
         return {'classify', 'score'} if self.classifier is not None else {'embed', 'encode'}
 
+    def pooling_kind(self, task: str) -> str:
+        "The pooling type `task` reads: ALL for encode, the classifier's for classify/score, else the embedding's."
+        return {'encode': 'ALL', 'classify': self.classify_pooling, 'score': self.classify_pooling}.get(
+            task, self.pooling_type
+        )
+
     def forward(self, hidden: torch.Tensor, meta: PoolingMetadata) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * meta.num_reqs
         by_task: dict[str, list[int]] = {}
@@ -254,7 +260,7 @@ class Pooler(nn.Module):
         qsl = meta.query_start_loc
         for task, idx in by_task.items():
             ps = [meta.pooling_params[i] for i in idx]
-            kind = {'encode': 'ALL', 'classify': self.classify_pooling}.get(task, self.pooling_type)
+            kind = self.pooling_kind(task)
             rows = pool(hidden, qsl, kind)
             sel = [rows[i] for i in idx] if kind == 'ALL' else rows[torch.tensor(idx, device=hidden.device)]
             if task == 'classify':
