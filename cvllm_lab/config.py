@@ -144,6 +144,9 @@ class EngineConfig:
     # evicted from the device go to and load back from; None: no CPU tier. 'native' is the one backend
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = 'native'
+    # vLLM's --cpu-offload-gb (40a_weight_offload): GiB of the weights (whole decoder layers) kept in pinned host memory
+    # and streamed to the GPU as they run (CUDA graphs off); 0: none. Means nothing on a CPU engine
+    cpu_offload_gb: float = 0
     attention_backend: str = 'auto'  # 'torch' | 'triton'
     kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales) | 'int4'
     enforce_eager: bool = False
@@ -288,6 +291,10 @@ class EngineConfig:
             )
         if self.scheduling_policy not in ('fcfs', 'priority'):
             raise ValueError(f'Unknown scheduling_policy {self.scheduling_policy!r}; use fcfs or priority')
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f'cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}')
+        if self.cpu_offload_gb and self.device.startswith('cuda'):  # layers streamed as they run: no graphs (40a)
+            self.enforce_eager = True
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
             raise ValueError(
                 f'max_num_queued_requests must be >= 1 (or None: no limit), got {self.max_num_queued_requests}'

@@ -200,6 +200,10 @@ class RunnerSleep:
         number of tensors taken."""
         if 'weights' in self.sleeping_tags:
             raise RuntimeError("The weights are asleep: wake_up(tags=['weights']) first")
+        if getattr(self.model, 'weight_offload', None) is not None:  # its host copies are the offloaded weights (40a)
+            raise NotImplementedError(
+                'Weight updates of a model with offloaded layers (cpu_offload_gb) are not supported'
+            )
         if getattr(self, 'gguf', False):
             raise NotImplementedError(
                 'Weight updates of a GGUF model on the CPU fast path (its layers are rebuilt for the CPU kernels): '

@@ -385,12 +385,15 @@ def checkpoint_quant_config(src: ModelSource, hf_config, quantization: str | Non
 
 # %% ../../nbs/40_loader.ipynb #882d241a
 def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, progress: bool = True) -> torch.nn.Module:
-    "Build the registry's model for `hf_config` on `cfg.device` in `cfg.torch_dtype` and fill its weights."
-    cls = get_model_class(hf_config)
+    """Build the registry's model for `hf_config` on `cfg.device` in `cfg.torch_dtype` and fill its weights (with
+    `cpu_offload_gb` on a GPU: built on the host, some layers left there and streamed, notebook 40a)."""
+    from cvllm_lab.weights.offload import apply_cpu_offload, build_device
+
+    cls, build = get_model_class(hf_config), build_device(cfg)  # the host, when weight offload is on a GPU (40a)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(cfg.torch_dtype)
     try:
-        with torch.device(cfg.device):
+        with torch.device(build):
             model = cls(hf_config, cfg.max_model_len, cfg.attention_backend)
     finally:
         torch.set_default_dtype(prev)
@@ -398,7 +401,7 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     tp = get_tensor_model_parallel_world_size()
     qcfg = None
     if cfg.load_format == 'dummy':
-        g = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+        g = torch.Generator(device=build).manual_seed(cfg.seed)
         for p in model.parameters():
             p.data.uniform_(-1e-3, 1e-3, generator=g)
     else:
@@ -433,4 +436,4 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
         from cvllm_lab.quant.apply import fuse_mlp_act
 
         fuse_mlp_act(model)  # CUDA: the packed gate/up GEMV writes silu(gate) * up
-    return model.eval()
+    return apply_cpu_offload(model, cfg, progress).eval()  # `cpu_offload_gb`: layers streamed from the host (40a)
