@@ -206,11 +206,12 @@ class CPUDecodeAttention:
         self.batch_invariant = batch_invariant
 
     def cache(self, k, v, kc, vc, slot_mapping, ks=None, vs=None):
-        "Write this step's K/V rows to their slots (a plain `index_copy_` when every slot is real)."
+        """Write this step's K/V rows to their slots (a plain `index_copy_` when every slot is real and the cache's
+        blocks are back to back; a layer's view of a shared KV cache slot with larger pages goes by block and offset)."""
         if not _same(self._slots, slot_mapping):
             self._slots, self._slots_long = [(slot_mapping, slot_mapping.clone())], slot_mapping.long()
             self._all_real = bool((self._slots_long >= 0).all())
-        if ks is not None or not self._all_real:
+        if ks is not None or not self._all_real or not kc.is_contiguous():
             return reshape_and_cache_ref(k, v, kc, vc, slot_mapping, ks, vs)
         kc.view(-1, *kc.shape[2:]).index_copy_(0, self._slots_long, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, self._slots_long, v.to(vc.dtype))
