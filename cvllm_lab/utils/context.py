@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from ..kernels.kv_cache_int4 import KV4_DTYPE, KV4_SCALE_DTYPE, kv4_group, kv4_rotation
 from cvllm_lab.utils.kv_cache_spec import (
-    KVCacheSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,  # KVCacheGroupSpec: re-exported
     layer_kv_cache_spec,
@@ -198,7 +197,7 @@ def kv_cache_groups(layers, dtype=None) -> list[KVCacheGroupSpec]:
     shape = lambda a: (getattr(a, 'num_kv_heads', None), getattr(a, 'head_dim', None))
     mixed = len({shape(a) for a in layers}) > 1
     own = any(hasattr(a, 'kv_cache_shape') for a in layers)
-    if len(set(specs)) == 1 or own or (mixed and dtype in (torch.float8_e4m3fn, KV4_DTYPE)):
+    if len(set(specs)) <= 1 or own or (mixed and dtype in (torch.float8_e4m3fn, KV4_DTYPE)):  # (none: an encoder)
         return [KVCacheGroupSpec(specs[0] if len(set(specs)) == 1 else FullAttentionSpec(), tuple(range(len(layers))))]
     by_type: dict[tuple, list[int]] = {}  # layers by (spec, head shape): full, each window, ... (`12a_kv_cache_spec`)
     for i, (a, s) in enumerate(zip(layers, specs)):
