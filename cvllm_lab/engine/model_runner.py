@@ -31,7 +31,7 @@ from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
 from .sleep import RunnerSleep
 from .spec_decode import sample_drafts
-from .mtp import make_proposer
+from .eagle3 import make_proposer
 from .lora_manager import make_lora_manager
 from cvllm_lab.engine.input_batch import (
     PREFILL_SPLIT_MIN_TOKENS,
@@ -62,7 +62,7 @@ class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
             self.device.type == 'cpu' and cfg.tensor_parallel_size == 1 and cfg.cpu_fast_path and not cfg.enable_lora
         )
         self.model = self._load(src, progress)
-        # a draft model (51d) or the target's MTP layers (51e): a cache of their own at the target's block ids
+        # a draft model (51d), MTP layers (51e) or an EAGLE-3 head (51f): a cache of their own at the target's block ids
         self.draft = make_proposer(cfg, hf_config, self.model, src, progress)
         mtp = getattr(self.draft, 'needs_hidden', False)  # it reads every row of the target: no keep_rows, no graphs
         self.lora_manager = make_lora_manager(self.model, cfg, self.device) if cfg.enable_lora else None  # 51b

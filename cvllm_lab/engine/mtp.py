@@ -19,7 +19,7 @@ from .draft_model import runs_context, sample_from_q
 from ..weights.loader import iterate_weights, resolve_model_source
 
 # %% auto #0
-__all__ = ['MtpModel', 'MtpProposer', 'make_proposer']
+__all__ = ['MtpModel', 'MtpProposer']
 
 # %% ../../nbs/51e_mtp.ipynb #0f04cb26
 class MtpModel(nn.Module):
@@ -109,7 +109,11 @@ class MtpProposer:
             raise NotImplementedError(f'MTP layers of {type(target).__name__} are not built yet (DeepSeek-V2/V3 only)')
         spec = cfg.speculative_config
         self.k, self.device, self.block_size = spec.num_speculative_tokens, torch.device(cfg.device), cfg.block_size
-        self.vocab_size = target.config.vocab_size
+        self.vocab_size, self.hidden_size, self.dtype = (
+            target.config.vocab_size,
+            target.config.hidden_size,
+            cfg.torch_dtype,
+        )
         prev = torch.get_default_dtype()
         torch.set_default_dtype(cfg.torch_dtype)
         try:
@@ -179,8 +183,8 @@ def step(self: MtpProposer, so, b) -> torch.Tensor | None:
         return None
     reqs = [r for r, *_ in todo]
     params, gens = [r.sampling_params for r in reqs], [r.generator for r in reqs]
-    V, dt = self.vocab_size, self.model.layers[0].eh_proj.weight.dtype
-    hid = torch.zeros(len(todo), self.model.layers[0].eh_proj.weight.shape[0], dtype=dt, device=self.device)
+    V = self.vocab_size
+    hid = torch.zeros(len(todo), self.hidden_size, dtype=self.dtype, device=self.device)
     have = [j for j, r in enumerate(reqs) if r.request_id in last]
     if have:
         hid[have] = out[[last[reqs[j].request_id] for j in have]]
@@ -226,17 +230,3 @@ def keep_hidden(self: MtpProposer, so, b):
         r.request_id: (r.num_computed_tokens, h[int(qsl[i]) : int(qsl[i + 1])]) for i, r in enumerate(so.scheduled)
     }
     self.prenorm = None
-
-# %% ../../nbs/51e_mtp.ipynb #0d7c292a
-def make_proposer(cfg: EngineConfig, hf_config, target: nn.Module, src=None, progress: bool = True):
-    "The runner's proposer for `cfg.speculative_config`: `DraftModelProposer`, `MtpProposer`, or None."
-    from cvllm_lab.engine.draft_model import DraftModelProposer
-
-    spec = cfg.speculative_config
-    if spec is None or spec.method not in ('draft_model', 'mtp', 'deepseek_mtp'):
-        return None
-    return (
-        DraftModelProposer(cfg, hf_config, progress)
-        if spec.method == 'draft_model'
-        else MtpProposer(cfg, target, src, progress)
-    )

@@ -208,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
         'up_proj': ('gate_up_proj', 1),
     }
     qkv_bias = qk_norm = False
+    aux_hidden_state_layers: tuple[int, ...] = ()  # layers whose input `run_layers` keeps (EAGLE-3, 51f)
     supports_cpu_lm_head = (
         True  # `compute_logits` is `hidden @ logits_weight().T`: the CPU fast path may replace it (50)
     )
@@ -276,19 +277,29 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, positions, h):
         """`(h, residual)` after the decoder layers; `(None, residual)` on the fp32 stream (`fp32_stream`), the
         residual then fp32 and complete. The last layer, if it can (`prunes_rows`), drops the rows the step does
-        not read (`ForwardContext.keep_rows`) after its attention: no MLP for them."""
+        not read (`ForwardContext.keep_rows`) after its attention: no MLP for them. The input of each layer named in
+        `aux_hidden_state_layers` (`h + residual`) is kept in `aux_hidden_states` by index (EAGLE-3, notebook 51f)."""
         residual, keep, last = None, get_forward_context().keep_rows, len(self.model.layers) - 1
+        aux = self.aux_hidden_state_layers  # () unless a proposer asked (`set_aux_hidden_state_layers`)
         if keep is None and self.fp32_stream(h):
             dtype, residual, sums = h.dtype, h.float(), self.stream_sums(h)
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
+                if i in aux:
+                    self.aux_hidden_states[i] = residual.to(dtype, copy=True)  # the stream is added into in place
                 layer.forward_acc(positions, residual, sums, dtype)
             return None, residual
         for i, layer in enumerate(self.model.layers):
+            if i in aux:
+                self.aux_hidden_states[i] = h if residual is None else h + residual
             if i == last and keep is not None and getattr(layer, 'prunes_rows', False):
                 h, residual = layer(positions, h, residual, keep=keep)
             else:
                 h, residual = layer(positions, h, residual)
         return h, residual
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]):
+        "Keep the input of these layers at every forward (vLLM's name; an EAGLE-3 head reads them, 51f)."
+        self.aux_hidden_state_layers, self.aux_hidden_states = tuple(layers), {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         "`[T, V]` logits of `hidden`'s rows; at tensor parallel > 1 gathered on rank 0, None on the other ranks."

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 __all__ = ['BUILT_METHODS', 'PLANNED_METHODS', 'SPECULATIVE_CONFIG_HELP', 'SpeculativeConfig', 'speculative_config_arg']
 
 # %% ../../nbs/01c_spec_config.ipynb #1381a727
-BUILT_METHODS = ('ngram', 'draft_model', 'mtp', 'deepseek_mtp')  # what this engine runs
+BUILT_METHODS = ('ngram', 'draft_model', 'mtp', 'deepseek_mtp', 'eagle3')  # what this engine runs
 # vLLM's other methods: known names, refused with a message that says they are not built here yet
-PLANNED_METHODS = ('eagle', 'eagle3', 'medusa', 'mlp_speculator', 'suffix')
+PLANNED_METHODS = ('eagle', 'medusa', 'mlp_speculator', 'suffix')
 
 
 @dataclass
@@ -48,8 +48,9 @@ class SpeculativeConfig:
         if self.method is None:
             if self.model == 'ngram':
                 self.method, self.model = 'ngram', None
-            elif self.model is not None:
-                self.method = 'draft_model'
+            elif self.model is not None:  # vLLM's inference from the head's name
+                m = self.model.lower()
+                self.method = 'eagle' if 'eagle-' in m else 'eagle3' if 'eagle3' in m else 'draft_model'
             else:
                 raise ValueError('speculative_config needs a method (ngram) or a model')
         if self.method not in BUILT_METHODS:
@@ -75,6 +76,8 @@ class SpeculativeConfig:
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         if self.method == 'draft_model' and not self.model:
             raise ValueError('speculative method draft_model needs the draft model: "model": PATH')
+        if self.method == 'eagle3' and not self.model:
+            raise ValueError('speculative method eagle3 needs the EAGLE-3 head: "model": PATH')
         return self
 
 # %% ../../nbs/01c_spec_config.ipynb #070caf38
@@ -82,7 +85,8 @@ SPECULATIVE_CONFIG_HELP = (
     'vLLM\'s speculative decoding config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4}\' (n-gram prompt lookup) or \'{"method": "draft_model", "model": PATH, '
     '"num_speculative_tokens": 4}\' (a smaller model, same vocabulary) or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-    "(the model's own MTP layers, DeepSeek-V3); greedy output unchanged; other methods are refused"
+    '(the model\'s own MTP layers, DeepSeek-V3) or \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' '
+    '(an EAGLE-3 head over a Llama-family target); greedy output unchanged; other methods are refused'
 )
 
 
