@@ -154,7 +154,8 @@ def varlen_attention_ref(
 ):
     """Causal attention of each packed sequence's queries over its keys (`cu_seqlens_*` bounds, GQA), the mask aligned
     bottom-right (a sequence's last query sees all its keys): `flash_varlen_attention`'s reference. `causal=False`:
-    every query sees every key of its sequence (an encoder's bidirectional attention)."""
+    every query sees every key of its sequence (an encoder's bidirectional attention). `sliding_window` W: the last W
+    keys up to the query (causal), or the keys less than W rows away on either side (not causal)."""
     out, G = torch.empty_like(q), q.shape[1] // k.shape[1]
     for a, b, ka, kb in zip(
         cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist()
@@ -166,6 +167,8 @@ def varlen_attention_ref(
         mask = j <= i if causal else torch.ones(len(i), len(j), dtype=torch.bool, device=q.device)
         if sliding_window:
             mask &= j > i - sliding_window
+            if not causal:
+                mask &= j < i + sliding_window
         qs, ks, vs = q[a:b].transpose(0, 1).float(), k[ka:kb].transpose(0, 1).float(), v[ka:kb].transpose(0, 1).float()
         o = F.scaled_dot_product_attention(
             qs, ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0), attn_mask=mask, scale=scale
@@ -178,8 +181,10 @@ def flash_varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window=None, causal=True
 ):
     """PyTorch's FlashAttention-2 varlen forward: causal (aligned bottom-right) unless `causal=False`, GQA, optional
-    sliding window (causal only); `q` `[total_q, H, D]`, `k`/`v` `[total_k, Hkv, D]`."""
-    w = dict(window_size_left=sliding_window - 1, window_size_right=0) if sliding_window else {}
+    sliding window (W keys back; not causal: less than W rows either way); `q` `[total_q, H, D]`, `k`/`v`
+    `[total_k, Hkv, D]`."""
+    w = dict(window_size_left=sliding_window - 1, window_size_right=0 if causal else sliding_window - 1)
+    w = w if sliding_window else {}
     return torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale, **w
     )[0]
@@ -375,15 +380,22 @@ def _paged(self: Attention, q, kc, vc, ks, vs, ctx, bt, n: int, max_query_len: i
 # %% ../../nbs/22_attention.ipynb #dec0d1d4
 class EncoderOnlyAttention(nn.Module):
     """Bidirectional attention within each sequence of the step, over the step's own K/V rows (no KV cache): an
-    encoder's self-attention. Reads `query_start_loc` and `max_query_len` from the forward context."""
+    encoder's self-attention. Reads `query_start_loc` and `max_query_len` from the forward context. `sliding_window`
+    W (vLLM's `per_layer_sliding_window`): a local layer, each row sees the rows less than W away on either side."""
 
     def __init__(
-        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None, backend: str = 'torch'
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        backend: str = 'torch',
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
-        self.backend = backend
+        self.backend, self.sliding_window = backend, sliding_window
 
     def forward(self, q, k, v):
         "`q` `[T, H * D]`, `k`/`v` `[T, Hkv * D]` -> `[T, H * D]`."
@@ -394,19 +406,20 @@ class EncoderOnlyAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         cu, m = ctx.query_start_loc, ctx.max_query_len
         if self.backend == 'triton' and flash_attention_available(q):
-            o = flash_varlen_attention(q, k, v, cu, cu, m, m, self.scale, causal=False)
+            o = flash_varlen_attention(q, k, v, cu, cu, m, m, self.scale, self.sliding_window, causal=False)
         else:
-            o = padded_encoder_attention(q, k, v, cu.tolist(), self.scale)
+            o = padded_encoder_attention(q, k, v, cu.tolist(), self.scale, self.sliding_window)
         return o.reshape(T, self.num_heads * self.head_dim)
 
 
 PADDED_ATTENTION_ELEMENTS = 1 << 24  # one padded batch's score elements (B x H x L x L) at most: 64 MB in fp32
 
 
-def padded_encoder_attention(q, k, v, cu: list[int], scale: float):
+def padded_encoder_attention(q, k, v, cu: list[int], scale: float, sliding_window: int | None = None):
     """Bidirectional attention of each packed sequence (`cu`: its row bounds, host ints) as a few batched SDPA calls
     instead of one per sequence: sequences sorted by length, grouped while a group's padded scores stay under
-    `PADDED_ATTENTION_ELEMENTS`, each group padded to its longest with the padding keys masked out. `[T, H, D]`."""
+    `PADDED_ATTENTION_ELEMENTS`, each group padded to its longest with the padding keys masked out (and, with
+    `sliding_window` W, the keys W or more rows away). `[T, H, D]`."""
     H, G = q.shape[1], q.shape[1] // k.shape[1]
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     order = sorted(range(len(lens)), key=lens.__getitem__)
@@ -419,10 +432,14 @@ def padded_encoder_attention(q, k, v, cu: list[int], scale: float):
         grp = order[i:j]
         rows = torch.cat([torch.arange(cu[s], cu[s] + L, device=q.device).clamp(max=cu[s + 1] - 1) for s in grp])
         valid = torch.arange(L, device=q.device)[None] < torch.tensor([lens[s] for s in grp], device=q.device)[:, None]
+        valid = valid[:, None, None, :]
+        if sliding_window:
+            pos = torch.arange(L, device=q.device)
+            valid = valid & ((pos[:, None] - pos[None]).abs() < sliding_window)
         qb, kb, vb = (x[rows].unflatten(0, (len(grp), L)).transpose(1, 2) for x in (q, k, v))
         if G > 1:
             kb, vb = kb.repeat_interleave(G, 1), vb.repeat_interleave(G, 1)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=valid[:, None, None, :], scale=scale)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=valid, scale=scale)
         o = o.transpose(1, 2)  # [B, L, H, D]
         for r, s in enumerate(grp):
             out[cu[s] : cu[s + 1]] = o[r, : lens[s]]

@@ -16,10 +16,10 @@ from ..utils.context import ForwardContext, get_forward_context
 from ..utils.parallel_state import get_tensor_model_parallel_world_size
 
 # %% auto #0
-__all__ = ['BertEmbeddings', 'BertSelfAttention', 'BertOutput', 'BertLayer', 'BertPooler', 'BertModel', 'encoder_context',
-           'encoder_positions', 'BertEmbeddingModel', 'BertForSequenceClassification', 'RobertaEmbeddings',
-           'roberta_max_model_len', 'RobertaEmbeddingModel', 'RobertaClassificationHead',
-           'RobertaForSequenceClassification']
+__all__ = ['act_fn', 'BertEmbeddings', 'BertSelfAttention', 'BertOutput', 'BertLayer', 'BertPooler', 'BertModel',
+           'encoder_context', 'encoder_positions', 'load_renamed', 'BertEmbeddingModel',
+           'BertForSequenceClassification', 'RobertaEmbeddings', 'roberta_max_model_len', 'RobertaEmbeddingModel',
+           'RobertaClassificationHead', 'RobertaForSequenceClassification']
 
 # %% ../../nbs/31a_bert.ipynb #e6086be7
 _ACTS = {
@@ -30,9 +30,9 @@ _ACTS = {
 }
 
 
-def _act(name: str):
+def act_fn(name: str):
     if name not in _ACTS:
-        raise ValueError(f'BERT hidden_act {name!r} is not supported; use one of {", ".join(_ACTS)}')
+        raise ValueError(f'Activation {name!r} is not supported; use one of {", ".join(_ACTS)}')
     return _ACTS[name]
 
 
@@ -90,7 +90,7 @@ class BertLayer(nn.Module):
         self.intermediate = nn.Module()
         self.intermediate.dense = nn.Linear(H, I)
         self.output = BertOutput(I, H, eps)
-        self.act = _act(config.hidden_act)
+        self.act = act_fn(config.hidden_act)
 
     def forward(self, h):
         h = self.attention.output(self.attention.self(h), h)
@@ -147,7 +147,7 @@ def encoder_positions(lens: list[int], device='cpu') -> torch.Tensor:
     return torch.cat([torch.arange(n, device=device) for n in lens])
 
 # %% ../../nbs/31a_bert.ipynb #ff07d41b
-def _load(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename) -> set[str]:
+def load_renamed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename) -> set[str]:
     "Copy HF-named tensors through `rename` (None: skip); raise on unknown or missing ones."
     params, loaded = dict(model.named_parameters()), set()
     for name, w in weights:
@@ -190,7 +190,7 @@ class BertEmbeddingModel(nn.Module):
                 return None
             return f'model.{n}'
 
-        return _load(self, weights, rename)
+        return load_renamed(self, weights, rename)
 
 
 class BertForSequenceClassification(nn.Module):
@@ -216,7 +216,7 @@ class BertForSequenceClassification(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         skip = lambda n: n.endswith('position_ids') or n.startswith('cls.')
-        return _load(self, weights, lambda n: None if skip(n) else n)
+        return load_renamed(self, weights, lambda n: None if skip(n) else n)
 
 # %% ../../nbs/31a_bert.ipynb #ed152eac
 class RobertaEmbeddings(BertEmbeddings):
@@ -286,4 +286,4 @@ class RobertaForSequenceClassification(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         skip = lambda n: n.endswith('position_ids') or n.startswith(('lm_head.', 'roberta.pooler.'))
-        return _load(self, weights, lambda n: None if skip(n) else n)
+        return load_renamed(self, weights, lambda n: None if skip(n) else n)

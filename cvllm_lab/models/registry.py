@@ -45,6 +45,8 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'XLMRobertaModel': ('bert', 'RobertaEmbeddingModel'),
     'RobertaForSequenceClassification': ('bert', 'RobertaForSequenceClassification'),
     'XLMRobertaForSequenceClassification': ('bert', 'RobertaForSequenceClassification'),
+    'ModernBertModel': ('modernbert', 'ModernBertEmbeddingModel'),  # local + global layers (31d)
+    'ModernBertForSequenceClassification': ('modernbert', 'ModernBertForSequenceClassification'),
 }
 _MODEL_TYPES = {
     'llama': 'LlamaForCausalLM',
@@ -70,6 +72,7 @@ _MODEL_TYPES = {
     'bert': 'BertModel',
     'roberta': 'RobertaModel',
     'xlm-roberta': 'XLMRobertaModel',
+    'modernbert': 'ModernBertModel',
 }
 MODEL_REGISTRY: dict[str, type] = {}  # classes registered from outside, and those already imported
 
