@@ -38,6 +38,7 @@ __all__ = [
     'dequantize_kv4_ref',
     'check_kv4_scales',
     'reshape_and_cache_int4',
+    'kv4_tile',
 ]
 
 KV4_DTYPE = torch.uint8  # the cache's storage dtype: two codes per byte
@@ -111,6 +112,47 @@ def check_kv4_scales(k_cache, k_scale, v_scale):
             and (2 * k_cache.shape[3]) % sc.shape[3] == 0
         ), 'an int4 cache needs contiguous fp16 scales [num_blocks, block_size, num_kv_heads, head_dim // group]'
     return True
+
+
+@triton.jit
+def kv4_tile(
+    cache_ptr,
+    row_off,  # [TILE_N] element offset of each key's (block, slot, KV head) row in the cache
+    scale_ptr,
+    sc_row,  # [TILE_N] index of each row's first scale
+    n_ok,  # [TILE_N] keys in range
+    half_dim,  # head_dim // 2: bytes of a row
+    n_groups,  # scales of a row
+    TILE_N: tl.constexpr,
+    HALF_P: tl.constexpr,  # bytes of a row, padded to a power of 2 (HEAD_DIM_P // 2)
+    GROUP: tl.constexpr,  # elements per scale
+):
+    """A paged-attention tile of int4 rows, dequantized: fp32 `[TILE_N, 2 * HALF_P]`. The packed bytes are loaded
+    whole (one wide load per row, not a byte per element), split into their nibbles and interleaved back into element
+    order; each group of GROUP elements is scaled by its row's scale (a reshape, not a gather per element). Padding
+    and keys out of range are 0."""
+    offs_j = tl.arange(0, HALF_P)
+    b = tl.load(
+        cache_ptr + row_off[:, None] + offs_j[None, :],
+        mask=n_ok[:, None] & (offs_j < half_dim)[None, :],
+        other=0x88,  # codes 8 and 8: the value 0
+    )
+    lo = (b & 15).to(tl.int32) - 8
+    hi = (b >> 4).to(tl.int32) - 8
+    c = tl.interleave(lo, hi).to(tl.float32)  # element 2j from the low nibble of byte j, 2j + 1 from the high one
+    if (2 * HALF_P) % GROUP == 0:  # whole groups (GROUP a power of 2): one scale per group through a reshape
+        NG_P: tl.constexpr = 2 * HALF_P // GROUP
+        offs_g = tl.arange(0, NG_P)
+        sc = tl.load(
+            scale_ptr + sc_row[:, None] + offs_g[None, :],
+            mask=n_ok[:, None] & (offs_g < n_groups)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.reshape(tl.reshape(c, [TILE_N, NG_P, GROUP]) * sc[:, :, None], [TILE_N, 2 * HALF_P])
+    else:  # one group of a head dim that is not a power of 2: one scale per row
+        sc = tl.load(scale_ptr + sc_row, mask=n_ok, other=0.0).to(tl.float32)
+        x = c * sc[:, None]
+    return x
 
 
 @triton.jit

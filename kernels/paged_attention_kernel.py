@@ -40,6 +40,7 @@ Logit soft-capping (`SOFTCAP`): the kernel applies `cap * tanh(s / cap)` to the 
 import triton
 import triton.language as tl
 
+from cvllm_lab.kernels.kv_cache_int4 import kv4_tile
 from cvllm_lab.kernels.pdl import pdl_launch, pdl_wait
 
 __all__ = ['paged_attention_kernel', 'merge_splits_kernel']
@@ -146,10 +147,7 @@ def paged_attention_kernel(
         token = (q_start + q_idx).to(tl.int64)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < head_dim
-        col = offs_d  # the element's column in a cache row (int4: its byte; the nibble is d % 2)
         if KV4:
-            col = offs_d // 2
-            shift = ((offs_d % 2) * 4)[None, :]
             n_groups = head_dim // KV4_GROUP
         q = tl.load(
             q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -188,16 +186,18 @@ def paged_attention_kernel(
             blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
             page_off = offs_n % PAGE
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None] + col[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV4:  # dequantize the tile: (code - 8) * its group's scale
+            if KV4:  # packed bytes loaded whole, dequantized in the tile: (code - 8) * its group's scale
                 sc_row = ((blk * PAGE + page_off) * num_kv_heads + kvh) * n_groups  # the row's first scale
-                sc_idx = sc_row[:, None] + (offs_d // KV4_GROUP)[None, :]
-                k_sc = tl.load(k_scale_ptr + sc_idx, mask=kv_mask, other=0.0).to(tl.float32)
-                k = ((((k.to(tl.int32) >> shift) & 15) - 8).to(tl.float32) * k_sc).to(q.dtype)
+                k = kv4_tile(
+                    k_cache_ptr, blk * stride_kb + page_off * stride_ko + kvh * stride_kh, k_scale_ptr, sc_row, n_ok,
+                    head_dim // 2, n_groups, TILE_N, HEAD_DIM_P // 2, KV4_GROUP,
+                ).to(q.dtype)  # fmt: skip
+            else:
+                k = tl.load(
+                    k_cache_ptr + (blk * stride_kb + page_off * stride_ko + kvh * stride_kh)[:, None] + offs_d[None, :],
+                    mask=kv_mask,
+                    other=0.0,
+                )
             if FP8_KV:
                 k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
                 scale_idx = (blk * PAGE + page_off) * num_kv_heads + kvh
@@ -221,14 +221,17 @@ def paged_attention_kernel(
             alpha = tl.math.exp2(m_i - m_safe)  # rescale of the old sums to the new max
             p = tl.math.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None] + col[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
             if KV4:
-                v_sc = tl.load(v_scale_ptr + sc_idx, mask=kv_mask, other=0.0).to(tl.float32)
-                v = ((((v.to(tl.int32) >> shift) & 15) - 8).to(tl.float32) * v_sc).to(q.dtype)
+                v = kv4_tile(
+                    v_cache_ptr, blk * stride_vb + page_off * stride_vo + kvh * stride_vh, v_scale_ptr, sc_row, n_ok,
+                    head_dim // 2, n_groups, TILE_N, HEAD_DIM_P // 2, KV4_GROUP,
+                ).to(q.dtype)  # fmt: skip
+            else:
+                v = tl.load(
+                    v_cache_ptr + (blk * stride_vb + page_off * stride_vo + kvh * stride_vh)[:, None] + offs_d[None, :],
+                    mask=kv_mask,
+                    other=0.0,
+                )
             if FP8_KV:  # dequantize the tile in fp32 (folding vs into p could underflow fp16 probabilities)
                 v_scale = tl.load(v_scale_ptr + scale_idx, mask=n_ok, other=0.0)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)

@@ -86,6 +86,13 @@ def test_attention_matches_ref(q_lens, ctx_lens):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize('D', [80, 96])
+def test_attention_matches_ref_padded_head_dims(D):
+    "Head dims that are not powers of 2: one scale per row (80) and three groups padded to four (96)."
+    out, ref = _attention_case('cpu', torch.float32, [1, 6], [19, 4], D=D)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_attention_options_pass_through_the_rotation():
     "Sliding window, soft-cap and sinks reach the kernel and the reference through the int4 wrappers (and matter)."
     kw = dict(sliding_window=6, softcap=5.0, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
