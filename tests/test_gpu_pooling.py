@@ -98,3 +98,59 @@ def test_decoder_last_token_embeddings_match_transformers():
         got = torch.tensor(o.outputs.embedding, device='cuda', dtype=torch.float32)
         cos = F.cosine_similarity(got, F.normalize(ref, dim=-1), dim=0).item()
         assert cos >= 0.995, (len(p), cos)
+
+
+def _modernbert_case(dtype: str, device: str = 'cuda'):
+    """A tiny random ModernBERT (4 layers: global, local, local, global; local_attention 64, so the 300- and 511-token
+    prompts are longer than a window) through `LLM(runner='pooling')` against transformers on `device`: normalized CLS
+    embeddings, and a mean-pooled 3-label classifier's probabilities. fp32 runs the padded SDPA path with the band
+    mask, bf16 on a GPU the flash kernel with window_size (W-1, W-1)."""
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
+
+    from cvllm_lab import LLM
+
+    kw = dict(
+        vocab_size=V,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        local_attention=64,
+        global_attn_every_n_layers=3,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+    prompts, bound = _prompts(), 0.9999 if dtype == 'float32' else 0.995
+    for cls, task in ((ModernBertModel, 'embed'), (ModernBertForSequenceClassification, 'classify')):
+        torch.manual_seed(0)
+        hf = cls(ModernBertConfig(num_labels=3, classifier_pooling='mean', **kw)).eval()
+        with tempfile.TemporaryDirectory() as d:
+            hf.save_pretrained(d)
+            llm = LLM(d, dtype=dtype, device=device, skip_tokenizer_init=True, progress=False)
+            try:
+                outs = getattr(llm, task)([{'prompt_token_ids': p} for p in prompts], use_tqdm=False)
+            finally:
+                del llm
+                if device == 'cuda':
+                    torch.cuda.empty_cache()
+        hf = hf.to(device, torch.float32)
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                out = hf(torch.tensor([p], device=device))
+            if task == 'embed':
+                ref = F.normalize(out.last_hidden_state[0, 0], dim=-1)
+                got = torch.tensor(o.outputs.embedding, device=device)
+                assert F.cosine_similarity(got, ref, dim=0).item() >= bound, (len(p), dtype)
+            else:
+                ref, got = out.logits[0].softmax(-1), torch.tensor(o.outputs.probs, device=device)
+                assert (got - ref).abs().max().item() < (1e-4 if dtype == 'float32' else 2e-2), (len(p), dtype)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_modernbert_matches_transformers(dtype):
+    "ModernBERT's local and global layers on the GPU (fp32: padded path; bf16: FlashAttention-2's symmetric window)."
+    _modernbert_case(dtype)
