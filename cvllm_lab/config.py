@@ -147,6 +147,9 @@ class EngineConfig:
     # vLLM's --cpu-offload-gb (40a_weight_offload): GiB of the weights (whole decoder layers) kept in pinned host memory
     # and streamed to the GPU as they run (CUDA graphs off); 0: none. Means nothing on a CPU engine
     cpu_offload_gb: float = 0
+    # candle-vllm's --num-experts-offload-per-rank (40b_expert_offload): experts of each MoE layer kept in host memory,
+    # brought to the GPU when routed through an LRU cache (CUDA graphs off); 0: none. Means nothing on a CPU engine
+    num_experts_offload_per_rank: int = 0
     attention_backend: str = 'auto'  # 'torch' | 'triton'
     kv_cache_dtype: str = 'auto'  # 'auto' (model dtype) | 'bfloat16' | 'fp8' / 'fp8_e4m3' (e4m3 + scales) | 'int4'
     enforce_eager: bool = False
@@ -291,9 +294,10 @@ class EngineConfig:
             )
         if self.scheduling_policy not in ('fcfs', 'priority'):
             raise ValueError(f'Unknown scheduling_policy {self.scheduling_policy!r}; use fcfs or priority')
-        if self.cpu_offload_gb < 0:
-            raise ValueError(f'cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}')
-        if self.cpu_offload_gb and self.device.startswith('cuda'):  # layers streamed as they run: no graphs (40a)
+        if self.cpu_offload_gb < 0 or self.num_experts_offload_per_rank < 0:
+            raise ValueError('cpu_offload_gb and num_experts_offload_per_rank must be >= 0')
+        if (self.cpu_offload_gb or self.num_experts_offload_per_rank) and self.device.startswith('cuda'):
+            # layers streamed as they run, experts brought in as routed: no graphs (40a, 40b)
             self.enforce_eager = True
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
             raise ValueError(

@@ -1,7 +1,9 @@
-"""Weight offload (vLLM's cpu_offload_gb, issue 48, notebook 40a) on a GPU: a tiny random Llama and Qwen3-MoE with some
-decoder layers streamed from pinned host memory through two staging slots on a side stream give the greedy tokens of
-the model held whole on the GPU (fp32: log-probs within 1e-3, the model without offload replaying CUDA graphs; bf16,
-both eager: equal), and the GPU holds `offloaded - staging` bytes fewer after the load. Skipped without CUDA."""
+"""Weight offload (vLLM's cpu_offload_gb, issue 48, notebook 40a) and expert offload (candle-vllm's
+num_experts_offload_per_rank, 40b) on a GPU: a tiny random Llama and Qwen3-MoE with some decoder layers streamed from
+pinned host memory through two staging slots on a side stream give the greedy tokens of the model held whole on the
+GPU (fp32: log-probs within 1e-3, the model without offload replaying CUDA graphs; bf16, both eager: equal), and the
+GPU holds `offloaded - staging` bytes fewer after the load; with 5 of 8 experts per layer on the host and a cache of 2,
+the same greedy tokens. Skipped without CUDA."""
 
 import tempfile
 from pathlib import Path
@@ -136,3 +138,17 @@ def test_offload_saves_gpu_memory():
     saved = used_plain - used
     expected = off.offloaded_bytes - off.staging_bytes  # six layers out, two layers of staging in
     assert abs(saved - expected) < 0.01 * expected + (1 << 20), (saved, expected)
+
+
+def test_expert_offload_greedy_equals_resident():
+    "candle-vllm's num_experts_offload_per_rank (notebook 40b): 5 of 8 experts per layer on the host, an LRU cache of 2."
+    path = _moe()
+    ref_t, ref_lp, _ = _greedy(path, dtype='float32')
+    t, lp, llm = _greedy(path, dtype='float32', num_experts_offload_per_rank=5)
+    runner = llm.engine.runner
+    off = runner.model.expert_offload
+    assert off.loads > 0 and off.hits > 0 and runner.cfg.enforce_eager and not runner.graphs
+    for c in off.caches.values():
+        assert c.moe.w13_weight.shape[0] == 8 - 5 + 2 and c.moe.w13_weight.is_cuda and c.host13.is_pinned()
+    assert t == ref_t
+    assert max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y)) < 1e-3

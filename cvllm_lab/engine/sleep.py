@@ -200,9 +200,10 @@ class RunnerSleep:
         number of tensors taken."""
         if 'weights' in self.sleeping_tags:
             raise RuntimeError("The weights are asleep: wake_up(tags=['weights']) first")
-        if getattr(self.model, 'weight_offload', None) is not None:  # its host copies are the offloaded weights (40a)
+        if any(getattr(self.model, k, None) is not None for k in ('weight_offload', 'expert_offload')):  # (40a, 40b)
             raise NotImplementedError(
-                'Weight updates of a model with offloaded layers (cpu_offload_gb) are not supported'
+                'Weight updates of a model with offloaded layers or experts (cpu_offload_gb, '
+                'num_experts_offload_per_rank) are not supported: their host copies are the weights'
             )
         if getattr(self, 'gguf', False):
             raise NotImplementedError(

@@ -17,6 +17,7 @@ from .openai.api_server import ServerConfig
 from .openai.serving_lora import lora_engine_kwargs, lora_server_kwargs
 from ..engine.kv_offload import kv_offload_kwargs
 from ..weights.offload import weight_offload_kwargs
+from ..weights.expert_offload import expert_offload_kwargs
 from ..utils.multimodal import mm_kwargs
 from .openai.tool_server import tool_server_config
 from ..quant.apply import METHODS
@@ -200,6 +201,7 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
         kv_cache_memory=args.mem << 20 if args.mem else None,
         **kv_offload_kwargs(args),
         **weight_offload_kwargs(args),
+        **expert_offload_kwargs(args),
         **mm_kwargs(args),
         enforce_eager=args.enforce_eager,
         enable_sleep_mode=args.enable_sleep_mode,

@@ -14,6 +14,7 @@ from .openai.serving_embeddings import add_pooling_args
 from .openai.serving_lora import add_lora_args
 from ..engine.kv_offload import add_kv_offload_args
 from ..weights.offload import add_weight_offload_args
+from ..weights.expert_offload import add_expert_offload_args
 from ..utils.multimodal import add_mm_args
 from .openai.tool_server import add_tool_server_args
 from .openai.protocol import DEFAULT_MAX_N
@@ -110,6 +111,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument('--mem', type=int, help='candle-vllm: KV cache size in MB (wins over the fractions)')
     add_kv_offload_args(g)  # vLLM's CPU tier for KV blocks (10a)
     add_weight_offload_args(g)  # vLLM's --cpu-offload-gb: decoder layers streamed from the host (40a)
+    add_expert_offload_args(g)  # candle-vllm's --num-experts-offload-per-rank (40b)
     add_mm_args(g)  # images: vLLM's per-prompt limit and local folder (57a)
     g.add_argument(
         '--kv-cache-dtype',

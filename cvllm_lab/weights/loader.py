@@ -388,6 +388,7 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
     """Build the registry's model for `hf_config` on `cfg.device` in `cfg.torch_dtype` and fill its weights (with
     `cpu_offload_gb` on a GPU: built on the host, some layers left there and streamed, notebook 40a)."""
     from cvllm_lab.weights.offload import apply_cpu_offload, build_device
+    from cvllm_lab.weights.expert_offload import apply_expert_offload
 
     cls, build = get_model_class(hf_config), build_device(cfg)  # the host, when weight offload is on a GPU (40a)
     prev = torch.get_default_dtype()
@@ -436,4 +437,5 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
         from cvllm_lab.quant.apply import fuse_mlp_act
 
         fuse_mlp_act(model)  # CUDA: the packed gate/up GEMV writes silu(gate) * up
-    return apply_cpu_offload(model, cfg, progress).eval()  # `cpu_offload_gb`: layers streamed from the host (40a)
+    model = apply_cpu_offload(model, cfg, progress)  # `cpu_offload_gb`: layers streamed from the host (40a)
+    return apply_expert_offload(model, cfg, progress).eval()  # `num_experts_offload_per_rank`: experts too (40b)

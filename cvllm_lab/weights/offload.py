@@ -241,15 +241,14 @@ class WeightOffload:
 
 # %% ../../nbs/40a_weight_offload.ipynb #a456f189
 def build_device(cfg) -> str:
-    """Where `load_model` builds and loads the model: the host when weight offload is on for a GPU (`to_device` then
-    moves what stays resident), else `cfg.device`. Refuses what offload cannot stream before anything is loaded."""
-    if not cfg.cpu_offload_gb or not str(cfg.device).startswith('cuda'):
+    """Where `load_model` builds and loads the model: the host when weight or expert offload (40b) is on for a GPU
+    (what stays resident moves after), else `cfg.device`. Refuses what offload cannot stream before anything loads."""
+    flag = 'cpu_offload_gb' if cfg.cpu_offload_gb else 'num_experts_offload_per_rank'
+    if not getattr(cfg, flag) or not str(cfg.device).startswith('cuda'):
         return cfg.device
     if cfg.quantization or cfg.enable_lora:
         what = f'quantization={cfg.quantization!r}' if cfg.quantization else 'enable_lora=True'
-        raise NotImplementedError(
-            f'cpu_offload_gb with {what}: weight offload streams float weights (bf16, fp16, fp32) of plain layers only'
-        )
+        raise NotImplementedError(f'{flag} with {what}: offload streams float weights (bf16, fp16, fp32) only')
     return 'cpu'
 
 
