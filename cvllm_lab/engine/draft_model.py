@@ -68,6 +68,7 @@ class DraftModelProposer:
         self.vocab_size = V
         check_same_vocab((cfg.tokenizer, None) if cfg.tokenizer else resolve_model_source(cfg.model), src)
         dcfg = replace(cfg, model=spec.model, quantization=None, speculative_config=None, enable_lora=False)
+        dcfg = replace(dcfg, cpu_offload_gb=0, num_experts_offload_per_rank=0)  # offload is the target's (40a, 40b)
         with set_current_engine_config(dcfg):
             self.model = load_model(dcfg, self.hf_config, src, progress)
         layers = self.model.attention_layers()
