@@ -34,6 +34,7 @@ __all__ = [
     'MXFP4_GROUP',
     'dequantize_mxfp4_ref',
     'quantize_mxfp4_ref',
+    'quantize_mxfp4',
     'mxfp4_moe_matmul',
     'mxfp4_moe_matmul_ref',
     'fused_moe_mxfp4',
@@ -55,20 +56,61 @@ def dequantize_mxfp4_ref(blocks, scales, dtype=torch.float32):
     return v.flatten(-2).to(dtype)
 
 
+def _e8m0_exponent(amax):
+    """Per group the exponent `e` of its scale `2^e`: the smallest that keeps `amax / 2^e` within 6 (FP4's largest),
+    `ceil(log2(amax / 6))` worked out exactly from `frexp` (no `log2` rounding at powers of two), in [-127, 127]."""
+    m, E = torch.frexp(amax.clamp_min(2.0**-126) / 6.0)  # amax / 6 = m 2^E, m in [0.5, 1)
+    return (E - (m == 0.5).to(E.dtype)).clamp(-127, 127)
+
+
 def quantize_mxfp4_ref(w):
     """`w [.., N, K]` (K a multiple of 32) -> `(blocks, scales)`: per group the smallest power-of-two scale that keeps
-    its largest magnitude within 6 (FP4's largest), each value rounded to the nearest FP4 code."""
+    its largest magnitude within 6 (FP4's largest), each value rounded to the nearest FP4 value, ties to the even
+    code (the one with mantissa bit 0, as IEEE round-to-nearest-even; the OCP MX rounding). The plain form: distances
+    to the 8 magnitudes, the nearest (`quantize_mxfp4` is the same in a few passes over the weight)."""
     *lead, N, K = w.shape
     assert K % MXFP4_GROUP == 0, K
     g = w.float().reshape(*lead, N, K // MXFP4_GROUP, MXFP4_GROUP)
-    amax = g.abs().amax(-1).clamp_min(2.0**-126)
-    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    x = g / torch.exp2(e)[..., None]
+    e = _e8m0_exponent(g.abs().amax(-1))
+    x = torch.ldexp(g, -e[..., None])  # exact: a power-of-two scaling
     mags = torch.tensor(FP4_VALUES[:8], device=w.device)
-    code = (x.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude
+    d = (x.abs()[..., None] - mags).abs()
+    code = d.argmin(-1)  # the nearest magnitude; on a tie the smaller one, then:
+    up = torch.gather(d, -1, (code + 1).clamp(max=7)[..., None])[..., 0] == torch.gather(d, -1, code[..., None])[..., 0]
+    code = code + (up & (code % 2 == 1) & (code < 7)).long()  # a tie with an odd code goes to the even one above
     code = code + 8 * ((x < 0) & (code > 0))  # the sign bit (zero stays +0)
     blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
     return blocks, (e + 127).to(torch.uint8)
+
+
+_FP4_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints of the FP4 magnitudes
+_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose upper neighbour is the even code (1, 2, 4)
+
+
+def quantize_mxfp4(w, max_elements: int = 1 << 24):
+    """`quantize_mxfp4_ref` (the same bytes) in a few passes that keep the weight's size in memory: the code of `|x|`
+    is the number of FP4 midpoints below it (`bucketize`), plus one at the three midpoints that round up to an even
+    code; rows in chunks of about `max_elements` values (a model's linears are quantized on the GPU at load)."""
+    *lead, N, K = w.shape
+    assert K % MXFP4_GROUP == 0, K
+    rows = w.reshape(-1, K)
+    G = K // MXFP4_GROUP
+    blocks = torch.empty(rows.shape[0], G, MXFP4_GROUP // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(rows.shape[0], G, dtype=torch.uint8, device=w.device)
+    bounds = torch.tensor(_FP4_BOUNDS, device=w.device)
+    step = max(1, max_elements // K)
+    for r in range(0, rows.shape[0], step):
+        g = rows[r : r + step].float().view(-1, G, MXFP4_GROUP)
+        e = _e8m0_exponent(g.abs().amax(-1))
+        x = torch.ldexp(g, -e[..., None])
+        a = x.abs()
+        code = torch.bucketize(a, bounds).to(torch.uint8)  # how many midpoints lie below |x|
+        for t in _TIES_UP:
+            code += a == t
+        code += 8 * ((x < 0) & (code > 0))
+        blocks[r : r + step] = code[..., 0::2] | (code[..., 1::2] << 4)
+        scales[r : r + step] = (e + 127).to(torch.uint8)
+    return blocks.view(*lead, N, G, MXFP4_GROUP // 2), scales.view(*lead, N, G)
 
 
 @triton.jit

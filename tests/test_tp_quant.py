@@ -1,7 +1,7 @@
 """In-situ quantized models at tensor parallel 2 through the engine (CPU, gloo): the same answers as one process.
 
 A tiny random Llama (hidden 256, intermediate 256: the row-parallel o_proj and down_proj keep 128 input features
-per rank, whole W4A16 groups and GGUF blocks) runs through `LLM(..., quantization=...)` at tensor parallel 1 and 2
+per rank, whole W4A16 groups, GGUF blocks and MXFP4 groups) runs through `LLM(..., quantization=...)` at tensor parallel 1 and 2
 on the paged, chunked, batched path. Each rank quantizes its own shard (`quant.base.quantize_parallel`): a
 column-parallel shard is whole rows of the full weight and a row-parallel shard whole groups along K, so the
 quantized weights of the two ranks are exactly the slices of TP 1's quantized weights. Only the order of the float
@@ -73,7 +73,7 @@ def model():
         yield str(make_model(Path(d)))
 
 
-@pytest.mark.parametrize('method', ['q8_0', 'q4_0', 'w4a16'])
+@pytest.mark.parametrize('method', ['q8_0', 'q4_0', 'w4a16', 'mxfp4'])
 def test_quantized_tp2_matches_tp1(model, method):
     ref = run(model, 1, quantization=method)
     check_same(run(model, 2, quantization=method), ref)

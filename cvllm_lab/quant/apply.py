@@ -1,4 +1,4 @@
-"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`), the method names (`METHODS`, `resolve_method`), and the walk over a model's decoder linears that loading quantized checkpoints into the same layers (notebook 47a) shares.
+"""`quantize_model` (in-situ quantization of a loaded model's decoder linears: GGUF types, `w4a16`, `fp8`, `mxfp4`), the method names (`METHODS`, `resolve_method`), and the walk over a model's decoder linears that loading quantized checkpoints into the same layers (notebook 47a) shares.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/quant_apply.html.md"""
 
@@ -15,6 +15,7 @@ from .gguf import GGUFLinear
 from .base import QuantLinear, quantize_parallel
 from .w4a16 import W4A16Linear
 from .fp8 import FP8Linear
+from .mxfp4 import Mxfp4Linear
 
 # %% auto #0
 __all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'resolve_method', 'gguf_type_for', 'quantize_linear',
@@ -22,16 +23,17 @@ __all__ = ['ISQ_NAMES', 'METHODS', 'METHOD_ALIASES', 'KQUANT_FALLBACK', 'resolve
 
 # %% ../../nbs/47_quant_apply.ipynb #31f4c9f3
 ISQ_NAMES = ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q2k', 'q3k', 'q4k', 'q5k', 'q6k')
-METHODS = ISQ_NAMES + ('w4a16', 'fp8', 'fp8_channel')
+METHODS = ISQ_NAMES + ('w4a16', 'fp8', 'fp8_channel', 'mxfp4')
 METHOD_ALIASES = {'marlin': 'w4a16'}  # candle-vllm's `--isq marlin` is our W4A16
 KQUANT_FALLBACK = {GT.Q2_K: GT.Q4_0, GT.Q3_K: GT.Q4_0, GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0}
 
 
 def resolve_method(method: str):
-    "`'w4a16'` (also for its alias `'marlin'`), `'fp8'`, `'fp8_channel'`, or a `GGMLQuantizationType` for a GGUF type name; ValueError listing the choices otherwise."
+    """`'w4a16'` (also for its alias `'marlin'`), `'fp8'`, `'fp8_channel'`, `'mxfp4'`, or a `GGMLQuantizationType` for a
+    GGUF type name; ValueError listing the choices otherwise."""
     m = str(method).strip().lower()
     m = METHOD_ALIASES.get(m, m)
-    if m in ('w4a16', 'fp8', 'fp8_channel'):
+    if m in ('w4a16', 'fp8', 'fp8_channel', 'mxfp4'):
         return m
     try:
         t = parse_qtype(m)
@@ -60,7 +62,7 @@ def quantize_linear(lin: Linear, method, pack: bool = False, name: str = 'layer'
     m = resolve_method(method) if isinstance(method, str) else method
     t = (
         None
-        if m in ('w4a16', 'fp8', 'fp8_channel')
+        if m in ('w4a16', 'fp8', 'fp8_channel', 'mxfp4')
         else gguf_type_for(m, getattr(lin, 'full_input_size', lin.input_size))
     )  # TP 1's type
 
@@ -69,10 +71,14 @@ def quantize_linear(lin: Linear, method, pack: bool = False, name: str = 'layer'
             return W4A16Linear.from_linear(l, group=128, bits=4, sym=True)
         if m in ('fp8', 'fp8_channel'):
             return FP8Linear.from_linear(l, block=m == 'fp8')
+        if m == 'mxfp4':
+            return Mxfp4Linear.from_linear(l)
         q = GGUFLinear.from_linear(l, t)
         return q.pack() if pack else q
 
-    unit = 1 if m == 'fp8_channel' else 128 if t is None else block_info(t)[0]  # a shard's K cut: whole groups / blocks
+    unit = (
+        1 if m == 'fp8_channel' else 32 if m == 'mxfp4' else 128 if t is None else block_info(t)[0]
+    )  # a shard's K cut
     with torch.no_grad():
         return quantize_parallel(lin, make, unit, name, col_unit=128 if m == 'fp8' else 1)
 

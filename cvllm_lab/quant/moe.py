@@ -18,6 +18,8 @@ from .fp8 import quantize_fp8_block
 from .gguf import quantize
 from .w4a16 import W4A16Linear
 from .apply import resolve_method, gguf_type_for
+from ..kernels.mxfp4 import MXFP4_GROUP
+from .mxfp4 import Mxfp4MoEMethod
 
 # %% auto #0
 __all__ = ['GGUF_MOE_BLOCK', 'GGUF_MOE_RAW_SUFFIXES', 'check_expert_shard', 'Fp8MoEMethod', 'GGUFMoEMethod', 'W4A16MoEMethod',
@@ -224,7 +226,7 @@ class W4A16MoEMethod:
 
 # %% ../../nbs/41_quant_moe.ipynb #08638f9f
 def quantize_moe(model: nn.Module, method) -> int:
-    "Quantize every (still float) `FusedMoE` of `model` in place (`method`: 'fp8', 'w4a16' or a GGUF type); returns how many."
+    "Quantize every (still float) `FusedMoE` of `model` in place (`method`: 'fp8', 'w4a16', 'mxfp4' or a GGUF type); returns how many."
     m = resolve_method(method) if isinstance(method, str) else method
     layers = [(n, l) for n, l in model.named_modules() if isinstance(l, FusedMoE) and l.quant_method is None]
     for n, l in layers:
@@ -232,6 +234,9 @@ def quantize_moe(model: nn.Module, method) -> int:
             Fp8MoEMethod.quantize(l, n)  # experts: 128 x 128 blocks either way
         elif m == 'w4a16':
             W4A16MoEMethod.quantize(l, n)
+        elif m == 'mxfp4':
+            check_expert_shard(l, MXFP4_GROUP, n)
+            Mxfp4MoEMethod.quantize(l)
         else:
             GGUFMoEMethod.quantize(l, m, n)
     return len(layers)

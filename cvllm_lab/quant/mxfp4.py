@@ -1,4 +1,4 @@
-"""`Mxfp4MoEMethod`: a `FusedMoE`'s experts held as MXFP4 (FP4 E2M1 values two per byte, one E8M0 scale per 32), as gpt-oss's checkpoints ship them, and run 4-bit: the Triton MoE matmul dequantizes in the tile (`kernels/mxfp4.py`), the CPU dequantizes each used expert.
+"""`Mxfp4MoEMethod`: a `FusedMoE`'s experts held as MXFP4 (FP4 E2M1 values two per byte, one E8M0 scale per 32), as gpt-oss's checkpoints ship them, and run 4-bit: the Triton MoE matmul dequantizes in the tile (`kernels/mxfp4.py`), the CPU dequantizes each used expert. `Mxfp4Linear` and `quantization='mxfp4'` (`--isq mxfp4`) quantize any model's dense linears and experts to MXFP4 at load.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/mxfp4.html.md"""
 
@@ -12,13 +12,17 @@ from cvllm_lab.kernels.mxfp4 import (
     dequantize_mxfp4_ref,
     fused_moe_mxfp4,
     fused_moe_mxfp4_ref,
-    quantize_mxfp4_ref,
+    mxfp4_moe_matmul,
+    quantize_mxfp4,
 )
 from ..layers.fused_moe import FusedMoE
+import torch.nn.functional as F
+from ..layers.basic import Linear
 from ..layers.linear import check_shard_alignment
+from .base import QuantLinear
 
 # %% auto #0
-__all__ = ['Mxfp4MoEMethod']
+__all__ = ['MXFP4_DECODE_ROWS', 'Mxfp4MoEMethod', 'Mxfp4Linear']
 
 # %% ../../nbs/43a_mxfp4.ipynb #a5fd2cb4
 class Mxfp4MoEMethod:
@@ -42,11 +46,11 @@ class Mxfp4MoEMethod:
 
     @classmethod
     def quantize(cls, layer: FusedMoE) -> FusedMoE:
-        "In-situ: a float layer's experts to MXFP4 (nearest FP4 value, a power-of-two scale per 32; tests, `--isq` later)."
+        "In-situ (`quantization='mxfp4'`): a float layer's experts (this rank's slice) to MXFP4 (`quantize_mxfp4`)."
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         cls.attach(layer)
         for n, w in (('w13', w13), ('w2', w2)):
-            b, s = quantize_mxfp4_ref(w)
+            b, s = quantize_mxfp4(w)
             layer.register_buffer(f'{n}_blocks', b)
             layer.register_buffer(f'{n}_scales', s)
         return layer
@@ -112,3 +116,50 @@ Mxfp4MoEMethod.apply, Mxfp4MoEMethod.dequantize, Mxfp4MoEMethod.process_weights_
     _dequantize,
     _process,
 )
+
+# %% ../../nbs/43a_mxfp4.ipynb #6f49d7c0
+MXFP4_DECODE_ROWS = 16  # up to this many rows an Mxfp4Linear runs the decode-shaped matmul; more: dequantize + GEMM
+
+
+class Mxfp4Linear(QuantLinear):
+    "A linear whose weight is MXFP4: `blocks uint8 [N, K/32, 16]` (two FP4 codes a byte) and `scales uint8 [N, K/32]` (E8M0)."
+
+    def __init__(self, in_features, out_features, bias=False, shard_ids=None, device=None):
+        super().__init__(in_features, out_features, bias, shard_ids, device)
+        if in_features % MXFP4_GROUP:
+            raise ValueError(f'MXFP4: input size {in_features} is not a multiple of {MXFP4_GROUP}')
+        N, G = self.output_size, in_features // MXFP4_GROUP
+        self.register_buffer('blocks', torch.zeros(N, G, MXFP4_GROUP // 2, dtype=torch.uint8, device=device))
+        self.register_buffer('scales', torch.full((N, G), 127, dtype=torch.uint8, device=device))
+
+    @classmethod
+    def from_linear(cls, lin: Linear) -> Mxfp4Linear:
+        "Quantize a float layer (or its tensor-parallel shard) with `quantize_mxfp4`; the bias kept as it is."
+        w = lin.weight.detach()
+        m = cls(lin.input_size, lin.output_sizes, lin.bias is not None, lin.shard_ids, w.device)
+        m.blocks, m.scales = quantize_mxfp4(w)
+        if lin.bias is not None:
+            m.bias = torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+        return m
+
+    def dequantize(self, dtype=torch.float32, rows: int = 4096) -> torch.Tensor:
+        "The weight `[N, K]` in `dtype`, dequantized `rows` output rows at a time (the fp32 temporaries stay small)."
+        out = torch.empty(self.output_size, self.input_size, dtype=dtype, device=self.blocks.device)
+        for r in range(0, self.output_size, rows):
+            out[r : r + rows] = dequantize_mxfp4_ref(self.blocks[r : r + rows], self.scales[r : r + rows], dtype)
+        return out
+
+    def forward(self, x):
+        return self.forward_kernel(x) if x.is_cuda else super().forward(x)
+
+    def forward_kernel(self, x):
+        "The CUDA path on any device (the Triton interpreter on CPU): the decode-shaped matmul for few rows, else dequantize + GEMM."
+        x2 = x.reshape(-1, self.input_size)
+        if x2.shape[0] > MXFP4_DECODE_ROWS:
+            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        ids = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
+        y = mxfp4_moe_matmul(x2, self.blocks[None], self.scales[None], ids)
+        return self._add_bias(y).reshape(*x.shape[:-1], self.output_size)
+
+    def extra_repr(self):
+        return f'in={self.input_size}, out={self.output_sizes}, mxfp4'
