@@ -18,9 +18,18 @@ Kernel (`mxfp4_moe_matmul`): `c[r] = a[r // a_row_div] @ W[expert_ids[r]].T (+ b
 (its even and odd columns apart, matching the low and high nibbles), the tile's bytes `[BLOCK_N, BLOCK_K / 2]` and
 their group scales, decodes the nibbles arithmetically (no table lookup), and accumulates in fp32. One row per
 program is the decode shape (few tokens, every expert's bytes read once per token using them); prefill-sized tiles
-on tensor cores (`tl.dot`) are not written yet. `fused_moe_mxfp4` chains two of them around the activation and sums
-each token's k weighted outputs; `fused_moe_mxfp4_ref` is the loop over experts on dequantized weights.
+on tensor cores (`tl.dot`) are not written yet for the experts. `fused_moe_mxfp4` chains two of them around the
+activation and sums each token's k weighted outputs; `fused_moe_mxfp4_ref` is the loop over experts on dequantized
+weights.
+
+Dense (`mxfp4_matmul`, the in-situ `Mxfp4Linear`): up to `MM_MIN_ROWS` rows the row kernel above with one expert;
+more rows (prefill, large batches) `_mxfp4_mm_kernel` tiles `[BLOCK_M, BLOCK_N]` on tensor cores, as the NVFP4 tile
+kernel does: per K step the even and odd columns of `x` against the decoded low and high nibbles, two `tl.dot`s. A
+decoded weight (an FP4 value, 2 significant bits, times a power of two) is exact in bf16 (and in fp16 within its
+exponent range), so the dots see the true weight; fp32 inputs use IEEE fp32 dots. GPU speed not measured yet.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,8 @@ __all__ = [
     'quantize_mxfp4_ref',
     'quantize_mxfp4',
     'mxfp4_moe_matmul',
+    'MM_MIN_ROWS',
+    'mxfp4_matmul',
     'mxfp4_moe_matmul_ref',
     'fused_moe_mxfp4',
     'fused_moe_mxfp4_ref',
@@ -43,6 +54,8 @@ __all__ = [
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32  # values per E8M0 scale
+MM_MIN_ROWS = 16  # above this many rows `mxfp4_matmul` runs the tensor-core tile kernel, at or below the row kernel
+TRITON_INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1'
 
 
 def dequantize_mxfp4_ref(blocks, scales, dtype=torch.float32):
@@ -223,6 +236,92 @@ def mxfp4_moe_matmul(
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _mxfp4_mm_kernel(
+    x_ptr,
+    b_ptr,
+    s_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_bn,
+    stride_sn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # values per K step (BLOCK_K / 2 bytes per weight row), a multiple of 32
+    DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs; the interpreter, whose bf16 dots are wrong)
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col = k0 + 2 * offs_j  # even columns; byte j holds col (low nibble) and col + 1 (high)
+        k_ok = col < K
+        wmask = n_ok[:, None] & k_ok[None, :]
+        byte = tl.load(b_rows + (col // 2)[None, :], mask=wmask, other=0).to(tl.int32)
+        sc = tl.math.exp2(tl.load(s_rows + (col // 32)[None, :], mask=wmask, other=127).to(tl.float32) - 127.0)
+        xmask = m_ok[:, None] & k_ok[None, :]
+        x0 = tl.load(x_rows + col[None, :], mask=xmask, other=0.0)
+        x1 = tl.load(x_rows + col[None, :] + 1, mask=xmask, other=0.0)
+        if DOT_FP32:
+            x0, x1 = x0.to(tl.float32), x1.to(tl.float32)
+        w0 = (_fp4(byte & 15) * sc).to(x0.dtype)  # an FP4 value times a power of two: exact in bf16
+        w1 = (_fp4(byte >> 4) * sc).to(x0.dtype)
+        if DOT_FP32:  # true fp32 products (no TF32): fp32 models match their reference
+            acc = tl.dot(x0, tl.trans(w0), acc, input_precision='ieee')
+            acc = tl.dot(x1, tl.trans(w1), acc, input_precision='ieee')
+        else:
+            acc = tl.dot(x0, tl.trans(w0), acc)
+            acc = tl.dot(x1, tl.trans(w1), acc)
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def mxfp4_matmul(x, blocks, scales):
+    """`y [.., N] = x [.., K] @ W.T` for one MXFP4 weight `blocks uint8 [N, K/32, 16]`, `scales uint8 [N, K/32]`: the
+    row kernel (`mxfp4_moe_matmul` with one expert) up to `MM_MIN_ROWS` rows, the tile kernel above; fp32 sums, written
+    in `x`'s dtype."""
+    N, G, _ = blocks.shape
+    K = G * MXFP4_GROUP
+    assert x.shape[-1] == K and scales.shape == (N, G), (x.shape, blocks.shape, scales.shape)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if M <= MM_MIN_ROWS:
+        ids = torch.zeros(M, dtype=torch.int32, device=x.device)
+        return mxfp4_moe_matmul(x2, blocks[None], scales[None], ids).reshape(*lead, N)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bm, bn, bk = (16, 32, 32) if TRITON_INTERPRETED else (64, 64, 64)
+    b, s = blocks.reshape(N, K // 2).contiguous(), scales.contiguous()
+    _mxfp4_mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x2,
+        b,
+        s,
+        out,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        b.stride(0),
+        s.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        DOT_FP32=TRITON_INTERPRETED or x.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out.reshape(*lead, N)
 
 
 def _act(h, activation: str, alpha: float, limit: float):

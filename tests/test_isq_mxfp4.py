@@ -1,5 +1,5 @@
 """In-situ MXFP4 (`quantization='mxfp4'`, notebook 43a): `Mxfp4Linear` on its kernel path (the decode-shaped Triton
-matmul up to `MXFP4_DECODE_ROWS` rows, the layer dequantized + one GEMM above) against the dequantized weight, for
+matmul up to `MM_MIN_ROWS` rows, the tensor-core tile kernel above) against the dequantized weight, for
 3-D inputs, a bias and sizes off the kernel's tiles (CPU: under the interpreter); on a GPU, a tiny Llama and a tiny
 Qwen3-MoE through `LLM(quantization='mxfp4')` against the same float models with their decoder linears and experts
 replaced by the MXFP4-dequantized values (the CPU notebook checks the same through the CPU path)."""
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cvllm_lab.kernels.mxfp4 import dequantize_mxfp4_ref, quantize_mxfp4, quantize_mxfp4_ref
+from cvllm_lab.kernels.mxfp4 import MM_MIN_ROWS, dequantize_mxfp4_ref, quantize_mxfp4, quantize_mxfp4_ref
 from cvllm_lab.layers.basic import Linear
-from cvllm_lab.quant.mxfp4 import MXFP4_DECODE_ROWS, Mxfp4Linear
+from cvllm_lab.quant.mxfp4 import Mxfp4Linear
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 
 
-@pytest.mark.parametrize('rows', [1, 5, MXFP4_DECODE_ROWS, MXFP4_DECODE_ROWS + 1, 70])
+@pytest.mark.parametrize('rows', [1, 5, MM_MIN_ROWS, MM_MIN_ROWS + 1, 70])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_mxfp4_linear_kernel_path(rows, dtype):
     g = torch.Generator().manual_seed(rows)

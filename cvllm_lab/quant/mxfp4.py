@@ -12,17 +12,16 @@ from cvllm_lab.kernels.mxfp4 import (
     dequantize_mxfp4_ref,
     fused_moe_mxfp4,
     fused_moe_mxfp4_ref,
-    mxfp4_moe_matmul,
+    mxfp4_matmul,
     quantize_mxfp4,
 )
 from ..layers.fused_moe import FusedMoE
-import torch.nn.functional as F
 from ..layers.basic import Linear
 from ..layers.linear import check_shard_alignment
 from .base import QuantLinear
 
 # %% auto #0
-__all__ = ['MXFP4_DECODE_ROWS', 'Mxfp4MoEMethod', 'Mxfp4Linear']
+__all__ = ['Mxfp4MoEMethod', 'Mxfp4Linear']
 
 # %% ../../nbs/43a_mxfp4.ipynb #a5fd2cb4
 class Mxfp4MoEMethod:
@@ -118,9 +117,6 @@ Mxfp4MoEMethod.apply, Mxfp4MoEMethod.dequantize, Mxfp4MoEMethod.process_weights_
 )
 
 # %% ../../nbs/43a_mxfp4.ipynb #6f49d7c0
-MXFP4_DECODE_ROWS = 16  # up to this many rows an Mxfp4Linear runs the decode-shaped matmul; more: dequantize + GEMM
-
-
 class Mxfp4Linear(QuantLinear):
     "A linear whose weight is MXFP4: `blocks uint8 [N, K/32, 16]` (two FP4 codes a byte) and `scales uint8 [N, K/32]` (E8M0)."
 
@@ -153,13 +149,8 @@ class Mxfp4Linear(QuantLinear):
         return self.forward_kernel(x) if x.is_cuda else super().forward(x)
 
     def forward_kernel(self, x):
-        "The CUDA path on any device (the Triton interpreter on CPU): the decode-shaped matmul for few rows, else dequantize + GEMM."
-        x2 = x.reshape(-1, self.input_size)
-        if x2.shape[0] > MXFP4_DECODE_ROWS:
-            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        ids = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
-        y = mxfp4_moe_matmul(x2, self.blocks[None], self.scales[None], ids)
-        return self._add_bias(y).reshape(*x.shape[:-1], self.output_size)
+        "The CUDA path on any device (the Triton interpreter on CPU): `mxfp4_matmul` (row kernel for few rows, tiles above)."
+        return self._add_bias(mxfp4_matmul(x, self.blocks, self.scales))
 
     def extra_repr(self):
         return f'in={self.input_size}, out={self.output_sizes}, mxfp4'
