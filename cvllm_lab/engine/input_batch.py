@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/input_batch.html.md"""
 # %% ../../nbs/50a_input_batch.ipynb #08c92e0c
 from __future__ import annotations
 import contextlib
+import gc
 import itertools
 from dataclasses import dataclass, field
 import numpy as np
@@ -19,7 +20,7 @@ from .scheduler import SchedulerOutput
 
 # %% auto #0
 __all__ = ['PREFILL_SPLIT_MIN_TOKENS', 'StepInputs', 'InputBatch', 'placeholder_rows', 'DecodeGraphs', 'blas_backend',
-           'blas_for_rows']
+           'blas_for_rows', 'collected_garbage_off']
 
 # %% ../../nbs/50a_input_batch.ipynb #b5950d63
 # a chunk over cached tokens this short stays on the paged kernel: longer ones would take the step's decode rows
@@ -295,6 +296,21 @@ def graph_blas(self: DecodeGraphs, bs: int) -> str | None:
     return blas_for_rows(bs, configs_for('blas_decode', self.device)['default']['cublaslt_rows'])
 
 
+@contextlib.contextmanager
+def collected_garbage_off():
+    """Collect Python's garbage now and not again until the block ends. A cycle collected during a capture (an earlier
+    engine of the same process, dropped but not yet collected) frees its pinned buffers and CUDA events, and the host
+    allocator's event query from there invalidates the capture (`torch.cuda.graph` no longer collects first)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 @patch
 @torch.inference_mode()
 def capture_cudagraphs(self: DecodeGraphs, progress: bool = True):
@@ -312,13 +328,23 @@ def capture_cudagraphs(self: DecodeGraphs, progress: bool = True):
     self.g_staging = torch.zeros(3 + G, n, dtype=torch.long).pin_memory()
     self.g_bt_staging = torch.zeros(G, n, nblk, dtype=torch.int32).pin_memory()
     self.g_staging_np, self.g_bt_staging_np = self.g_staging.numpy(), self.g_bt_staging.numpy()  # cheap host writes
-    self.g_hidden, self.g_hidden_short, pool = {}, {}, None
-    from cvllm_lab.utils.progress import tqdm
+    self.g_hidden, self.g_hidden_short = {}, {}
     from cvllm_lab.kernels.paged_attention import MIN_KEYS_PER_SPLIT
 
     self.short_len = MIN_KEYS_PER_SPLIT if self.cfg.max_model_len > MIN_KEYS_PER_SPLIT else 0
     todo = [(bs, self.cfg.max_model_len) for bs in sorted(sizes, reverse=True)]
     todo += [(bs, self.short_len) for bs, _ in todo if self.short_len and bs <= 32]
+    with collected_garbage_off():
+        self._capture_buckets(todo, G, progress)
+    torch.cuda.synchronize()
+
+
+@patch
+def _capture_buckets(self: DecodeGraphs, todo: list[tuple[int, int]], G: int, progress: bool):
+    "Capture the decode graph of each (rows, context) bucket of `todo`, sharing one memory pool."
+    from cvllm_lab.utils.progress import tqdm
+
+    pool = None
     for bs, L in tqdm(todo, desc='Capturing CUDA graphs', disable=not progress):
         ctx = ForwardContext(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs], self.g_bt[0, :bs], 1, L)
         if G > 1:
@@ -335,7 +361,6 @@ def capture_cudagraphs(self: DecodeGraphs, progress: bool = True):
             self.graphs[bs], self.g_hidden[bs] = g, h
         else:
             self.short_graphs[bs], self.g_hidden_short[bs] = g, h
-    torch.cuda.synchronize()
 
 
 @patch
