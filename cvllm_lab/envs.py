@@ -168,14 +168,14 @@ ENV_VARS = [
         '5',
         float,
         "vLLM's: seconds the API process waits for an http(s) image URL of a request",
-        'utils.multimodal',
+        'utils.media',
     ),
     EnvVar(
         'CVLLM_LAB_MAX_IMAGE_BYTES',
         str(20 << 20),
         int,
         'encoded bytes one image of a request may have (a data: URL, a fetched body, a file): more is a 400',
-        'utils.multimodal',
+        'utils.media',
     ),
     EnvVar(
         'TRITON_INTERPRET',

@@ -1,9 +1,10 @@
-"""Images through `/v1/chat/completions` and `LLM.chat` (issue 44): a tiny random Qwen2.5-VL checkpoint with its image
+"""Images and videos through `/v1/chat/completions` and `LLM.chat` (issue 44): a tiny random Qwen2.5-VL checkpoint with its image
 processor and a word-level tokenizer whose chat template writes Qwen's vision placeholders.
 
 A data: URL, an http URL fetched by the API process and a file:// path under `--allowed-local-media-path` give the
 same answer as the offline `LLM.chat` on the same conversation (the offline path is checked against transformers
-in notebook 31b); bad images are 400s in OpenAI's error shape and leave the server serving.
+in notebook 31b); bad images are 400s in OpenAI's error shape and leave the server serving. A video file as a data: URL
+(decoded by PyAV, skipped without it) gives LLM.chat's answer; too many videos and a file that is not a video are 400s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from _serverproc import ServerProcess, free_port
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }} {% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }} {% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }} "
+    "{% elif p['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|> {% else %}"
     '<|vision_start|><|image_pad|><|vision_end|> {% endif %}{% endfor %}{% endif %}{% endfor %}'
     '{% if add_generation_prompt %}assistant {% endif %}'
 )
@@ -34,11 +36,11 @@ def tiny_qwen2_5_vl(d):
     from transformers import Qwen2VLImageProcessorPil
 
     vocab = {f'w{i}': i for i in range(240)} | {'user': 240, 'assistant': 241, 'system': 242, '<unk>': 243}
-    vocab |= {'<eos>': 244, '<|vision_start|>': 248, '<|vision_end|>': 249, '<|image_pad|>': 250}
+    vocab |= {'<eos>': 244, '<|vision_start|>': 248, '<|vision_end|>': 249, '<|image_pad|>': 250, '<|video_pad|>': 251}
     vocab |= {f'x{i}': i for i in range(256) if i not in vocab.values()}
     t = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
     t.pre_tokenizer, t.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
-    specials = ['<eos>', '<|vision_start|>', '<|vision_end|>', '<|image_pad|>']
+    specials = ['<eos>', '<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>']
     tok = PreTrainedTokenizerFast(
         tokenizer_object=t, unk_token='<unk>', eos_token='<eos>', additional_special_tokens=specials[1:]
     )
@@ -70,6 +72,7 @@ def tiny_qwen2_5_vl(d):
             initializer_range=0.1,
         ),
         image_token_id=250,
+        video_token_id=251,
         vision_start_token_id=248,
         vision_end_token_id=249,
         eos_token_id=244,
@@ -92,6 +95,25 @@ def png(h, w, seed) -> bytes:
 
 def data_url(b: bytes) -> str:
     return 'data:image/png;base64,' + base64.b64encode(b).decode()
+
+
+def mp4(seed: int, frames: int = 4) -> bytes:
+    "A small MPEG-4 clip of random 20 x 28 frames (PyAV)."
+    import av
+
+    rng, b = np.random.default_rng(seed), io.BytesIO()
+    with av.open(b, 'w', format='mp4') as c:
+        s = c.add_stream('mpeg4', rate=4)
+        s.width, s.height, s.pix_fmt = 28, 20, 'yuv420p'
+        for _ in range(frames):
+            f = rng.integers(0, 256, (20, 28, 3), dtype=np.uint8)
+            c.mux(s.encode(av.VideoFrame.from_ndarray(f, format='rgb24')))
+        c.mux(s.encode())
+    return b.getvalue()
+
+
+def video_part(b: bytes) -> dict:
+    return {'type': 'video_url', 'video_url': {'url': 'data:video/mp4;base64,' + base64.b64encode(b).decode()}}
 
 
 def ask(*urls, text='w5 w6'):
@@ -230,3 +252,23 @@ def test_chat_page_attaches_an_image(server, model):
     want = post(server, ask(data_url((media / 'a.png').read_bytes())), ignore_eos=False)
     assert want.status_code == 200, want.text
     assert history[1]['content'] == want.json()['choices'][0]['message']['content']
+
+
+def test_videos_match_offline_chat(server, model):
+    "A video_url data: URL: LLM.chat's answer, its placeholder run t*h*w/4 tokens; too many videos and not-a-video are 400s."
+    pytest.importorskip('av')
+    from cvllm_lab import LLM, SamplingParams
+
+    d, _ = model
+    clip = [{'role': 'user', 'content': [{'type': 'text', 'text': 'w5 w6'}, video_part(mp4(3))]}]
+    llm = LLM(str(d), progress=False, dtype='float32', kv_cache_memory=8 << 20)
+    want = llm.chat([clip], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    r = post(server, clip)
+    assert r.status_code == 200, r.text
+    assert r.json()['choices'][0]['message']['content'] == want.outputs[0].text
+    assert r.json()['usage']['prompt_tokens'] == 3 + 2 + 16 + 1  # 4 frames at 16 x 32: 2 temporal patches x 4 x 8 / 4
+    two = [{'role': 'user', 'content': [video_part(mp4(3)), video_part(mp4(4))]}]
+    _err(post(server, two), 'At most 1 video')
+    _err(post(server, [{'role': 'user', 'content': [video_part(b'not a video')]}]), 'not a video')
+    _err(post(server, [{'role': 'user', 'content': [{'type': 'video_url', 'video_url': {}}]}]))
+    assert post(server, clip).status_code == 200  # and the server goes on serving

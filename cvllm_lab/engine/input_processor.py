@@ -14,7 +14,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template
 from ..utils.harmony import is_harmony, render_harmony
 from ..utils.template_bounds import RenderBounds, render_bounded
-from ..utils.multimodal import MediaError, MultiModalProcessor, extract_images, is_multimodal
+from ..utils.multimodal import MediaError, MultiModalProcessor, extract_media, is_multimodal
 from .core import EngineCoreRequest, EngineInfo
 from ..layers.pooler import PoolingParams
 
@@ -100,39 +100,43 @@ class InputProcessor:
 
     @functools.cached_property
     def mm_processor(self) -> MultiModalProcessor | None:
-        "The image path of a vision-language model (57a); None for a text-only one."
+        "The image and video path of a vision-language model (57a); None for a text-only one."
         if not is_multimodal(self.info.hf_config):
             return None
         c = self.cfg
         return MultiModalProcessor(
-            self.info.hf_config, self.info.src.root, c.limit_mm_per_prompt, c.allowed_local_media_path
+            self.info.hf_config, self.info.src.root, c.limit_mm_per_prompt, c.allowed_local_media_path, self.tokenizer
         )
 
     def render_chat_mm(self, messages: list[dict], *args, **kw) -> tuple[str, list[int], dict | None]:
-        """`render_chat` for a conversation that may hold images: `(text, ids, multi_modal_data)`, the image parts
-        loaded (57a) and rendered as the template's placeholders; `multi_modal_data` None without images."""
+        """`render_chat` for a conversation that may hold images or videos: `(text, ids, multi_modal_data)`, the
+        media parts loaded (57a) and rendered as the template's placeholders; `multi_modal_data` None without them."""
         has = any(
             isinstance(m.get('content'), list)
-            and any(isinstance(p, dict) and p.get('type') in ('image_url', 'image_pil') for p in m['content'])
+            and any(
+                isinstance(p, dict) and p.get('type') in ('image_url', 'image_pil', 'video_url') for p in m['content']
+            )
             for m in messages
         )
         if not has:
             return (*self.render_chat(messages, *args, **kw), None)
         if self.mm_processor is None:
-            raise InputError('This model does not take images (image_url content parts)', 'messages')
+            raise InputError(
+                'This model does not take images or videos (image_url / video_url content parts)', 'messages'
+            )
         mp = self.mm_processor
         try:
-            messages, images = extract_images(messages, mp.allowed_local_media_path, mp.limits)
+            messages, data = extract_media(messages, mp.allowed_local_media_path, mp.limits)
         except MediaError as e:
             raise InputError(str(e), 'messages') from None
-        return (*self.render_chat(messages, *args, **kw), {'image': images})
+        return (*self.render_chat(messages, *args, **kw), data)
 
     def process_images(self, ids: list[int], multi_modal_data: dict):
-        "`(ids, MultiModalInputs)`: a prompt's images through the model's processor (57a), as `InputError`s if bad."
+        "`(ids, MultiModalInputs)`: a prompt's images and videos through the model's processor (57a), `InputError`s if bad."
         if self.mm_processor is None:
-            raise InputError('This model does not take images (multi_modal_data)', 'multi_modal_data')
+            raise InputError('This model does not take images or videos (multi_modal_data)', 'multi_modal_data')
         try:
-            return self.mm_processor(ids, self.mm_processor.images_of(multi_modal_data))
+            return self.mm_processor(ids, multi_modal_data)
         except MediaError as e:
             raise InputError(str(e), 'multi_modal_data') from None
 

@@ -1,4 +1,4 @@
-"""Images in a request: OpenAI content parts and the offline `multi_modal_data`, loaded (data URLs, http(s) fetched with a cap and a timeout, `file://` under `--allowed-local-media-path`), counted against `--limit-mm-per-prompt`, run through the model's own Hugging Face image processor, their placeholders expanded, M-RoPE positions computed.
+"""Images and videos in a request: OpenAI content parts and the offline `multi_modal_data`, loaded (57b), counted against `--limit-mm-per-prompt`, run through the model's own Hugging Face image processor (videos frame by frame, grouped into temporal patches), their placeholders expanded, M-RoPE positions computed.
 
 Docs: https://cvllm-lab.github.io/cvllm_lab/multimodal_inputs.html.md"""
 
@@ -6,122 +6,52 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/multimodal_inputs.html.md"""
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #393c89e8
 from __future__ import annotations
-import base64
 import hashlib
-import io
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 import torch
 import functools
-import cvllm_lab.envs as envs
+from .media import MediaError, load_image, load_video
 
 # %% auto #0
-__all__ = ['MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'MROPE_ARCHS', 'MediaError', 'decode_image', 'fetch_url', 'load_image',
-           'parse_limit_mm_per_prompt', 'check_image_count', 'extract_images', 'mrope_positions', 'ImageItem',
-           'MultiModalInputs', 'image_hash', 'expand_image_tokens', 'process_images', 'is_multimodal',
-           'MultiModalProcessor', 'add_mm_args', 'mm_kwargs']
-
-# %% ../../nbs/57a_multimodal_inputs.ipynb #caa46f6f
-class MediaError(ValueError):
-    "A bad image in a request (not an image, too large, a URL that fails, too many): the API's 400."
-
-
-MAX_IMAGE_BYTES = envs.CVLLM_LAB_MAX_IMAGE_BYTES  # encoded bytes per image (01a)
-MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height; past it PIL's decompression-bomb guard would warn
-
-
-def decode_image(data: bytes):
-    "A PIL RGB image from encoded bytes, or `MediaError`."
-    from PIL import Image
-
-    if len(data) > MAX_IMAGE_BYTES:
-        raise MediaError(f'The image is {len(data)} bytes; at most {MAX_IMAGE_BYTES} are accepted')
-    try:
-        im = Image.open(io.BytesIO(data))
-        if im.width * im.height > MAX_IMAGE_PIXELS:
-            raise MediaError(f'The image is {im.width}x{im.height} pixels; at most {MAX_IMAGE_PIXELS} are accepted')
-        return im.convert('RGB')
-    except MediaError:
-        raise
-    except Exception as e:
-        raise MediaError(f'The data is not an image PIL can read ({type(e).__name__})') from None
-
-
-def fetch_url(url: str, timeout: float | None = None, max_bytes: int | None = None) -> bytes:
-    "GET an http(s) URL with a timeout, reading at most `max_bytes` (+1 to tell a larger body)."
-    cap = max_bytes or MAX_IMAGE_BYTES
-    try:
-        with urllib.request.urlopen(url, timeout=timeout or envs.VLLM_IMAGE_FETCH_TIMEOUT) as r:
-            data = r.read(cap + 1)
-    except Exception as e:
-        raise MediaError(f'Could not fetch the image URL {url[:200]!r}: {e}') from None
-    if len(data) > cap:
-        raise MediaError(f'The image at {url[:200]!r} is larger than {cap} bytes')
-    return data
-
-
-def load_image(url: str, allowed_local_media_path: str | None = None, timeout: float | None = None):
-    """A PIL image from an OpenAI `image_url`: a `data:image/...;base64,` URL, an http(s) URL fetched here, or a
-    `file://` path inside `allowed_local_media_path` (vLLM's `--allowed-local-media-path`; none: refused)."""
-    if not isinstance(url, str) or not url:
-        raise MediaError('image_url.url must be a non-empty string')
-    scheme = url.split(':', 1)[0].lower()
-    if scheme == 'data':
-        head, _, payload = url.partition(',')
-        if ';base64' not in head:
-            raise MediaError('A data: image URL must be base64 (data:image/png;base64,...)')
-        if len(payload) * 3 // 4 > MAX_IMAGE_BYTES:
-            raise MediaError(f'The image is larger than {MAX_IMAGE_BYTES} bytes')
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except Exception:
-            raise MediaError('The data: URL is not valid base64') from None
-        return decode_image(data)
-    if scheme in ('http', 'https'):
-        return decode_image(fetch_url(url, timeout))
-    if scheme == 'file':
-        if not allowed_local_media_path:
-            raise MediaError('file:// image URLs need the server started with --allowed-local-media-path')
-        p = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
-        root = Path(allowed_local_media_path).resolve()
-        if not p.is_relative_to(root):
-            raise MediaError(f'{p} is outside --allowed-local-media-path {root}')
-        if not p.is_file():
-            raise MediaError(f'No such image file: {p}')
-        if p.stat().st_size > MAX_IMAGE_BYTES:
-            raise MediaError(f'The image is larger than {MAX_IMAGE_BYTES} bytes')
-        return decode_image(p.read_bytes())
-    raise MediaError(f'Unsupported image URL scheme {scheme!r}: use data:, http(s): or file:')
+__all__ = ['MODALITIES', 'MROPE_ARCHS', 'FRAMES_APART', 'DEFAULT_VIDEO_FPS', 'parse_limit_mm_per_prompt', 'check_counts',
+           'extract_media', 'mrope_positions', 'ImageItem', 'MultiModalInputs', 'image_hash', 'patch_video',
+           'expand_placeholders', 'Visual', 'place', 'image_visuals', 'process_images', 'collapse_wrappers',
+           'is_multimodal', 'as_frames', 'videos_of', 'MultiModalProcessor', 'add_mm_args', 'mm_kwargs']
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #ffd6ca00
+MODALITIES = ('image', 'video')
+
+
 def parse_limit_mm_per_prompt(limit) -> dict[str, int]:
-    'vLLM\'s `--limit-mm-per-prompt`: a JSON object such as `{"image": 4}` (or a dict); images only for now.'
+    'vLLM\'s `--limit-mm-per-prompt`: a JSON object such as `{"image": 4, "video": 1}` (or a dict).'
     import json
 
     d = json.loads(limit) if isinstance(limit, str) else dict(limit or {})
-    bad = set(d) - {'image'}
+    bad = set(d) - set(MODALITIES)
     if bad:
-        raise ValueError(f'--limit-mm-per-prompt: only "image" is supported, got {sorted(bad)}')
+        raise ValueError(f'--limit-mm-per-prompt: only "image" and "video" are supported, got {sorted(bad)}')
     if any(not isinstance(v, int) or v < 0 for v in d.values()):
         raise ValueError('--limit-mm-per-prompt: counts must be non-negative integers')
     return d
 
 
-def check_image_count(n: int, limits: dict[str, int] | None, default: int = 1):
-    "`MediaError` past the per-prompt limit (vLLM's default: one image per prompt unless the flag says more)."
-    cap = (limits or {}).get('image', default)
-    if n > cap:
-        raise MediaError(f'At most {cap} image(s) may be provided in one prompt, got {n} (--limit-mm-per-prompt)')
+def check_counts(data: dict[str, list], limits: dict[str, int] | None, default: int = 1):
+    "`MediaError` past the per-prompt limit of a modality (vLLM's default: one of each unless the flag says more)."
+    for k, items in data.items():
+        cap = (limits or {}).get(k, default)
+        if len(items) > cap:
+            raise MediaError(
+                f'At most {cap} {k}(s) may be provided in one prompt, got {len(items)} (--limit-mm-per-prompt)'
+            )
 
 
-def extract_images(messages: list[dict], allowed_local_media_path: str | None = None, limits=None):
-    """`(messages, images)`: each OpenAI `image_url` content part (or a PIL image in `{"type": "image_pil"}`) loaded
-    in order and replaced by `{"type": "image"}`, the part chat templates of vision models render as their
-    placeholder; text parts are kept as they are."""
-    out, images = [], []
+def extract_media(messages: list[dict], allowed_local_media_path: str | None = None, limits=None):
+    """`(messages, {'image': images, 'video': videos})`: each OpenAI `image_url` content part (or a PIL image in
+    `{"type": "image_pil"}`) and `video_url` part loaded in order and replaced by `{"type": "image"}` /
+    `{"type": "video"}`, the parts chat templates of vision models render as their placeholders; text parts are kept."""
+    out, todo = [], []
     for m in messages:
         c = m.get('content')
         if not isinstance(c, list):
@@ -130,28 +60,36 @@ def extract_images(messages: list[dict], allowed_local_media_path: str | None = 
         parts = []
         for p in c:
             t = p.get('type') if isinstance(p, dict) else None
-            if t == 'image_url':
-                u = p.get('image_url')
-                url = u.get('url') if isinstance(u, dict) else u
-                images.append(load_image(url, allowed_local_media_path))
-                parts.append({'type': 'image'})
+            if t in ('image_url', 'video_url'):
+                u = p.get(t)
+                todo.append((t[:5], u.get('url') if isinstance(u, dict) else u))
+                parts.append({'type': t[:5]})
             elif t == 'image_pil':
-                images.append(p['image_pil'].convert('RGB'))
+                todo.append(('pil', p['image_pil']))
                 parts.append({'type': 'image'})
             else:
                 parts.append(p)
         out.append({**m, 'content': parts})
-    check_image_count(len(images), limits)
-    return out, images
+    check_counts({k: [x for x in todo if x[0] == k or (k == 'image' and x[0] == 'pil')] for k in MODALITIES}, limits)
+    data = {'image': [], 'video': []}  # loaded only once the counts pass
+    for kind, x in todo:
+        if kind == 'video':
+            data['video'].append(load_video(x, allowed_local_media_path))
+        else:
+            data['image'].append(x.convert('RGB') if kind == 'pil' else load_image(x, allowed_local_media_path))
+    return out, data
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #ea3aee7d
-def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]], merge: int):
-    """`(positions [3, L], delta)` of a prompt: text tokens count on by one in all three components; an image's
-    `t * (h/merge) * (w/merge)` placeholder run gets (start + t, start + row, start + column); the text after it
-    starts at the run's largest position + 1. A token at index `i >= L` (decoded later) is at `i + delta`."""
+def mrope_positions(input_ids: list[int], token_ids, grids: list[tuple[int, int, int]], merge: int, intervals=None):
+    """`(positions [3, L], delta)` of a prompt: text tokens count on by one in all three components; the `k`-th run
+    of placeholders (`token_ids`: an id or several, images' and videos') of grid `t x h x w` patches gets
+    (start + floor(frame * intervals[k]), start + row, start + column) over its `t * (h/merge) * (w/merge)` tokens
+    (`intervals`: 1 for an image; a Qwen2.5-VL video's `tokens_per_second * second_per_grid_t`); the text after it
+    starts at start + max(h, w) / merge, as transformers' `get_rope_index`. A token at index `i >= L` (decoded
+    later) is at `i + delta`."""
     ids = torch.as_tensor(input_ids)
-    is_img = (ids == image_token_id).tolist()
-    out, pos, i, g = [], 0, 0, iter(grids)
+    is_img = torch.isin(ids, torch.as_tensor(token_ids).reshape(-1)).tolist()
+    out, pos, i, g = [], 0, 0, iter(zip(grids, intervals or [1] * len(grids)))
     while i < len(is_img):
         if not is_img[i]:
             j = i
@@ -160,9 +98,10 @@ def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple
             out.append(torch.arange(pos, pos + j - i).expand(3, -1))
             pos, i = pos + j - i, j
             continue
-        t, h, w = next(g)
+        (t, h, w), iv = next(g)
         h, w = h // merge, w // merge
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing='ij')
+        frames = (torch.arange(t) * iv).long()
+        tt, hh, ww = torch.meshgrid(frames, torch.arange(h), torch.arange(w), indexing='ij')
         out.append(torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos)
         i, pos = i + t * h * w, pos + max(h, w)
     p = torch.cat(out, 1) if out else torch.zeros(3, 0, dtype=torch.long)
@@ -171,7 +110,7 @@ def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple
 # %% ../../nbs/57a_multimodal_inputs.ipynb #8ac16e0f
 @dataclass
 class ImageItem:
-    "One image as the core needs it: its patches, grid `(t, h, w)` in patches, its placeholder run and content hash."
+    "One image or video (or a Qwen3-VL video's temporal patch) as the core needs it: patches, grid `(t, h, w)`, placeholder run, content hash."
 
     pixel_values: torch.Tensor  # [t * h * w, channels * temporal_patch * patch * patch]
     grid_thw: tuple[int, int, int]
@@ -233,47 +172,103 @@ def image_hash(pixel_values: torch.Tensor, grid_thw) -> bytes:
     return hashlib.sha256(pixel_values.float().numpy().tobytes() + np.asarray(grid_thw, np.int64).tobytes()).digest()
 
 
-def expand_image_tokens(ids: list[int], image_token_id: int, lengths: list[int]) -> list[int]:
-    "Each single `image_token_id` of `ids` (one per image, as chat templates write it) repeated `lengths[k]` times."
-    n = sum(t == image_token_id for t in ids)
-    if n != len(lengths):
-        raise MediaError(f'The prompt has {n} image placeholder(s) but {len(lengths)} image(s) were given')
+def patch_video(image_processor, frames: np.ndarray, size: dict | None = None):
+    """`(pixel_values [t * h * w, C * temporal_patch * patch * patch], (t, h, w))` of a video: its frames resized
+    and normalized by the checkpoint's image processor (within the video pixel bounds `size`), the last frame
+    repeated to a multiple of `temporal_patch_size`, each run of that many frames one temporal patch: the layout of
+    transformers' Qwen2-VL video processor, without its torchvision dependency."""
+    from PIL import Image
+
+    tp = image_processor.temporal_patch_size
+    out = image_processor(
+        images=[Image.fromarray(f) for f in frames], return_tensors='pt', **({} if size is None else {'size': size})
+    )
+    _, gh, gw = (int(v) for v in out['image_grid_thw'][0])
+    x = out['pixel_values'].view(len(frames), gh * gw, 3, tp, -1)[:, :, :, 0]  # [T, patches, C, p*p]: one copy
+    if pad := -len(frames) % tp:
+        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+    t = x.shape[0] // tp
+    return x.view(t, tp, gh * gw, *x.shape[2:]).permute(0, 2, 3, 1, 4).reshape(t * gh * gw, -1), (t, gh, gw)
+
+
+def expand_placeholders(ids: list[int], token_id: int, runs: list[list[int]], what: str = 'image') -> list[int]:
+    "Each single `token_id` of `ids` (one per image or video, as chat templates write it) replaced by `runs[k]`."
+    n = sum(t == token_id for t in ids)
+    if n != len(runs):
+        raise MediaError(f'The prompt has {n} {what} placeholder(s) but {len(runs)} {what}(s) were given')
     out, k = [], 0
     for t in ids:
-        if t == image_token_id:
-            out += [t] * lengths[k]
+        if t == token_id:
+            out += runs[k]
             k += 1
         else:
             out.append(t)
     return out
 
 
-def process_images(image_processor, ids: list[int], images: list, image_token_id: int, mrope_fn=None):
-    """`(ids, MultiModalInputs)`: the images through the model's Hugging Face image processor (resize to its
-    pixel bounds, patches), each prompt placeholder expanded to its image's token count, hashes, and (`mrope_fn`:
-    the model family's position rule, `(ids, grids) -> (positions, delta)`) the M-RoPE positions."""
-    out = image_processor(images=images, return_tensors='pt')
-    pv, grids = out['pixel_values'], [tuple(int(v) for v in g) for g in out['image_grid_thw']]
-    merge = image_processor.merge_size
-    lengths = [t * h * w // merge**2 for t, h, w in grids]
-    ids = expand_image_tokens(ids, image_token_id, lengths)
-    items, start, i = [], 0, 0
-    for (t, h, w), n in zip(grids, lengths):
-        while ids[i] != image_token_id:
+@dataclass
+class Visual:
+    "One image or video (or one frame group of a Qwen3-VL video) before it is placed: patches, grid, token, interval."
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    token_id: int
+    interval: float = 1.0  # temporal position step per frame group (M-RoPE)
+
+
+def place(ids: list[int], queues: dict[int, list[Visual]], merge: int, mrope: bool = True) -> MultiModalInputs:
+    """The `MultiModalInputs` of an expanded prompt: each placeholder run matched to the next `Visual` of its token
+    (`queues`: token id -> visuals in prompt order), hashed, and (`mrope`) the prompt's M-RoPE positions."""
+    items, vis, i, qs = [], [], 0, {k: iter(v) for k, v in queues.items()}
+    while i < len(ids):
+        if ids[i] not in qs:
             i += 1
-        p = pv[start : start + t * h * w]
-        items.append(ImageItem(p, (t, h, w), i, n, image_hash(p, (t, h, w))))
-        start, i = start + t * h * w, i + n
+            continue
+        v = next(qs[ids[i]])
+        t, h, w = v.grid_thw
+        n = t * h * w // merge**2
+        items.append(ImageItem(v.pixel_values, v.grid_thw, i, n, image_hash(v.pixel_values, v.grid_thw)))
+        vis.append(v)
+        i += n
     mm = MultiModalInputs(items)
-    if mrope_fn is not None:
-        mm.mrope_positions, mm.mrope_delta = mrope_fn(ids, grids)
-    return ids, mm
+    if mrope:
+        grids, ivs = [v.grid_thw for v in vis], [v.interval for v in vis]
+        mm.mrope_positions, mm.mrope_delta = mrope_positions(ids, list(queues), grids, merge, ivs)
+    return mm
+
+
+def image_visuals(image_processor, images: list, token_id: int) -> list[Visual]:
+    "The images through the model's Hugging Face image processor (resized to its pixel bounds, cut into patches)."
+    out = image_processor(images=images, return_tensors='pt')
+    grids = [tuple(int(v) for v in g) for g in out['image_grid_thw']]
+    return [Visual(p, g, token_id) for p, g in zip(out['pixel_values'].split([t * h * w for t, h, w in grids]), grids)]
+
+
+def process_images(image_processor, ids: list[int], images: list, image_token_id: int, mrope: bool = True):
+    """`(ids, MultiModalInputs)` of a prompt with images only: `image_visuals`, each placeholder expanded to its
+    image's token count, hashes, M-RoPE positions."""
+    vis, m = image_visuals(image_processor, images, image_token_id), image_processor.merge_size
+    ids = expand_placeholders(ids, image_token_id, [[image_token_id] * (len(v.pixel_values) // m**2) for v in vis])
+    return ids, place(ids, {image_token_id: vis}, m, mrope)
+
+
+def collapse_wrappers(ids: list[int], token_id: int, start: int, end: int) -> list[int]:
+    "`ids` with the `start` / `end` tokens right around each single `token_id` dropped."
+    drop = {
+        j
+        for i, t in enumerate(ids)
+        if t == token_id and 0 < i < len(ids) - 1 and ids[i - 1] == start and ids[i + 1] == end
+        for j in (i - 1, i + 1)
+    }
+    return [t for i, t in enumerate(ids) if i not in drop]
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #f9ab695c
 MROPE_ARCHS = {  # image models whose positions are M-RoPE's
     'Qwen2_5_VLForConditionalGeneration',
     'Qwen3VLForConditionalGeneration',
 }
+FRAMES_APART = {'Qwen3VLForConditionalGeneration'}  # a video's frame groups as runs of their own after timestamps
+DEFAULT_VIDEO_FPS = 2.0  # the frame rate of frames given without one (the Qwen-VL processors' sampling rate)
 
 
 def is_multimodal(hf_config) -> bool:
@@ -281,15 +276,54 @@ def is_multimodal(hf_config) -> bool:
     return bool(set(getattr(hf_config, 'architectures', None) or ()) & MROPE_ARCHS)
 
 
-class MultiModalProcessor:
-    """A model's image path in the front end: images counted against `--limit-mm-per-prompt`, run through the
-    checkpoint's own image processor (loaded on first use), placeholders expanded, M-RoPE positions computed."""
+def as_frames(x) -> np.ndarray:
+    "`[T, H, W, 3]` uint8 frames of one video: a `(T, H, W, 3)` array or tensor, or a list of PIL images / `(H, W, 3)` arrays."
+    from PIL import Image
 
-    def __init__(self, hf_config, root, limit_mm_per_prompt=None, allowed_local_media_path: str | None = None):
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise MediaError('A video needs at least one frame')
+        x = [np.asarray(f.convert('RGB')) if isinstance(f, Image.Image) else np.asarray(f) for f in x]
+        if len({f.shape for f in x}) > 1:
+            raise MediaError('The frames of a video must all have one size')
+        x = np.stack(x)
+    x = x.numpy() if isinstance(x, torch.Tensor) else x
+    if not isinstance(x, np.ndarray) or x.ndim != 4 or x.shape[-1] != 3 or x.dtype != np.uint8 or not x.shape[0]:
+        raise MediaError('A video must be a (T, H, W, 3) uint8 array or a list of PIL images / (H, W, 3) uint8 arrays')
+    return x
+
+
+def videos_of(v) -> list[tuple[np.ndarray, float | None]]:
+    """`[(frames, fps)]` of `multi_modal_data["video"]`, vLLM's forms: one video (a `(T, H, W, 3)` array, a list of
+    frames, or `(video, {"fps": ...})`) or a list of them."""
+    from PIL import Image
+
+    one = lambda f: isinstance(f, Image.Image) or (isinstance(f, np.ndarray) and f.ndim == 3)
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict):
+        return [(as_frames(v[0]), v[1].get('fps'))]
+    if isinstance(v, (np.ndarray, torch.Tensor)) or (isinstance(v, (list, tuple)) and v and one(v[0])):
+        return [(as_frames(v), None)]
+    if not isinstance(v, (list, tuple)):
+        raise MediaError('multi_modal_data["video"] must be a video (frames) or a list of videos')
+    return [x for vid in v for x in videos_of(vid)]
+
+# %% ../../nbs/57a_multimodal_inputs.ipynb #ba790f34
+class MultiModalProcessor:
+    """A model's image and video path in the front end: counted against `--limit-mm-per-prompt`, run through the
+    checkpoint's own image processor (loaded on first use; videos frame by frame, `patch_video`), placeholders
+    expanded, M-RoPE positions computed. `tokenizer` spells Qwen3-VL's frame timestamps."""
+
+    def __init__(
+        self, hf_config, root, limit_mm_per_prompt=None, allowed_local_media_path: str | None = None, tokenizer=None
+    ):
         self.root, self.image_token_id = root, hf_config.image_token_id
-        self.merge = hf_config.vision_config.spatial_merge_size
+        self.video_token_id = getattr(hf_config, 'video_token_id', None)
+        self.vision_start, self.vision_end = hf_config.vision_start_token_id, hf_config.vision_end_token_id
+        vc = hf_config.vision_config
+        self.merge, self.tokens_per_second = vc.spatial_merge_size, getattr(vc, 'tokens_per_second', 1)
+        self.frames_apart = bool(set(getattr(hf_config, 'architectures', None) or ()) & FRAMES_APART)
         self.limits = parse_limit_mm_per_prompt(limit_mm_per_prompt)
-        self.allowed_local_media_path = allowed_local_media_path
+        self.allowed_local_media_path, self.tokenizer = allowed_local_media_path, tokenizer
 
     @functools.cached_property
     def image_processor(self):
@@ -297,34 +331,90 @@ class MultiModalProcessor:
 
         return AutoImageProcessor.from_pretrained(self.root)
 
-    def images_of(self, multi_modal_data: dict) -> list:
-        "The PIL images of an offline prompt's `multi_modal_data` (`{'image': image | [images]}`)."
+    @functools.cached_property
+    def video_size(self) -> dict | None:
+        "The video pixel bounds of the checkpoint's `video_preprocessor_config.json`, if any (else the image ones)."
+        import json
+
+        p = Path(self.root) / 'video_preprocessor_config.json'
+        if not p.is_file():
+            return None
+        c = json.loads(p.read_text())
+        s = dict(c.get('size') or {})
+        s.setdefault('shortest_edge', c.get('min_pixels'))
+        s.setdefault('longest_edge', c.get('max_pixels'))
+        return s if s.get('shortest_edge') and s.get('longest_edge') else None
+
+    def media_of(self, multi_modal_data: dict) -> dict:
+        "`{'image': [PIL], 'video': [(frames, fps)]}` of a prompt's `multi_modal_data`, counted against the limits."
         from PIL import Image
 
-        bad = set(multi_modal_data) - {'image'}
+        bad = set(multi_modal_data) - set(MODALITIES)
         if bad:
-            raise MediaError(f'multi_modal_data: only "image" is supported, got {sorted(bad)}')
+            raise MediaError(f'multi_modal_data: only "image" and "video" are supported, got {sorted(bad)}')
         ims = multi_modal_data.get('image', [])
         ims = ims if isinstance(ims, (list, tuple)) else [ims]
         if not all(isinstance(im, Image.Image) for im in ims):
             raise MediaError('multi_modal_data["image"] must be a PIL image or a list of them')
-        check_image_count(len(ims), self.limits)
-        return [im.convert('RGB') for im in ims]
+        vids = videos_of(multi_modal_data['video']) if multi_modal_data.get('video') is not None else []
+        if vids and self.video_token_id is None:
+            raise MediaError('This model does not take videos')
+        data = {'image': [im.convert('RGB') for im in ims], 'video': vids}
+        check_counts(data, self.limits)
+        return data
 
-    def __call__(self, ids: list[int], images: list) -> tuple[list[int], MultiModalInputs]:
-        rope = lambda ids, grids: mrope_positions(ids, self.image_token_id, grids, self.merge)
-        return process_images(self.image_processor, ids, images, self.image_token_id, rope)
+    def video_visuals(self, frames: np.ndarray, fps: float | None) -> list[Visual]:
+        "A video as one `Visual` (Qwen2.5-VL), or one per frame group of `(1, h, w)` (Qwen3-VL)."
+        pv, (t, h, w) = patch_video(self.image_processor, frames, self.video_size)
+        tp, fps = self.image_processor.temporal_patch_size, fps or DEFAULT_VIDEO_FPS
+        if not self.frames_apart:
+            return [Visual(pv, (t, h, w), self.video_token_id, self.tokens_per_second * tp / fps)]
+        return [Visual(p, (1, h, w), self.video_token_id) for p in pv.split(h * w)]
+
+    def video_run(self, frames: np.ndarray, fps: float | None, vis: list[Visual]) -> list[int]:
+        """A video's placeholder tokens: `t * h * w / merge^2` video tokens, or (Qwen3-VL) per frame group its
+        timestamp `<1.5 seconds>` (the mean time of its frames) and its own vision start / tokens / end."""
+        if not self.frames_apart:
+            return [self.video_token_id] * (vis[0].pixel_values.shape[0] // self.merge**2)
+        if self.tokenizer is None:
+            raise MediaError('Videos for this model need the tokenizer (its frame timestamps are text)')
+        tp, fps = self.image_processor.temporal_patch_size, fps or DEFAULT_VIDEO_FPS
+        idx = list(range(len(frames))) + [len(frames) - 1] * (-len(frames) % tp)
+        out = []
+        for g, v in enumerate(vis):
+            ts = (idx[g * tp] + idx[g * tp + tp - 1]) / 2 / fps
+            out += self.tokenizer.encode(f'<{ts:.1f} seconds>', add_special_tokens=False)
+            out += [self.vision_start] + [self.video_token_id] * (v.pixel_values.shape[0] // self.merge**2)
+            out += [self.vision_end]
+        return out
+
+    def __call__(self, ids: list[int], data: dict) -> tuple[list[int], MultiModalInputs]:
+        "`(ids, MultiModalInputs)` of a prompt with one placeholder per image and video and its `multi_modal_data`."
+        data, m = self.media_of(data), self.merge
+        vis = image_visuals(self.image_processor, data['image'], self.image_token_id) if data['image'] else []
+        ids = expand_placeholders(
+            ids, self.image_token_id, [[self.image_token_id] * (len(v.pixel_values) // m**2) for v in vis]
+        )
+        qs = {self.image_token_id: vis}
+        if self.video_token_id is not None:
+            vis = [self.video_visuals(f, fps) for f, fps in data['video']]
+            runs = [self.video_run(f, fps, v) for (f, fps), v in zip(data['video'], vis)]
+            if self.frames_apart:  # the template's own start / end around the placeholder give way to the frames'
+                ids = collapse_wrappers(ids, self.video_token_id, self.vision_start, self.vision_end)
+            ids = expand_placeholders(ids, self.video_token_id, runs, 'video')
+            qs[self.video_token_id] = [x for v in vis for x in v]
+        return ids, place(ids, qs, self.merge)
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #60258c05
 def add_mm_args(g):
     "vLLM's `--limit-mm-per-prompt` and `--allowed-local-media-path` on an argparse group."
     g.add_argument(
         '--limit-mm-per-prompt',
-        help='images one prompt may carry, as JSON: \'{"image": 4}\' (default: one; a vision-language model)',
+        help='images and videos one prompt may carry, as JSON: \'{"image": 4, "video": 1}\' (default: one of each; a vision-language model)',
     )
     g.add_argument(
         '--allowed-local-media-path',
-        help='a folder whose files requests may name as file:// image URLs (default: none)',
+        help='a folder whose files requests may name as file:// image or video URLs (default: none)',
     )
 
 

@@ -16,6 +16,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from .content_parts import MEDIA_PARTS, ContentPart, check_part_types
 from cvllm_lab.entrypoints.openai.request_checks import (
     INT64,
     OpenAIBaseModel,
@@ -27,10 +28,9 @@ from cvllm_lab.entrypoints.openai.request_checks import (
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_N', 'TokenId', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_VOCAB', 'MAX_MESSAGES', 'MAX_TOOLS', 'MAX_PARTS',
-           'MAX_PROMPTS', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'TextPart', 'ImageURL',
-           'ImageURLPart', 'ChatMessageParam', 'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice',
-           'JsonSchemaFormat', 'ResponseFormat', 'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest',
-           'to_sampling_kwargs']
+           'MAX_PROMPTS', 'SAMPLING_DEFAULTS', 'FunctionCall', 'random_id', 'ToolCall', 'ChatMessageParam',
+           'FunctionDef', 'Tool', 'FunctionName', 'NamedToolChoice', 'JsonSchemaFormat', 'ResponseFormat',
+           'StreamOptions', 'ChatCompletionRequest', 'CompletionRequest', 'to_sampling_kwargs']
 
 # %% ../../../nbs/70_protocol.ipynb #37581ff7
 DEFAULT_MAX_N = 16  # the `n` the server allows unless configured (`ServerConfig.max_n`)
@@ -56,26 +56,11 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
-class TextPart(StrictModel):
-    type: Literal['text'] = 'text'
-    text: str
-
-
-class ImageURL(StrictModel):
-    url: str  # data: base64, http(s), or file:// under --allowed-local-media-path (57a)
-    detail: Literal['auto', 'low', 'high'] | None = None
-
-
-class ImageURLPart(StrictModel):
-    type: Literal['image_url'] = 'image_url'
-    image_url: ImageURL
-
-
 class ChatMessageParam(OpenAIBaseModel):
     "One message of a chat request."
 
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: str | list[TextPart | ImageURLPart] | None = None
+    content: str | list[ContentPart] | None = None  # 70d
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -88,14 +73,7 @@ class ChatMessageParam(OpenAIBaseModel):
             return v
         if not isinstance(v, list):
             raise ValueError('content must be a string or an array of content parts')
-        for p in v:
-            t = p.get('type') if isinstance(p, dict) else None
-            if t not in ('text', 'image_url'):  # images: a vision model's (57a); others refuse them when rendering
-                raise ValueError(
-                    f'content part type {t!r} is not supported: this server accepts only text '
-                    'and image_url content parts'
-                )
-        return v
+        return check_part_types(v)  # media parts: a vision model's (57a); others refuse them when rendering
 
     @property
     def text(self) -> str:
@@ -111,8 +89,8 @@ class ChatMessageParam(OpenAIBaseModel):
     def template_dict(self) -> dict:
         "The message as chat templates expect it: string content, tool-call arguments parsed to dicts."
         d = {'role': self.role, 'content': self.text}
-        if isinstance(self.content, list) and any(p.type == 'image_url' for p in self.content):
-            d['content'] = [p.model_dump(exclude_none=True) for p in self.content]  # parts: images load later (57a)
+        if isinstance(self.content, list) and any(p.type in MEDIA_PARTS for p in self.content):
+            d['content'] = [p.model_dump(exclude_none=True) for p in self.content]  # parts: media load later (57a)
         for k in ('name', 'tool_call_id', 'reasoning_content'):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
