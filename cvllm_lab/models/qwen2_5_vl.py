@@ -265,6 +265,10 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def _expected_keys(self, params) -> set[str]:
         return {k for k in super()._expected_keys(params) if not k.startswith('visual.')}
 
+    def load_text_weights(self, weights) -> set[str]:
+        "The text stack's tensors (`model.*`, `lm_head.*`): Llama's loader (an MoE text stack brings its own, 31c)."
+        return Qwen2ForCausalLM.load_weights(self, weights)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         "HF names of either layout (`model.language_model.*` / `model.visual.*`, or `model.*` / `visual.*`)."
         vis, text = {}, []
@@ -274,7 +278,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 vis[name.split('visual.', 1)[1]] = w
             else:
                 text.append((name, w))
-        loaded = super().load_weights(text)
+        loaded = self.load_text_weights(text)
         own = self.visual.state_dict()
         w = vis.get('patch_embed.proj.weight')
         if w is not None:

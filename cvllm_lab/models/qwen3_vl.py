@@ -11,8 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from ..layers.basic import RMSNorm
 from ..layers.rotary import rope_parameters
+from ..layers.fused_moe import SparseMoeBlock
+from .llama import LlamaMLP
+from .qwen_moe import MoEForCausalLM, is_sparse_layer
 from cvllm_lab.models.qwen2_5_vl import (
     MRotaryEmbedding,
+    MRopeAttention,
     MRopeDecoderLayer,
     Qwen2_5_VLForConditionalGeneration,
     VisionAttention,
@@ -24,7 +28,8 @@ from ..utils.parallel_state import get_tensor_model_parallel_world_size
 
 # %% auto #0
 __all__ = ['InterleavedMRotaryEmbedding', 'interpolated_pos_embed', 'Qwen3VisionMLP', 'Qwen3VisionBlock', 'Qwen3PatchMerger',
-           'Qwen3VLVisionTransformer', 'Qwen3VLForConditionalGeneration']
+           'Qwen3VLVisionTransformer', 'Qwen3VLForConditionalGeneration', 'MRopeMoEDecoderLayer',
+           'Qwen3VLMoeForConditionalGeneration']
 
 # %% ../../nbs/31c_qwen3_vl.ipynb #a049c5f1
 class InterleavedMRotaryEmbedding(MRotaryEmbedding):
@@ -157,13 +162,14 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
         self.model = nn.Module()
         self.make_embeddings(tc)
         self.model.layers = nn.ModuleList(
-            self.make_layer(tc, rotary, attention_backend) for _ in range(tc.num_hidden_layers)
+            self.make_layer(tc, rotary, attention_backend, i) for i in range(tc.num_hidden_layers)
         )
         self.model.norm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
         self.visual = Qwen3VLVisionTransformer(config.vision_config)
         self.image_token_id, self.width = config.image_token_id, tc.hidden_size
 
-    def make_layer(self, tc, rotary, backend):
+    def make_layer(self, tc, rotary, backend, i: int):
+        "Text layer `i`: the Qwen3 block on M-RoPE."
         return MRopeDecoderLayer(tc, rotary, backend, **self.attn_kwargs(tc))
 
     def merge_rows(self, ids, rows, embs) -> tuple:
@@ -189,3 +195,48 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
             if i < levels:  # the layer's output is h + residual: adding to h adds to it
                 h = h.index_add(0, deepstack[0], deepstack[1][i])
         return self.model.norm(h, residual)[0]
+
+# %% ../../nbs/31c_qwen3_vl.ipynb #55c96d53
+class MRopeMoEDecoderLayer(MRopeDecoderLayer):
+    "The Qwen3 block on M-RoPE with the MLP given (an MoE block or a dense `LlamaMLP`), as `MoEDecoderLayer` (33)."
+
+    def __init__(self, config, rotary, backend, mlp: nn.Module, **attn_kw):
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MRopeAttention(config, rotary, backend, **attn_kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE: Qwen3-VL with the Qwen3-MoE text stack (33): top-k routed SwiGLU experts on the fused MoE layer,
+    renormalized, no shared expert; layers in `mlp_only_layers` or off `decoder_sparse_step` dense. The experts load
+    from transformers' fused tensors in either layout: its in-memory `[E, 2I, H]` / `[E, H, I]` or the checkpoint
+    files' `[E, H, 2I]` / `[E, I, H]`."""
+
+    ckpt_module_names: dict[str, str] = {}
+    moe_layers = MoEForCausalLM.moe_layers
+
+    def make_layer(self, tc, rotary, backend, i: int):
+        if is_sparse_layer(tc, i):
+            mlp = SparseMoeBlock(tc.hidden_size, tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size, True)
+        else:
+            mlp = LlamaMLP(tc.hidden_size, tc.intermediate_size)
+        return MRopeMoEDecoderLayer(tc, rotary, backend, mlp, **self.attn_kwargs(tc))
+
+    def _expected_keys(self, params) -> set[str]:
+        prefixes = tuple(f'{p}.' for p in self.moe_layers())
+        return {k for k in super()._expected_keys(params) if not k.startswith(prefixes)}
+
+    def load_text_weights(self, weights) -> set[str]:
+        H, I = self.config.hidden_size, self.config.moe_intermediate_size
+
+        def in_memory(weights):  # the files' [E, H, 2I] / [E, I, H] -> transformers' [E, 2I, H] / [E, H, I]
+            for name, w in weights:
+                if name.endswith('experts.gate_up_proj') and w.shape[1:] == (H, 2 * I) != (2 * I, H):
+                    w = w.transpose(1, 2)
+                elif name.endswith('experts.down_proj') and w.shape[1:] == (I, H) != (H, I):
+                    w = w.transpose(1, 2)
+                yield name, w
+
+        return MoEForCausalLM.load_weights(self, in_memory(weights))

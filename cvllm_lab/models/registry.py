@@ -31,6 +31,10 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'Gemma4ForConditionalGeneration': ('gemma4', 'Gemma4ForCausalLM'),  # its text stack (`text_stack_config`)
     'Qwen2_5_VLForConditionalGeneration': ('qwen2_5_vl', 'Qwen2_5_VLForConditionalGeneration'),  # images in (31b)
     'Qwen3VLForConditionalGeneration': ('qwen3_vl', 'Qwen3VLForConditionalGeneration'),  # images in, DeepStack (31c)
+    'Qwen3VLMoeForConditionalGeneration': (
+        'qwen3_vl',
+        'Qwen3VLMoeForConditionalGeneration',
+    ),  # its MoE text stack (31c)
     'Phi3ForCausalLM': ('phi3', 'Phi3ForCausalLM'),
     'StableLmForCausalLM': ('stablelm', 'StableLmForCausalLM'),
     'Glm4ForCausalLM': ('glm4', 'Glm4ForCausalLM'),
@@ -122,7 +126,11 @@ def is_pooling_model(cls) -> bool:
 # %% ../../nbs/32_registry.ipynb #b8abb63b
 _TEXT_STACKS = {'Gemma4ForConditionalGeneration': 'Gemma4ForCausalLM'}  # multimodal architecture -> its text model
 # vision-language models served with their tower: the engine reads the text sizes at the config's top level
-_VISION_MODELS = {'Qwen2_5_VLForConditionalGeneration', 'Qwen3VLForConditionalGeneration'}
+_VISION_MODELS = {
+    'Qwen2_5_VLForConditionalGeneration',
+    'Qwen3VLForConditionalGeneration',
+    'Qwen3VLMoeForConditionalGeneration',
+}
 _LIFTED = (
     'vocab_size',
     'hidden_size',

@@ -266,8 +266,10 @@ def collapse_wrappers(ids: list[int], token_id: int, start: int, end: int) -> li
 MROPE_ARCHS = {  # image models whose positions are M-RoPE's
     'Qwen2_5_VLForConditionalGeneration',
     'Qwen3VLForConditionalGeneration',
+    'Qwen3VLMoeForConditionalGeneration',
 }
-FRAMES_APART = {'Qwen3VLForConditionalGeneration'}  # a video's frame groups as runs of their own after timestamps
+# a video's frame groups as runs of their own after timestamps
+FRAMES_APART = {'Qwen3VLForConditionalGeneration', 'Qwen3VLMoeForConditionalGeneration'}
 DEFAULT_VIDEO_FPS = 2.0  # the frame rate of frames given without one (the Qwen-VL processors' sampling rate)
 
 
