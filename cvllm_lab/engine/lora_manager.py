@@ -7,6 +7,7 @@ Docs: https://cvllm-lab.github.io/cvllm_lab/lora_manager.html.md"""
 # %% ../../nbs/51b_lora_manager.ipynb #529b1d36
 from __future__ import annotations
 import json
+import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -14,10 +15,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from ..layers.lora import LoRALinear, LoRAMapping, apply_lora
+from ..layers.lora_moe import apply_lora_moe, expert_lora_target, peft_expert_weights
+
+log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['REFUSED_PEFT_KEYS', 'LORA_TARGETS', 'LoRARequest', 'LoRAAdapter', 'read_peft_config', 'lora_scaling', 'peft_target',
-           'load_peft', 'LoRAManager', 'make_lora_manager', 'core_lora_request']
+__all__ = ['log', 'REFUSED_PEFT_KEYS', 'LORA_TARGETS', 'LoRARequest', 'LoRAAdapter', 'read_peft_config', 'lora_scaling',
+           'peft_target', 'load_peft', 'LoRAManager', 'make_lora_manager', 'core_lora_request']
 
 # %% ../../nbs/51b_lora_manager.ipynb #1df1861a
 @dataclass(frozen=True)
@@ -88,9 +92,13 @@ def peft_target(name: str, packed: dict, slice_of) -> tuple[str, int]:
     return name, 0
 
 
-def load_peft(path, lora_int_id: int, packed: dict, slice_of, modules, max_rank: int) -> LoRAAdapter:
+def load_peft(
+    path, lora_int_id: int, packed: dict, slice_of, modules, max_rank: int, refused: dict | None = None
+) -> LoRAAdapter:
     """Read a PEFT folder onto our modules (`modules`: the names the model wraps); a tensor for another module (the
-    embedding, the LM head, a layer not wrapped) is refused by name, as is a rank above `max_rank`."""
+    embedding, the LM head, a layer not wrapped) is refused by name, as is a rank above `max_rank`. MoE experts
+    (`25b_lora_moe`): PEFT's fused `experts(.base_layer)*` pairs and per-expert `experts.{e}.gate_proj` ones go to the
+    wrapped `FusedMoE` of that name (`modules[name]`), or are refused with `refused[name]`, why it is not wrapped."""
     cfg = read_peft_config(path)
     r = int(cfg['r'])
     if r > max_rank:
@@ -110,13 +118,28 @@ def load_peft(path, lora_int_id: int, packed: dict, slice_of, modules, max_rank:
                 break
         else:
             raise NotImplementedError(f'{path}: tensor {k} is not a LoRA A/B matrix (not supported)')
+    experts: dict[str, tuple[list, dict]] = {}  # MoE layer -> (fused pairs, {(expert, shard): pair})
     for mod, ab in pairs.items():
         if set(ab) != {'lora_A', 'lora_B'}:
             raise ValueError(f'{path}: {mod} has only {sorted(ab)}')
+        if (t := expert_lora_target(mod)) is not None:
+            name, e, shard = t
+            if name not in modules:
+                why = (refused or {}).get(name, 'no LoRA-wrapped experts of that name')
+                raise NotImplementedError(f'{path}: LoRA on {mod} is not supported: {why}')
+            fused, per = experts.setdefault(name, ([], {}))
+            pair = (ab['lora_A'], ab['lora_B'])
+            if e is None:
+                fused.append(pair)
+            else:
+                per[(e, shard)] = pair
+            continue
         ours, s = peft_target(mod, packed, slice_of)
         if ours not in modules:
             raise NotImplementedError(f'{path}: LoRA on {mod} is not supported (LoRA layers: {sorted(modules)[:3]}...)')
         ad.weights.setdefault(ours, {})[s] = (ab['lora_A'], ab['lora_B'])
+    for name, (fused, per) in experts.items():
+        ad.weights[name] = peft_expert_weights(modules[name], fused, per)
     return ad
 
 # %% ../../nbs/51b_lora_manager.ipynb #816cd818
@@ -124,9 +147,16 @@ class LoRAManager:
     "Adapters by id: a CPU cache (LRU, `max_cpu_loras`) and `max_loras` device slots (LRU) in the LoRA layers' pools."
 
     def __init__(
-        self, layers: dict[str, LoRALinear], mapping: LoRAMapping, packed: dict, max_rank: int, max_cpu_loras: int
+        self,
+        layers: dict[str, LoRALinear],
+        mapping: LoRAMapping,
+        packed: dict,
+        max_rank: int,
+        max_cpu_loras: int,
+        refused: dict | None = None,
     ):
         self.layers, self.mapping, self.packed, self.max_rank = layers, mapping, packed, max_rank
+        self.refused = refused or {}  # MoE layers not wrapped: name -> why (25b)
         self.max_loras, self.max_cpu_loras = mapping.max_loras, max(max_cpu_loras, mapping.max_loras)
         self.requests: dict[int, LoRARequest] = {}  # id -> its request (the path to read it again from)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -143,7 +173,9 @@ class LoRAManager:
         if old is not None and old.lora_path != req.lora_path:
             raise ValueError(f'lora_int_id {i} is already {old.lora_name!r} at {old.lora_path}')
         if i not in self.cpu:
-            self.cpu[i] = load_peft(req.lora_path, i, self.packed, self._slice_of, self.layers, self.max_rank)
+            self.cpu[i] = load_peft(
+                req.lora_path, i, self.packed, self._slice_of, self.layers, self.max_rank, self.refused
+            )
             self.requests[i] = req
             while len(self.cpu) > self.max_cpu_loras:  # the least recently used that is not in a slot
                 victim = next((j for j in self.cpu if j != i and j not in self.slot_of), None)
@@ -201,10 +233,22 @@ LORA_TARGETS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')  # our names 
 def make_lora_manager(model, cfg, device) -> LoRAManager:
     "The manager of a model loaded for `cfg` (`enable_lora`, `max_loras`, `max_lora_rank`, `max_cpu_loras`)."
     rows = max(cfg.max_num_batched_tokens or 0, cfg.max_num_seqs)
-    mapping, layers = apply_lora(model, LORA_TARGETS, cfg.max_loras, cfg.max_lora_rank, rows)
-    mapping.always = torch.device(device).type == 'cuda' and not cfg.enforce_eager
+    mapping, layers = apply_lora(model, LORA_TARGETS, cfg.max_loras, cfg.max_lora_rank, rows, cfg.torch_dtype)
+    cuda = torch.device(device).type == 'cuda'
+    off = (
+        'its experts are offloaded (num_experts_offload_per_rank)'
+        if cuda and cfg.num_experts_offload_per_rank
+        else None
+    )
+    moe, refused = apply_lora_moe(model, mapping, cfg.max_lora_rank, cfg.torch_dtype, off)  # 25b
+    if moe and cuda and not cfg.enforce_eager:  # the experts' LoRA path is PyTorch with host syncs: no graph capture
+        cfg.enforce_eager = True
+        log.info('LoRA on MoE experts: CUDA graphs off (enforce_eager)')
+    mapping.always = cuda and not cfg.enforce_eager
     packed = getattr(model, 'packed_modules_mapping', {})
-    return LoRAManager(layers, mapping, packed, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras)
+    return LoRAManager(
+        {**layers, **moe}, mapping, packed, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras, refused
+    )
 
 # %% ../../nbs/51b_lora_manager.ipynb #06590aa4
 def core_lora_request(runner, d: dict | None) -> LoRARequest | None:

@@ -12,7 +12,7 @@ from ..kernels.lora import lora_mapping, lora_shrink, lora_expand
 from .basic import Linear
 
 # %% auto #0
-__all__ = ['LoRAMapping', 'LoRALinear', 'apply_lora']
+__all__ = ['LoRAMapping', 'LoRALinear', 'lora_refusal', 'apply_lora']
 
 # %% ../../nbs/25a_lora.ipynb #e8202850
 class LoRAMapping:
@@ -25,6 +25,7 @@ class LoRAMapping:
         self.sorted_ids = torch.zeros(max_num_tokens, **i32)
         self.seg_start, self.seg_len = torch.zeros(max_loras, **i32), torch.zeros(max_loras, **i32)
         self.active = False  # any token of the step has an adapter
+        self.step_slots: frozenset = frozenset()  # the slots the step's tokens use (host side)
         self.always = False  # run the kernels even when none has (a CUDA graph captured with LoRA)
 
     def set(self, token_lora) -> LoRAMapping:
@@ -38,7 +39,8 @@ class LoRAMapping:
         self.token_lora[:n].copy_(t, non_blocking=True)
         self.token_lora[n:].fill_(-1)
         lora_mapping(self.token_lora, self.max_loras, out=(self.sorted_ids, self.seg_start, self.seg_len))
-        self.active = bool(n and int(t.max()) >= 0)
+        self.step_slots = frozenset(t.unique().tolist()) - {-1}
+        self.active = bool(self.step_slots)
         return self
 
     @property
@@ -50,6 +52,20 @@ class LoRAMapping:
         return self.active or self.always
 
 # %% ../../nbs/25a_lora.ipynb #3b1779c7
+def _quantized(base: nn.Module) -> bool:
+    "One of our quantized linears (`QuantLinear`, `quant.base`: a `Linear` that dequantizes its weight)."
+    return isinstance(base, Linear) and callable(getattr(base, 'dequantize', None))
+
+
+def _pool_dtype(base: nn.Module) -> torch.dtype:
+    "The adapters' dtype: the base's float weight's, or (a quantized base) torch's default dtype."
+    return torch.get_default_dtype() if _quantized(base) else base.weight.dtype
+
+
+def _device(base: nn.Module) -> torch.device:
+    return next(iter([*base.parameters(), *base.buffers()])).device
+
+
 class LoRALinear(nn.Module):
     "`base(x)` plus each token's adapter product from `max_loras` slots of rank up to `max_rank`, per output slice."
 
@@ -57,15 +73,14 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, mapping: LoRAMapping, max_rank: int, dtype=None, device=None):
         super().__init__()
-        w = base.weight
         self.base, self.mapping, self.max_rank = base, mapping, max_rank
-        self.slices = list(getattr(base, 'output_sizes', [w.shape[0]]))
+        self.slices = list(base.output_sizes)
         S, slots = len(self.slices), mapping.max_loras
-        kw = dict(dtype=dtype or w.dtype, device=device or w.device)
-        self.register_buffer('lora_a', torch.zeros(slots, S * max_rank, w.shape[1], **kw), persistent=False)
-        self.register_buffer('lora_b', torch.zeros(slots, w.shape[0], max_rank, **kw), persistent=False)
+        kw = dict(dtype=dtype or _pool_dtype(base), device=device or _device(base))
+        self.register_buffer('lora_a', torch.zeros(slots, S * max_rank, base.input_size, **kw), persistent=False)
+        self.register_buffer('lora_b', torch.zeros(slots, base.output_size, max_rank, **kw), persistent=False)
         off = torch.tensor([0, *self.slices], dtype=torch.int32).cumsum(0).int()
-        self.register_buffer('offsets', off.to(kw['device']), persistent=False)
+        self.register_buffer('lora_offsets', off.to(kw['device']), persistent=False)
 
     def __getattr__(self, name):
         try:
@@ -77,7 +92,7 @@ class LoRALinear(nn.Module):
         """Load an adapter into `slot`: `weights` maps a slice index to `(A [r, in], B [out_slice, r])`; slices it
         does not name get zeros. `scaling` is folded into B."""
         self.clear_slot(slot)
-        R, off = self.max_rank, self.offsets.tolist()
+        R, off = self.max_rank, self.lora_offsets.tolist()
         for s, (a, b) in weights.items():
             r = a.shape[0]
             if r > R:
@@ -99,16 +114,22 @@ class LoRALinear(nn.Module):
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         # the whole buffers: segment starts count every row of the buffer (rows past the step's are -1, sorted first)
         t = lora_shrink(x2.to(self.lora_a.dtype), self.lora_a, m.mapping)
-        lora_expand(t, self.lora_b, m.mapping, self.offsets, y2, max(self.slices))
+        lora_expand(t, self.lora_b, m.mapping, self.lora_offsets, y2, max(self.slices))
         return y
 
     def extra_repr(self):
         return f'slots={self.lora_a.shape[0]}, max_rank={self.max_rank}, slices={self.slices}'
 
 # %% ../../nbs/25a_lora.ipynb #25969fe2
-def _plain_linear(mod: nn.Module) -> bool:
+def lora_refusal(mod: nn.Module) -> str | None:
+    "Why `mod` cannot take a LoRA term (None: it can): not one of our linears, or a matmul that applies an activation."
+    if _quantized(mod):
+        act = getattr(getattr(mod, 'packed', None) or mod, 'act', None)
+        return f'its quantized matmul applies {act} (fuse_mlp_act); the LoRA term goes before it' if act else None
     w = getattr(mod, 'weight', None)
-    return isinstance(mod, Linear) and isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point()
+    if isinstance(mod, Linear) and isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point():
+        return None
+    return 'not one of our linear layers (float or quantized)'
 
 
 def apply_lora(
@@ -120,14 +141,12 @@ def apply_lora(
     found = [(n, mod) for n, mod in model.named_modules() if n.rsplit('.', 1)[-1] in targets]
     if not found:
         raise ValueError(f'no module of the model is named one of {sorted(targets)}')
-    device = device or found[0][1].weight.device
+    device = device or _device(found[0][1])
     mapping = LoRAMapping(max_num_tokens, max_loras, device)
     layers = {}
     for name, mod in found:
-        if not _plain_linear(mod):
-            raise NotImplementedError(
-                f'LoRA on {name} ({type(mod).__name__}): LoRA on quantized or non-standard base layers is not supported yet'
-            )
+        if why := lora_refusal(mod):
+            raise NotImplementedError(f'LoRA on {name} ({type(mod).__name__}) is not supported: {why}')
         if getattr(mod, 'tp_size', 1) > 1:
             raise NotImplementedError(f'LoRA on {name}: LoRA with tensor parallelism is not supported yet')
         parent, leaf = model.get_submodule(name.rsplit('.', 1)[0]) if '.' in name else model, name.rsplit('.', 1)[-1]

@@ -433,7 +433,7 @@ def load_model(cfg: EngineConfig, hf_config, src: ModelSource | None = None, pro
         from cvllm_lab.quant.moe import quantize_moe
 
         quantize_moe(model, cfg.quantization)  # the experts of MoE layers, in the same format
-    if cfg.fuse_mlp_act and (cfg.quantization or qcfg):
+    if cfg.fuse_mlp_act and (cfg.quantization or qcfg) and not cfg.enable_lora:  # LoRA adds before the activation
         from cvllm_lab.quant.apply import fuse_mlp_act
 
         fuse_mlp_act(model)  # CUDA: the packed gate/up GEMV writes silu(gate) * up
