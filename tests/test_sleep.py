@@ -142,12 +142,22 @@ def test_cuda_sleep_gives_memory_back():
     parts = runner.tagged_storages()
     weights, kv = (sum(s.nbytes() for s in parts[k]) for k in ('params', 'kv_cache'))
     torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
+    free0, alloc0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     t0 = time.perf_counter()
     llm.sleep(level=1)
     t1 = time.perf_counter()
     freed = torch.cuda.mem_get_info()[0] - free0
-    assert freed >= 0.9 * (weights + kv), (freed, weights, kv)
+    # on failure: did the storages give their bytes to PyTorch's allocator (allocated), and it to the driver (reserved)?
+    why = dict(
+        freed=freed,
+        weights=weights,
+        kv=kv,
+        allocated_drop=alloc0 - torch.cuda.memory_allocated(),
+        reserved_drop=res0 - torch.cuda.memory_reserved(),
+        left={k: sum(s.nbytes() for s in v) for k, v in parts.items()},
+        resizable={k: sorted({s.resizable() for s in v}) for k, v in parts.items()},
+    )
+    assert freed >= 0.9 * (weights + kv), why
     llm.wake_up()
     t2 = time.perf_counter()
     print(
