@@ -5,7 +5,7 @@ rsLoRA on a subset of the projections): greedy tokens equal and prompt log-probs
 for the base and each adapter, all three in one batch; with one device slot for two adapters (the scheduler admits
 one adapter at a time, the manager swaps); the same prompt under two adapters one after the other (the prefix cache
 keys blocks by adapter, so the second does not reuse the first's KV). A tiny Qwen3-MoE with LoRA on its attention
-(the experts take none yet).
+(LoRA on its experts: tests/test_lora_moe.py).
 """
 
 import tempfile
@@ -152,8 +152,8 @@ def test_refusals(setup):
 
 
 def test_qwen3_moe_attention_lora():
-    """A tiny Qwen3-MoE with a rank-8 adapter on q/k/v/o (LoRA on the experts is not supported yet): the base and the
-    adapter in one batch."""
+    """A tiny Qwen3-MoE with a rank-8 adapter on q/k/v/o only (its experts wrapped, their slots empty, so the
+    experts run their base path): the base and the adapter in one batch."""
     from helpers import tiny_qwen3_moe
 
     _, hf, d = tiny_qwen3_moe(hidden=64, head_dim=16)

@@ -23,8 +23,8 @@ TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down
 SP = SamplingParams(temperature=0, max_tokens=STEPS, prompt_logprobs=-1, ignore_eos=True)
 
 
-@pytest.fixture(scope='module')
-def setup():
+def build():
+    "The model folder and adapters (the fixture `setup`; the GPU tests reuse it)."
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -57,6 +57,11 @@ def setup():
 SPLITS = {'self_attn.qkv_proj': ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'),
           'self_attn.o_proj': ('self_attn.o_proj',), 'mlp.gate_up_proj': ('mlp.gate_proj', 'mlp.up_proj'),
           'mlp.down_proj': ('mlp.down_proj',)}  # fmt: skip
+
+
+@pytest.fixture(scope='module')
+def setup():
+    return build()
 
 
 def reference_model(llm, base, deltas=None):

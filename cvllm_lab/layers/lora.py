@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from ..kernels.lora import lora_mapping, lora_shrink, lora_expand
+from ..kernels.batch_invariant import linear
 from .basic import Linear
+from .linear import RowParallelLinear
+from ..utils.parallel_state import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 
 # %% auto #0
 __all__ = ['LoRAMapping', 'LoRALinear', 'lora_refusal', 'apply_lora']
@@ -94,6 +97,7 @@ class LoRALinear(nn.Module):
         self.clear_slot(slot)
         R, off = self.max_rank, self.lora_offsets.tolist()
         for s, (a, b) in weights.items():
+            a, b = self._shard(s, a, b)
             r = a.shape[0]
             if r > R:
                 raise ValueError(f'LoRA rank {r} > max_lora_rank {R}')
@@ -102,20 +106,40 @@ class LoRALinear(nn.Module):
             self.lora_a[slot, s * R : s * R + r].copy_(a)
             self.lora_b[slot, off[s] : off[s + 1], :r].copy_(b.float() * scaling)
 
+    @property
+    def row_parallel(self) -> bool:
+        return isinstance(self.base, RowParallelLinear) and self.base.tp_size > 1
+
+    def _shard(self, s: int, a, b):
+        "This rank's part of a full adapter slice: B's rows of the slice (column-parallel), A's columns (row-parallel)."
+        if getattr(self.base, 'tp_size', 1) == 1:
+            return a, b
+        if self.row_parallel:
+            return a.narrow(1, *self.base.shard_range()), b
+        return a, b.narrow(0, *self.base.shard_range(self.base.shard_ids[s]))
+
     def clear_slot(self, slot: int):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
 
-    def forward(self, x):
-        y = self.base(x)
+    def _add(self, x, y):
+        "`y += ` each token's adapter term of `x` (in place)."
         m = self.mapping
-        if not m.runs:
-            return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         # the whole buffers: segment starts count every row of the buffer (rows past the step's are -1, sorted first)
         t = lora_shrink(x2.to(self.lora_a.dtype), self.lora_a, m.mapping)
         lora_expand(t, self.lora_b, m.mapping, self.lora_offsets, y2, max(self.slices))
         return y
+
+    def forward(self, x):
+        if not self.mapping.runs:
+            return self.base(x)
+        b = self.base
+        if self.row_parallel:  # the rank's partial product plus its partial LoRA term, then the one all-reduce
+            xl = x if b.input_is_parallel else x.narrow(-1, *b.shard_range())
+            y = self._add(xl, linear(xl, b.weight, b.local_bias))
+            return tensor_model_parallel_all_reduce(y) if b.reduce_results else y
+        return self._add(x, b(x))
 
     def extra_repr(self):
         return f'slots={self.lora_a.shape[0]}, max_rank={self.max_rank}, slices={self.slices}'
@@ -123,6 +147,8 @@ class LoRALinear(nn.Module):
 # %% ../../nbs/25a_lora.ipynb #25969fe2
 def lora_refusal(mod: nn.Module) -> str | None:
     "Why `mod` cannot take a LoRA term (None: it can): not one of our linears, or a matmul that applies an activation."
+    if _quantized(mod) and get_tensor_model_parallel_world_size() > 1:
+        return 'LoRA with tensor parallelism over quantized layers is not supported yet'
     if _quantized(mod):
         act = getattr(getattr(mod, 'packed', None) or mod, 'act', None)
         return f'its quantized matmul applies {act} (fuse_mlp_act); the LoRA term goes before it' if act else None
@@ -147,8 +173,6 @@ def apply_lora(
     for name, mod in found:
         if why := lora_refusal(mod):
             raise NotImplementedError(f'LoRA on {name} ({type(mod).__name__}) is not supported: {why}')
-        if getattr(mod, 'tp_size', 1) > 1:
-            raise NotImplementedError(f'LoRA on {name}: LoRA with tensor parallelism is not supported yet')
         parent, leaf = model.get_submodule(name.rsplit('.', 1)[0]) if '.' in name else model, name.rsplit('.', 1)[-1]
         layers[name] = LoRALinear(mod, mapping, max_rank, dtype, device)
         setattr(parent, leaf, layers[name])
