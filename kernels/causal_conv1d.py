@@ -36,6 +36,11 @@ entry point reads it from `query_start_loc` (one sync).
 Data flow: `causal_conv1d(x, weight, bias, query_start_loc, conv_state, state_idx, has_initial_state)` -> path
 (`max_query_len`) -> one launch -> `y [T, C]`, and each sequence's slot of `conv_state` rewritten in place.
 
+Speculative decoding (`state_out_idx [B, P]` int32, notebook 51g): the state after token j of sequence b (the last
+K-1 entries of `xin[: K-1+j+1]`) is also written to slot `state_out_idx[b, j]` (j < P; negative: none), by
+`_conv_states_kernel` launched before the conv (it reads the old state, which the conv then overwrites), so a
+verification step of 1 + k tokens leaves the state after every position.
+
 The prefill kernel maps program `tile` to (sequence, token tile) as `paged_attention_kernel` does: sequence b's tiles
 start at `query_start_loc[b] // BLOCK_T + b` (monotone, with room for its ceil(len / BLOCK_T) tiles), found by a
 binary search. Each token's output is independent of the others (the window is K loads of the tile shifted by one
@@ -48,7 +53,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ['causal_conv1d', 'causal_conv1d_ref', 'PREFILL_BLOCK_T', 'PREFILL_BLOCK_C', 'UPDATE_BLOCK_C']
+__all__ = [
+    'causal_conv1d',
+    'causal_conv1d_ref',
+    'conv_states_ref',
+    'PREFILL_BLOCK_T',
+    'PREFILL_BLOCK_C',
+    'UPDATE_BLOCK_C',
+]
 
 PREFILL_BLOCK_T = 32  # tokens per prefill tile (>= K-1: only a sequence's first tile reaches into the state)
 PREFILL_BLOCK_C = 128  # channels per prefill tile: [32, 128] fp32 is 32 registers a thread at 4 warps
@@ -61,8 +73,30 @@ _ACTIVATIONS = (None, 'silu', 'swish')  # swish is SiLU (the name some configs u
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def conv_states_ref(x, query_start_loc, conv_state, state_idx, has_initial_state, state_out_idx):
+    "The state after each token j of sequence b into slot `state_out_idx[b, j]` (the old states are read, not written)."
+    K1 = conv_state.shape[-1]
+    qsl, slots, init, outs = (t.tolist() for t in (query_start_loc, state_idx, has_initial_state, state_out_idx))
+    for i, slot in enumerate(slots):
+        s, e = qsl[i], qsl[i + 1]
+        prev = conv_state[slot].float() if (init[i] and slot >= 0) else x.new_zeros(x.shape[1], K1, dtype=torch.float32)
+        xin = torch.cat([prev, x[s:e].float().T], dim=1)
+        for j, o in enumerate(outs[i][: e - s]):
+            if o >= 0:
+                conv_state[o] = xin[:, j + 1 : j + 1 + K1].to(conv_state.dtype)
+
+
 def causal_conv1d_ref(
-    x, weight, bias, query_start_loc, conv_state, state_idx, has_initial_state, activation='silu', max_query_len=None
+    x,
+    weight,
+    bias,
+    query_start_loc,
+    conv_state,
+    state_idx,
+    has_initial_state,
+    activation='silu',
+    max_query_len=None,
+    state_out_idx=None,
 ):
     """The definition: one sequence at a time in fp32 (`F.conv1d` over state ++ inputs). Returns `y [T, C]` in x's
     dtype and writes each sequence's new state (last K-1 inputs) into its slot of `conv_state`, in its dtype.
@@ -74,6 +108,8 @@ def causal_conv1d_ref(
     w = weight.reshape(C, 1, K).float()
     b = None if bias is None else bias.float()
     y = torch.zeros(T, C, dtype=x.dtype, device=x.device)
+    if state_out_idx is not None:
+        conv_states_ref(x, query_start_loc, conv_state, state_idx, has_initial_state, state_out_idx)
     qsl, slots, init = query_start_loc.tolist(), state_idx.tolist(), has_initial_state.tolist()
     for i, slot in enumerate(slots):
         s, e = qsl[i], qsl[i + 1]
@@ -257,19 +293,71 @@ def _conv_update_kernel(
             tl.store(s_base[None, :] + i[:, None] * stride_sk, new, mask=i_ok[:, None] & c_ok[None, :])
 
 
+@triton.jit(do_not_specialize=['P'] + _META, do_not_specialize_on_alignment=_META)
+def _conv_states_kernel(
+    x_ptr,
+    state_ptr,
+    qsl_ptr,
+    idx_ptr,
+    init_ptr,
+    out_idx_ptr,  # [num_seqs, P] int32
+    C,
+    P,
+    stride_xt,
+    stride_ss,
+    stride_sc,
+    stride_sk,
+    stride_oi,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    cb = tl.program_id(1)
+    start = tl.load(qsl_ptr + seq)
+    seq_len = tl.load(qsl_ptr + seq + 1) - start
+    slot = tl.load(idx_ptr + seq).to(tl.int64)
+    use_state = (tl.load(init_ptr + seq) != 0) & (slot >= 0)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    s_ok = offs_c < C * use_state.to(tl.int32)  # c_ok & use_state, as an integer bound (see the prefill kernel)
+    s_base = state_ptr + slot * stride_ss + offs_c * stride_sc
+    x_seq = x_ptr + start.to(tl.int64) * stride_xt + offs_c
+    for j in range(0, tl.minimum(seq_len, P)):
+        o_slot = tl.load(out_idx_ptr + seq * stride_oi + j).to(tl.int64)
+        o_ok = offs_c < C * (o_slot >= 0).to(tl.int32)
+        for i in tl.static_range(K - 1):  # entry i after token j: xin[j + 1 + i], xin = old state ++ x
+            p = j + 1 + i - (K - 1)  # < 0: the old state's entry K-1+p, else x row p
+            from_x = offs_c < C * (p >= 0).to(tl.int32)
+            from_s = offs_c < C * (p < 0).to(tl.int32)
+            xv = tl.load(x_seq + tl.maximum(p, 0).to(tl.int64) * stride_xt, mask=from_x, other=0.0)
+            sv = tl.load(s_base + tl.maximum(p + (K - 1), 0) * stride_sk, mask=from_s & s_ok, other=0.0)
+            v = tl.where(from_x, xv.to(state_ptr.dtype.element_ty), sv.to(state_ptr.dtype.element_ty))
+            tl.store(state_ptr + o_slot * stride_ss + offs_c * stride_sc + i * stride_sk, v, mask=o_ok & c_ok)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def causal_conv1d(
-    x, weight, bias, query_start_loc, conv_state, state_idx, has_initial_state, activation='silu', max_query_len=None
+    x,
+    weight,
+    bias,
+    query_start_loc,
+    conv_state,
+    state_idx,
+    has_initial_state,
+    activation='silu',
+    max_query_len=None,
+    state_out_idx=None,
 ) -> torch.Tensor:
     """Causal depthwise conv1d of a varlen batch with per-sequence rolling states (the module docstring has the
     layout). `x [T, C]` (any float dtype, `x.stride(-1) == 1`), `weight [C, K]`, `bias [C]` or None,
     `query_start_loc [B+1]` int32, `conv_state [S, C, K-1]`, `state_idx [B]` int32, `has_initial_state [B]` bool,
     `activation` None or 'silu'. `max_query_len`: a host-side bound on the sequences' lengths (it must not be
     below the longest); 1 takes the decode kernel without a sync, None reads the bound from `query_start_loc`.
+    `state_out_idx [B, P]` int32: the state after token j of sequence b also into slot `state_out_idx[b, j]`.
     Returns `y [T, C]` in x's dtype; each sequence's slot of `conv_state` gets its new state in place."""
     assert activation in _ACTIVATIONS, activation
     assert x.dim() == 2 and x.stride(-1) == 1, 'x must be [T, C] with unit channel stride'
@@ -293,6 +381,23 @@ def causal_conv1d(
     common = dict(K=K, STATE_P=triton.next_power_of_2(K - 1), HAS_BIAS=bias is not None, SILU=activation is not None)
     args = (x, weight, bias if bias is not None else weight, y, conv_state, query_start_loc, state_idx)
     init = has_initial_state.view(torch.uint8)  # as bytes, compared with 0 in the kernels (one pointer type)
+    if state_out_idx is not None:  # before the conv, which overwrites the old states it reads
+        assert state_out_idx.dtype == torch.int32 and state_out_idx.shape[0] == B and state_out_idx.stride(1) == 1
+        _conv_states_kernel[(B, triton.cdiv(C, UPDATE_BLOCK_C))](
+            x,
+            conv_state,
+            query_start_loc,
+            state_idx,
+            init,
+            state_out_idx,
+            C,
+            state_out_idx.shape[1],
+            x.stride(0),
+            *conv_state.stride(),
+            state_out_idx.stride(0),
+            K=K,
+            BLOCK_C=UPDATE_BLOCK_C,
+        )
     strides = (x.stride(0), y.stride(0), *weight.stride(), *conv_state.stride())
     if max_query_len <= 1:
         grid = (B, triton.cdiv(C, UPDATE_BLOCK_C))

@@ -31,6 +31,11 @@ decode (every sequence one token: `max_query_len <= RECURRENT_MAX_QUERY_LEN`, or
 the final states in their slots. Neither path syncs with the host: grids and buffers depend on T, B and the head
 sizes only, so both can be captured in CUDA graphs.
 
+Speculative decoding (`state_out_idx [B, P]` int32, notebook 51g): the state after token j of sequence b is also
+written to slot `state_out_idx[b, j]` (j < P; a negative entry writes nothing), so that a verification step of
+1 + k tokens leaves the state after every position and the engine keeps the one after the last accepted token.
+Such a batch always takes the recurrent kernel (exact for any length; the chunked form has no per-token states).
+
 The recurrent kernel is decode's cost: each program reads its `[Dk, BV]` block of S once, carries it in registers
 over the sequence's tokens (so it serves short multi-token queries correctly too) and writes it back once; the
 per-token work is a few `Dk x BV` multiply-adds and two reductions. It is bandwidth-bound on the state (measured:
@@ -73,6 +78,7 @@ def gated_delta_rule_ref(
     scale=None,
     use_qk_l2norm=True,
     max_query_len=None,
+    state_out_idx=None,
 ):
     """The definition: each sequence's tokens in order, in fp32, all heads at once, as transformers'
     `torch_recurrent_gated_delta_rule` computes them. Arguments and effects as `gated_delta_rule`; rows past
@@ -82,6 +88,7 @@ def gated_delta_rule_ref(
     G = Hv // Hk
     out = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=v.device)
     qsl, slots, init = query_start_loc.tolist(), state_idx.tolist(), has_initial_state.tolist()
+    per_pos = None if state_out_idx is None else state_out_idx.tolist()
     for b, slot in enumerate(slots):
         s, e = qsl[b], qsl[b + 1]
         qb, kb = (x[s:e].float().repeat_interleave(G, 1) for x in (q, k))  # [n, Hv, Dk]
@@ -98,6 +105,8 @@ def gated_delta_rule_ref(
             delta = (vb[t] - kv_mem) * bb[t][:, None]
             S = S + kb[t][:, :, None] * delta[:, None, :]
             out[s + t] = (S * qb[t][:, :, None]).sum(1).to(v.dtype)
+            if per_pos is not None and t < len(per_pos[b]) and per_pos[b][t] >= 0:
+                state[per_pos[b][t]] = S  # the state after token t (speculative decoding)
         if slot >= 0:
             state[slot] = S
     return out
@@ -120,6 +129,7 @@ def gdn_recurrent_kernel(
     qsl_ptr,
     state_idx_ptr,
     init_ptr,
+    out_idx_ptr,  # [B, P] int32: the slot that takes the state after token j (PER_POS only)
     scale,
     stride_qt,
     stride_qh,
@@ -134,12 +144,15 @@ def gdn_recurrent_kernel(
     stride_ot,
     stride_oh,
     stride_ss,
+    stride_oi,
+    P,
     HEADS_PER_K: tl.constexpr,  # Hv // Hk
     DK: tl.constexpr,
     DV: tl.constexpr,
     DK_P: tl.constexpr,
     BV: tl.constexpr,  # the program's block of Dv: a column block of S, independent of the others
     L2NORM: tl.constexpr,
+    PER_POS: tl.constexpr,  # write the state after every token to its `out_idx` slot too
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -157,7 +170,8 @@ def gdn_recurrent_kernel(
     offs_v = vb * BV + tl.arange(0, BV)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
-    s_ptrs = state_ptr + slot * stride_ss + h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+    s_off = h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+    s_ptrs = state_ptr + slot * stride_ss + s_off
     S = tl.load(s_ptrs, mask=(offs_k < k_read)[:, None] & v_ok[None, :], other=0.0)  # [DK_P, BV], read once
 
     # pointers walk the sequence's rows (64-bit pointer arithmetic: no int32 overflow of token * stride)
@@ -168,7 +182,7 @@ def gdn_recurrent_kernel(
     p_g = g_ptr + row * stride_gt + h * stride_gh
     p_b = beta_ptr + row * stride_bt + h * stride_bh
     p_o = o_ptr + row * stride_ot + h * stride_oh + offs_v
-    for _ in range(start, end):
+    for t in range(0, end - start):
         q = tl.load(p_q, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(p_k, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(p_v, mask=v_ok, other=0.0).to(tl.float32)
@@ -183,6 +197,10 @@ def gdn_recurrent_kernel(
         S = S + k[:, None] * d[None, :]
         o = tl.sum(S * q[:, None], 0)  # S^T q
         tl.store(p_o, o.to(p_o.dtype.element_ty), mask=v_ok)
+        if PER_POS:  # the state after token t into its own slot (rows as a limit: see k_read)
+            o_slot = tl.load(out_idx_ptr + seq * stride_oi + t, mask=t < P, other=-1).to(tl.int64)
+            o_rows = tl.where(o_slot >= 0, DK, 0)
+            tl.store(state_ptr + o_slot * stride_ss + s_off, S, mask=(offs_k < o_rows)[:, None] & v_ok[None, :])
         p_q += stride_qt
         p_k += stride_kt
         p_v += stride_vt
@@ -218,6 +236,7 @@ def gated_delta_rule(
     scale=None,
     use_qk_l2norm=True,
     max_query_len=None,
+    state_out_idx=None,
 ) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv] (model dtype: fp32/fp16/bf16), g [T, Hv] fp32 (log decay, <= 0), beta [T, Hv]
     (any float dtype), query_start_loc [B+1] int32 (sequence b owns rows qsl[b]:qsl[b+1]), state [S, Hv, Dk, Dv]
@@ -226,6 +245,8 @@ def gated_delta_rule(
 
     `scale` defaults to Dk ** -0.5. `max_query_len` is an optional host-side upper bound on the query lengths: at
     most `RECURRENT_MAX_QUERY_LEN` picks the recurrent kernel (without it, T == B does: every sequence one token).
+    `state_out_idx [B, P]` int32 (speculative decoding): also write the state after token j of sequence b to slot
+    `state_out_idx[b, j]` (negative: none); such a batch takes the recurrent kernel whatever its lengths.
     Nothing here reads a device value on the host. Rows past `query_start_loc[-1]` are left unwritten. q, k, v,
     g, beta may be strided views (last dimension contiguous); a negative slot is a padding entry (see above)."""
     T, Hk, Dk = q.shape
@@ -242,6 +263,11 @@ def gated_delta_rule(
     if T == 0 or B == 0:
         return out
     decode = max_query_len <= RECURRENT_MAX_QUERY_LEN if max_query_len is not None else T == B
+    per_pos = state_out_idx is not None
+    if per_pos:
+        assert state_out_idx.dtype == torch.int32 and state_out_idx.dim() == 2 and state_out_idx.shape[0] == B
+        assert state_out_idx.stride(1) == 1
+        decode = True
     if not decode:
         return chunk_gated_delta_rule(
             q, k, v, g, beta, query_start_loc, state, state_idx, has_initial_state, scale, use_qk_l2norm, out
@@ -260,6 +286,7 @@ def gated_delta_rule(
         query_start_loc,
         state_idx,
         has_initial_state,
+        state_out_idx if per_pos else state_idx,
         scale,
         q.stride(0),
         q.stride(1),
@@ -274,12 +301,15 @@ def gated_delta_rule(
         out.stride(0),
         out.stride(1),
         state.stride(0),
+        state_out_idx.stride(0) if per_pos else 0,
+        state_out_idx.shape[1] if per_pos else 0,
         HEADS_PER_K=Hv // Hk,
         DK=Dk,
         DV=Dv,
         DK_P=DK_P,
         BV=BV,
         L2NORM=bool(use_qk_l2norm),
+        PER_POS=per_pos,
         num_warps=4 if DK_P * BV >= 4096 else 2,
     )
     return out

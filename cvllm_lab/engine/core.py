@@ -236,11 +236,7 @@ class EngineCore(CoreSleep):
         self.last_scheduled: list[Request] = []  # the requests of the latest step (to find who made a step fail)
         self.pending = None  # async scheduling: (SchedulerOutput, StepHandle) launched ahead
         self.profiler = None  # (torch.profiler.profile, output folder) between start_profile and stop_profile
-        spec = cfg.speculative_config  # checked by finalize (01c); drafts after every step (51a)
-        if spec is not None and slots:
-            raise ValueError(
-                'Speculative decoding needs a model without recurrent state layers (a rejected draft cannot be undone there)'
-            )
+        spec = cfg.speculative_config  # checked by finalize (01c); drafts after every step (51a); hybrids: 51g
         self.drafter = Drafter(spec, cfg.max_model_len) if spec is not None else None
 
     @property

@@ -227,10 +227,17 @@ def keep_hidden(self: Eagle3Proposer, so, b):
 
 # %% ../../nbs/51f_eagle3.ipynb #da577757
 def make_proposer(cfg: EngineConfig, hf_config, target: nn.Module, src=None, progress: bool = True):
-    "The runner's proposer for `cfg.speculative_config`: `DraftModelProposer`, `MtpProposer`, `Eagle3Proposer` or None."
+    """The runner's proposer for `cfg.speculative_config`: `DraftModelProposer`, `MtpProposer` (a hybrid's:
+    `Qwen3NextMtpProposer`, 51g), `Eagle3Proposer` or None."""
     spec = cfg.speculative_config
     if spec is None or spec.method == 'ngram':
         return None
     if spec.method == 'draft_model':
         return DraftModelProposer(cfg, hf_config, progress)
-    return Eagle3Proposer(cfg, target, progress) if spec.method == 'eagle3' else MtpProposer(cfg, target, src, progress)
+    if spec.method == 'eagle3':
+        return Eagle3Proposer(cfg, target, progress)
+    if hasattr(target, 'state_layers') or spec.method == 'qwen3_next_mtp':  # Qwen3-Next / Qwen3.5's MTP (51g)
+        from cvllm_lab.engine.hybrid_spec import Qwen3NextMtpProposer
+
+        return Qwen3NextMtpProposer(cfg, target, src, progress)
+    return MtpProposer(cfg, target, src, progress)

@@ -30,7 +30,7 @@ from ..utils.kv_cache_spec import StateSpec
 from .scheduler import SchedulerOutput
 from .pooling_runner import PoolingSteps
 from .sleep import RunnerSleep
-from .spec_decode import sample_drafts
+from .hybrid_spec import RunnerSpecStates
 from .eagle3 import make_proposer
 from .lora_manager import make_lora_manager
 from cvllm_lab.engine.input_batch import (
@@ -51,7 +51,7 @@ from ..quant.cpu_layer import cpu_fast_path
 __all__ = ['CPU_KV_CACHE_BYTES', 'WARM_UP_STEPS', 'ModelRunner', 'ModelRunnerOutput', 'StepHandle']
 
 # %% ../../nbs/50_model_runner.ipynb #4a15c1e0
-class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep):
+class ModelRunner(StepInputs, DecodeGraphs, PoolingSteps, RunnerSleep, RunnerSpecStates):
     """Runs the model for scheduled batches over a paged KV cache (a step's inputs and decode graphs: notebook 50a; the
     pooler in the sampler's place for `runner='pooling'`: 50b; sleep mode and weight updates: 51c)."""
 
@@ -158,7 +158,7 @@ def setup_states(self: ModelRunner):
         a.kv_cache_group = self.state_group
     self.num_state_slots = self.scratch_slot = self.cfg.max_num_seqs
     dtype = self.model.model.embed_tokens.weight.dtype
-    self.state_bytes = (self.num_state_slots + 1) * state_bytes_per_slot(self.state_layers, dtype)
+    self.state_bytes = self.all_state_slots * state_bytes_per_slot(self.state_layers, dtype)  # (51g)
     if self.device.type == 'cuda' and not self.cfg.kv_cache_memory:  # the cheap check before the allocation
         free, total = torch.cuda.mem_get_info()
         frac = self.cfg.gpu_memory_fraction
@@ -169,7 +169,7 @@ def setup_states(self: ModelRunner):
                 f'{self.state_bytes / 2**30:.1f} GiB; {max(room, 0) / 2**30:.1f} GiB are left beside the weights '
                 f'in the GPU memory the engine may use: lower --max-num-seqs'
             )
-    self.state_caches = bind_state_cache(self.state_layers, self.num_state_slots + 1, dtype, self.device)
+    self.state_caches = bind_state_cache(self.state_layers, self.all_state_slots, dtype, self.device)
 
 # %% ../../nbs/50_model_runner.ipynb #633fc49d
 @patch
@@ -337,7 +337,7 @@ def _forward(
         return self._run_graph(b, prev_tokens)
     ids, pos, slots, qsl, seq_lens, bt, groups = self._upload(b)
     ctx = ForwardContext(slots, qsl, seq_lens, bt, b.max_query_len, b.max_seq_len, self.prefill_metadata(b))
-    ctx.token_type_ids = token_type_ids  # a pooling step's sentence pairs (50b)
+    ctx.token_type_ids, ctx.state_out_idx = token_type_ids, self.state_out_idx(so, b)  # pooling pairs (50b); 51g
     if groups:
         ctx.kv_groups = [(slots, bt)] + groups
     if (
@@ -404,7 +404,7 @@ def launch(
             lp, torch.tensor(targets, device=lp.device), r.sampling_params.prompt_logprobs
         )
     if sample_reqs and b.spec_drafts is not None:  # drafts to verify (51a)
-        sample_drafts(self.sampler, self.compute_logits(hidden[b.sample_at]), sample_reqs, b.spec_drafts, out, dprobs)
+        self.verify_drafts(so, b, self.compute_logits(hidden[b.sample_at]), out, dprobs)  # and a hybrid's states (51g)
     elif sample_reqs:
         s = self.sampler(self.compute_logits(hidden[b.sample_at]), sample_reqs)
         for r, t, lp in zip(sample_reqs, s.token_ids, s.logprobs):

@@ -101,6 +101,8 @@ class MtpProposer:
     drafts into the step; `keep_hidden` keeps this step's pre-norm hidden states for the next."""
 
     needs_hidden = True  # the runner keeps every row of the target (no keep_rows) and hands them over
+    # DeepSeek's layers read the target's rows before its final norm (Qwen3-Next's: after, 51g)
+    hidden_after_norm = False
 
     def __init__(self, cfg: EngineConfig, target: nn.Module, src=None, progress: bool = True):
         if cfg.tensor_parallel_size > 1 or cfg.kv_offloading_size or cfg.enable_sleep_mode:
@@ -118,7 +120,7 @@ class MtpProposer:
         torch.set_default_dtype(cfg.torch_dtype)
         try:
             with set_current_engine_config(cfg), torch.device(cfg.device):
-                self.model = MtpModel(target, cfg.max_model_len, cfg.attention_backend)
+                self.model = self.build_model(target, cfg)
         finally:
             torch.set_default_dtype(prev)
         if cfg.load_format == 'dummy':
@@ -140,9 +142,16 @@ class MtpProposer:
         self.prenorm = None
         target.model.norm.register_forward_hook(self._catch)
 
+    def build_model(self, target: nn.Module, cfg: EngineConfig) -> nn.Module:
+        "The MTP layers (a subclass builds another family's)."
+        return MtpModel(target, cfg.max_model_len, cfg.attention_backend)
+
     def _catch(self, module, args, out):
-        "The target's final norm's input: `h + residual` (its second output) or its only argument."
-        self.prenorm = out[1] if isinstance(out, tuple) else args[0]
+        "The target's final norm's input (`h + residual`: its second output, or its only argument) or its output."
+        if self.hidden_after_norm:
+            self.prenorm = out[0] if isinstance(out, tuple) else out
+        else:
+            self.prenorm = out[1] if isinstance(out, tuple) else args[0]
 
     def bind(self, num_blocks: int):
         "The MTP layers' cache: as many blocks as the target's, addressed by the same block ids."

@@ -173,8 +173,18 @@ def forward(self: GatedDeltaNet, positions: torch.Tensor, h: torch.Tensor) -> to
     qsl = ctx.query_start_loc
     n = ctx.num_seqs
     has_state = ctx.seq_lens[:n] > qsl[1 : n + 1] - qsl[:n]
+    per_pos = None if ctx.state_out_idx is None else ctx.state_out_idx[:n]  # speculative decoding (51g)
     qkv = self._conv_fn(
-        qkv, self.conv1d.weight, None, qsl[: n + 1], self.conv_state, slot[:n], has_state, 'silu', ctx.max_query_len
+        qkv,
+        self.conv1d.weight,
+        None,
+        qsl[: n + 1],
+        self.conv_state,
+        slot[:n],
+        has_state,
+        'silu',
+        ctx.max_query_len,
+        state_out_idx=per_pos,
     )
     q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
     beta = b.sigmoid()
@@ -192,6 +202,7 @@ def forward(self: GatedDeltaNet, positions: torch.Tensor, h: torch.Tensor) -> to
         Dk**-0.5,
         True,
         ctx.max_query_len,
+        state_out_idx=per_pos,
     )
     o = self.norm(o, z.reshape(T, Hv, Dv))
     return self.out_proj(o.reshape(T, self.value_dim))

@@ -120,6 +120,9 @@ class ForwardContext:
     decodes: DecodeSplit | None = None
     # encoder models (BERT, 31a): each row's token type (0: a pair's first text, 1: its second); None: every row 0
     token_type_ids: torch.Tensor | None = None
+    # hybrid models under speculative decoding (51g): [num_seqs, 1 + k] int32, the state slot that takes each
+    # sequence's state after each of its tokens (-1: none); None: only each sequence's final state is kept
+    state_out_idx: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 __all__ = ['BUILT_METHODS', 'PLANNED_METHODS', 'SPECULATIVE_CONFIG_HELP', 'SpeculativeConfig', 'speculative_config_arg']
 
 # %% ../../nbs/01c_spec_config.ipynb #1381a727
-BUILT_METHODS = ('ngram', 'draft_model', 'mtp', 'deepseek_mtp', 'eagle3')  # what this engine runs
+BUILT_METHODS = ('ngram', 'draft_model', 'mtp', 'deepseek_mtp', 'qwen3_next_mtp', 'eagle3')  # what this engine runs
 # vLLM's other methods: known names, refused with a message that says they are not built here yet
 PLANNED_METHODS = ('eagle', 'medusa', 'mlp_speculator', 'suffix')
 
@@ -85,7 +85,7 @@ SPECULATIVE_CONFIG_HELP = (
     'vLLM\'s speculative decoding config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4}\' (n-gram prompt lookup) or \'{"method": "draft_model", "model": PATH, '
     '"num_speculative_tokens": 4}\' (a smaller model, same vocabulary) or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-    '(the model\'s own MTP layers, DeepSeek-V3) or \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' '
+    '(the model\'s own MTP layers: DeepSeek-V3, Qwen3-Next / Qwen3.5 also as qwen3_next_mtp) or \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' '
     '(an EAGLE-3 head over a Llama-family target); greedy output unchanged; other methods are refused'
 )
 
