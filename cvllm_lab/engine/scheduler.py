@@ -143,8 +143,11 @@ def _encoder_cut(self: Scheduler, req: Request, c: int, n: int, left: int) -> tu
     """`(n, used)`: a request's `n` new tokens from `c`, cut before the first image they reach whose encoder tokens
     exceed `left`, the step's encoder budget (`max_num_encoder_input_tokens`), so a burst of images does not stall
     the step; an image already encoded (its rows kept on the request) costs nothing, and a step that has started no
-    image yet starts one of any size (so none waits forever)."""
+    image yet starts one of any size (so none waits forever). A model whose image tokens attend both ways (Gemma 3,
+    `whole_runs`) never has a step end inside an image's run (vLLM's `disable_chunked_mm_input`)."""
     mm, used = getattr(req, 'mm_inputs', None), 0
+    if mm is not None and mm.whole_runs:
+        n = mm.whole_cut(c, n)
     if mm is None or not self.max_num_encoder_input_tokens:
         return n, 0
     for k, it in enumerate(mm.items):

@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {  # HF architecture -> (module under cvll
     'MixtralForCausalLM': ('mixtral', 'MixtralForCausalLM'),
     'Gemma2ForCausalLM': ('gemma', 'Gemma2ForCausalLM'),
     'Gemma3ForCausalLM': ('gemma', 'Gemma3ForCausalLM'),
+    'Gemma3ForConditionalGeneration': ('gemma3_vl', 'Gemma3ForConditionalGeneration'),
     'Gemma4ForCausalLM': ('gemma4', 'Gemma4ForCausalLM'),
     'Gemma4ForConditionalGeneration': ('gemma4', 'Gemma4ForCausalLM'),  # its text stack (`text_stack_config`)
     'Qwen2_5_VLForConditionalGeneration': ('qwen2_5_vl', 'Qwen2_5_VLForConditionalGeneration'),  # images in (31b)
@@ -130,6 +131,7 @@ _VISION_MODELS = {
     'Qwen2_5_VLForConditionalGeneration',
     'Qwen3VLForConditionalGeneration',
     'Qwen3VLMoeForConditionalGeneration',
+    'Gemma3ForConditionalGeneration',
 }
 _LIFTED = (
     'vocab_size',

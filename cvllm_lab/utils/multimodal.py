@@ -15,10 +15,11 @@ import functools
 from .media import MediaError, load_image, load_video
 
 # %% auto #0
-__all__ = ['MODALITIES', 'MROPE_ARCHS', 'FRAMES_APART', 'DEFAULT_VIDEO_FPS', 'parse_limit_mm_per_prompt', 'check_counts',
-           'extract_media', 'mrope_positions', 'ImageItem', 'MultiModalInputs', 'image_hash', 'patch_video',
-           'expand_placeholders', 'Visual', 'place', 'image_visuals', 'process_images', 'collapse_wrappers',
-           'is_multimodal', 'as_frames', 'videos_of', 'MultiModalProcessor', 'add_mm_args', 'mm_kwargs']
+__all__ = ['MODALITIES', 'MROPE_ARCHS', 'FRAMES_APART', 'OWN_PROCESSORS', 'DEFAULT_VIDEO_FPS', 'parse_limit_mm_per_prompt',
+           'check_counts', 'extract_media', 'mrope_positions', 'ImageItem', 'MultiModalInputs', 'image_hash',
+           'patch_video', 'expand_placeholders', 'Visual', 'place', 'image_visuals', 'process_images',
+           'collapse_wrappers', 'is_multimodal', 'as_frames', 'videos_of', 'MultiModalProcessor', 'add_mm_args',
+           'mm_kwargs']
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #ffd6ca00
 MODALITIES = ('image', 'video')
@@ -127,6 +128,7 @@ class MultiModalInputs:
     items: list[ImageItem]
     mrope_positions: torch.Tensor | None = None  # [3, prompt length]; None: a model with plain positions
     mrope_delta: int = 0  # position of token i past the prompt: i + delta
+    whole_runs: bool = False  # a step never ends inside an image's run (Gemma 3: its tokens attend both ways)
     encoder_cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def positions(self, start: int, n: int) -> torch.Tensor:
@@ -139,6 +141,13 @@ class MultiModalInputs:
     def block_key(self, lo: int, hi: int) -> bytes:
         "The hashes of the images whose placeholders overlap tokens `lo .. hi`: mixed into that block's hash."
         return b''.join(it.hash for it in self.items if it.offset < hi and it.offset + it.length > lo)
+
+    def whole_cut(self, c: int, n: int) -> int:
+        "`n` new tokens from `c` cut so the step does not end inside an image run (0: it starts in one it can't finish)."
+        for it in self.items:
+            if it.offset < c + n < it.offset + it.length:
+                return max(it.offset - c, 0)
+        return n
 
     def to_dict(self) -> dict:
         "Plain types for the API -> core message (fp32 patches as bytes)."
@@ -156,6 +165,7 @@ class MultiModalInputs:
             ],
             'mrope': None if self.mrope_positions is None else self.mrope_positions.tolist(),
             'delta': self.mrope_delta,
+            'whole': self.whole_runs,
         }
 
     @classmethod
@@ -165,7 +175,9 @@ class MultiModalInputs:
             for b, s, g, o, n, h in d['items']
         ]
         m = d.get('mrope')
-        return cls(items, None if m is None else torch.tensor(m, dtype=torch.long), d.get('delta', 0))
+        return cls(
+            items, None if m is None else torch.tensor(m, dtype=torch.long), d.get('delta', 0), d.get('whole', False)
+        )
 
 # %% ../../nbs/57a_multimodal_inputs.ipynb #f696cb76
 def image_hash(pixel_values: torch.Tensor, grid_thw) -> bytes:
@@ -270,12 +282,14 @@ MROPE_ARCHS = {  # image models whose positions are M-RoPE's
 }
 # a video's frame groups as runs of their own after timestamps
 FRAMES_APART = {'Qwen3VLForConditionalGeneration', 'Qwen3VLMoeForConditionalGeneration'}
+# image models with a processor of their own (plain positions, other placeholders): architecture -> (module, class)
+OWN_PROCESSORS = {'Gemma3ForConditionalGeneration': ('cvllm_lab.models.gemma3_vl', 'Gemma3MultiModalProcessor')}
 DEFAULT_VIDEO_FPS = 2.0  # the frame rate of frames given without one (the Qwen-VL processors' sampling rate)
 
 
 def is_multimodal(hf_config) -> bool:
     "Whether the checkpoint's architecture takes images here."
-    return bool(set(getattr(hf_config, 'architectures', None) or ()) & MROPE_ARCHS)
+    return bool(set(getattr(hf_config, 'architectures', None) or ()) & (MROPE_ARCHS | set(OWN_PROCESSORS)))
 
 
 def as_frames(x) -> np.ndarray:
@@ -314,6 +328,15 @@ class MultiModalProcessor:
     """A model's image and video path in the front end: counted against `--limit-mm-per-prompt`, run through the
     checkpoint's own image processor (loaded on first use; videos frame by frame, `patch_video`), placeholders
     expanded, M-RoPE positions computed. `tokenizer` spells Qwen3-VL's frame timestamps."""
+
+    def __new__(cls, hf_config, *args, **kw):
+        "The architecture's own processor class where it has one (`OWN_PROCESSORS`)."
+        own = [OWN_PROCESSORS[a] for a in getattr(hf_config, 'architectures', None) or () if a in OWN_PROCESSORS]
+        if cls is MultiModalProcessor and own:
+            import importlib
+
+            cls = getattr(importlib.import_module(own[0][0]), own[0][1])
+        return super().__new__(cls)
 
     def __init__(
         self, hf_config, root, limit_mm_per_prompt=None, allowed_local_media_path: str | None = None, tokenizer=None
