@@ -209,11 +209,6 @@ class EngineConfig:
         if self.enable_lora:
             if self.max_loras < 1 or self.max_lora_rank < 1:
                 raise ValueError(f'max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}: both must be >= 1')
-            if self.tensor_parallel_size > 1 or self.device_ids:
-                raise NotImplementedError(
-                    'LoRA with tensor parallelism through the engine is not supported yet (the LoRA layers shard '
-                    'adapters, 25a; the tensor-parallel workers do not receive them)'
-                )
         if self.device == 'auto':  # $CVLLM_LAB_DEVICE lets a GPU machine run the CPU tests on its CPU
             self.device = envs.CVLLM_LAB_DEVICE or ('cuda' if torch.cuda.is_available() else 'cpu')
         if self.attention_backend == 'auto':

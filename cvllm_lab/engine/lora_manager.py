@@ -253,11 +253,19 @@ def make_lora_manager(model, cfg, device) -> LoRAManager:
 # %% ../../nbs/51b_lora_manager.ipynb #06590aa4
 def core_lora_request(runner, d: dict | None) -> LoRARequest | None:
     """The engine core's side of a request's adapter (`EngineCoreRequest.lora_request`): read into the runner's CPU
-    cache now, so a bad adapter fails its own request; None without one."""
+    cache now, so a bad adapter fails its own request (tensor parallel: its config and rank only, the workers read
+    it); None without one."""
     if d is None:
         return None
-    if getattr(runner, 'lora_manager', None) is None:
+    cfg = getattr(runner, 'cfg', None)
+    if not getattr(cfg, 'enable_lora', False):
         raise ValueError('A LoRA adapter needs an engine started with enable_lora=True (--enable-lora)')
     lora = LoRARequest(**d)
-    runner.lora_manager.add(lora)
+    mgr = getattr(runner, 'lora_manager', None)
+    if mgr is not None:
+        mgr.add(lora)
+    else:  # a tensor-parallel executor: its config checked here, each worker reads its shards at its first step
+        c = read_peft_config(lora.lora_path)
+        if int(c['r']) > cfg.max_lora_rank:
+            raise ValueError(f'{lora.lora_path}: LoRA rank {c["r"]} is above max_lora_rank={cfg.max_lora_rank}')
     return lora

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..sampling_params import SamplingParams
 from .request import Request, RequestStatus
 from .scheduler import SchedulerOutput
+from .lora_manager import LoRARequest
 
 # %% auto #0
 __all__ = ['NewRequestData', 'StepMessage', 'StepEncoder', 'RequestMirror', 'runner_view']
@@ -17,12 +18,13 @@ __all__ = ['NewRequestData', 'StepMessage', 'StepEncoder', 'RequestMirror', 'run
 # %% ../../nbs/56a_step_message.ipynb #8ee422c2
 @dataclass(slots=True)
 class NewRequestData:
-    "A request the workers have not seen: its prompt and sampling settings (and the GPU sampler's seed)."
+    "A request the workers have not seen: its prompt and sampling settings (the GPU sampler's seed, its LoRA adapter)."
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     sample_seed: int
+    lora_request: dict | None = None  # `LoRARequest.to_dict()`: each worker reads the adapter at its first step
 
 
 @dataclass(slots=True)
@@ -58,7 +60,8 @@ class StepEncoder:
         for r in so.scheduled:
             rid, s = r.request_id, self.sent.get(r.request_id)
             if s is None:
-                m.new_reqs.append(NewRequestData(rid, r.prompt_token_ids, r.sampling_params, r.sample_seed))
+                lora = None if r.lora_request is None else r.lora_request.to_dict()
+                m.new_reqs.append(NewRequestData(rid, r.prompt_token_ids, r.sampling_params, r.sample_seed, lora))
                 s = self.sent[rid] = [r, r.num_prompt_tokens, None, 0]
             n_real = r.num_tokens - r.has_placeholder
             m.new_token_ids.append(r.all_token_ids[s[1] : n_real])
@@ -94,7 +97,8 @@ class RequestMirror:
             self.reqs.pop(rid, None)
             self.tables.pop(rid, None)
         for d in m.new_reqs:
-            r = Request(d.req_id, d.prompt_token_ids, d.sampling_params, (), self.block_size)
+            lora = None if d.lora_request is None else LoRARequest(**d.lora_request)
+            r = Request(d.req_id, d.prompt_token_ids, d.sampling_params, (), self.block_size, lora_request=lora)
             r.sample_seed, r.status = d.sample_seed, RequestStatus.RUNNING
             self.reqs[d.req_id], self.tables[d.req_id] = r, []
         for rid in m.replaced:

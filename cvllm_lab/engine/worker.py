@@ -404,6 +404,10 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> StepHandle:
         "Rank 0: `ModelRunner.launch`. Other ranks: the same forward and the same `compute_logits` calls, no sampling."
+        if self.lora_manager is not None:  # adapters this rank has not read yet (51b): its shards of them
+            for r in so.scheduled:
+                if r.lora_request is not None:
+                    self.lora_manager.add(r.lora_request)
         if self.tp_rank == 0:
             return super().launch(so, prev_tokens)
         b = self.prepare_inputs(so)
@@ -441,5 +445,6 @@ def make_executor(cfg, hf_config, src=None, progress: bool = True):
         ex = DriverExecutor(w)
     else:
         ex = MultiprocExecutor(n, make, cfg.device, cfg.device_ids, cfg.block_size)
+    ex.cfg = cfg  # what the engine core asks of its runner (`enable_lora`, 51b)
     atexit.register(ex.shutdown)
     return ex
