@@ -34,7 +34,9 @@ sizes only, so both can be captured in CUDA graphs.
 Speculative decoding (`state_out_idx [B, P]` int32, notebook 51g): the state after token j of sequence b is also
 written to slot `state_out_idx[b, j]` (j < P; a negative entry writes nothing), so that a verification step of
 1 + k tokens leaves the state after every position and the engine keeps the one after the last accepted token.
-Such a batch always takes the recurrent kernel (exact for any length; the chunked form has no per-token states).
+A verification batch (`max_query_len` at most P) takes the recurrent kernel, outputs and states in one pass; a
+batch with longer queries (a prefill chunk beside verifications) runs it first in a states-only mode (the first P
+tokens of each sequence, nothing else written), then the usual path: the chunked form keeps no per-token states.
 
 The recurrent kernel is decode's cost: each program reads its `[Dk, BV]` block of S once, carries it in registers
 over the sequence's tokens (so it serves short multi-token queries correctly too) and writes it back once; the
@@ -153,6 +155,7 @@ def gdn_recurrent_kernel(
     BV: tl.constexpr,  # the program's block of Dv: a column block of S, independent of the others
     L2NORM: tl.constexpr,
     PER_POS: tl.constexpr,  # write the state after every token to its `out_idx` slot too
+    STATES_ONLY: tl.constexpr,  # only those states, over the first P tokens: no outputs, no final state
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -182,7 +185,10 @@ def gdn_recurrent_kernel(
     p_g = g_ptr + row * stride_gt + h * stride_gh
     p_b = beta_ptr + row * stride_bt + h * stride_bh
     p_o = o_ptr + row * stride_ot + h * stride_oh + offs_v
-    for t in range(0, end - start):
+    n = end - start
+    if STATES_ONLY:
+        n = tl.minimum(n, P)
+    for t in range(0, n):
         q = tl.load(p_q, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(p_k, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(p_v, mask=v_ok, other=0.0).to(tl.float32)
@@ -196,7 +202,8 @@ def gdn_recurrent_kernel(
         d = (v - tl.sum(S * k[:, None], 0)) * beta  # beta (v - S^T k)
         S = S + k[:, None] * d[None, :]
         o = tl.sum(S * q[:, None], 0)  # S^T q
-        tl.store(p_o, o.to(p_o.dtype.element_ty), mask=v_ok)
+        if not STATES_ONLY:
+            tl.store(p_o, o.to(p_o.dtype.element_ty), mask=v_ok)
         if PER_POS:  # the state after token t into its own slot (rows as a limit: see k_read)
             o_slot = tl.load(out_idx_ptr + seq * stride_oi + t, mask=t < P, other=-1).to(tl.int64)
             o_rows = tl.where(o_slot >= 0, DK, 0)
@@ -207,7 +214,57 @@ def gdn_recurrent_kernel(
         p_g += stride_gt
         p_b += stride_bt
         p_o += stride_ot
-    tl.store(s_ptrs, S, mask=(offs_k < k_write)[:, None] & v_ok[None, :])  # written once
+    if not STATES_ONLY:
+        tl.store(s_ptrs, S, mask=(offs_k < k_write)[:, None] & v_ok[None, :])  # written once
+
+
+def _recurrent(q, k, v, g, beta, out, state, qsl, state_idx, init, scale, l2norm, out_idx, states_only):
+    "One launch of `gdn_recurrent_kernel` (`out_idx`: keep per-position states; `states_only`: nothing else)."
+    Hk, Dk = q.shape[1:]
+    Hv, Dv = v.shape[1:]
+    B = state_idx.shape[0]
+    DK_P = max(16, triton.next_power_of_2(Dk))
+    DV_P = max(16, triton.next_power_of_2(Dv))
+    BV = _recurrent_bv(B, Hv, DV_P)
+    per_pos = out_idx is not None
+    gdn_recurrent_kernel[(B, Hv, triton.cdiv(Dv, BV))](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        state,
+        qsl,
+        state_idx,
+        init,
+        out_idx if per_pos else state_idx,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        out.stride(0),
+        out.stride(1),
+        state.stride(0),
+        out_idx.stride(0) if per_pos else 0,
+        out_idx.shape[1] if per_pos else 0,
+        HEADS_PER_K=Hv // Hk,
+        DK=Dk,
+        DV=Dv,
+        DK_P=DK_P,
+        BV=BV,
+        L2NORM=bool(l2norm),
+        PER_POS=per_pos,
+        STATES_ONLY=states_only,
+        num_warps=4 if DK_P * BV >= 4096 else 2,
+    )
 
 
 def _recurrent_bv(B, Hv, DV_P):
@@ -246,7 +303,7 @@ def gated_delta_rule(
     `scale` defaults to Dk ** -0.5. `max_query_len` is an optional host-side upper bound on the query lengths: at
     most `RECURRENT_MAX_QUERY_LEN` picks the recurrent kernel (without it, T == B does: every sequence one token).
     `state_out_idx [B, P]` int32 (speculative decoding): also write the state after token j of sequence b to slot
-    `state_out_idx[b, j]` (negative: none); such a batch takes the recurrent kernel whatever its lengths.
+    `state_out_idx[b, j]` (negative: none); see the module docstring for the path it takes.
     Nothing here reads a device value on the host. Rows past `query_start_loc[-1]` are left unwritten. q, k, v,
     g, beta may be strided views (last dimension contiguous); a negative slot is a padding entry (see above)."""
     T, Hk, Dk = q.shape
@@ -263,53 +320,17 @@ def gated_delta_rule(
     if T == 0 or B == 0:
         return out
     decode = max_query_len <= RECURRENT_MAX_QUERY_LEN if max_query_len is not None else T == B
-    per_pos = state_out_idx is not None
-    if per_pos:
+    args = (q, k, v, g, beta, out, state, query_start_loc, state_idx, has_initial_state, scale, use_qk_l2norm)
+    if state_out_idx is not None:
         assert state_out_idx.dtype == torch.int32 and state_out_idx.dim() == 2 and state_out_idx.shape[0] == B
         assert state_out_idx.stride(1) == 1
-        decode = True
+        if max_query_len is not None and max_query_len <= state_out_idx.shape[1]:  # a verification batch
+            _recurrent(*args, state_out_idx, False)
+            return out
+        _recurrent(*args, state_out_idx, True)  # the kept states first: the pass below overwrites the old ones
     if not decode:
         return chunk_gated_delta_rule(
             q, k, v, g, beta, query_start_loc, state, state_idx, has_initial_state, scale, use_qk_l2norm, out
         )
-    DK_P = max(16, triton.next_power_of_2(Dk))
-    DV_P = max(16, triton.next_power_of_2(Dv))
-    BV = _recurrent_bv(B, Hv, DV_P)
-    gdn_recurrent_kernel[(B, Hv, triton.cdiv(Dv, BV))](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        out,
-        state,
-        query_start_loc,
-        state_idx,
-        has_initial_state,
-        state_out_idx if per_pos else state_idx,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        g.stride(1),
-        beta.stride(0),
-        beta.stride(1),
-        out.stride(0),
-        out.stride(1),
-        state.stride(0),
-        state_out_idx.stride(0) if per_pos else 0,
-        state_out_idx.shape[1] if per_pos else 0,
-        HEADS_PER_K=Hv // Hk,
-        DK=Dk,
-        DV=Dv,
-        DK_P=DK_P,
-        BV=BV,
-        L2NORM=bool(use_qk_l2norm),
-        PER_POS=per_pos,
-        num_warps=4 if DK_P * BV >= 4096 else 2,
-    )
+    _recurrent(*args, None, False)
     return out

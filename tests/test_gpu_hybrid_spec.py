@@ -2,7 +2,7 @@
 Qwen3.5 (dense) in fp32 on the Triton kernels, with one MTP layer (the last layer of a 5-layer model, renamed to
 `mtp.layers.0.*`, plus `mtp.fc` and the three norms) appended to the checkpoint. Greedy output with n-gram (k = 3)
 and MTP (k = 1, 2) equals greedy output without (CUDA graphs there), token for token, in a small pool that preempts;
-the per-position state kernels against their references at real head sizes. Skipped without CUDA."""
+the per-position state kernels against their references at real head sizes (both paths of the delta rule). Skipped without CUDA."""
 
 import tempfile
 from pathlib import Path
@@ -132,3 +132,7 @@ def test_state_per_position_kernels_cuda():
     torch.testing.assert_close(S1, S2, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(y1, y2, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(c1, c2)
+    S3 = S0.clone()  # a verification batch (every query at most P tokens): one recurrent pass, the same results
+    o3 = gated_delta_rule(q, k, v, g, beta, qsl, S3, idx, init, None, True, P, out_idx)
+    torch.testing.assert_close(o3, o2, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(S3, S2, atol=1e-4, rtol=1e-4)
