@@ -161,3 +161,55 @@ def test_refused_experts(setup):
     assert mgr.refused and all('quantized' in v for v in mgr.refused.values())
     with pytest.raises(NotImplementedError, match='experts.*quantized'):
         mgr.add(reqs['a2'])
+
+
+@pytest.mark.parametrize('arch', ['mixtral', 'qwen2_moe'])
+def test_other_moe_families(arch, tmp_path):
+    """Mixtral (renormalized top-2) and Qwen2-MoE (a sigmoid-gated shared expert, itself a dense SwiGLU whose
+    gate/up/down take the adapter through `target_modules`): one adapter on attention, the shared expert and the
+    routed experts (`target_parameters`), rsLoRA, with the base in the same batch, against peft (1e-4, greedy equal).
+    Qwen2-MoE: naming gate/up/down makes PEFT target the experts' `gate_up_proj` at twice the rank and alpha too
+    (`rank_pattern` / `alpha_pattern`), so its scaling differs from the rest's."""
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, eos_token_id=None, bos_token_id=None)  # fmt: skip
+    if arch == 'mixtral':
+        cfg = tf.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                               architectures=['MixtralForCausalLM'], **common)  # fmt: skip
+        cls, mods = tf.MixtralForCausalLM, ['q_proj', 'v_proj', 'o_proj']
+    else:
+        cfg = tf.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                num_experts=6, num_experts_per_tok=2, architectures=['Qwen2MoeForCausalLM'], **common)  # fmt: skip
+        cls, mods = tf.Qwen2MoeForCausalLM, ['q_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
+    torch.manual_seed(0)
+    hf = cls(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if 'gate.weight' in n:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    m = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=mods, target_parameters=EXPERTS, use_rslora=True)
+    )
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if 'lora_B' in n:
+                p.normal_(0, 0.3)
+    m.save_pretrained(tmp_path / 'ad')
+    assert any('experts' in k for k in m.state_dict() if 'lora_A' in k)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (10, 10)]
+    prompts[1] = prompts[0]
+    with m.disable_adapter():
+        base = reference(m, prompts[0])
+    llm = engine(tmp_path, max_loras=1)
+    outs = llm.generate(prompts, SP, use_tqdm=False, lora_request=[None, LoRARequest('ad', 1, str(tmp_path / 'ad'))])
+    errs = []
+    for o, (toks, lp) in zip(outs, [base, reference(m.eval(), prompts[1])]):
+        got = torch.tensor([[x[t].logprob for t in range(V)] for x in o.prompt_logprobs[1:]])
+        errs.append((got - lp).abs().max().item())
+        assert o.outputs[0].token_ids == toks
+    assert max(errs) < 1e-4, errs
+    assert (reference(m, prompts[1])[1] - base[1]).abs().max() > 0.05

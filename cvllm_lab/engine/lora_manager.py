@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ class LoRARequest:
         return dict(lora_name=self.lora_name, lora_int_id=self.lora_int_id, lora_path=str(self.lora_path))
 
 # %% ../../nbs/51b_lora_manager.ipynb #112979bc
-REFUSED_PEFT_KEYS = ('modules_to_save', 'rank_pattern', 'alpha_pattern', 'layers_to_transform', 'layers_pattern')
+REFUSED_PEFT_KEYS = ('modules_to_save', 'layers_to_transform', 'layers_pattern')
 
 
 @dataclass
@@ -75,10 +76,22 @@ def read_peft_config(path) -> dict:
     return c
 
 
-def lora_scaling(cfg: dict) -> float:
-    "PEFT's scaling: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`."
+def lora_scaling(cfg: dict, key: str | None = None) -> float:
+    """PEFT's scaling: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`; of the module or parameter
+    `key` (checkpoint name) with the `rank_pattern` / `alpha_pattern` entry that matches it as PEFT matches them."""
     r, alpha = cfg['r'], cfg.get('lora_alpha', cfg['r'])
+    if key is not None:
+        r = _pattern(cfg.get('rank_pattern'), key, r)
+        alpha = _pattern(cfg.get('alpha_pattern'), key, alpha)
     return alpha / math.sqrt(r) if cfg.get('use_rslora') else alpha / r
+
+
+def _pattern(patterns: dict | None, key: str, default):
+    "PEFT's `get_pattern_key`: the first pattern `p` with `(.*\\.)?(p)$` matching `key`."
+    for p, v in (patterns or {}).items():
+        if re.match(rf'(.*\.)?({p})$', key):
+            return v
+    return default
 
 
 def peft_target(name: str, packed: dict, slice_of) -> tuple[str, int]:
@@ -100,7 +113,7 @@ def load_peft(
     (`25b_lora_moe`): PEFT's fused `experts(.base_layer)*` pairs and per-expert `experts.{e}.gate_proj` ones go to the
     wrapped `FusedMoE` of that name (`modules[name]`), or are refused with `refused[name]`, why it is not wrapped."""
     cfg = read_peft_config(path)
-    r = int(cfg['r'])
+    r = max([int(cfg['r']), *(cfg.get('rank_pattern') or {}).values()])
     if r > max_rank:
         raise ValueError(f'{path}: LoRA rank {r} is above max_lora_rank={max_rank}')
     st = Path(path) / 'adapter_model.safetensors'
@@ -108,6 +121,7 @@ def load_peft(
         raise FileNotFoundError(f'{path}: no adapter_model.safetensors')
     tensors = load_file(str(st))
     ad = LoRAAdapter(lora_int_id, r, lora_scaling(cfg))
+    rel = lambda key: lora_scaling(cfg, key) / ad.scaling  # a module's own scaling (rank/alpha patterns), folded in B
     pairs: dict[str, dict] = {}
     for k, t in tensors.items():
         stem = k.removeprefix('base_model.model.')
@@ -128,7 +142,7 @@ def load_peft(
                 why = (refused or {}).get(name, 'no LoRA-wrapped experts of that name')
                 raise NotImplementedError(f'{path}: LoRA on {mod} is not supported: {why}')
             fused, per = experts.setdefault(name, ([], {}))
-            pair = (ab['lora_A'], ab['lora_B'])
+            pair = (ab['lora_A'], ab['lora_B'] * rel(mod)) if e is not None else (ab['lora_A'], ab['lora_B'])
             if e is None:
                 fused.append(pair)
             else:
@@ -137,9 +151,9 @@ def load_peft(
         ours, s = peft_target(mod, packed, slice_of)
         if ours not in modules:
             raise NotImplementedError(f'{path}: LoRA on {mod} is not supported (LoRA layers: {sorted(modules)[:3]}...)')
-        ad.weights.setdefault(ours, {})[s] = (ab['lora_A'], ab['lora_B'])
+        ad.weights.setdefault(ours, {})[s] = (ab['lora_A'], ab['lora_B'] * rel(mod))
     for name, (fused, per) in experts.items():
-        ad.weights[name] = peft_expert_weights(modules[name], fused, per)
+        ad.weights[name] = peft_expert_weights(modules[name], fused, per, lambda p, n=name: rel(f'{n}.{p}'))
     return ad
 
 # %% ../../nbs/51b_lora_manager.ipynb #816cd818

@@ -147,18 +147,21 @@ def expert_lora_target(mod: str) -> tuple[str, int | None, str | None] | None:
     return None
 
 
-def peft_expert_weights(layer: LoRAFusedMoE, fused: list, per_expert: dict) -> dict:
+def peft_expert_weights(layer: LoRAFusedMoE, fused: list, per_expert: dict, factor=None) -> dict:
     """`{shard: (A [E, r, in], B [E, out, r])}` of one MoE layer from PEFT's fused pairs (`(A [E*r, in],
-    B [out, r*E])` of `gate_up_proj` / `down_proj`) and per-expert ones (`{(e, shard): (A [r, in], B [out, r])}`)."""
+    B [out, r*E])` of `gate_up_proj` / `down_proj`) and per-expert ones (`{(e, shard): (A [r, in], B [out, r])}`).
+    `factor(param)`: a number B of the fused `param` (`'gate_up_proj'`, `'down_proj'`) is multiplied by (its own
+    scaling over the adapter's, from PEFT's `rank_pattern` / `alpha_pattern`)."""
     E, H, I = layer.num_experts, layer.hidden_size, layer.intermediate_size
     out = {}
     for a, b in fused:
         r = a.shape[0] // E
         A, B = a.reshape(E, r, a.shape[1]), b.reshape(b.shape[0], r, E).permute(2, 0, 1)
         if (a.shape[1], b.shape[0]) == (H, 2 * I):  # gate_up_proj: one A for both halves
+            B = B * (factor('gate_up_proj') if factor else 1.0)
             out['w1'], out['w3'] = (A, B[:, :I]), (A, B[:, I:])
         elif (a.shape[1], b.shape[0]) == (I, H):
-            out['w2'] = (A, B)
+            out['w2'] = (A, B * (factor('down_proj') if factor else 1.0))
         else:
             raise ValueError(
                 f'expert LoRA A {tuple(a.shape)}, B {tuple(b.shape)} fit neither gate_up_proj nor down_proj'
