@@ -4,8 +4,9 @@ The CPU tests' models and adapters (`test_lora_quant`, `test_lora_moe`) through 
 - quantized bases (`fp8`, `w4a16`) in bf16: the base and the adapter in one batch; the adapter's prompt log-probs are
   near the fp32 reference of the dequantized weights plus `scaling * B A` (0.1: bf16 activations, the FP8 kernels'
   quantized activations) and much nearer it than the base's reference is;
-- a tiny Qwen3-MoE in fp32 with expert adapters (CUDA graphs turned off by LoRA on experts): base, a1, a2 and the
-  per-expert a2e in one batch, prompt log-probs within 1e-3 of peft and greedy tokens equal.
+- a tiny Qwen3-MoE in fp32 with expert adapters (the Triton experts path; CUDA graphs off with LoRA on experts):
+  base, a1, a2 and the per-expert a2e in one batch, prompt log-probs within 1e-3 of peft and greedy tokens equal;
+- `fused_moe_lora` (Triton) against `fused_moe_lora_ref` at 1, 7 and 300 tokens, fp32 and bf16.
 """
 
 import pytest
@@ -58,3 +59,24 @@ def test_lora_moe_experts_gpu(moe_setup):
     assert llm.engine.runner.cfg.enforce_eager  # LoRA on experts: eager
     outs = llm.generate(prompts, SP, use_tqdm=False, lora_request=[reqs[n] for n in names])
     M.check(outs, prompts, names, refs, tol=1e-3)
+
+
+@pytest.mark.parametrize('T', [1, 7, 300])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_fused_moe_lora_kernel_gpu(T, dtype):
+    "The Triton MoE LoRA path against the PyTorch reference on the GPU: 3 slots, tokens without adapter among them."
+    from cvllm_lab.kernels.fused_moe import select_experts
+    from cvllm_lab.layers.lora_moe import fused_moe_lora, fused_moe_lora_ref
+
+    torch.manual_seed(0)
+    E, H, I, R, S, K = 16, 256, 128, 16, 3, 4
+    dev = dict(device='cuda', dtype=dtype)
+    x = torch.randn(T, H, **dev)
+    w13, w2 = torch.randn(E, 2 * I, H, **dev) * 0.05, torch.randn(E, H, I, **dev) * 0.05
+    lora = (torch.randn(S, E, 2 * R, H, **dev) * 0.05, torch.randn(S, E, 2 * I, R, **dev) * 0.05,
+            torch.randn(S, E, R, I, **dev) * 0.05, torch.randn(S, E, H, R, **dev) * 0.05)  # fmt: skip
+    tw, ids = select_experts(torch.randn(T, E, device='cuda'), K, True)
+    tl = torch.randint(-1, S, (T,), device='cuda', dtype=torch.int32)
+    got, ref = fused_moe_lora(x, w13, w2, tw, ids, tl, lora), fused_moe_lora_ref(x, w13, w2, tw, ids, tl, lora)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

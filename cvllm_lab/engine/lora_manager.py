@@ -255,7 +255,7 @@ def make_lora_manager(model, cfg, device) -> LoRAManager:
         else None
     )
     moe, refused = apply_lora_moe(model, mapping, cfg.max_lora_rank, cfg.torch_dtype, off)  # 25b
-    if moe and cuda and not cfg.enforce_eager:  # the experts' LoRA path is PyTorch with host syncs: no graph capture
+    if moe and cuda and not cfg.enforce_eager:  # the experts' LoRA kernels have not been run captured yet
         cfg.enforce_eager = True
         log.info('LoRA on MoE experts: CUDA graphs off (enforce_eager)')
     mapping.always = cuda and not cfg.enforce_eager

@@ -10,13 +10,17 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
-from ..kernels.fused_moe import select_experts
+from ..kernels.activation import silu_and_mul
+from ..kernels.fused_moe import get_config, moe_align_block_size, select_experts
+from ..kernels.fused_moe_gemm import grouped_gemm
+from ..kernels.lora import lora_expand, lora_mapping, lora_shrink
+from ..kernels.moe_sum import moe_sum
 from .fused_moe import CKPT_SHARDS, FusedMoE
 from .lora import LoRAMapping, _device
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
 # %% auto #0
-__all__ = ['fused_moe_lora_ref', 'LoRAFusedMoE', 'moe_lora_refusal', 'apply_lora_moe', 'expert_lora_target',
+__all__ = ['fused_moe_lora_ref', 'fused_moe_lora', 'LoRAFusedMoE', 'moe_lora_refusal', 'apply_lora_moe', 'expert_lora_target',
            'peft_expert_weights']
 
 # %% ../../nbs/25b_lora_moe.ipynb #4accadc6
@@ -45,6 +49,37 @@ def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, token_lora, lora):
             y[r] += (g[r] @ a2[s, e].float().T) @ b2[s, e].float().T
         out.index_add_(0, t, y * w[t, j, None])
     return out.to(x.dtype)
+
+# %% ../../nbs/25b_lora_moe.ipynb #61e1866f
+def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, token_lora, lora, config: dict | None = None):
+    """`fused_moe_lora_ref` with Triton kernels (the fused MoE's grouped GEMMs and the multi-LoRA shrink/expand over
+    virtual slots `slot * E + expert`), fixed shapes and no host synchronization; `[T, H]` in x's dtype."""
+    a13, b13, a2, b2 = lora
+    T, H = x.shape
+    k, (S, E, R2, _), I = topk_ids.shape[1], a13.shape, w2.shape[2]
+    n = T * k
+    cfg = {**get_config(T, E, H, I, k, x.device), **(config or {}), 'SORTED': 0, 'XSORT': 0, 'ATOMIC': 0}
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg['BLOCK_M'], E)
+    tw = topk_weights.float().contiguous()
+    slot = token_lora[:T].long().repeat_interleave(k)
+    virt = torch.where(slot >= 0, slot * E + topk_ids.reshape(-1).long(), -1)
+    mapping = lora_mapping(virt, S * E)
+    xp = x.repeat_interleave(k, 0)  # each pair's token row
+    inter13 = x.new_empty(n, 2 * I)
+    grouped_gemm(x, w13, inter13, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=k, mul_routed=False, cfg=cfg)
+    u = lora_shrink(xp.to(a13.dtype), a13.view(S * E, R2, H), mapping)
+    off13 = torch.arange(3, dtype=torch.int32, device=x.device) * I  # no host copy: capturable
+    lora_expand(u, b13.view(S * E, 2 * I, R2 // 2), mapping, off13, inter13, I)
+    inter = silu_and_mul(inter13)
+    out_k = x.new_empty(n, H)
+    cfg2 = {**cfg, **cfg.get('down', {}), 'BLOCK_M': cfg['BLOCK_M']}
+    grouped_gemm(
+        inter, w2, out_k, tw, sorted_ids, expert_ids, ntpp, num_valid=n, a_row_div=1, mul_routed=True, cfg=cfg2
+    )
+    u2 = lora_shrink(inter.to(a2.dtype), a2.view(S * E, R2 // 2, I), mapping) * tw.view(-1, 1)
+    off2 = torch.arange(2, dtype=torch.int32, device=x.device) * H
+    lora_expand(u2, b2.view(S * E, H, R2 // 2), mapping, off2, out_k, H)
+    return moe_sum(out_k.view(T, k, H))
 
 # %% ../../nbs/25b_lora_moe.ipynb #31bea1db
 class LoRAFusedMoE(nn.Module):
@@ -97,10 +132,11 @@ class LoRAFusedMoE(nn.Module):
 
     def forward(self, x, router_logits):
         m, b = self.mapping, self.base
-        if not any(self.has_experts[s] for s in m.step_slots):
+        if not (m.always or any(self.has_experts[s] for s in m.step_slots)):  # no adapter of the step has experts
             return b(x, router_logits)
         tw, ids = select_experts(router_logits, b.top_k, b.renormalize)
-        out = fused_moe_lora_ref(x, b.w13_weight, b.w2_weight, tw, ids, m.token_lora, self.lora)
+        fn = fused_moe_lora if x.is_cuda else fused_moe_lora_ref
+        out = fn(x, b.w13_weight, b.w2_weight, tw, ids, m.token_lora, self.lora)
         return tensor_model_parallel_all_reduce(out) if b.reduce_results and b.tp_size > 1 else out
 
     def extra_repr(self):
