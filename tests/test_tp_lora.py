@@ -6,6 +6,8 @@ full adapters (different ranks, different slices); a batch of tokens of slot 0, 
 in fp32, with the same layers and adapters at tensor-parallel size 1: a column-parallel rank's output equals its
 columns of the full output (each slice's `shard_range`), a row-parallel output (its partial LoRA term added before the
 one all-reduce) equals the whole output (1e-5); the adapters move the outputs. A quantized base is refused under TP.
+Then through the engine: `LLM(tensor_parallel_size=2, enable_lora=True)` (the adapter sent to the workers in the
+request's first step message) against tensor parallel 1.
 """
 
 import pytest
