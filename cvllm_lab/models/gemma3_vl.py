@@ -17,14 +17,8 @@ from .gemma import Gemma3ForCausalLM
 from .qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from ..utils.context import get_forward_context
 from ..utils.parallel_state import get_tensor_model_parallel_world_size
-from cvllm_lab.utils.multimodal import (
-    MediaError,
-    MultiModalProcessor,
-    Visual,
-    expand_placeholders,
-    parse_limit_mm_per_prompt,
-    place,
-)
+from ..utils.multimodal import MediaError, MultiModalProcessor, Visual
+from ..utils.multimodal import expand_placeholders, parse_limit_mm_per_prompt, place
 
 # %% auto #0
 __all__ = ['SiglipAttention', 'SiglipMLP', 'SiglipEncoderLayer', 'SiglipVisionModel', 'Gemma3MultiModalProjector',
