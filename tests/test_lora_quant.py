@@ -1,8 +1,8 @@
 """LoRA over quantized base layers (QLoRA-style serving), fp32 on CPU through `LLM`.
 
-A tiny random Llama quantized in situ (`quantization='fp8'`, 128 x 128 blocks, and `'w4a16'`, group 128) with a
-PEFT adapter (made with `peft`, B random and non-zero) on every projection: prompt log-probs of the base and of the
-adapter in one batch against a plain-PyTorch reference, transformers' Llama whose weights are the engine's
+A tiny random Llama quantized in situ (`quantization='fp8'`, 128 x 128 blocks, `'w4a16'`, group 128, GGUF `'q4_0'`
+and `'mxfp4'`) with a PEFT adapter (made with `peft`, B random and non-zero) on every projection: prompt log-probs of
+the base and of the adapter in one batch against a plain-PyTorch reference, transformers' Llama whose weights are the engine's
 dequantized quantized weights plus, for the adapter, `scaling * B @ A` of each projection; greedy tokens equal that
 reference and differ from the base's. A gate/up layer whose quantized GEMV applies the activation is refused.
 """
@@ -88,13 +88,16 @@ def reference(model, prompt):
     return ids[0, len(prompt) :].tolist(), lp
 
 
-@pytest.mark.parametrize('method', ['fp8', 'w4a16'])
+@pytest.mark.parametrize('method', ['fp8', 'w4a16', 'q4_0', 'mxfp4'])
 def test_lora_on_quantized_base(setup, method):
     root, base, deltas = setup
     llm = LLM(str(root / 'base'), dtype='float32', progress=False, skip_tokenizer_init=True, enable_lora=True,
               max_lora_rank=8, quantization=method, block_size=4, max_model_len=64, num_gpu_blocks_override=64)  # fmt: skip
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert type(qkv.base).__name__ == {'fp8': 'FP8Linear', 'w4a16': 'W4A16Linear'}[method]
+    assert (
+        type(qkv.base).__name__
+        == {'fp8': 'FP8Linear', 'w4a16': 'W4A16Linear', 'q4_0': 'GGUFLinear', 'mxfp4': 'Mxfp4Linear'}[method]
+    )
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (11, 9)]
     prompts += prompts
