@@ -20,8 +20,8 @@ from .lora import LoRAMapping, _device
 from ..utils.parallel_state import tensor_model_parallel_all_reduce
 
 # %% auto #0
-__all__ = ['fused_moe_lora_ref', 'fused_moe_lora', 'LoRAFusedMoE', 'moe_lora_refusal', 'apply_lora_moe', 'expert_lora_target',
-           'peft_expert_weights']
+__all__ = ['ROUTED_ELSEWHERE', 'fused_moe_lora_ref', 'fused_moe_lora', 'LoRAFusedMoE', 'moe_lora_refusal', 'apply_lora_moe',
+           'expert_lora_target', 'peft_expert_weights']
 
 # %% ../../nbs/25b_lora_moe.ipynb #4accadc6
 def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, token_lora, lora):
@@ -154,18 +154,24 @@ def moe_lora_refusal(mod: FusedMoE) -> str | None:
     return None
 
 
+ROUTED_ELSEWHERE = ('DeepseekV2MoE',)  # MoE blocks that run their experts without `FusedMoE.forward` (routed_experts)
+
+
 def apply_lora_moe(
     model: nn.Module, mapping: LoRAMapping, max_rank: int, dtype=None, refuse: str | None = None
 ) -> tuple[dict[str, LoRAFusedMoE], dict[str, str]]:
     "Wrap `model`'s `FusedMoE` layers in `LoRAFusedMoE`: `(wrapped by name, {name: why not} of the others)`."
     layers, refused = {}, {}
     for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]:
-        if why := refuse or moe_lora_refusal(mod):
+        parent, _, leaf = name.rpartition('.')
+        owner = model.get_submodule(parent) if parent else model
+        outside = f'its experts run outside FusedMoE.forward ({type(mod).__name__} in {type(owner).__name__})'
+        elsewhere = type(owner).__name__ in ROUTED_ELSEWHERE or type(mod) is not FusedMoE
+        if why := refuse or moe_lora_refusal(mod) or (elsewhere and outside):
             refused[name] = why
             continue
-        parent, _, leaf = name.rpartition('.')
         layers[name] = LoRAFusedMoE(mod, mapping, max_rank, dtype)
-        setattr(model.get_submodule(parent) if parent else model, leaf, layers[name])
+        setattr(owner, leaf, layers[name])
     return layers, refused
 
 # %% ../../nbs/25b_lora_moe.ipynb #d667ed46
