@@ -1,4 +1,10 @@
-"Start `python -m cvllm_lab.entrypoints.serve` in a subprocess on a free local port (used by the server and browser tests)."
+"""Start `python -m cvllm_lab.entrypoints.serve` in a subprocess on a free local port (used by the server and browser tests).
+
+`shared_server(*args)` is the suite's one shared server: test modules that ask for the same flags get the same process
+(a server start is ~15 s of a CI core), one that asks for other flags stops it first, and so does any `ServerProcess`
+started meanwhile (an `own_server` test's), so at most one server lives at a time. Modules whose tests change a
+server's state (stop, kill, sleep, adapters) start their own. `tests/conftest.py` runs modules of equal flags one after
+another, stops the shared server when a module of other flags begins, and at the session's end."""
 
 from __future__ import annotations
 import os
@@ -22,7 +28,11 @@ def free_port() -> int:
 class ServerProcess:
     "A cvllm-serve subprocess; `url` once `/health` answers. Use as a context manager (always killed)."
 
+    starts = 0  # servers started in this process (the session summary prints it)
+
     def __init__(self, *args: str, timeout: float = 180):
+        stop_shared()  # one server at a time: the shared one goes first
+        ServerProcess.starts += 1
         self.port = free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         self.log = tempfile.NamedTemporaryFile('w+', suffix='.log', prefix='cvllm-serve-')
@@ -78,11 +88,47 @@ class ServerProcess:
             self._heavy = False
             _heavy.release()
 
+    def healthy(self) -> bool:
+        try:
+            return self.proc.poll() is None and httpx.get(self.url + '/health', timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.stop()
+
+
+_shared: dict = {'args': None, 'server': None}
+
+
+def shared_server(*args: str) -> ServerProcess:
+    "The shared server started with `args`: the live one if it has these args and answers `/health`, else a new one."
+    if _shared['server'] is not None and (_shared['args'] != args or not _shared['server'].healthy()):
+        stop_shared()
+    if _shared['server'] is None:
+        _shared['server'] = ServerProcess(*args)
+        _shared['args'] = args
+    return _shared['server']
+
+
+def shared_args() -> tuple | None:
+    "The flags of the shared server alive now (None: none is)."
+    return _shared['args']
+
+
+def stop_shared():
+    "Stop the shared server, if one is alive."
+    s, _shared['server'], _shared['args'] = _shared['server'], None, None
+    if s is not None:
+        s.stop()
+
+
+# the flags of the API modules' shared server (test_server_bad_inputs, _cheap_requests, _e2e, _stream): two served
+# names (the second an alias) and the built-in chat page
+API_ARGS = ('--max-model-len', '1024', '--mem', '64', '--served-model-name', 'smol', 'alias', '--ui-server')
 
 
 def metric(url: str, name: str) -> float:

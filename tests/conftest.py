@@ -11,9 +11,14 @@ peak memory would be theirs together. `server` marks every test of a module that
 `_serverproc.ServerProcess`): `scripts/test.sh` runs those in one pytest process and the rest in another, side by
 side, and a server and a `test_tp_*` module's ranks never live at the same time (`tests/_heavy.py`); `timing`
 tests (they compare times measured on a quiet machine) run after them, alone.
+
+Shared servers (`_serverproc.shared_server`): a module that sets `SERVER_ARGS` gets its `server` from the one shared
+server of those flags. Modules of equal `SERVER_ARGS` run one after another, their `own_server` tests first, so the
+shared server starts once for all of them; a module of other flags (or none) stops it before its first test.
 """
 
 import os
+import sys
 
 import pytest
 
@@ -45,11 +50,22 @@ def pytest_collection_modifyitems(config, items):
         if getattr(item.module, 'ServerProcess', None) is not None:
             item.add_marker(pytest.mark.server)
     modules = {}  # first position of each module: files keep their order, `own_server` tests move to their front
+    groups = {}  # first position of each shared server's flags: its modules run together, all their `own_server` first
     for i, item in enumerate(items):
         modules.setdefault(_module(item), i)
+        groups.setdefault(_server_args(item) or _module(item), i)
     items.sort(  # tensor-parallel modules last: they wait for the other pytest process's servers (`tp_modules_alone`)
-        key=lambda it: (_is_tp(it), modules[_module(it)], not it.get_closest_marker('own_server'))
+        key=lambda it: (
+            _is_tp(it),
+            groups[_server_args(it) or _module(it)],
+            not it.get_closest_marker('own_server'),
+            modules[_module(it)],
+        )
     )
+
+
+def _server_args(item) -> tuple | None:
+    return getattr(item.module, 'SERVER_ARGS', None)
 
 
 def _module(item) -> str:
@@ -68,7 +84,34 @@ def tp_modules_alone(request):
 
     tp = request.module.__name__.rpartition('.')[2].startswith('test_tp_')
     if tp:
+        _stop_other_shared_server(None)  # no server beside this module's ranks, this process's own either
         _heavy.acquire()
     yield
     if tp:
         _heavy.release()
+
+
+@pytest.fixture(autouse=True, scope='module')
+def shared_server_of_module(request):
+    """Before a module's first test: the shared server goes unless it has the module's `SERVER_ARGS` (the module's
+    in-process engines never live beside another module's server)."""
+    _stop_other_shared_server(getattr(request.module, 'SERVER_ARGS', None))
+    yield
+
+
+def _stop_other_shared_server(args):
+    sp = sys.modules.get('_serverproc')
+    if sp is not None and sp.shared_args() not in (None, args):
+        sp.stop_shared()
+
+
+def pytest_sessionfinish(session):
+    sp = sys.modules.get('_serverproc')
+    if sp is not None:
+        sp.stop_shared()
+
+
+def pytest_terminal_summary(terminalreporter):
+    sp = sys.modules.get('_serverproc')
+    if sp is not None and sp.ServerProcess.starts:
+        terminalreporter.write_line(f'server starts: {sp.ServerProcess.starts}')

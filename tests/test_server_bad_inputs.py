@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from _serverproc import ServerProcess, metric
+from _serverproc import API_ARGS, ServerProcess, metric, shared_server
 
 MODEL = 'smol'
 Q = [{'role': 'user', 'content': 'What is the capital of France?'}]
@@ -22,10 +22,12 @@ C, CMPL = '/v1/chat/completions', '/v1/completions'
 STORY = dict(model=MODEL, prompt='Once upon a time', max_tokens=24, temperature=0, ignore_eos=True)
 
 
+SERVER_ARGS = API_ARGS  # the server shared with the other API modules (tests/_serverproc.py)
+
+
 @pytest.fixture(scope='module')
 def server():
-    with ServerProcess('--max-model-len', '1024', '--mem', '64', '--served-model-name', MODEL) as s:
-        yield s
+    return shared_server(*SERVER_ARGS)
 
 
 def serve_has(flag: str) -> bool:

@@ -9,17 +9,19 @@ import time
 import httpx
 import pytest
 
-from _serverproc import ServerProcess
+from _serverproc import API_ARGS, ServerProcess, shared_server
 from test_server_bad_inputs import C, CMPL, JSON, MODEL, Q, STORY, assert_error, serve_has, stream_times
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 LOOP = '{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}'
 
 
+SERVER_ARGS = API_ARGS  # the server shared with the other API modules (tests/_serverproc.py)
+
+
 @pytest.fixture(scope='module')
 def server():
-    with ServerProcess('--max-model-len', '1024', '--mem', '64', '--served-model-name', MODEL) as s:
-        yield s
+    return shared_server(*SERVER_ARGS)
 
 
 CALL = {'id': 'c', 'type': 'function', 'function': {'name': 'f', 'arguments': '{}'}}

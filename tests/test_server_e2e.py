@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 openai = pytest.importorskip('openai')
-from _serverproc import ServerProcess, metric  # noqa: E402 (after the skip)
+from _serverproc import API_ARGS, ServerProcess, metric, shared_server  # noqa: E402 (after the skip)
 
 MODEL = 'smol'
 Q = [{'role': 'user', 'content': 'What is the capital of France?'}]
@@ -33,12 +33,12 @@ WEATHER = [
 ]
 
 
+SERVER_ARGS = API_ARGS  # the server shared with the other API modules (tests/_serverproc.py)
+
+
 @pytest.fixture(scope='module')
 def server():
-    with ServerProcess(
-        '--max-model-len', '1024', '--mem', '64', '--served-model-name', MODEL, 'alias', '--ui-server'
-    ) as s:
-        yield s
+    return shared_server(*SERVER_ARGS)
 
 
 @pytest.fixture(scope='module')

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 import httpx
 import pytest
-from _serverproc import ServerProcess, metric
+from _serverproc import API_ARGS, ServerProcess, metric, shared_server
 
 STORY = [{'role': 'user', 'content': 'Write a long story about a cat who lives in a lighthouse.'}]
 
@@ -41,10 +41,12 @@ def sse_events(r: httpx.Response) -> list[dict]:
     return out
 
 
+SERVER_ARGS = API_ARGS  # the server shared with the other API modules (tests/_serverproc.py)
+
+
 @pytest.fixture(scope='module')
 def server():
-    with ServerProcess('--max-model-len', '1024', '--mem', '64') as s:
-        yield s
+    return shared_server(*SERVER_ARGS)
 
 
 def test_core_is_its_own_process(server):
