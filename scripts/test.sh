@@ -50,8 +50,9 @@ time python -m pytest -q -m interp -n 2 tests "$@"
 # keeps a core idle most of the time (a server starting, a test waiting on a stream); together they use both, and at
 # most one server and one group of ranks are alive at once. Each line is prefixed with its group. The `timing` tests
 # (they compare wall-clock times) run last, alone.
-# A server of one and the tensor-parallel ranks of the other never live at once: both take a lock (tests/_heavy.py).
-export CVLLM_TEST_HEAVY_LOCK=$(mktemp)
+# On a machine with less memory, CVLLM_TEST_HEAVY_LOCK=<a file> keeps a server of one and the tensor-parallel ranks
+# of the other from living at once (tests/_heavy.py). Off by default: at the first stop with it on, the two groups took
+# 22 min instead of about 13 (the servers wait out the TP modules) for a peak 0.5 GB lower (7.5 GB, 24 GiB machine).
 pids=()
 for group in server "not server"; do
   tag=$([ "$group" = server ] && echo server || echo rest)
@@ -62,7 +63,6 @@ for group in server "not server"; do
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
-rm -f "$CVLLM_TEST_HEAVY_LOCK"; unset CVLLM_TEST_HEAVY_LOCK
 [ $rc = 0 ] || { echo "pytest failed"; exit 1; }
 # the tests that assert on wall-clock times, alone
 time python -m pytest -q -m "timing and not interp" tests "$@"

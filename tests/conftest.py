@@ -9,8 +9,8 @@ the Triton kernels under the interpreter (the CPU path) and are skipped where it
 fixture starts, so that two servers (an API process and an engine core each) are never alive at once: the suite's
 peak memory would be theirs together. `server` marks every test of a module that starts servers (one that imports
 `_serverproc.ServerProcess`): `scripts/test.sh` runs those in one pytest process and the rest in another, side by
-side, and a server and a `test_tp_*` module's ranks never live at the same time (`tests/_heavy.py`); `timing`
-tests (they compare times measured on a quiet machine) run after them, alone.
+side (with `CVLLM_TEST_HEAVY_LOCK` set, a server and a `test_tp_*` module's ranks never live at once:
+`tests/_heavy.py`); `timing` tests (they compare times measured on a quiet machine) run after them, alone.
 
 Shared servers (`_serverproc.shared_server`): a module that sets `SERVER_ARGS` gets its `server` from the one shared
 server of those flags. Modules of equal `SERVER_ARGS` run one after another, their `own_server` tests first, so the
