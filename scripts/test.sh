@@ -51,9 +51,7 @@ time python -m pytest -q -m interp -n 2 tests "$@"
 # most one server and one group of ranks are alive at once. Each line is prefixed with its group. The `timing` tests
 # (they compare wall-clock times) run last, alone.
 # On a machine with less memory, CVLLM_TEST_HEAVY_LOCK=<a file> keeps a server of one and the tensor-parallel ranks
-# of the other from living at once (tests/_heavy.py). Off by default: in the one run with it on, the two groups took
-# 22 min (their last 7 beside another job) against about 13 before (the servers wait out the TP modules), for a peak
-# 0.5 GB lower (7.5 GB on a 24 GiB machine).
+# of the other from living at once (tests/_heavy.py): a lower peak for a longer run (results/NOTES.md, stop 48).
 pids=()
 for group in server "not server"; do
   tag=$([ "$group" = server ] && echo server || echo rest)

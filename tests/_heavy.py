@@ -4,10 +4,9 @@
 (an API process and an engine core) beside a tensor-parallel test (the pytest process as rank 0 and its worker
 ranks) made the suite's peak: about 8 GB summed. Both take this lock while their processes live: a server from its
 start to its stop, a `test_tp_*` module from its first test to its last. The lock is a `flock` on the file named by
-`CVLLM_TEST_HEAVY_LOCK`. Unset (the default of `scripts/test.sh`) it does nothing: in the one run with it on, the two
-groups took 22 minutes (the last 7 beside another job) against about 13 before, for a peak 0.5 GB lower; set it on a
-machine with less memory. It is re-entrant within one process (a tensor-parallel module that also starts a server
-takes it once)."""
+`CVLLM_TEST_HEAVY_LOCK`. Unset (the default of `scripts/test.sh`) it does nothing: the servers then wait out the
+tensor-parallel modules, so the run is longer for a lower peak; set it on a machine with less memory. It is re-entrant
+within one process (a tensor-parallel module that also starts a server takes it once)."""
 
 from __future__ import annotations
 
